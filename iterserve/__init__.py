@@ -1,0 +1,1 @@
+"""iterserve: iteration-level batching over a paged KV cache."""

@@ -1,0 +1,279 @@
+"""Model architecture configs: one dataclass for every Llama-family decoder we run.
+
+A config can come from a Hugging Face ``config.json``, from GGUF metadata, or from a preset
+(the real shapes of well-known models, used with random weights and by the capacity planner).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+SUPPORTED_ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3")
+
+_HF_ARCH_NAMES = {
+    "LlamaForCausalLM": "llama",
+    "MistralForCausalLM": "mistral",
+    "Qwen2ForCausalLM": "qwen2",
+    "Qwen3ForCausalLM": "qwen3",
+}
+
+DTYPES = {
+    "float32": torch.float32,
+    "fp32": torch.float32,
+    "bfloat16": torch.bfloat16,
+    "bf16": torch.bfloat16,
+    "float16": torch.float16,
+    "fp16": torch.float16,
+    "half": torch.float16,
+}
+
+
+def parse_dtype(dtype: str | torch.dtype) -> torch.dtype:
+    """Map a user-facing dtype name to a torch dtype, with a clear error for anything else."""
+    if isinstance(dtype, torch.dtype):
+        if dtype in DTYPES.values():
+            return dtype
+        raise ValueError(f"unsupported dtype {dtype}; choose one of float32, bfloat16, float16")
+    key = str(dtype).lower()
+    if key not in DTYPES:
+        raise ValueError(f"unknown dtype {dtype!r}; choose one of float32, bfloat16, float16")
+    return DTYPES[key]
+
+
+@dataclass
+class ModelConfig:
+    """Shapes and hyper-parameters of a Llama-family decoder."""
+
+    architecture: str
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    max_position_embeddings: int
+    rms_norm_eps: float = 1e-5
+    rope_theta: float = 10000.0
+    rope_scaling: dict[str, Any] | None = None
+    tie_word_embeddings: bool = False
+    attention_bias: bool = False  # Qwen2 puts a bias on q, k and v
+    qk_norm: bool = False  # Qwen3 RMS-normalises q and k per head
+    sliding_window: int | None = None  # Mistral v0.1 attends to the last N positions only
+    bos_token_id: int | None = None
+    eos_token_id: int | list[int] | None = None
+    name: str = ""
+    extra: dict[str, Any] = field(default_factory=dict, repr=False)
+
+    def __post_init__(self) -> None:
+        if self.architecture not in SUPPORTED_ARCHITECTURES:
+            raise ValueError(
+                f"unsupported architecture {self.architecture!r}; iterserve runs "
+                f"{', '.join(SUPPORTED_ARCHITECTURES)}"
+            )
+        if self.num_heads % self.num_kv_heads:
+            raise ValueError(
+                f"num_heads ({self.num_heads}) must be a multiple of num_kv_heads ({self.num_kv_heads})"
+            )
+
+    # -- sizes used by the engine and the planner ------------------------------------------------
+
+    @property
+    def q_size(self) -> int:
+        return self.num_heads * self.head_dim
+
+    @property
+    def kv_size(self) -> int:
+        return self.num_kv_heads * self.head_dim
+
+    def kv_bytes_per_token(self, dtype_bytes: int) -> int:
+        """K and V for one token across all layers: layers x 2 x kv_heads x head_dim x bytes."""
+        return self.num_layers * 2 * self.kv_size * dtype_bytes
+
+    def num_parameters(self) -> int:
+        """Exact parameter count of the decoder (embeddings counted once when tied)."""
+        h, i = self.hidden_size, self.intermediate_size
+        attn = h * self.q_size + 2 * h * self.kv_size + self.q_size * h
+        if self.attention_bias:
+            attn += self.q_size + 2 * self.kv_size
+        if self.qk_norm:
+            attn += 2 * self.head_dim
+        mlp = 3 * h * i
+        per_layer = attn + mlp + 2 * h  # two RMSNorm weights
+        embed = self.vocab_size * h
+        lm_head = 0 if self.tie_word_embeddings else self.vocab_size * h
+        return self.num_layers * per_layer + embed + lm_head + h  # final norm
+
+    def replace(self, **changes: Any) -> "ModelConfig":
+        return dataclasses.replace(self, **changes)
+
+    # -- constructors ---------------------------------------------------------------------------
+
+    @classmethod
+    def from_hf_config(cls, cfg: dict[str, Any], name: str = "") -> "ModelConfig":
+        """Build from a Hugging Face ``config.json`` dictionary."""
+        archs = cfg.get("architectures") or []
+        arch = next((_HF_ARCH_NAMES[a] for a in archs if a in _HF_ARCH_NAMES), None)
+        if arch is None:
+            model_type = cfg.get("model_type")
+            arch = model_type if model_type in SUPPORTED_ARCHITECTURES else None
+        if arch is None:
+            found = ", ".join(archs) or cfg.get("model_type") or "none"
+            raise ValueError(
+                f"unsupported architecture {found!r}; iterserve runs "
+                f"{', '.join(sorted(_HF_ARCH_NAMES))}"
+            )
+        num_heads = cfg["num_attention_heads"]
+        hidden = cfg["hidden_size"]
+        rope_scaling = cfg.get("rope_scaling")
+        rope_theta = cfg.get("rope_theta")
+        rope_params = cfg.get("rope_parameters")  # newer transformers nest theta and scaling here
+        if isinstance(rope_params, dict):
+            rope_theta = rope_params.get("rope_theta", rope_theta)
+            if rope_params.get("rope_type", "default") != "default":
+                rope_scaling = {k: v for k, v in rope_params.items() if k != "rope_theta"}
+        if rope_scaling is not None and rope_scaling.get("rope_type", rope_scaling.get("type")) in (
+            None,
+            "default",
+        ):
+            rope_scaling = None
+        return cls(
+            architecture=arch,
+            vocab_size=cfg["vocab_size"],
+            hidden_size=hidden,
+            intermediate_size=cfg["intermediate_size"],
+            num_layers=cfg["num_hidden_layers"],
+            num_heads=num_heads,
+            num_kv_heads=cfg.get("num_key_value_heads") or num_heads,
+            head_dim=cfg.get("head_dim") or hidden // num_heads,
+            max_position_embeddings=cfg.get("max_position_embeddings", 2048),
+            rms_norm_eps=cfg.get("rms_norm_eps", 1e-6),
+            rope_theta=float(rope_theta if rope_theta is not None else 10000.0),
+            rope_scaling=rope_scaling,
+            tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
+            attention_bias=arch == "qwen2" or bool(cfg.get("attention_bias", False)),
+            qk_norm=arch == "qwen3",
+            sliding_window=cfg.get("sliding_window") if cfg.get("use_sliding_window", True) else None,
+            bos_token_id=cfg.get("bos_token_id"),
+            eos_token_id=cfg.get("eos_token_id"),
+            name=name or cfg.get("_name_or_path", ""),
+        )
+
+    def to_hf_config(self) -> dict[str, Any]:
+        """The equivalent Hugging Face config dictionary (used to build reference models)."""
+        arch_class = {v: k for k, v in _HF_ARCH_NAMES.items()}[self.architecture]
+        cfg: dict[str, Any] = {
+            "architectures": [arch_class],
+            "model_type": self.architecture,
+            "vocab_size": self.vocab_size,
+            "hidden_size": self.hidden_size,
+            "intermediate_size": self.intermediate_size,
+            "num_hidden_layers": self.num_layers,
+            "num_attention_heads": self.num_heads,
+            "num_key_value_heads": self.num_kv_heads,
+            "head_dim": self.head_dim,
+            "max_position_embeddings": self.max_position_embeddings,
+            "rms_norm_eps": self.rms_norm_eps,
+            "rope_theta": self.rope_theta,
+            "rope_scaling": self.rope_scaling,
+            "tie_word_embeddings": self.tie_word_embeddings,
+            "attention_bias": self.attention_bias,
+            "hidden_act": "silu",
+            "bos_token_id": self.bos_token_id,
+            "eos_token_id": self.eos_token_id,
+        }
+        if self.architecture in ("mistral", "qwen2", "qwen3"):
+            cfg["sliding_window"] = self.sliding_window
+            cfg["use_sliding_window"] = self.sliding_window is not None
+        return cfg
+
+
+def _preset(**kw: Any) -> ModelConfig:
+    return ModelConfig(**kw)
+
+
+# Real shapes of well-known checkpoints (from their published config.json files).
+PRESETS: dict[str, ModelConfig] = {
+    "smollm2-135m": _preset(
+        name="HuggingFaceTB/SmolLM2-135M-Instruct", architecture="llama", vocab_size=49152,
+        hidden_size=576, intermediate_size=1536, num_layers=30, num_heads=9, num_kv_heads=3,
+        head_dim=64, max_position_embeddings=8192, rms_norm_eps=1e-5, rope_theta=100000.0,
+        tie_word_embeddings=True, bos_token_id=1, eos_token_id=2,
+    ),
+    "smollm2-360m": _preset(
+        name="HuggingFaceTB/SmolLM2-360M-Instruct", architecture="llama", vocab_size=49152,
+        hidden_size=960, intermediate_size=2560, num_layers=32, num_heads=15, num_kv_heads=5,
+        head_dim=64, max_position_embeddings=8192, rms_norm_eps=1e-5, rope_theta=100000.0,
+        tie_word_embeddings=True, bos_token_id=1, eos_token_id=2,
+    ),
+    "qwen2-0.5b": _preset(
+        name="Qwen/Qwen2-0.5B-Instruct", architecture="qwen2", vocab_size=151936,
+        hidden_size=896, intermediate_size=4864, num_layers=24, num_heads=14, num_kv_heads=2,
+        head_dim=64, max_position_embeddings=32768, rms_norm_eps=1e-6, rope_theta=1000000.0,
+        tie_word_embeddings=True, attention_bias=True, bos_token_id=151643, eos_token_id=151645,
+    ),
+    "qwen3-0.6b": _preset(
+        name="Qwen/Qwen3-0.6B", architecture="qwen3", vocab_size=151936, hidden_size=1024,
+        intermediate_size=3072, num_layers=28, num_heads=16, num_kv_heads=8, head_dim=128,
+        max_position_embeddings=40960, rms_norm_eps=1e-6, rope_theta=1000000.0,
+        tie_word_embeddings=True, qk_norm=True, bos_token_id=151643, eos_token_id=151645,
+    ),
+    "qwen3-8b": _preset(
+        name="Qwen/Qwen3-8B", architecture="qwen3", vocab_size=151936, hidden_size=4096,
+        intermediate_size=12288, num_layers=36, num_heads=32, num_kv_heads=8, head_dim=128,
+        max_position_embeddings=40960, rms_norm_eps=1e-6, rope_theta=1000000.0,
+        qk_norm=True, bos_token_id=151643, eos_token_id=151645,
+    ),
+    "llama-2-7b": _preset(
+        name="meta-llama/Llama-2-7b-hf", architecture="llama", vocab_size=32000, hidden_size=4096,
+        intermediate_size=11008, num_layers=32, num_heads=32, num_kv_heads=32, head_dim=128,
+        max_position_embeddings=4096, rms_norm_eps=1e-5, bos_token_id=1, eos_token_id=2,
+    ),
+    "llama-2-13b": _preset(
+        name="meta-llama/Llama-2-13b-hf", architecture="llama", vocab_size=32000, hidden_size=5120,
+        intermediate_size=13824, num_layers=40, num_heads=40, num_kv_heads=40, head_dim=128,
+        max_position_embeddings=4096, rms_norm_eps=1e-5, bos_token_id=1, eos_token_id=2,
+    ),
+    "llama-2-70b": _preset(
+        name="meta-llama/Llama-2-70b-hf", architecture="llama", vocab_size=32000, hidden_size=8192,
+        intermediate_size=28672, num_layers=80, num_heads=64, num_kv_heads=8, head_dim=128,
+        max_position_embeddings=4096, rms_norm_eps=1e-5, bos_token_id=1, eos_token_id=2,
+    ),
+    "llama-3-8b": _preset(
+        name="meta-llama/Meta-Llama-3-8B", architecture="llama", vocab_size=128256, hidden_size=4096,
+        intermediate_size=14336, num_layers=32, num_heads=32, num_kv_heads=8, head_dim=128,
+        max_position_embeddings=8192, rms_norm_eps=1e-5, rope_theta=500000.0,
+        bos_token_id=128000, eos_token_id=128001,
+    ),
+    "llama-3.1-8b": _preset(
+        name="meta-llama/Llama-3.1-8B", architecture="llama", vocab_size=128256, hidden_size=4096,
+        intermediate_size=14336, num_layers=32, num_heads=32, num_kv_heads=8, head_dim=128,
+        max_position_embeddings=131072, rms_norm_eps=1e-5, rope_theta=500000.0,
+        rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+                      "high_freq_factor": 4.0, "original_max_position_embeddings": 8192},
+        bos_token_id=128000, eos_token_id=128001,
+    ),
+    "llama-3-70b": _preset(
+        name="meta-llama/Meta-Llama-3-70B", architecture="llama", vocab_size=128256,
+        hidden_size=8192, intermediate_size=28672, num_layers=80, num_heads=64, num_kv_heads=8,
+        head_dim=128, max_position_embeddings=8192, rms_norm_eps=1e-5, rope_theta=500000.0,
+        bos_token_id=128000, eos_token_id=128001,
+    ),
+    "mistral-7b": _preset(
+        name="mistralai/Mistral-7B-v0.1", architecture="mistral", vocab_size=32000,
+        hidden_size=4096, intermediate_size=14336, num_layers=32, num_heads=32, num_kv_heads=8,
+        head_dim=128, max_position_embeddings=32768, rms_norm_eps=1e-5, rope_theta=10000.0,
+        sliding_window=4096, bos_token_id=1, eos_token_id=2,
+    ),
+}
+
+
+def get_preset(name: str) -> ModelConfig:
+    key = name.lower()
+    if key not in PRESETS:
+        raise ValueError(f"unknown model preset {name!r}; known presets: {', '.join(PRESETS)}")
+    return PRESETS[key].replace()
