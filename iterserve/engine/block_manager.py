@@ -1,0 +1,169 @@
+"""The KV block pool: fixed-size blocks, reference counts, and hash-chained prefix caching.
+
+A sequence holds a *block table*: the ids of the blocks that store its tokens, in order. Blocks
+are handed out from a free queue. When a block fills up its content is hashed together with its
+parent's hash, so equal hashes mean equal whole prefixes; a later sequence with the same prefix
+reuses those blocks instead of recomputing them (a hit is confirmed against the stored tokens).
+Freed blocks keep their cached content and stay findable until the free queue hands them out
+again, least recently used first.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from dataclasses import dataclass, field
+
+from iterserve.engine.sequence import Sequence
+
+
+@dataclass
+class Block:
+    block_id: int
+    ref_count: int = 0
+    hash: int | None = None  # set once the block is full and registered in the prefix cache
+    parent_hash: int | None = None
+    token_ids: tuple[int, ...] = ()
+
+
+def chain_hash(parent_hash: int | None, token_ids: tuple[int, ...]) -> int:
+    return hash((parent_hash, token_ids))
+
+
+@dataclass
+class BlockManager:
+    num_blocks: int
+    block_size: int
+    enable_prefix_caching: bool = True
+    blocks: list[Block] = field(init=False)
+    free_queue: OrderedDict[int, None] = field(init=False)  # LRU order: evict from the front
+    cached: dict[int, Block] = field(init=False)  # chain hash -> block
+
+    def __post_init__(self) -> None:
+        if self.num_blocks < 1 or self.block_size < 1:
+            raise ValueError("num_blocks and block_size must be >= 1")
+        self.blocks = [Block(i) for i in range(self.num_blocks)]
+        self.free_queue = OrderedDict((i, None) for i in range(self.num_blocks))
+        self.cached = {}
+
+    # -- accounting -----------------------------------------------------------------------------
+
+    @property
+    def num_free_blocks(self) -> int:
+        """Blocks no sequence references (cached-and-evictable ones included)."""
+        return len(self.free_queue)
+
+    @property
+    def num_used_blocks(self) -> int:
+        return self.num_blocks - len(self.free_queue)
+
+    @property
+    def usage(self) -> float:
+        return self.num_used_blocks / self.num_blocks
+
+    def blocks_needed(self, num_tokens: int) -> int:
+        return -(-num_tokens // self.block_size)
+
+    # -- prefix cache ---------------------------------------------------------------------------
+
+    def find_cached_prefix(self, seq: Sequence) -> list[Block]:
+        """Full cached blocks matching the start of the sequence's tokens, leaving at least one token
+        to compute (the last token must run through the model to produce logits)."""
+        if not self.enable_prefix_caching:
+            return []
+        hits: list[Block] = []
+        parent: int | None = None
+        if seq.block_table:
+            return hits
+        tokens = seq.token_ids
+        for i in range((len(tokens) - 1) // self.block_size):
+            chunk = tuple(tokens[i * self.block_size:(i + 1) * self.block_size])
+            h = chain_hash(parent, chunk)
+            block = self.cached.get(h)
+            if block is None or block.token_ids != chunk or block.parent_hash != parent:
+                break
+            hits.append(block)
+            parent = h
+        return hits
+
+    def _register_full_blocks(self, seq: Sequence, num_tokens: int) -> None:
+        """Hash and publish the blocks of ``seq`` that ``num_tokens`` computed tokens have filled."""
+        full = num_tokens // self.block_size
+        tokens = seq.token_ids
+        for i in range(seq.num_hashed_blocks, full):
+            parent = seq.block_hashes[-1] if seq.block_hashes else None
+            chunk = tuple(tokens[i * self.block_size:(i + 1) * self.block_size])
+            h = chain_hash(parent, chunk)
+            seq.block_hashes.append(h)
+            block = self.blocks[seq.block_table[i]]
+            if block.hash is None and h not in self.cached:
+                block.hash, block.parent_hash, block.token_ids = h, parent, chunk
+                self.cached[h] = block
+        seq.num_hashed_blocks = max(seq.num_hashed_blocks, full)
+
+    # -- allocation -----------------------------------------------------------------------------
+
+    def _take_free_block(self) -> Block:
+        block_id, _ = self.free_queue.popitem(last=False)
+        block = self.blocks[block_id]
+        if block.hash is not None:  # evict its cached content
+            if self.cached.get(block.hash) is block:
+                del self.cached[block.hash]
+            block.hash, block.parent_hash, block.token_ids = None, None, ()
+        block.ref_count = 1
+        return block
+
+    def allocate(
+        self, seq: Sequence, num_new_tokens: int, cached_prefix: list[Block] | None = None, reserve_tokens: int = 0
+    ) -> bool:
+        """Make ``seq``'s block table cover its computed tokens plus ``num_new_tokens`` (or
+        ``reserve_tokens`` if more). ``cached_prefix`` (from :meth:`find_cached_prefix`, for a
+        sequence holding no blocks yet) is shared and counted as computed. Returns False, changing
+        nothing, when the pool cannot supply the blocks."""
+        hits = cached_prefix or []
+        computed = seq.num_computed_tokens + len(hits) * self.block_size
+        target = max(computed + num_new_tokens, reserve_tokens)
+        need = self.blocks_needed(target) - len(seq.block_table) - len(hits)
+        reusable_free = sum(1 for b in hits if b.ref_count == 0)
+        if need > len(self.free_queue) - reusable_free:
+            return False
+        for block in hits:
+            if block.ref_count == 0:
+                del self.free_queue[block.block_id]
+            block.ref_count += 1
+            seq.block_table.append(block.block_id)
+            seq.block_hashes.append(block.hash)
+        if hits:
+            seq.num_hashed_blocks = len(hits)
+            seq.num_computed_tokens = computed
+            seq.num_cached_tokens = computed
+        for _ in range(max(0, need)):
+            seq.block_table.append(self._take_free_block().block_id)
+        return True
+
+    def commit(self, seq: Sequence) -> None:
+        """After a step computed tokens of ``seq``: publish newly filled blocks to the prefix cache."""
+        if self.enable_prefix_caching:
+            self._register_full_blocks(seq, seq.num_computed_tokens)
+
+    def free(self, seq: Sequence) -> None:
+        """Drop ``seq``'s references; unreferenced blocks join the free queue, tail blocks first in
+        line for eviction so a shared prefix outlives the suffixes hanging off it."""
+        for block_id in reversed(seq.block_table):
+            block = self.blocks[block_id]
+            block.ref_count -= 1
+            if block.ref_count == 0:
+                if block.hash is None:
+                    # Uncached content is worthless: hand it out before any cached block.
+                    self.free_queue[block_id] = None
+                    self.free_queue.move_to_end(block_id, last=False)
+                else:
+                    self.free_queue[block_id] = None
+        seq.block_table = []
+        seq.block_hashes = []
+        seq.num_hashed_blocks = 0
+
+    def check_no_leaks(self) -> None:
+        """Raise if any block is still referenced (call when no sequence is alive)."""
+        held = [b.block_id for b in self.blocks if b.ref_count != 0]
+        if held or len(self.free_queue) != self.num_blocks:
+            raise AssertionError(f"KV blocks still referenced: {held[:16]}")

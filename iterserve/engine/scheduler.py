@@ -1,0 +1,145 @@
+"""Iteration-level scheduling: decide, every step, which tokens of which sequences run.
+
+Continuous batching fills each step's token budget with the running sequences' next tokens first
+(one decode token each, or the next chunk of a prompt still being prefilled), then admits waiting
+requests in arrival order, chunking the last prompt to fit. A request therefore joins the batch at
+the next step and leaves the moment it finishes. When the KV pool runs dry, the most recently
+admitted running sequence is preempted: its blocks are freed and it is recomputed later.
+
+Static batching runs on the same machinery but admits a new batch only when the previous one has
+completely finished; that is the behaviour continuous batching removes.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+
+from iterserve.engine.block_manager import BlockManager
+from iterserve.engine.sequence import Sequence, SequenceStatus
+
+
+@dataclass
+class SchedulerConfig:
+    max_num_seqs: int = 256
+    max_num_batched_tokens: int = 2048
+    batching: str = "continuous"  # or "static"
+    kv_allocation: str = "paged"  # or "reserved": hold blocks for prompt + max_tokens from admission
+
+    def __post_init__(self) -> None:
+        if self.batching not in ("continuous", "static"):
+            raise ValueError(f"batching must be 'continuous' or 'static', got {self.batching!r}")
+        if self.kv_allocation not in ("paged", "reserved"):
+            raise ValueError(f"kv_allocation must be 'paged' or 'reserved', got {self.kv_allocation!r}")
+        if self.max_num_seqs < 1 or self.max_num_batched_tokens < 1:
+            raise ValueError("max_num_seqs and max_num_batched_tokens must be >= 1")
+
+
+@dataclass
+class ScheduledSeq:
+    seq: Sequence
+    num_tokens: int  # tokens of this sequence computed in this step
+
+    @property
+    def is_prefill(self) -> bool:
+        return self.num_tokens > 1 or self.seq.num_computed_tokens == 0
+
+
+@dataclass
+class SchedulerOutput:
+    scheduled: list[ScheduledSeq] = field(default_factory=list)  # decodes first, then prefills
+    preempted: list[Sequence] = field(default_factory=list)
+    prefix_hit_tokens: int = 0  # prompt tokens served from the prefix cache at admission
+    prefix_query_tokens: int = 0  # tokens of the sequences admitted (the hit rate's denominator)
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(s.num_tokens for s in self.scheduled)
+
+    @property
+    def is_empty(self) -> bool:
+        return not self.scheduled
+
+
+class Scheduler:
+    def __init__(self, config: SchedulerConfig, block_manager: BlockManager) -> None:
+        self.config = config
+        self.block_manager = block_manager
+        self.waiting: deque[Sequence] = deque()
+        self.running: list[Sequence] = []  # in admission order: the last is preempted first
+        self.static_batch: set[str] = set()  # request ids of the current static batch
+
+    def add(self, seq: Sequence) -> None:
+        self.waiting.append(seq)
+
+    def has_unfinished(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def _reserve(self, seq: Sequence) -> int:
+        return seq.num_tokens + seq.max_tokens - len(seq.output_token_ids) if self.config.kv_allocation == "reserved" else 0
+
+    def _preempt(self, seq: Sequence, out: SchedulerOutput) -> None:
+        self.running.remove(seq)
+        self.block_manager.free(seq)
+        seq.num_computed_tokens = 0
+        seq.status = SequenceStatus.WAITING
+        seq.metrics.num_preemptions += 1
+        self.waiting.appendleft(seq)
+        out.preempted.append(seq)
+
+    def schedule(self) -> SchedulerOutput:
+        out = SchedulerOutput()
+        budget = self.config.max_num_batched_tokens
+        bm = self.block_manager
+        decodes: list[ScheduledSeq] = []
+        prefills: list[ScheduledSeq] = []
+
+        # 1. Running sequences, oldest first: their next token, or the next chunk of their prompt.
+        i = 0
+        while i < len(self.running) and budget > 0:
+            seq = self.running[i]
+            num_new = min(seq.num_tokens - seq.num_computed_tokens, budget)
+            while not bm.allocate(seq, num_new):
+                victim = self.running[-1]
+                self._preempt(victim, out)
+                if victim is seq:
+                    break
+            else:
+                (prefills if seq.is_prefill else decodes).append(ScheduledSeq(seq, num_new))
+                budget -= num_new
+                i += 1
+                continue
+            break  # the sequence preempted itself: nothing later in the list can run either
+
+        # 2. Waiting sequences in arrival order, unless this step had to preempt.
+        static = self.config.batching == "static"
+        if static and not self.running:
+            self.static_batch = {s.request_id for s in list(self.waiting)[: self.config.max_num_seqs]}
+        while self.waiting and budget > 0 and not out.preempted and len(self.running) < self.config.max_num_seqs:
+            seq = self.waiting[0]
+            if static and seq.request_id not in self.static_batch:
+                break
+            hits = bm.find_cached_prefix(seq)
+            num_computed = len(hits) * bm.block_size
+            num_new = min(seq.num_tokens - num_computed, budget)
+            if not bm.allocate(seq, num_new, hits, reserve_tokens=self._reserve(seq)):
+                break
+            self.waiting.popleft()
+            seq.status = SequenceStatus.RUNNING
+            self.running.append(seq)
+            out.prefix_hit_tokens += num_computed
+            out.prefix_query_tokens += seq.num_tokens
+            prefills.append(ScheduledSeq(seq, num_new))
+            budget -= num_new
+
+        out.scheduled = decodes + prefills
+        return out
+
+    def finish(self, seq: Sequence) -> None:
+        """Remove a finished or aborted sequence wherever it is and free its blocks."""
+        if seq in self.running:
+            self.running.remove(seq)
+        elif seq in self.waiting:
+            self.waiting.remove(seq)
+        self.block_manager.free(seq)
+        self.static_batch.discard(seq.request_id)

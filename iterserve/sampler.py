@@ -1,0 +1,108 @@
+"""Turn one step's logits into next tokens, row by row with each request's own parameters.
+
+Order of operations follows vLLM: penalties and ``min_tokens`` act on the raw logits, then
+greedy rows take the argmax, the rest are scaled by temperature, truncated by top-k, top-p and
+min-p, and sampled. A request with a seed draws from its own generator, so its output does not
+depend on which other requests share the batch.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from iterserve.sampling_params import SamplingParams
+
+
+@dataclass
+class SamplingRow:
+    """What the sampler needs to know about one sequence this step."""
+
+    params: SamplingParams
+    prompt_token_ids: list[int]
+    output_token_ids: list[int]
+    stop_ids: frozenset[int]  # EOS and stop_token_ids, masked while fewer than min_tokens are out
+    generator: torch.Generator | None = None
+
+
+@dataclass
+class SampleResult:
+    token_ids: list[int]
+    logprobs: list[dict[int, float] | None]  # sampled token's logprob plus the top-N alternatives
+
+
+def apply_penalties(logits: torch.Tensor, rows: list[SamplingRow]) -> None:
+    """Repetition (prompt + output), presence and frequency (output only) penalties, in place."""
+    vocab = logits.shape[-1]
+    for i, row in enumerate(rows):
+        p = row.params
+        if not p.has_penalties:
+            continue
+        out = torch.tensor(row.output_token_ids, dtype=torch.long, device=logits.device)
+        out = out[out < vocab]
+        counts = torch.bincount(out, minlength=vocab).to(logits.dtype)
+        if p.repetition_penalty != 1:
+            seen = counts > 0
+            prompt = torch.tensor(row.prompt_token_ids, dtype=torch.long, device=logits.device)
+            seen[prompt[prompt < vocab]] = True
+            x = logits[i]
+            penalised = torch.where(x > 0, x / p.repetition_penalty, x * p.repetition_penalty)
+            logits[i] = torch.where(seen, penalised, x)
+        if p.frequency_penalty:
+            logits[i] -= p.frequency_penalty * counts
+        if p.presence_penalty:
+            logits[i] -= p.presence_penalty * (counts > 0).to(logits.dtype)
+
+
+def _truncate(logits: torch.Tensor, p: SamplingParams) -> torch.Tensor:
+    """Temperature, top-k, top-p and min-p on one row; returns probabilities."""
+    logits = logits / p.temperature
+    if p.top_k and p.top_k < logits.shape[-1]:
+        kth = torch.topk(logits, p.top_k).values[-1]
+        logits = logits.masked_fill(logits < kth, float("-inf"))
+    probs = torch.softmax(logits, dim=-1)
+    if p.top_p < 1:
+        sorted_probs, order = probs.sort(descending=True)
+        cum = sorted_probs.cumsum(-1)
+        drop_sorted = cum - sorted_probs > p.top_p  # keep the smallest prefix reaching top_p
+        probs = probs.masked_fill(drop_sorted.scatter(0, order, drop_sorted), 0.0)
+    if p.min_p > 0:
+        probs = probs.masked_fill(probs < p.min_p * probs.max(), 0.0)
+    return probs / probs.sum()
+
+
+class Sampler:
+    """Samples one token per row; ``generator`` serves requests that have no seed of their own."""
+
+    def __init__(self, generator: torch.Generator) -> None:
+        self.generator = generator
+
+    def __call__(self, logits: torch.Tensor, rows: list[SamplingRow]) -> SampleResult:
+        logits = logits.float()
+        want_logprobs = any(r.params.logprobs is not None for r in rows)
+        raw_logprobs = torch.log_softmax(logits, dim=-1) if want_logprobs else None
+        apply_penalties(logits, rows)
+        for i, row in enumerate(rows):
+            if len(row.output_token_ids) < row.params.min_tokens and row.stop_ids:
+                ids = [t for t in row.stop_ids if t < logits.shape[-1]]
+                logits[i, ids] = float("-inf")
+        tokens = logits.argmax(dim=-1).tolist()
+        for i, row in enumerate(rows):
+            if not row.params.greedy:
+                probs = _truncate(logits[i], row.params)
+                gen = row.generator or self.generator
+                tokens[i] = int(torch.multinomial(probs, 1, generator=gen).item())
+        logprobs: list[dict[int, float] | None] = [None] * len(rows)
+        if raw_logprobs is not None:
+            for i, row in enumerate(rows):
+                n = row.params.logprobs
+                if n is None:
+                    continue
+                entry = {tokens[i]: raw_logprobs[i, tokens[i]].item()}
+                if n:
+                    top = torch.topk(raw_logprobs[i], n)
+                    for v, t in zip(top.values.tolist(), top.indices.tolist()):
+                        entry.setdefault(t, v)
+                logprobs[i] = entry
+        return SampleResult(tokens, logprobs)
