@@ -227,7 +227,7 @@ def _gguf_tensors(reader, config: ModelConfig):
             if permute and kind in ("attn_q", "attn_k"):
                 w = _unpermute_rope(w, config.num_heads if kind == "attn_q" else config.num_kv_heads)
             hf = f"layers.{layer}.{_GGUF_NAMES[kind]}.{suffix}"
-        yield hf, torch.from_numpy(np.ascontiguousarray(w))
+        yield hf, torch.from_numpy(np.array(w))  # copy: GGUF data is a read-only memmap
 
 
 def _load_gguf(path: Path, name: str, dtype: torch.dtype, device: torch.device) -> LoadedModel:

@@ -1,0 +1,157 @@
+"""Loading real and random weights, and the model's greedy output against transformers."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+import transformers
+
+from iterserve.attention import AttentionMetadata
+from iterserve.config import PRESETS, parse_dtype
+from iterserve.models.loader import embedded_model_path, load_model, parse_random_name
+
+from tests.conftest import NUM_REFERENCE_TOKENS
+
+
+def test_gguf_logits_match_transformers(smollm, hf_smollm, chat_prompt_ids):
+    hf, _ = hf_smollm
+    ids = chat_prompt_ids[5]
+    with torch.no_grad():
+        ref = hf(torch.tensor([ids])).logits[0]
+    caches = smollm.model.allocate_kv_cache(8, 16)
+    meta = AttentionMetadata.build(block_size=16, block_tables=[[4, 2, 6, 0]], num_cached=[0], query_lens=[len(ids)])
+    got = smollm.model(torch.tensor(ids), torch.arange(len(ids)), caches, meta)
+    assert (got - ref).abs().max().item() < 1e-3
+    assert torch.equal(got.argmax(-1), ref.argmax(-1))
+
+
+def greedy_batched(model, prompts: list[list[int]], max_new: int, chunk: int, block_size: int = 16) -> list[list[int]]:
+    """All prompts advance together: each step carries every sequence's next prompt chunk or its
+    decode token in one forward pass (decodes first, as the attention metadata expects)."""
+    blocks_per_seq = -(-(max(map(len, prompts)) + max_new) // block_size)
+    caches = model.allocate_kv_cache(blocks_per_seq * len(prompts), block_size)
+    tables = [list(range(i * blocks_per_seq, (i + 1) * blocks_per_seq))[::-1] for i in range(len(prompts))]
+    tokens = [list(p) for p in prompts]
+    done = [0] * len(prompts)
+    outs: list[list[int]] = [[] for _ in prompts]
+    eos = model.config.eos_token_id
+    while True:
+        active = [i for i in range(len(prompts)) if len(outs[i]) < max_new and not (outs[i] and outs[i][-1] == eos)]
+        if not active:
+            return outs
+        active.sort(key=lambda i: len(tokens[i]) - done[i] > 1)  # decodes first
+        qlens = [min(chunk, len(tokens[i]) - done[i]) for i in active]
+        ids = torch.tensor([t for i, q in zip(active, qlens) for t in tokens[i][done[i]:done[i] + q]])
+        pos = torch.tensor([p for i, q in zip(active, qlens) for p in range(done[i], done[i] + q)])
+        meta = AttentionMetadata.build(block_size=block_size, block_tables=[tables[i] for i in active],
+                                       num_cached=[done[i] for i in active], query_lens=qlens)
+        ends = torch.tensor(qlens).cumsum(0) - 1
+        logits = model(ids, pos, caches, meta, ends)
+        for k, (i, q) in enumerate(zip(active, qlens)):
+            done[i] += q
+            if done[i] == len(tokens[i]):
+                t = int(logits[k].argmax())
+                outs[i].append(t)
+                tokens[i].append(t)
+
+
+@pytest.mark.parametrize("chunk", [10_000, 7])
+def test_greedy_tokens_equal_transformers_generate(smollm, chat_prompt_ids, hf_greedy, chunk):
+    """Whole prompts or 7-token chunks, all prompts (of different lengths) sharing each forward pass."""
+    got = greedy_batched(smollm.model, chat_prompt_ids, NUM_REFERENCE_TOKENS, chunk)
+    assert got == hf_greedy
+
+
+def test_embedded_model_is_found_through_package_metadata():
+    path = embedded_model_path()
+    assert path.name == "SmolLM2-135M-Instruct.Q4_1.gguf" and path.stat().st_size > 50_000_000
+
+
+def test_smollm2_config_from_gguf(smollm):
+    c = smollm.config
+    assert (c.num_layers, c.hidden_size, c.num_heads, c.num_kv_heads, c.head_dim) == (30, 576, 9, 3, 64)
+    assert c.tie_word_embeddings and c.rope_theta == 100000.0 and c.vocab_size == 49152
+    p = PRESETS["smollm2-135m"]
+    assert c.num_parameters() == p.num_parameters() == sum(x.numel() for x in smollm.model.parameters())
+
+
+def test_hf_folder_round_trip(tmp_path):
+    cfg = transformers.LlamaConfig(vocab_size=300, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+                                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128)
+    torch.manual_seed(0)
+    hf = transformers.LlamaForCausalLM(cfg).eval()
+    hf.save_pretrained(tmp_path)
+    loaded = load_model(str(tmp_path), dtype="float32", device="cpu")
+    ids = torch.randint(0, 300, (10,))
+    caches = loaded.model.allocate_kv_cache(4, 16)
+    meta = AttentionMetadata.build(block_size=16, block_tables=[[1]], num_cached=[0], query_lens=[10])
+    with torch.no_grad():
+        ref = hf(ids[None]).logits[0]
+    torch.testing.assert_close(loaded.model(ids, torch.arange(10), caches, meta), ref, atol=1e-4, rtol=1e-4)
+
+
+def test_random_presets_have_the_real_shapes():
+    for name, expected in {"qwen3-0.6b": 596_049_920, "llama-3-8b": 8_030_261_248, "mistral-7b": 7_241_732_096}.items():
+        assert parse_random_name(f"random:{name}").num_parameters() == expected
+    small = parse_random_name("random:llama-3-8b?num_layers=1&vocab_size=1024&hidden_size=256&intermediate_size=512"
+                              "&num_heads=8&num_kv_heads=2&head_dim=32")
+    assert small.num_layers == 1 and small.num_kv_heads == 2 and small.rope_theta == 500000.0
+
+
+def test_random_weights_are_seeded():
+    name = "random:qwen3-0.6b?num_layers=1&vocab_size=512&hidden_size=64&intermediate_size=128&num_heads=4" \
+           "&num_kv_heads=2&head_dim=16"
+    a, b, c = (load_model(name, dtype="float32", device="cpu", seed=s) for s in (1, 1, 2))
+    wa, wb, wc = (m.model.layers[0].self_attn.qkv_proj.weight for m in (a, b, c))
+    assert torch.equal(wa, wb) and not torch.equal(wa, wc)
+    assert a.config.qk_norm and a.tokenizer is None
+
+
+# -- bad input ------------------------------------------------------------------------------------
+
+
+def test_unknown_model_name():
+    with pytest.raises(ValueError, match="unknown model 'no-such-model'"):
+        load_model("no-such-model")
+
+
+def test_unknown_preset():
+    with pytest.raises(ValueError, match="unknown model preset 'gpt-5'"):
+        load_model("random:gpt-5")
+
+
+def test_unknown_dtype():
+    with pytest.raises(ValueError, match="unknown dtype 'float8'"):
+        parse_dtype("float8")
+    with pytest.raises(ValueError, match="unknown dtype"):
+        load_model("smollm2-135m", dtype="int3")
+
+
+def test_corrupt_gguf(tmp_path):
+    bad = tmp_path / "corrupt.gguf"
+    bad.write_bytes(b"GGUF" + b"\x00\xff" * 64)
+    with pytest.raises(ValueError, match="corrupt.gguf"):
+        load_model(str(bad))
+
+
+def test_truncated_gguf(tmp_path):
+    src = embedded_model_path()
+    cut = tmp_path / "truncated.gguf"
+    with open(src, "rb") as f:
+        cut.write_bytes(f.read(src.stat().st_size // 3))
+    with pytest.raises(ValueError, match="truncated.gguf"):
+        load_model(str(cut))
+
+
+def test_unsupported_architecture(tmp_path):
+    (tmp_path / "config.json").write_text(json.dumps({"architectures": ["GPT2LMHeadModel"], "model_type": "gpt2"}))
+    with pytest.raises(ValueError, match="unsupported architecture 'GPT2LMHeadModel'"):
+        load_model(str(tmp_path))
+
+
+def test_folder_without_weights(tmp_path):
+    (tmp_path / "config.json").write_text(json.dumps(PRESETS["smollm2-135m"].to_hf_config()))
+    with pytest.raises(ValueError, match="no \\*.safetensors weights"):
+        load_model(str(tmp_path))
