@@ -51,11 +51,12 @@ from iterserve.hardware import (
 
 __all__ = [
     "ACCELERATORS", "Accelerator", "Capacity", "Cost", "Plan", "RooflinePoint", "SweepPoint",
-    "Validation", "ValidationRow", "attention_flops_per_token", "config_from_gguf",
-    "custom_accelerator", "decode_cost", "decode_knee", "default_decode_timer", "dtype_bytes",
-    "get_accelerator", "kv_bytes_per_token", "kv_capacity", "load_model_config",
-    "matmul_parameters", "measure_local", "measured_knee", "plan", "prefill_cost", "roofline",
-    "streamed_weight_bytes", "synthetic_decode_timer", "validate", "weight_bytes",
+    "Validation", "ValidationRow", "attention_flops_per_token", "check_context", "check_positive",
+    "config_from_gguf", "custom_accelerator", "decode_cost", "decode_knee", "default_decode_timer",
+    "dtype_bytes", "find_preset", "get_accelerator", "kv_bytes_per_token", "kv_capacity",
+    "layer_matmul_parameters", "load_model_config", "matmul_parameters", "measure_local",
+    "measured_knee", "plan", "prefill_cost", "roofline", "streamed_weight_bytes",
+    "synthetic_decode_timer", "validate", "weight_bytes",
 ]  # fmt: skip
 
 DEFAULT_GPU_MEMORY_UTILIZATION = 0.9
@@ -208,14 +209,14 @@ class Cost:
         return self.flops / self.bytes
 
 
-def _check_positive(value: int, what: str) -> int:
+def check_positive(value: int, what: str) -> int:
     if isinstance(value, bool) or not isinstance(value, int) or value < 1:
         raise ValueError(f"{what} must be a positive integer, got {value!r}")
     return value
 
 
-def _check_context(cfg: ModelConfig, context: int, what: str = "context length") -> int:
-    _check_positive(context, what)
+def check_context(cfg: ModelConfig, context: int, what: str = "context length") -> int:
+    check_positive(context, what)
     if context > cfg.max_position_embeddings:
         raise ValueError(
             f"{what} {context} exceeds the model's max_position_embeddings "
@@ -228,8 +229,8 @@ def decode_cost(
     cfg: ModelConfig, batch: int, context: int, dtype: str = "bf16", kv_dtype: str | None = None
 ) -> Cost:
     """One decode step: ``batch`` sequences each attending ``context`` cached tokens."""
-    _check_positive(batch, "batch size")
-    _check_context(cfg, context)
+    check_positive(batch, "batch size")
+    check_context(cfg, context)
     kv = kv_bytes_per_token(cfg, kv_dtype or dtype)
     flops = batch * (2 * matmul_parameters(cfg) + attention_flops_per_token(cfg, context))
     return Cost(flops=flops, bytes=streamed_weight_bytes(cfg, dtype) + batch * context * kv)
@@ -243,8 +244,8 @@ def prefill_cost(
     kv_dtype: str | None = None,
 ) -> Cost:
     """Prefill of ``batch`` prompts of ``prompt_len`` tokens in one step (causal attention)."""
-    _check_positive(batch, "batch size")
-    _check_context(cfg, prompt_len, "prompt length")
+    check_positive(batch, "batch size")
+    check_context(cfg, prompt_len, "prompt length")
     n = prompt_len
     attn = 2 * cfg.num_layers * cfg.num_heads * cfg.head_dim * n * (n + 1)
     per_seq = 2 * layer_matmul_parameters(cfg) * n + 2 * cfg.vocab_size * cfg.hidden_size + attn
@@ -336,8 +337,8 @@ def kv_capacity(
     """
     if not 0 < gpu_memory_utilization <= 1:
         raise ValueError(f"gpu memory utilization must be in (0, 1], got {gpu_memory_utilization!r}")
-    _check_positive(block_size, "block size")
-    _check_context(cfg, context)
+    check_positive(block_size, "block size")
+    check_context(cfg, context)
     usable = int(hw.memory_bytes * gpu_memory_utilization)
     weights = weight_bytes(cfg, dtype)
     if weights >= usable:
@@ -444,10 +445,10 @@ def plan(
     kv_dtype = canonical_dtype(kv_dtype or dtype)
     if context is None:
         context = min(DEFAULT_CONTEXT, cfg.max_position_embeddings)
-    _check_context(cfg, context)
+    check_context(cfg, context)
     prompt_len = context if prompt_len is None else prompt_len
-    _check_context(cfg, prompt_len, "prompt length")
-    _check_positive(batch, "batch size")
+    check_context(cfg, prompt_len, "prompt length")
+    check_positive(batch, "batch size")
     peak = hw.peak_flops(dtype)
     capacity = kv_capacity(cfg, hw, context, dtype, kv_dtype, gpu_memory_utilization, block_size)
     knee = decode_knee(cfg, hw, context, dtype, kv_dtype)
@@ -462,7 +463,7 @@ def plan(
         top = max(DEFAULT_BATCHES[-1], 2 * knee if knee else 0)
         top = min(top, 8192)
         batches = [2**i for i in range(int(math.log2(top)) + 1)]
-    batches = sorted({_check_positive(b, "batch size") for b in batches} | {batch})
+    batches = sorted({check_positive(b, "batch size") for b in batches} | {batch})
 
     def point(b: int) -> SweepPoint:
         dec = roofline(decode_cost(cfg, b, context, dtype, kv_dtype), hw, dtype)
@@ -567,9 +568,9 @@ def validate(
     """
     cfg = load_model_config(model)
     dtype = canonical_dtype(dtype)
-    _check_context(cfg, context)
-    _check_positive(repeats, "repeats")
-    batches = sorted({_check_positive(b, "batch size") for b in batches})
+    check_context(cfg, context)
+    check_positive(repeats, "repeats")
+    batches = sorted({check_positive(b, "batch size") for b in batches})
     if not batches:
         raise ValueError("validation needs at least one batch size")
     hw = hardware if hardware is not None else measure_local(device)
@@ -665,8 +666,8 @@ def synthetic_decode_timer(
 
     @torch.inference_mode()
     def step(batch_size: int, context_len: int) -> float:
-        _check_positive(batch_size, "batch size")
-        _check_context(cfg, context_len)
+        check_positive(batch_size, "batch size")
+        check_context(cfg, context_len)
         if cache.get("shape") != (batch_size, context_len):
             cache.clear()
             kv_shape = (batch_size, cfg.num_kv_heads, context_len, cfg.head_dim)

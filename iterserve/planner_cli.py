@@ -407,6 +407,8 @@ def _run_validate(args: argparse.Namespace, out: TextIO) -> int:
     context = args.context if args.context is not None else min(
         planner.DEFAULT_VALIDATION_CONTEXT, cfg.max_position_embeddings)  # fmt: skip
     batches = _parse_batches(args.batches) or list(planner.DEFAULT_VALIDATION_BATCHES)
+    planner.check_context(cfg, context)  # bad input first, before anything is measured or built
+    planner.check_positive(args.repeats, "repeats")
     if args.timer == "synthetic":
         timer = planner.synthetic_decode_timer(cfg, dtype, device=device)
     else:

@@ -264,6 +264,7 @@ def test_bad_input_raises_clear_value_error(kwargs, message):
         (["llama-2-7b", "--flops", "100"], "missing --bandwidth, --memory"),
         (["llama-2-7b", "--gpu", "L4", "--memory", "lots"], "cannot read memory size 'lots'"),
         (["llama-2-7b", "--gpu", "A100-80GB", "--validate"], "--validate measures this machine"),
+        (["smollm2-135m", "--validate", "--context", "9000"], "exceeds the model's max_position_embeddings"),
     ],
 )
 def test_cli_bad_input_exit_2_one_line(argv, message, capsys):
