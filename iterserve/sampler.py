@@ -65,7 +65,7 @@ def _truncate(logits: torch.Tensor, p: SamplingParams) -> torch.Tensor:
     if p.top_p < 1:
         sorted_probs, order = probs.sort(descending=True)
         cum = sorted_probs.cumsum(-1)
-        drop_sorted = cum - sorted_probs > p.top_p  # keep the smallest prefix reaching top_p
+        drop_sorted = cum - sorted_probs >= p.top_p  # keep the smallest prefix reaching top_p
         probs = probs.masked_fill(drop_sorted.scatter(0, order, drop_sorted), 0.0)
     if p.min_p > 0:
         probs = probs.masked_fill(probs < p.min_p * probs.max(), 0.0)

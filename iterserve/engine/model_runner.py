@@ -24,6 +24,7 @@ class ModelRunner:
         self.kv_caches: list[KVCache] = model.allocate_kv_cache(num_blocks, block_size)
         self.sampler = Sampler(torch.Generator(device=self.device).manual_seed(seed))
 
+    @torch.inference_mode()
     def execute(self, scheduled: list[ScheduledSeq]) -> tuple[list[ScheduledSeq], SampleResult]:
         """Run one step. Returns the sequences that produced a token (in order) and the samples."""
         input_ids: list[int] = []
