@@ -60,7 +60,7 @@ class AttentionMetadata:
     slot_mapping: torch.Tensor  # [num_tokens] flat cache slot of every new token
     num_decode_tokens: int = 0
     decode_block_tables: torch.Tensor | None = None  # [num_decodes, max_blocks]
-    decode_mask: torch.Tensor | None = None  # [num_decodes, 1, 1, max_blocks * block_size] bool
+    decode_bias: torch.Tensor | None = None  # [num_decodes, 1, 1, max_blocks * block_size]: 0 or -inf
     prefills: list[PrefillSpan] = field(default_factory=list)
 
     @classmethod
@@ -100,7 +100,8 @@ class AttentionMetadata:
             if sliding_window is not None:
                 mask &= key_pos[None, :] > (ctx_t[:, None] - 1 - sliding_window)
             meta.decode_block_tables = tables.to(device)
-            meta.decode_mask = mask[:, None, None, :].to(device)
+            bias = torch.zeros(mask.shape).masked_fill_(~mask, float("-inf"))
+            meta.decode_bias = bias[:, None, None, :].to(device)
         start = num_decodes
         for i in range(num_decodes, len(query_lens)):
             cached, qlen = num_cached[i], query_lens[i]
@@ -140,14 +141,17 @@ def paged_attention(
     out = torch.empty_like(q)
     n_dec = meta.num_decode_tokens
     if n_dec:
-        # Gather every decode sequence's blocks into [S, kv_heads, T, D]; positions past a
-        # sequence's context (and outside a sliding window) are masked out.
+        # Gather each decode sequence's blocks (one row copy per block), then attend with two
+        # batched matmuls; GQA groups share their K/V head without repeating it.
         tables = meta.decode_block_tables
-        keys = cache.k[tables].flatten(1, 2).transpose(1, 2)
-        values = cache.v[tables].flatten(1, 2).transpose(1, 2)
-        out[:n_dec] = F.scaled_dot_product_attention(
-            q[:n_dec].unsqueeze(2), keys, values, attn_mask=meta.decode_mask, scale=scale, enable_gqa=True
-        ).squeeze(2)
+        seqs, max_blocks = tables.shape
+        ctx = max_blocks * block_size
+        keys = _gather_blocks(cache.k, tables.reshape(-1)).view(seqs, ctx, kv_heads, head_dim)
+        values = _gather_blocks(cache.v, tables.reshape(-1)).view(seqs, ctx, kv_heads, head_dim)
+        qd = q[:n_dec].view(seqs, kv_heads, -1, head_dim)
+        scores = torch.matmul(qd, keys.permute(0, 2, 3, 1)).float() * scale + meta.decode_bias
+        probs = scores.softmax(dim=-1).to(q.dtype)
+        out[:n_dec] = torch.matmul(probs, values.transpose(1, 2)).view(n_dec, -1, head_dim)
     for span in meta.prefills:
         qs = q[span.start:span.end].transpose(0, 1).unsqueeze(0)  # [1, H, chunk, D]
         if span.num_cached == 0 and span.mask is None:
@@ -156,8 +160,15 @@ def paged_attention(
             vs = v[span.start:span.end].transpose(0, 1).unsqueeze(0)
             o = F.scaled_dot_product_attention(qs, ks, vs, is_causal=True, scale=scale, enable_gqa=True)
         else:
-            ks = cache.k[span.block_table].flatten(0, 1)[: span.context_len].transpose(0, 1).unsqueeze(0)
-            vs = cache.v[span.block_table].flatten(0, 1)[: span.context_len].transpose(0, 1).unsqueeze(0)
+            ks = _gather_blocks(cache.k, span.block_table)[: span.context_len].transpose(0, 1).unsqueeze(0)
+            vs = _gather_blocks(cache.v, span.block_table)[: span.context_len].transpose(0, 1).unsqueeze(0)
             o = F.scaled_dot_product_attention(qs, ks, vs, attn_mask=span.mask, scale=scale, enable_gqa=True)
         out[span.start:span.end] = o.squeeze(0).transpose(0, 1)
     return out
+
+
+def _gather_blocks(pool: torch.Tensor, block_ids: torch.Tensor) -> torch.Tensor:
+    """K or V rows of the listed blocks, in order: [len(block_ids) * block_size, kv_heads, head_dim].
+    ``index_select`` on whole blocks copies contiguous rows, far cheaper than fancy indexing."""
+    num_blocks, block_size, kv_heads, head_dim = pool.shape
+    return pool.view(num_blocks, -1).index_select(0, block_ids).view(-1, kv_heads, head_dim)

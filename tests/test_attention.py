@@ -95,5 +95,5 @@ def test_decode_reads_only_the_blocks_of_the_batch():
     """The gathered width follows the longest context in the batch, not the pool size."""
     meta = AttentionMetadata.build(block_size=BS, block_tables=[[7, 3], [1]], num_cached=[5, 2], query_lens=[1, 1])
     assert meta.decode_block_tables.shape == (2, 2)
-    assert meta.decode_mask.shape[-1] == 2 * BS
-    assert meta.decode_mask[1, 0, 0].tolist() == [True] * 3 + [False] * 5
+    assert meta.decode_bias.shape[-1] == 2 * BS
+    assert meta.decode_bias[1, 0, 0].tolist() == [0.0] * 3 + [float("-inf")] * 5
