@@ -1,0 +1,201 @@
+"""PNG charts of benchmark results: throughput against latency over a sweep, latency percentiles
+against load for one or more servers, and a per-sequence timeline from the engine's step trace."""
+
+from __future__ import annotations
+
+import json
+import math
+import re
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import matplotlib
+
+matplotlib.use("Agg")
+import matplotlib.pyplot as plt  # noqa: E402
+from matplotlib.patches import Patch  # noqa: E402
+
+from iterserve.planner import measured_knee  # noqa: E402
+
+
+@dataclass
+class Series:
+    """One curve of a throughput-latency chart; ``knee`` names the point to mark, if any."""
+
+    label: str
+    throughput: list[float]
+    latency: list[float]
+    point_labels: list[str]
+    knee: int | None = None  # index into the points
+
+
+def throughput_latency_chart(series: list[Series], path: str | Path, *, xlabel: str, ylabel: str, title: str) -> None:
+    """Latency against throughput, one labelled point per sweep step, the knee circled."""
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    for s in series:
+        (line,) = ax.plot(s.throughput, s.latency, marker="o", label=s.label)
+        for x, y, text in zip(s.throughput, s.latency, s.point_labels):
+            ax.annotate(text, (x, y), textcoords="offset points", xytext=(4, 4), fontsize=8)
+        if s.knee is not None:
+            ax.scatter([s.throughput[s.knee]], [s.latency[s.knee]], s=200, facecolors="none",
+                       edgecolors=line.get_color(), linewidths=2, label=f"{s.label}: knee ({s.point_labels[s.knee]})")  # fmt: skip
+    ax.set(xlabel=xlabel, ylabel=ylabel, title=title)
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+# -- serve results --------------------------------------------------------------------------------
+
+
+def load_serve_results(path: str | Path) -> dict[str, Any]:
+    """A ``bench serve`` result, or a single-run result JSON of ``vllm bench serve`` (wrapped as one run)."""
+    try:
+        data = json.loads(Path(path).read_text())
+    except json.JSONDecodeError as e:
+        raise ValueError(f"{path}: not valid JSON ({e.msg})") from None
+    if isinstance(data, dict) and isinstance(data.get("runs"), list) and data.get("benchmark", "serve") == "serve":
+        return data
+    if isinstance(data, dict) and "request_throughput" in data:
+        return {"label": data.get("label") or data.get("backend") or Path(path).stem, "runs": [data]}
+    raise ValueError(f"{path}: not a bench serve result (no 'runs' list) nor a vllm bench serve result")
+
+
+def load_axis(runs: list[dict[str, Any]]) -> tuple[str, list[tuple[float, dict[str, Any]]]]:
+    """The load each run was driven at: its request rate when finite, else its concurrency cap."""
+
+    def rate(run: dict[str, Any]) -> float:
+        r = run.get("request_rate", "inf")
+        return math.inf if r in ("inf", None) else float(r)
+
+    by_rate = [(rate(r), r) for r in runs if math.isfinite(rate(r))]
+    if by_rate:
+        return "request rate (req/s)", sorted(by_rate, key=lambda p: p[0])
+    return "max concurrency", sorted(((float(r["max_concurrency"]), r) for r in runs if r.get("max_concurrency")),
+                                     key=lambda p: p[0])  # fmt: skip
+
+
+def latency_vs_load_chart(results: list[dict[str, Any]], path: str | Path, percentiles: list[str]) -> None:
+    """TTFT and TPOT (median and each percentile) against load, one colour per result."""
+    fig, axes = plt.subplots(1, 2, figsize=(11, 4.5))
+    styles = ["-", "--", ":", "-."]
+    xlabel = "load"
+    for k, result in enumerate(results):
+        xlabel, points = load_axis(result["runs"])
+        color = f"C{k}"
+        for metric, ax in zip(("ttft", "tpot"), axes):
+            for style, stat in zip(styles, ["median", *(f"p{p}" for p in percentiles)]):
+                key = f"{stat}_{metric}_ms"
+                xs = [x for x, run in points if key in run]
+                ys = [run[key] for _, run in points if key in run]
+                if xs:
+                    ax.plot(xs, ys, style, marker="o", color=color, label=f"{result['label']} {stat}")
+    for metric, ax in zip(("TTFT", "TPOT"), axes):
+        ax.set(xlabel=xlabel, ylabel=f"{metric} (ms)", title=f"{metric} against load")
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def percentiles_in(runs: list[dict[str, Any]]) -> list[str]:
+    """The percentile keys ("90", "99", ...) a set of serve runs reports."""
+    keys = {m.group(1) for run in runs for k in run if (m := re.fullmatch(r"p([\d.]+)_ttft_ms", k))}
+    return sorted(keys, key=float)
+
+
+def run_label(run: dict[str, Any]) -> str:
+    rate, cap = run.get("request_rate", "inf"), run.get("max_concurrency")
+    parts = [] if rate in ("inf", None) else [f"{float(rate):g} req/s"]
+    return ", ".join(parts + ([f"c={cap}"] if cap else [])) or "all at once"
+
+
+def serve_charts(results: list[dict[str, Any]], prefix: Path) -> list[Path]:
+    """``<prefix>_throughput.png`` (median TPOT against output tokens/s) and, when some run has a
+    finite rate or a concurrency cap to plot against, ``<prefix>_latency.png`` (TTFT and TPOT
+    against load); returns the paths written. On a concurrency sweep the knee is marked:
+    :func:`~iterserve.planner.measured_knee` of median TPOT over the concurrency caps, the same
+    rule ``bench batch`` applies to decode steps over batch sizes."""
+    latency_path = prefix.with_name(f"{prefix.name}_latency.png")
+    throughput_path = prefix.with_name(f"{prefix.name}_throughput.png")
+    axes = [load_axis(result["runs"]) for result in results]
+    series = []
+    for result, (axis, points) in zip(results, axes):
+        runs = [run for _, run in points] or result["runs"]
+        knee = None
+        if axis == "max concurrency" and len(points) > 1:
+            knee_load = measured_knee([x for x, _ in points], [run["median_tpot_ms"] for run in runs])
+            knee = next((i for i, (x, _) in enumerate(points) if x == knee_load), None)
+        series.append(Series(result["label"], [run["output_throughput"] for run in runs],
+                             [run["median_tpot_ms"] for run in runs], [run_label(run) for run in runs], knee))  # fmt: skip
+    throughput_latency_chart(series, throughput_path, xlabel="output throughput (tokens/s)",
+                             ylabel="median TPOT (ms)", title="throughput against latency")  # fmt: skip
+    if not any(points for _, points in axes):
+        return [throughput_path]
+    latency_vs_load_chart(results, latency_path, percentiles_in([run for r in results for run in r["runs"]]))
+    return [throughput_path, latency_path]
+
+
+# -- timeline -------------------------------------------------------------------------------------
+
+PHASE_COLORS = {"queue": "#d0d0d0", "prefill": "#f28e2b", "decode": "#4e79a7"}
+
+
+def read_trace(path: str | Path) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
+    """The step and request records of an engine step trace (JSON lines)."""
+    steps, requests = [], []
+    with open(path) as f:
+        for line in f:
+            record = json.loads(line)
+            (steps if record["type"] == "step" else requests).append(record)
+    return steps, requests
+
+
+def sequence_spans(steps: list[dict[str, Any]]) -> dict[str, dict[str, list[tuple[float, float]]]]:
+    """request id -> phase -> (start, duration) spans; a phase over consecutive steps is one span."""
+    spans: dict[str, dict[str, list[tuple[float, float]]]] = {}
+    last_step: dict[tuple[str, str], int] = {}
+    for step in steps:
+        end = step["start"] + step["duration"]
+        for rid, phase, _ in step["seqs"]:
+            phase_spans = spans.setdefault(rid, {}).setdefault(phase, [])
+            if last_step.get((rid, phase)) == step["step"] - 1:
+                s, _ = phase_spans[-1]
+                phase_spans[-1] = (s, end - s)
+            else:
+                phase_spans.append((step["start"], step["duration"]))
+            last_step[(rid, phase)] = step["step"]
+    return spans
+
+
+def timeline_chart(traces: dict[str, str | Path], path: str | Path) -> None:
+    """Each sequence's queue, prefill and decode spans over time, one panel per trace, side by side.
+
+    Time is measured from each run's first arrival, and all panels share both axes, so a batch
+    slot that static batching leaves idle shows as white space a continuous run fills.
+    """
+    fig, axes = plt.subplots(1, len(traces), figsize=(6.5 * len(traces), 5), sharex=True, sharey=True, squeeze=False)
+    for ax, (label, trace) in zip(axes[0], traces.items()):
+        steps, requests = read_trace(trace)
+        requests = [r for r in requests if r["first_scheduled_time"] is not None]
+        requests.sort(key=lambda r: r["arrival_time"])
+        t0 = min([r["arrival_time"] for r in requests] + [s["start"] for s in steps[:1]])
+        spans = sequence_spans(steps)
+        for y, r in enumerate(requests):
+            ax.broken_barh([(r["arrival_time"] - t0, r["first_scheduled_time"] - r["arrival_time"])], (y - 0.4, 0.8),
+                           facecolors=PHASE_COLORS["queue"])  # fmt: skip
+            for phase in ("prefill", "decode"):
+                segments = [(s - t0, w) for s, w in spans.get(r["request_id"], {}).get(phase, [])]
+                ax.broken_barh(segments, (y - 0.4, 0.8), facecolors=PHASE_COLORS[phase])
+        out_tokens = sum(r["num_output_tokens"] for r in requests)
+        ax.set(title=f"{label}: {len(steps)} steps, {out_tokens / max(len(steps), 1):.1f} tokens out per step",
+               xlabel="time (s)", ylabel="request (by arrival)")  # fmt: skip
+    axes[0][0].invert_yaxis()  # the y axis is shared: inverting it once flips every panel
+    fig.legend(handles=[Patch(color=c, label=p) for p, c in PHASE_COLORS.items()], loc="upper right", ncols=3)
+    fig.tight_layout(rect=(0, 0, 1, 0.94))
+    fig.savefig(path, dpi=120)
+    plt.close(fig)

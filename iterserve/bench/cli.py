@@ -1,0 +1,351 @@
+"""``iterserve bench``: throughput (offline), serve (online), batch (sweep) and plot."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import tempfile
+from dataclasses import asdict
+from pathlib import Path
+from typing import Any, Sequence
+
+from iterserve.bench.metrics import DEFAULT_PERCENTILES, parse_goodput, parse_percentiles, percentile_key
+from iterserve.bench.serve import LoadPoint
+from iterserve.bench.workloads import DATASETS, LengthDist, WorkloadSpec
+
+# bench throughput's batch cap: the default 64 requests then span several static batches, which is
+# where static and continuous batching differ (with every request in one batch they would not)
+BENCH_MAX_NUM_SEQS = 16
+
+
+def format_table(headers: Sequence[str], rows: Sequence[Sequence[Any]]) -> str:
+    """Plain text columns: numbers right-aligned, everything else left-aligned."""
+
+    def cell(v: Any) -> str:
+        if v is None:
+            return "-"
+        if isinstance(v, float):
+            return f"{v:,.2f}" if abs(v) < 1e5 else f"{v:,.0f}"
+        return str(v)
+
+    cells = [[cell(v) for v in row] for row in rows]
+    widths = [max([len(h), *(len(r[i]) for r in cells)]) for i, h in enumerate(headers)]
+    numeric = [all(isinstance(row[i], (int, float)) or row[i] is None for row in rows) for i in range(len(headers))]
+
+    def line(values: Sequence[str]) -> str:
+        return "  ".join(v.rjust(w) if num else v.ljust(w) for v, w, num in zip(values, widths, numeric)).rstrip()
+
+    return "\n".join([line(headers), line(["-" * w for w in widths]), *(line(r) for r in cells)])
+
+
+def _write_json(path: str, result: dict[str, Any]) -> None:
+    Path(path).parent.mkdir(parents=True, exist_ok=True)
+    Path(path).write_text(json.dumps(result, indent=2) + "\n")
+    print(f"results written to {path}")
+
+
+def _sibling(json_path: str, suffix: str) -> Path:
+    p = Path(json_path)
+    return p.with_name(f"{p.stem}{suffix}")
+
+
+def _float_list(text: str, what: str) -> list[float]:
+    try:
+        values = [float(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        raise ValueError(f"{what} must be numbers separated by commas, got {text!r}") from None
+    if not values or not all(v > 0 for v in values):
+        raise ValueError(f"{what} must be positive, got {text!r}")
+    return values
+
+
+# -- workloads ------------------------------------------------------------------------------------
+
+
+def add_workload_args(p: argparse.ArgumentParser) -> None:
+    d = WorkloadSpec()
+    g = p.add_argument_group("workload")
+    g.add_argument("--dataset", choices=DATASETS, default=d.dataset,
+                   help="random: random token ids; text: sentences of a built-in corpus; jsonl or sharegpt: "
+                        "a file named by --dataset-path")  # fmt: skip
+    g.add_argument("--dataset-path", default=None, help="JSONL of {prompt|messages[, output_len]}, or ShareGPT JSON")
+    g.add_argument("--num-prompts", type=int, default=d.num_prompts)
+    g.add_argument("--input-len", default=d.input_len,
+                   help="prompt length distribution: fixed:N, uniform:LOW:HIGH, normal:MEAN:STD:MAX, "
+                        "lognormal:MEDIAN:SIGMA:MAX or pareto:MIN:ALPHA:MAX (default %(default)s)")  # fmt: skip
+    g.add_argument("--output-len", default=d.output_len, help="output length distribution (default %(default)s)")
+    g.add_argument("--shared-prefix-len", type=int, default=d.shared_prefix_len,
+                   help="tokens of one shared system prompt in front of every synthetic prompt")
+    g.add_argument("--dataset-output-len", type=int, default=d.dataset_output_len,
+                   help="output length of JSONL records that give none")
+    g.add_argument("--workload-seed", type=int, default=d.seed)
+
+
+def workload_spec_from_args(args: argparse.Namespace) -> WorkloadSpec:
+    spec = WorkloadSpec(
+        dataset=args.dataset, num_prompts=args.num_prompts, input_len=args.input_len, output_len=args.output_len,
+        shared_prefix_len=args.shared_prefix_len, dataset_path=args.dataset_path,
+        dataset_output_len=args.dataset_output_len, seed=args.workload_seed,
+    )
+    if spec.num_prompts < 1:
+        raise ValueError(f"--num-prompts must be >= 1, got {spec.num_prompts}")
+    for dist in (spec.input_len, spec.output_len):
+        LengthDist.parse(dist)  # a bad spec fails before the model or tokenizer loads
+    return spec
+
+
+# -- throughput -----------------------------------------------------------------------------------
+
+
+def _cmd_throughput(args: argparse.Namespace) -> int:
+    from iterserve.bench.charts import timeline_chart
+    from iterserve.bench.throughput import HF_MODE, run_throughput
+    from iterserve.bench.workloads import make_workload
+    from iterserve.cli import engine_config_from_args
+    from iterserve.models.loader import load_model
+
+    if args.step_trace:
+        raise ValueError("bench throughput writes one step trace per mode: use --trace-dir instead of --step-trace")
+    spec = workload_spec_from_args(args)
+    modes = [m for m in args.modes.split(",") if m] + ([HF_MODE] if args.hf_baseline else [])
+    percentiles = parse_percentiles(args.percentiles)
+    config = engine_config_from_args(args)
+    loaded = load_model(config.model, config.dtype, config.device, config.seed)
+    requests = make_workload(spec, tokenizer=loaded.tokenizer, vocab_size=loaded.config.vocab_size)
+    with tempfile.TemporaryDirectory() as tmp:
+        trace_dir = args.trace_dir or (tmp if args.timeline else None)
+        result = run_throughput(loaded, config, requests, modes, temperature=args.temperature, trace_dir=trace_dir,
+                                percentiles=percentiles, use_tqdm=not args.disable_tqdm)  # fmt: skip
+        result["workload"] = asdict(spec)
+        if args.timeline:
+            traces = {r["mode"]: r["step_trace"] for r in result["runs"] if r["mode"] in ("static", "continuous")}
+            if not traces:
+                raise ValueError("--timeline draws static and continuous batching; include one of them in --modes")
+            timeline_chart(dict(sorted(traces.items(), reverse=True)), args.timeline)
+            print(f"timeline written to {args.timeline}")
+        if not args.trace_dir:
+            for run in result["runs"]:
+                run["step_trace"] = None
+    p = percentile_key(percentiles[-1])
+    print(format_table(
+        ["mode", "req/s", "out tok/s", "total tok/s", "peak running", "steps", "out tok/step", "preempted",
+         "median TTFT ms", f"p{p} TTFT ms", "median TPOT ms"],
+        [[r["mode"], r["request_throughput"], r["output_throughput"], r["total_token_throughput"], r["peak_running"],
+          r["num_steps"], r["output_tokens_per_step"], r["num_preemptions"],
+          *((r["latency"] or {}).get(k) for k in ("median_ttft_ms", f"p{p}_ttft_ms", "median_tpot_ms"))]
+         for r in result["runs"]],
+    ))  # fmt: skip
+    if "continuous_over_static" in result:
+        print(f"continuous / static: {result['continuous_over_static']:.2f}x output tokens/s, "
+              f"{result['continuous_over_static_per_step']:.2f}x output tokens per step")  # fmt: skip
+    if args.output_json:
+        _write_json(args.output_json, result)
+    return 0
+
+
+# -- serve ----------------------------------------------------------------------------------------
+
+
+def _load_points(args: argparse.Namespace) -> list[LoadPoint]:
+    if args.sweep_rates and args.sweep_concurrency:
+        raise ValueError("use --sweep-rates or --sweep-concurrency, not both")
+    if args.sweep_rates:
+        return [LoadPoint(r, args.max_concurrency) for r in _float_list(args.sweep_rates, "--sweep-rates")]
+    if args.sweep_concurrency:
+        values = _float_list(args.sweep_concurrency, "--sweep-concurrency")
+        if not all(v == int(v) for v in values):
+            raise ValueError(f"--sweep-concurrency takes whole numbers, got {args.sweep_concurrency!r}")
+        return [LoadPoint(args.request_rate, int(c)) for c in values]
+    return [LoadPoint(args.request_rate, args.max_concurrency)]
+
+
+def _serve_table(result: dict[str, Any]) -> str:
+    p = percentile_key(result["percentiles"][-1])
+    goodput = result["goodput"] is not None
+    headers = ["rate", "concurrency", "done", "failed", "req/s", "out tok/s", "total tok/s",
+               *(["goodput req/s"] if goodput else []), "median TTFT", f"p{p} TTFT", "median TPOT", f"p{p} TPOT",
+               "median ITL", "median E2EL"]  # fmt: skip
+    rows = [
+        [str(r["request_rate"]), r["max_concurrency"], r["completed"], r["failed"], r["request_throughput"],
+         r["output_throughput"], r["total_token_throughput"], *([r["request_goodput"]] if goodput else []),
+         r["median_ttft_ms"], r[f"p{p}_ttft_ms"], r["median_tpot_ms"], r[f"p{p}_tpot_ms"], r["median_itl_ms"],
+         r["median_e2el_ms"]]
+        for r in result["runs"]
+    ]  # fmt: skip
+    return format_table(headers, rows) + "\n(latencies in ms)"
+
+
+def _cmd_serve(args: argparse.Namespace) -> int:
+    from iterserve.bench.charts import serve_charts
+    from iterserve.bench.serve import ServeConfig, run_serve
+    from iterserve.bench.workloads import load_tokenizer, make_workload
+
+    spec = workload_spec_from_args(args)
+    percentiles = parse_percentiles(args.percentiles)
+    goodput = parse_goodput(args.goodput) if args.goodput else None
+    points = _load_points(args)
+    tokenizer = None if args.tokenizer.lower() == "none" else load_tokenizer(args.tokenizer)
+    requests = make_workload(spec, tokenizer=tokenizer)
+    cfg = ServeConfig(
+        base_url=args.base_url, endpoint=args.endpoint, model=args.model, prompt_format=args.prompt_format,
+        temperature=args.temperature, ignore_eos=not args.no_ignore_eos, connect_timeout=args.connect_timeout,
+        read_timeout=args.timeout, api_key=args.api_key,
+    )
+    result = run_serve(cfg, requests, tokenizer, points, burstiness=args.burstiness, workload=spec,
+                       tokenizer_id=None if tokenizer is None else args.tokenizer, label=args.label,
+                       percentiles=percentiles, goodput=goodput, use_tqdm=not args.disable_tqdm)  # fmt: skip
+    print(f"{result['label']}: model {result['model_id']} at {cfg.base_url}{cfg.endpoint}")
+    print(_serve_table(result))
+    if args.output_json:
+        _write_json(args.output_json, result)
+        for chart in serve_charts([result], _sibling(args.output_json, "")):
+            print(f"chart written to {chart}")
+    return 0
+
+
+# -- batch ----------------------------------------------------------------------------------------
+
+
+def _cmd_batch(args: argparse.Namespace) -> int:
+    from iterserve.bench.batch import default_batch_sizes, sweep_batches
+    from iterserve.bench.charts import Series, throughput_latency_chart
+    from iterserve.models.loader import load_model
+
+    loaded = load_model(args.model, args.dtype, args.device)
+    if args.batch_sizes:
+        values = _float_list(args.batch_sizes, "--batch-sizes")
+        if not all(v == int(v) for v in values):
+            raise ValueError(f"--batch-sizes takes whole numbers, got {args.batch_sizes!r}")
+        batches = [int(v) for v in values]
+    else:
+        batches = default_batch_sizes(loaded, args.context, args.kv_cache_memory, args.max_batch, args.block_size)
+    sweep = sweep_batches(loaded, batches, args.context, repeats=args.repeats, block_size=args.block_size,
+                          prefill=not args.no_prefill, elasticity=args.elasticity,
+                          use_tqdm=not args.disable_tqdm)  # fmt: skip
+    print(f"{sweep.model} ({sweep.dtype}, {sweep.device}), context {sweep.context}, median of {sweep.repeats}")
+    print(format_table(
+        ["batch", "decode step ms", "decode tok/s", "ms per token", "prefill ms", "prefill tok/s"],
+        [[p.batch_size, p.decode_s * 1000, p.decode_tokens_per_s, p.ms_per_token,
+          None if p.prefill_s is None else p.prefill_s * 1000, p.prefill_tokens_per_s] for p in sweep.points],
+    ))  # fmt: skip
+    knee = sweep.knee_batch_size
+    print(f"knee: batch {knee}" if knee is not None else "knee: none within the sweep",
+          f"(first batch whose decode step grew >= (B/B_prev)^{sweep.elasticity:g}; "
+          f"a doubling there adds < {sweep.max_gain_at_knee:.0%} tokens/s)")  # fmt: skip
+    chart = args.chart or (str(_sibling(args.output_json, ".png")) if args.output_json else None)
+    if chart:
+        sizes = [p.batch_size for p in sweep.points]
+        throughput_latency_chart(
+            [Series(f"{sweep.model} ({sweep.dtype})", [p.decode_tokens_per_s for p in sweep.points],
+                    [p.decode_s * 1000 for p in sweep.points], [f"B={b}" for b in sizes],
+                    sizes.index(knee) if knee is not None else None)],
+            chart, xlabel="decode throughput (tokens/s)", ylabel="decode step = time per output token (ms)",
+            title=f"decode batch sweep at context {sweep.context} ({sweep.device})",
+        )  # fmt: skip
+        print(f"chart written to {chart}")
+    if args.output_json:
+        _write_json(args.output_json, {"benchmark": "batch", **asdict(sweep), "max_gain_at_knee": sweep.max_gain_at_knee})
+    return 0
+
+
+# -- plot -----------------------------------------------------------------------------------------
+
+
+def _cmd_plot(args: argparse.Namespace) -> int:
+    from iterserve.bench.charts import load_serve_results, serve_charts
+
+    results = [load_serve_results(p) for p in args.results]
+    if args.labels:
+        labels = args.labels.split(",")
+        if len(labels) != len(results):
+            raise ValueError(f"--labels names {len(labels)} results but {len(results)} files were given")
+        for r, label in zip(results, labels):
+            r["label"] = label
+    for chart in serve_charts(results, Path(args.output_prefix)):
+        print(f"chart written to {chart}")
+    return 0
+
+
+# -- parser ---------------------------------------------------------------------------------------
+
+
+def add_bench_parser(subparsers: argparse._SubParsersAction) -> None:
+    """Register ``iterserve bench`` and its subcommands."""
+    from iterserve.cli import add_engine_args
+    from iterserve.engine.llm_engine import EngineConfig
+    from iterserve.models.loader import DEFAULT_MODEL
+
+    bench = subparsers.add_parser("bench", help="benchmark the engine or any OpenAI-compatible server")
+    sub = bench.add_subparsers(dest="bench_command", required=True)
+    pct = "latency percentiles to report, comma-separated (default %(default)s)"
+    default_pct = ",".join(percentile_key(p) for p in DEFAULT_PERCENTILES)
+
+    tp = sub.add_parser("throughput", help="offline: one workload through continuous and static batching in-process")
+    add_engine_args(tp)
+    tp.set_defaults(max_num_seqs=BENCH_MAX_NUM_SEQS)
+    add_workload_args(tp)
+    tp.add_argument("--modes", default="continuous,static",
+                    help="comma-separated: continuous, static, reserved (default %(default)s)")
+    tp.add_argument("--hf-baseline", action="store_true",
+                    help="also run transformers' generate on padded batches of --max-num-seqs (needs transformers)")
+    tp.add_argument("--temperature", type=float, default=0.0)
+    tp.add_argument("--percentiles", default=default_pct, help=pct)
+    tp.add_argument("--output-json", default=None)
+    tp.add_argument("--trace-dir", default=None, help="keep each mode's step trace as <dir>/<mode>.jsonl")
+    tp.add_argument("--timeline", default=None, help="PNG of every sequence's spans, static beside continuous")
+    tp.add_argument("--disable-tqdm", action="store_true")
+    tp.set_defaults(func=_cmd_throughput)
+
+    sv = sub.add_parser("serve", help="online: load an OpenAI-compatible server and measure TTFT, TPOT, ITL")
+    sv.add_argument("--base-url", required=True, help="server root, e.g. http://127.0.0.1:8000")
+    sv.add_argument("--endpoint", default="/v1/completions", help="/v1/completions or /v1/chat/completions")
+    sv.add_argument("--model", default=None, help="model name to request (default: the first of GET /v1/models)")
+    sv.add_argument("--api-key", default=None)
+    sv.add_argument("--tokenizer", default=DEFAULT_MODEL,
+                    help="model whose tokenizer builds prompts and counts tokens: an embedded name, .gguf or "
+                         "folder; 'none' for none (default %(default)s)")  # fmt: skip
+    sv.add_argument("--prompt-format", choices=["text", "ids"], default="text",
+                    help="send token-id prompts as decoded text (portable) or as ids (vLLM) (default %(default)s)")
+    add_workload_args(sv)
+    sv.add_argument("--request-rate", type=float, default=math.inf, help="requests/s (default inf: all at once)")
+    sv.add_argument("--burstiness", type=float, default=1.0, help="gamma shape of arrivals; 1 is Poisson")
+    sv.add_argument("--max-concurrency", type=int, default=None, help="cap on requests in flight")
+    sv.add_argument("--sweep-rates", default=None, help="run once per request rate, e.g. 1,2,4")
+    sv.add_argument("--sweep-concurrency", default=None, help="run once per concurrency cap, e.g. 1,4,16")
+    sv.add_argument("--temperature", type=float, default=0.0)
+    sv.add_argument("--no-ignore-eos", action="store_true", help="let requests stop at EOS (default: ignore it)")
+    sv.add_argument("--percentiles", default=default_pct, help=pct)
+    sv.add_argument("--goodput", nargs="+", default=None, metavar="METRIC:MS",
+                    help="SLOs for goodput, e.g. ttft:500 tpot:50 (metrics ttft, tpot, e2el)")
+    sv.add_argument("--label", default=None, help="name of this server in tables and charts")
+    sv.add_argument("--output-json", default=None, help="result JSON; charts are written beside it")
+    sv.add_argument("--connect-timeout", type=float, default=3.0, help="seconds to wait for a connection")
+    sv.add_argument("--timeout", type=float, default=600.0, help="seconds to wait for each streamed chunk")
+    sv.add_argument("--disable-tqdm", action="store_true")
+    sv.set_defaults(func=_cmd_serve)
+
+    bt = sub.add_parser("batch", help="decode and prefill step latency against batch size, and the knee")
+    d = EngineConfig()
+    bt.add_argument("--model", default=DEFAULT_MODEL)
+    bt.add_argument("--dtype", default=d.dtype)
+    bt.add_argument("--device", default=None)
+    bt.add_argument("--block-size", type=int, default=d.block_size)
+    bt.add_argument("--context", type=int, default=256, help="tokens each sequence holds (default %(default)s)")
+    bt.add_argument("--batch-sizes", default=None, help="comma-separated (default: 1, 2, 4, ... up to what fits)")
+    bt.add_argument("--kv-cache-memory", default=d.kv_cache_memory, help="bounds the default sweep (default %(default)s)")
+    bt.add_argument("--max-batch", type=int, default=d.max_num_seqs, help="bounds the default sweep (default %(default)s)")
+    bt.add_argument("--repeats", type=int, default=5, help="timed runs per point; the median is kept")
+    bt.add_argument("--elasticity", type=float, default=0.5,
+                    help="knee: first batch whose step time grows >= (B/B_prev)^elasticity (default %(default)s)")
+    bt.add_argument("--no-prefill", action="store_true", help="time decode steps only")
+    bt.add_argument("--output-json", default=None)
+    bt.add_argument("--chart", default=None, help="PNG path (default: beside --output-json)")
+    bt.add_argument("--disable-tqdm", action="store_true")
+    bt.set_defaults(func=_cmd_batch)
+
+    pl = sub.add_parser("plot", help="overlay bench serve (or vllm bench serve) results in charts")
+    pl.add_argument("results", nargs="+", help="result JSON files")
+    pl.add_argument("--labels", default=None, help="comma-separated names, one per file")
+    pl.add_argument("--output-prefix", default="bench", help="charts go to <prefix>_latency.png and _throughput.png")
+    pl.set_defaults(func=_cmd_plot)
