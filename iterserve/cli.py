@@ -112,6 +112,10 @@ def build_parser() -> argparse.ArgumentParser:
     from iterserve.planner_cli import add_plan_parser
 
     add_plan_parser(sub)
+
+    from iterserve.bench.cli import add_bench_parser
+
+    add_bench_parser(sub)
     return parser
 
 
