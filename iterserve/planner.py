@@ -599,7 +599,9 @@ def default_decode_timer(model_name: str, dtype: str, *, device: str = "cpu") ->
     Returns ``measure_decode_step(batch_size, context_len) -> seconds``, which times one decode
     step of ``batch_size`` sequences that each hold ``context_len`` tokens of KV cache, run
     through the engine's model forward (``iterserve.models.llama`` driven by
-    ``iterserve.engine.model_runner``).
+    ``iterserve.engine.model_runner``, see :func:`iterserve.bench.batch.decode_step_timer`).
+    A preset name that is not a loadable model gets the preset's architecture with random
+    weights, which time the same as trained ones.
     """
     missing = []
     for module in ("iterserve.models.llama", "iterserve.engine.model_runner"):
@@ -613,10 +615,17 @@ def default_decode_timer(model_name: str, dtype: str, *, device: str = "cpu") ->
             + "; ".join(missing)
             + ". Pass measure_decode_step= to iterserve.planner.validate, or use --timer synthetic"
         )
-    raise ValueError(
-        "the engine's model forward is importable but default_decode_timer is not connected to "
-        "it; pass measure_decode_step= to iterserve.planner.validate, or use --timer synthetic"
-    )
+    from iterserve.bench.batch import decode_step_timer
+    from iterserve.models.loader import load_model
+
+    try:
+        loaded = load_model(model_name, dtype, device)
+    except ValueError:
+        preset = find_preset(model_name)
+        if preset is None:
+            raise
+        loaded = load_model(f"random:{preset}", dtype, device)
+    return decode_step_timer(loaded)
 
 
 def synthetic_decode_timer(
