@@ -1,0 +1,122 @@
+"""bench throughput: continuous batching packs more output tokens into each engine step than static
+batching on the same workload (counted tokens and steps, never wall-clock), and what the CLI writes."""
+
+from __future__ import annotations
+
+import json
+import sys
+
+import pytest
+import transformers
+import torch
+
+from iterserve.bench.charts import read_trace, sequence_spans
+from iterserve.bench.throughput import run_hf_static, run_throughput, token_prompts
+from iterserve.bench.workloads import Request, WorkloadSpec, make_workload
+from iterserve.cli import main
+from iterserve.engine.llm_engine import EngineConfig
+from iterserve.models.loader import load_model
+
+TINY = "random:smollm2-135m?num_layers=2"
+MAX_SEQS = 4
+
+
+@pytest.fixture(scope="module")
+def loaded():
+    return load_model(TINY, dtype="float32", device="cpu")
+
+
+@pytest.fixture(scope="module")
+def workload(loaded):
+    spec = WorkloadSpec(num_prompts=12, input_len="uniform:8:32", output_len="uniform:2:40", seed=3)
+    return make_workload(spec, tokenizer=loaded.tokenizer)
+
+
+@pytest.fixture(scope="module")
+def result(loaded, workload, tmp_path_factory):
+    config = EngineConfig(model=TINY, dtype="float32", device="cpu", num_kv_blocks=128, max_num_seqs=MAX_SEQS)
+    trace_dir = tmp_path_factory.mktemp("traces")
+    return run_throughput(loaded, config, workload, ["continuous", "static"], trace_dir=str(trace_dir), use_tqdm=False)
+
+
+def test_continuous_batching_yields_more_tokens_per_step_than_static(result, workload):
+    runs = {r["mode"]: r for r in result["runs"]}
+    c, s = runs["continuous"], runs["static"]
+    wanted = sum(r.output_len for r in workload)
+    assert c["total_output_tokens"] == s["total_output_tokens"] == wanted  # ignore_eos: every token asked for
+    assert c["peak_running"] == s["peak_running"] == MAX_SEQS
+    # Static batching: each batch of MAX_SEQS takes as many steps as its longest output (its prefill
+    # step yields the first token), however short the others are.
+    batches = [workload[i:i + MAX_SEQS] for i in range(0, len(workload), MAX_SEQS)]
+    assert s["num_steps"] == sum(max(r.output_len for r in b) for b in batches)
+    assert c["num_steps"] < s["num_steps"]
+    assert c["output_tokens_per_step"] > s["output_tokens_per_step"]
+    assert result["continuous_over_static_per_step"] == pytest.approx(s["num_steps"] / c["num_steps"])
+    assert c["latency"]["median_ttft_ms"] > 0 and "p99_tpot_ms" in c["latency"]
+
+
+def test_step_traces_account_for_every_token(result, workload):
+    for run in result["runs"]:
+        steps, requests = read_trace(run["step_trace"])
+        assert len(steps) == run["num_steps"] and len(requests) == len(workload)
+        decoded = {}
+        for step in steps:
+            for rid, phase, n in step["seqs"]:
+                if phase == "decode":
+                    decoded[rid] = decoded.get(rid, 0) + n
+        out = {r["request_id"]: r["num_output_tokens"] for r in requests}
+        assert all(decoded.get(rid, 0) == n - 1 for rid, n in out.items())  # the prefill step made the first
+        spans = sequence_spans(steps)
+        assert set(spans) == set(out)
+    # static: no request of the second batch is scheduled before the whole first batch has finished
+    _, requests = read_trace(next(r["step_trace"] for r in result["runs"] if r["mode"] == "static"))
+    order = sorted(requests, key=lambda r: r["arrival_time"])
+    assert max(r["finished_time"] for r in order[:MAX_SEQS]) <= min(r["first_scheduled_time"] for r in order[MAX_SEQS:])
+
+
+def test_cli_writes_json_table_and_timeline(loaded, monkeypatch, tmp_path, capsys):
+    monkeypatch.setattr("iterserve.models.loader.load_model", lambda *a, **k: loaded)
+    out, timeline = tmp_path / "tp.json", tmp_path / "timeline.png"
+    rc = main(["--log-level", "WARNING", "bench", "throughput", "--model", TINY, "--dtype", "float32",
+               "--num-kv-blocks", "64", "--max-num-seqs", "2", "--num-prompts", "5", "--input-len", "uniform:4:16",
+               "--output-len", "lognormal:6:1:20", "--modes", "continuous,static,reserved", "--timeline", str(timeline),
+               "--output-json", str(out), "--disable-tqdm"])  # fmt: skip
+    assert rc == 0
+    text = capsys.readouterr().out
+    assert "continuous / static:" in text and "out tok/step" in text
+    data = json.loads(out.read_text())
+    assert [r["mode"] for r in data["runs"]] == ["continuous", "static", "reserved"]
+    assert data["workload"]["num_prompts"] == 5 and data["engine"]["max_num_seqs"] == 2
+    assert all(r["step_trace"] is None for r in data["runs"])  # temporary traces are not referenced
+    assert timeline.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_cli_rejects_bad_modes_and_step_trace(capsys):
+    assert main(["bench", "throughput", "--modes", "continuous,bogus", "--model", "no-such-model"]) == 2
+    assert main(["bench", "throughput", "--step-trace", "x.jsonl"]) == 2
+    assert "--trace-dir" in capsys.readouterr().err
+
+
+def test_prompts_that_do_not_fit_are_skipped(loaded):
+    config = EngineConfig(model=TINY, dtype="float32", device="cpu", num_kv_blocks=8, max_model_len=64)
+    reqs = [Request([101] * 10, 10, 4), Request([102] * 60, 60, 10), Request([103] * 5, 5, 3)]
+    result = run_throughput(loaded, config, reqs, ["continuous"], use_tqdm=False)
+    assert result["num_requests"] == 2 and result["runs"][0]["total_output_tokens"] == 7
+
+
+def test_hf_baseline_runs_padded_batches_to_their_longest_output(tmp_path):
+    cfg = transformers.LlamaConfig(vocab_size=300, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128)  # fmt: skip
+    torch.manual_seed(0)
+    transformers.LlamaForCausalLM(cfg).save_pretrained(tmp_path)
+    tiny = load_model(str(tmp_path), dtype="float32", device="cpu")
+    reqs = [Request([101 + i] * (3 + i), 3 + i, n) for i, n in enumerate([3, 1, 4, 2, 5])]
+    run = run_hf_static(tiny, reqs, token_prompts(reqs, None), batch_size=2, use_tqdm=False)
+    assert run.num_steps == 3 + 4 + 5 and run.total_output_tokens == 15 and run.peak_running == 2
+    assert run.output_tokens_per_step == pytest.approx(15 / 12)
+
+
+def test_hf_baseline_explains_a_missing_transformers(loaded, monkeypatch):
+    monkeypatch.setitem(sys.modules, "transformers", None)
+    with pytest.raises(ValueError, match="transformers is not installed"):
+        run_hf_static(loaded, [Request([101], 1, 1)], [[101]], batch_size=1, use_tqdm=False)
