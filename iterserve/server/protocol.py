@@ -1,0 +1,353 @@
+"""OpenAI request and response bodies, with vLLM's sampling extensions where OpenAI has none.
+
+Requests ignore fields they do not know (clients send newer OpenAI options freely) but reject the
+known ones we cannot honour, so a client never silently gets something other than it asked for.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, model_serializer
+
+from iterserve.sampling_params import SamplingParams
+
+# Sampler limits. The sampler works in float32, where a temperature or penalty near 0 or near the
+# float limits turns logits into inf/nan and fails the whole batch's step, so such values are
+# either mapped to what they mean (a near-zero temperature is greedy, as in vLLM; a near-zero
+# top_p keeps only the top token) or refused.
+GREEDY_TEMPERATURE = 1e-5
+MAX_TEMPERATURE = 100.0
+MIN_TOP_P = 1e-8
+REPETITION_PENALTY_RANGE = (1e-2, 1e2)
+COMPLETION_DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
+
+
+class APIError(Exception):
+    """An error that becomes an OpenAI-style ``{"error": {...}}`` body with this status."""
+
+    def __init__(
+        self,
+        status_code: int,
+        message: str,
+        *,
+        type: str = "invalid_request_error",
+        param: str | None = None,
+        code: str | None = None,
+        headers: dict[str, str] | None = None,
+    ) -> None:
+        super().__init__(message)
+        self.status_code = status_code
+        self.message = message
+        self.type = type
+        self.param = param
+        self.code = code
+        self.headers = headers
+
+    def body(self) -> dict[str, Any]:
+        return ErrorResponse(error=ErrorInfo(message=self.message, type=self.type, param=self.param,
+                                             code=self.code)).model_dump()
+
+
+def bad_request(message: str, param: str | None = None, code: str | None = None) -> APIError:
+    return APIError(400, message, param=param, code=code)
+
+
+# -- requests -------------------------------------------------------------------------------------
+
+
+class _Request(BaseModel):
+    # Non-finite floats are refused: JSON parsers accept NaN/Infinity and the sampler cannot use them.
+    model_config = ConfigDict(extra="ignore", allow_inf_nan=False)
+
+
+class StreamOptions(_Request):
+    include_usage: bool = False
+
+
+class _SamplingRequest(_Request):
+    """Fields shared by completions and chat completions."""
+
+    model: str | None = None
+    n: int = 1
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    temperature: float | None = None
+    top_p: float | None = None
+    stop: str | list[str] | None = None
+    seed: int | None = None
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    logit_bias: dict[str, float] | None = None
+    user: str | None = None
+    # vLLM extensions
+    top_k: int = 0
+    min_p: float = 0.0
+    repetition_penalty: float = 1.0
+    min_tokens: int = 0
+    ignore_eos: bool = False
+    skip_special_tokens: bool = True
+    stop_token_ids: list[int] | None = None
+
+    def check_supported(self) -> None:
+        """Refuse options we do not implement, naming the parameter."""
+        if self.n != 1:
+            raise bad_request(f"n must be 1 (one choice per request), got {self.n}", "n")
+        if self.logit_bias:
+            raise bad_request("logit_bias is not supported", "logit_bias")
+        if self.stream_options is not None and not self.stream:
+            raise bad_request("stream_options can only be set when stream is true", "stream_options")
+
+    @property
+    def include_usage(self) -> bool:
+        return self.stream_options is not None and self.stream_options.include_usage
+
+    def sampling_params(self, max_tokens: int | None, logprobs: int | None) -> SamplingParams:
+        """Build SamplingParams; invalid values become a 400 naming the parameter where known."""
+        temperature = 1.0 if self.temperature is None else self.temperature
+        if temperature > MAX_TEMPERATURE:
+            raise bad_request(f"temperature must be in [0, {MAX_TEMPERATURE:g}], got {temperature}", "temperature")
+        if 0 < temperature < GREEDY_TEMPERATURE:
+            temperature = 0.0
+        top_p = 1.0 if self.top_p is None else self.top_p
+        if 0 < top_p < MIN_TOP_P:
+            top_p = MIN_TOP_P
+        low, high = REPETITION_PENALTY_RANGE
+        if not low <= self.repetition_penalty <= high:
+            message = f"repetition_penalty must be in [{low:g}, {high:g}], got {self.repetition_penalty}"
+            raise bad_request(message, "repetition_penalty")
+        try:
+            return SamplingParams(
+                temperature=temperature, top_p=top_p, top_k=self.top_k, min_p=self.min_p,
+                repetition_penalty=self.repetition_penalty, presence_penalty=self.presence_penalty,
+                frequency_penalty=self.frequency_penalty, seed=self.seed, max_tokens=max_tokens,
+                min_tokens=self.min_tokens, stop=self.stop or [], stop_token_ids=self.stop_token_ids or [],
+                ignore_eos=self.ignore_eos, logprobs=logprobs, skip_special_tokens=self.skip_special_tokens,
+            )
+        except ValueError as e:
+            raise bad_request(str(e), _param_named_in(str(e))) from e
+
+
+def _param_named_in(message: str) -> str | None:
+    """SamplingParams messages start with the field's name."""
+    name = message.split(" ", 1)[0]
+    return name if name in SamplingParams.__dataclass_fields__ else None
+
+
+class CompletionRequest(_SamplingRequest):
+    prompt: str | list[int] | list[str] | list[list[int]]
+    max_tokens: int | None = COMPLETION_DEFAULT_MAX_TOKENS
+    logprobs: int | None = None
+    echo: bool = False
+    suffix: str | None = None
+    best_of: int | None = None
+
+    def check_supported(self) -> None:
+        super().check_supported()
+        if self.best_of not in (None, 1):
+            raise bad_request(f"best_of must be 1, got {self.best_of}", "best_of")
+        if self.suffix:
+            raise bad_request("suffix (insertion) is not supported", "suffix")
+        if self.echo and self.logprobs is not None:
+            raise bad_request("echo together with logprobs is not supported (no prompt logprobs)", "echo")
+
+
+class ChatMessage(_Request):
+    role: Literal["system", "developer", "user", "assistant"]
+    content: str | list[dict[str, Any]] | None = None
+    name: str | None = None
+
+
+class ChatCompletionRequest(_SamplingRequest):
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_tokens: int | None = None
+    max_completion_tokens: int | None = None
+    logprobs: bool = False
+    top_logprobs: int | None = None
+    tools: list[Any] | None = None
+    tool_choice: Any = None
+    functions: list[Any] | None = None
+    function_call: Any = None
+    response_format: dict[str, Any] | None = None
+    # vLLM extension
+    add_generation_prompt: bool = True
+
+    def check_supported(self) -> None:
+        super().check_supported()
+        for name in ("tools", "functions"):
+            if getattr(self, name):
+                raise bad_request(f"{name} (function calling) is not supported", name)
+        if self.tool_choice not in (None, "none"):
+            raise bad_request("tool_choice is not supported", "tool_choice")
+        if self.function_call not in (None, "none"):
+            raise bad_request("function_call is not supported", "function_call")
+        if self.response_format is not None and self.response_format.get("type") != "text":
+            raise bad_request("only response_format {'type': 'text'} is supported", "response_format")
+        if self.top_logprobs is not None and not self.logprobs:
+            raise bad_request("top_logprobs requires logprobs to be true", "top_logprobs")
+
+    @property
+    def requested_max_tokens(self) -> int | None:
+        return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
+
+    @property
+    def requested_logprobs(self) -> int | None:
+        return (self.top_logprobs or 0) if self.logprobs else None
+
+    def message_dicts(self) -> list[dict[str, Any]]:
+        return [m.model_dump(exclude_none=True) for m in self.messages]
+
+
+class TokenizeRequest(_Request):
+    model: str | None = None
+    prompt: str | None = None
+    messages: list[ChatMessage] | None = None
+    add_special_tokens: bool = True
+    add_generation_prompt: bool = True
+
+
+class DetokenizeRequest(_Request):
+    model: str | None = None
+    tokens: list[int]
+
+
+# -- responses ------------------------------------------------------------------------------------
+
+
+class ErrorInfo(BaseModel):
+    message: str
+    type: str
+    param: str | None = None
+    code: str | None = None
+
+
+class ErrorResponse(BaseModel):
+    error: ErrorInfo
+
+
+class PromptTokensDetails(BaseModel):
+    cached_tokens: int = 0
+
+
+class Usage(BaseModel):
+    prompt_tokens: int
+    completion_tokens: int
+    total_tokens: int
+    prompt_tokens_details: PromptTokensDetails
+
+
+class CompletionLogprobs(BaseModel):
+    """OpenAI's legacy completions format: parallel lists, one entry per generated token."""
+
+    tokens: list[str] = Field(default_factory=list)
+    token_logprobs: list[float] = Field(default_factory=list)
+    top_logprobs: list[dict[str, float]] = Field(default_factory=list)
+    text_offset: list[int] = Field(default_factory=list)
+
+
+class CompletionChoice(BaseModel):
+    index: int = 0
+    text: str
+    logprobs: CompletionLogprobs | None = None
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+
+
+class CompletionResponse(BaseModel):
+    id: str
+    object: Literal["text_completion"] = "text_completion"
+    created: int = Field(default_factory=lambda: int(time.time()))
+    model: str
+    choices: list[CompletionChoice]
+    usage: Usage | None = None
+    system_fingerprint: str | None = None
+
+
+class TopLogprob(BaseModel):
+    token: str
+    logprob: float
+    bytes: list[int]
+
+
+class TokenLogprob(TopLogprob):
+    top_logprobs: list[TopLogprob]
+
+
+class ChatLogprobs(BaseModel):
+    content: list[TokenLogprob]
+
+
+class AssistantMessage(BaseModel):
+    role: Literal["assistant"] = "assistant"
+    content: str
+
+
+class ChatChoice(BaseModel):
+    index: int = 0
+    message: AssistantMessage
+    logprobs: ChatLogprobs | None = None
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+
+
+class ChatCompletionResponse(BaseModel):
+    id: str
+    object: Literal["chat.completion"] = "chat.completion"
+    created: int = Field(default_factory=lambda: int(time.time()))
+    model: str
+    choices: list[ChatChoice]
+    usage: Usage
+    system_fingerprint: str | None = None
+
+
+class DeltaMessage(BaseModel):
+    role: Literal["assistant"] | None = None
+    content: str | None = None
+
+    @model_serializer
+    def _set_fields_only(self) -> dict[str, str]:
+        """A delta carries only what changed, as OpenAI's chunks do."""
+        return {k: v for k, v in (("role", self.role), ("content", self.content)) if v is not None}
+
+
+class ChatStreamChoice(BaseModel):
+    index: int = 0
+    delta: DeltaMessage
+    logprobs: ChatLogprobs | None = None
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+
+
+class ChatCompletionChunk(BaseModel):
+    id: str
+    object: Literal["chat.completion.chunk"] = "chat.completion.chunk"
+    created: int = Field(default_factory=lambda: int(time.time()))
+    model: str
+    choices: list[ChatStreamChoice]
+    usage: Usage | None = None
+    system_fingerprint: str | None = None
+
+
+class ModelCard(BaseModel):
+    id: str
+    object: Literal["model"] = "model"
+    created: int = Field(default_factory=lambda: int(time.time()))
+    owned_by: str = "iterserve"
+    root: str
+    max_model_len: int
+
+
+class ModelList(BaseModel):
+    object: Literal["list"] = "list"
+    data: list[ModelCard]
+
+
+class TokenizeResponse(BaseModel):
+    tokens: list[int]
+    count: int
+    max_model_len: int
+
+
+class DetokenizeResponse(BaseModel):
+    prompt: str
