@@ -1,0 +1,501 @@
+"""OpenAI-compatible HTTP API over one engine: completions, chat, models, tokenize, health, metrics.
+
+Handlers validate and tokenize on the event loop (the tokenizer is only read, never reconfigured)
+and hand requests to :class:`AsyncEngine`, whose thread owns the engine. Every refusal is an
+OpenAI-style ``{"error": {...}}`` body with a 4xx status; only genuine faults give a 5xx.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import hmac
+import json
+import logging
+import math
+import signal
+import time
+import uuid
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from pydantic import BaseModel
+from starlette.background import BackgroundTask
+from starlette.datastructures import Headers
+from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.types import ASGIApp, Receive, Scope, Send
+
+from iterserve import __version__
+from iterserve.engine.llm_engine import LLMEngine
+from iterserve.outputs import CompletionOutput, RequestOutput
+from iterserve.sampling_params import SamplingParams
+from iterserve.server.async_engine import AsyncEngine, EngineDeadError, QueueFullError, RequestStream
+from iterserve.server.metrics import ServerMetrics
+from iterserve.server.protocol import (
+    APIError, AssistantMessage, ChatChoice, ChatCompletionChunk, ChatCompletionRequest, ChatCompletionResponse,
+    ChatLogprobs, ChatStreamChoice, CompletionChoice, CompletionLogprobs, CompletionRequest, CompletionResponse,
+    DeltaMessage, DetokenizeRequest, DetokenizeResponse, ModelCard, ModelList, PromptTokensDetails, TokenizeRequest,
+    TokenizeResponse, TokenLogprob, TopLogprob, Usage, bad_request,
+)
+from iterserve.tokenizer import Tokenizer
+
+logger = logging.getLogger(__name__)
+
+SHUTDOWN_GRACE_S = 5.0  # in-flight requests may finish within this; later ones are aborted
+RETRY_AFTER_S = 1
+PUBLIC_PATHS = frozenset({"/health", "/metrics", "/version"})
+MIN_LOGPROB = -9999.0  # stands in for -inf, which JSON cannot carry
+
+TokenLogprobs = list[tuple[int, dict[int, float]]]  # (sampled token, its logprobs entry) per token
+
+
+def _error_response(error: APIError) -> JSONResponse:
+    return JSONResponse(error.body(), status_code=error.status_code, headers=error.headers)
+
+
+def _sse(payload: BaseModel | dict[str, Any]) -> str:
+    data = payload.model_dump_json() if isinstance(payload, BaseModel) else json.dumps(payload)
+    return f"data: {data}\n\n"
+
+
+def _finite(logprob: float) -> float:
+    return logprob if math.isfinite(logprob) else MIN_LOGPROB
+
+
+def _top(entry: dict[int, float], n: int) -> list[tuple[int, float]]:
+    return sorted(entry.items(), key=lambda kv: kv[1], reverse=True)[:n]
+
+
+def _new_logprobs(c: CompletionOutput) -> TokenLogprobs:
+    """The (token, logprobs) pairs of the tokens this step added."""
+    k = len(c.delta_token_ids)
+    if not k or not c.logprobs:
+        return []
+    return list(zip(c.token_ids[-k:], c.logprobs[-k:]))
+
+
+def _usage(out: RequestOutput) -> Usage:
+    prompt, completion = len(out.prompt_token_ids), len(out.outputs[0].token_ids)
+    return Usage(prompt_tokens=prompt, completion_tokens=completion, total_tokens=prompt + completion,
+                 prompt_tokens_details=PromptTokensDetails(cached_tokens=out.num_cached_tokens))
+
+
+async def _wait_for_disconnect(request: Request) -> None:
+    """Returns when the client goes away (the body has been read, so nothing else arrives)."""
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
+
+
+class _APIKeyMiddleware:
+    """Bearer-key check on everything but the probes; plain ASGI, so streaming is untouched."""
+
+    def __init__(self, app: ASGIApp, api_key: str) -> None:
+        self.app = app
+        self._key = api_key.encode()
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] == "http" and scope["path"] not in PUBLIC_PATHS:
+            scheme, _, token = Headers(scope=scope).get("authorization", "").partition(" ")
+            # header values arrive latin-1 decoded; encoding back gives the client's bytes
+            if scheme.lower() != "bearer" or not hmac.compare_digest(token.strip().encode("latin-1"), self._key):
+                error = APIError(401, "invalid or missing API key; send 'Authorization: Bearer <key>'",
+                                 type="authentication_error", code="invalid_api_key",
+                                 headers={"WWW-Authenticate": "Bearer"})
+                await _error_response(error)(scope, receive, send)
+                return
+        await self.app(scope, receive, send)
+
+
+class OpenAIServing:
+    """The route handlers, bound to one engine."""
+
+    def __init__(self, engine: LLMEngine, async_engine: AsyncEngine, metrics: ServerMetrics, model_name: str) -> None:
+        self.engine = engine
+        self.async_engine = async_engine
+        self.metrics = metrics
+        self.model_name = model_name
+
+    # -- shared steps -------------------------------------------------------------------------
+
+    def _check_model(self, model: str | None) -> None:
+        if model is not None and model != self.model_name:
+            raise APIError(404, f"the model {model!r} does not exist; this server serves {self.model_name!r}",
+                           param="model", code="model_not_found")
+
+    def _tokenizer(self) -> Tokenizer:
+        if self.engine.tokenizer is None:
+            raise bad_request(f"model {self.model_name!r} has no tokenizer; send the prompt as token ids")
+        return self.engine.tokenizer
+
+    def _check_length(self, num_prompt: int, max_tokens: int | None, prompt_param: str) -> None:
+        limit = self.engine.max_model_len
+        if num_prompt == 0:
+            raise bad_request("the prompt is empty", prompt_param)
+        if num_prompt >= limit:
+            raise bad_request(f"the prompt has {num_prompt} tokens but max_model_len is {limit}: no room to generate",
+                              prompt_param, "context_length_exceeded")
+        if max_tokens is not None and num_prompt + max_tokens > limit:
+            raise bad_request(
+                f"prompt ({num_prompt} tokens) + max_tokens ({max_tokens}) = {num_prompt + max_tokens} exceeds "
+                f"max_model_len ({limit})", "max_tokens", "context_length_exceeded",
+            )
+
+    async def _submit(self, request_id: str, prompt: list[int], params: SamplingParams) -> RequestStream:
+        """Queue the request and wait until the engine has taken it (or refused it: a 400)."""
+        try:
+            stream = self.async_engine.add_request(request_id, prompt, params, time.perf_counter())
+        except QueueFullError as e:
+            raise APIError(429, f"the server is at capacity: {e}; retry later", type="rate_limit_error",
+                           code="rate_limit_exceeded", headers={"Retry-After": str(RETRY_AFTER_S)}) from e
+        try:
+            await stream.admitted
+        except ValueError as e:
+            stream.close()
+            raise bad_request(str(e)) from e
+        except BaseException:
+            stream.close()
+            raise
+        return stream
+
+    async def _final_output(self, stream: RequestStream, request: Request) -> RequestOutput | None:
+        """The finished output, or None when the client disconnected first (the request is aborted)."""
+
+        async def last() -> RequestOutput | None:
+            final = None
+            async for output in stream:
+                final = output
+            return final
+
+        result = asyncio.ensure_future(last())
+        disconnect = asyncio.ensure_future(_wait_for_disconnect(request))
+        try:
+            done, _ = await asyncio.wait({result, disconnect}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            disconnect.cancel()
+            if not result.done():
+                result.cancel()
+            stream.close()
+        return result.result() if result in done else None
+
+    def _token_text(self, token_id: int) -> str:
+        tokenizer = self.engine.tokenizer
+        return tokenizer.decode([token_id], skip_special_tokens=False) if tokenizer else f"token_id:{token_id}"
+
+    def _completion_logprobs(self, pairs: TokenLogprobs, n: int, offset: int) -> CompletionLogprobs:
+        """OpenAI's legacy format; ``offset`` is where the first token's text starts."""
+        lp = CompletionLogprobs()
+        for token, entry in pairs:
+            text = self._token_text(token)
+            lp.tokens.append(text)
+            lp.token_logprobs.append(_finite(entry[token]))
+            top = _top(entry, n) if n else [(token, entry[token])]
+            lp.top_logprobs.append({self._token_text(t): _finite(v) for t, v in top})
+            lp.text_offset.append(offset)
+            offset += len(text)
+        return lp
+
+    def _chat_logprobs(self, pairs: TokenLogprobs, n: int) -> ChatLogprobs:
+        def top_logprob(token: int, logprob: float) -> TopLogprob:
+            text = self._token_text(token)
+            return TopLogprob(token=text, logprob=_finite(logprob), bytes=list(text.encode()))
+
+        content = []
+        for token, entry in pairs:
+            sampled = top_logprob(token, entry[token])
+            alternatives = [top_logprob(*kv) for kv in _top(entry, n)]
+            content.append(TokenLogprob(**sampled.model_dump(), top_logprobs=alternatives))
+        return ChatLogprobs(content=content)
+
+    def _streaming(self, events: AsyncIterator[str], stream: RequestStream) -> StreamingResponse:
+        # The background task aborts the request when the client left before the generator ran.
+        return StreamingResponse(events, media_type="text/event-stream", headers={"Cache-Control": "no-cache"},
+                                 background=BackgroundTask(stream.close))
+
+    # -- completions --------------------------------------------------------------------------
+
+    def _completion_prompt(self, prompt: str | list[int] | list[str] | list[list[int]]) -> tuple[list[int], str]:
+        """Token ids and text of the one prompt (a one-element batch is unwrapped)."""
+        if isinstance(prompt, list) and prompt and isinstance(prompt[0], (str, list)):
+            if len(prompt) != 1:
+                raise bad_request(f"got {len(prompt)} prompts; send one prompt per request", "prompt")
+            prompt = prompt[0]
+        if isinstance(prompt, str):
+            return self._tokenizer().encode(prompt), prompt
+        tokenizer = self.engine.tokenizer
+        vocab = self.engine.model_config.vocab_size
+        if any(not 0 <= t < vocab for t in prompt):
+            raise bad_request(f"prompt token ids must be in [0, {vocab})", "prompt")
+        return list(prompt), tokenizer.decode(prompt, skip_special_tokens=False) if tokenizer else ""
+
+    async def completions(self, body: CompletionRequest, request: Request) -> Response:
+        self._check_model(body.model)
+        body.check_supported()
+        params = body.sampling_params(body.max_tokens, body.logprobs)
+        prompt_ids, prompt_text = self._completion_prompt(body.prompt)
+        self._check_length(len(prompt_ids), body.max_tokens, "prompt")
+        request_id = f"cmpl-{uuid.uuid4().hex}"
+        stream = await self._submit(request_id, prompt_ids, params)
+        echo = prompt_text if body.echo else ""
+        if body.stream:
+            return self._streaming(self._completion_events(stream, body, echo), stream)
+        final = await self._final_output(stream, request)
+        if final is None:
+            return Response(status_code=499)
+        c = final.outputs[0]
+        logprobs = None
+        if body.logprobs is not None:
+            logprobs = self._completion_logprobs(list(zip(c.token_ids, c.logprobs or [])), body.logprobs, len(echo))
+        choice = CompletionChoice(text=echo + c.text, logprobs=logprobs, finish_reason=c.finish_reason,
+                                  stop_reason=c.stop_reason)
+        return JSONResponse(CompletionResponse(id=request_id, model=self.model_name, choices=[choice],
+                                               usage=_usage(final)).model_dump())
+
+    async def _completion_events(self, stream: RequestStream, body: CompletionRequest, echo: str) -> AsyncIterator[str]:
+        created = int(time.time())
+        offset, final = len(echo), None
+        try:
+            async for out in stream:
+                c, final = out.outputs[0], out
+                text = echo + c.delta_text
+                echo = ""
+                logprobs = None
+                if body.logprobs is not None:
+                    logprobs = self._completion_logprobs(_new_logprobs(c), body.logprobs, offset)
+                    offset += sum(map(len, logprobs.tokens))
+                if not text and not c.finished and not (logprobs and logprobs.tokens):
+                    continue
+                choice = CompletionChoice(text=text, logprobs=logprobs, finish_reason=c.finish_reason,
+                                          stop_reason=c.stop_reason)
+                yield _sse(CompletionResponse(id=stream.request_id, created=created, model=self.model_name,
+                                              choices=[choice]))
+            if body.include_usage and final is not None:
+                yield _sse(CompletionResponse(id=stream.request_id, created=created, model=self.model_name,
+                                              choices=[], usage=_usage(final)))
+        except EngineDeadError as e:
+            yield _sse(_engine_dead(e).body())
+        finally:
+            stream.close()
+        yield "data: [DONE]\n\n"
+
+    # -- chat ---------------------------------------------------------------------------------
+
+    async def chat_completions(self, body: ChatCompletionRequest, request: Request) -> Response:
+        self._check_model(body.model)
+        body.check_supported()
+        max_tokens = body.requested_max_tokens
+        params = body.sampling_params(max_tokens, body.requested_logprobs)
+        tokenizer = self._tokenizer()
+        try:
+            prompt_ids = tokenizer.apply_chat_template(
+                body.message_dicts(), add_generation_prompt=body.add_generation_prompt, tokenize=True
+            )
+        except ValueError as e:
+            raise bad_request(str(e), "messages") from e
+        self._check_length(len(prompt_ids), max_tokens, "messages")
+        request_id = f"chatcmpl-{uuid.uuid4().hex}"
+        stream = await self._submit(request_id, prompt_ids, params)
+        if body.stream:
+            return self._streaming(self._chat_events(stream, body), stream)
+        final = await self._final_output(stream, request)
+        if final is None:
+            return Response(status_code=499)
+        c = final.outputs[0]
+        logprobs = None
+        if body.logprobs:
+            logprobs = self._chat_logprobs(list(zip(c.token_ids, c.logprobs or [])), body.top_logprobs or 0)
+        choice = ChatChoice(message=AssistantMessage(content=c.text), logprobs=logprobs,
+                            finish_reason=c.finish_reason, stop_reason=c.stop_reason)
+        return JSONResponse(ChatCompletionResponse(id=request_id, model=self.model_name, choices=[choice],
+                                                   usage=_usage(final)).model_dump())
+
+    async def _chat_events(self, stream: RequestStream, body: ChatCompletionRequest) -> AsyncIterator[str]:
+        created = int(time.time())
+
+        def chunk(choices: list[ChatStreamChoice], usage: Usage | None = None) -> str:
+            return _sse(ChatCompletionChunk(id=stream.request_id, created=created, model=self.model_name,
+                                            choices=choices, usage=usage))
+
+        final = None
+        try:
+            yield chunk([ChatStreamChoice(delta=DeltaMessage(role="assistant", content=""))])
+            async for out in stream:
+                c, final = out.outputs[0], out
+                logprobs = self._chat_logprobs(_new_logprobs(c), body.top_logprobs or 0) if body.logprobs else None
+                if not c.delta_text and not c.finished and not (logprobs and logprobs.content):
+                    continue
+                delta = DeltaMessage(content=c.delta_text or None)
+                yield chunk([ChatStreamChoice(delta=delta, logprobs=logprobs, finish_reason=c.finish_reason,
+                                              stop_reason=c.stop_reason)])
+            if body.include_usage and final is not None:
+                yield chunk([], _usage(final))
+        except EngineDeadError as e:
+            yield _sse(_engine_dead(e).body())
+        finally:
+            stream.close()
+        yield "data: [DONE]\n\n"
+
+    # -- everything else ----------------------------------------------------------------------
+
+    async def models(self) -> ModelList:
+        return ModelList(data=[ModelCard(id=self.model_name, root=self.engine.loaded.name,
+                                         max_model_len=self.engine.max_model_len)])
+
+    async def tokenize(self, body: TokenizeRequest) -> TokenizeResponse:
+        self._check_model(body.model)
+        tokenizer = self._tokenizer()
+        if (body.prompt is None) == (body.messages is None):
+            raise bad_request("send exactly one of 'prompt' and 'messages'", "prompt")
+        if body.messages is not None:
+            try:
+                ids = tokenizer.apply_chat_template([m.model_dump(exclude_none=True) for m in body.messages],
+                                                    add_generation_prompt=body.add_generation_prompt, tokenize=True)
+            except ValueError as e:
+                raise bad_request(str(e), "messages") from e
+        else:
+            ids = tokenizer.encode(body.prompt or "", add_special_tokens=body.add_special_tokens)
+        return TokenizeResponse(tokens=ids, count=len(ids), max_model_len=self.engine.max_model_len)
+
+    async def detokenize(self, body: DetokenizeRequest) -> DetokenizeResponse:
+        self._check_model(body.model)
+        tokenizer = self._tokenizer()
+        vocab = tokenizer.vocab_size
+        if any(not 0 <= t < vocab for t in body.tokens):
+            raise bad_request(f"token ids must be in [0, {vocab})", "tokens")
+        return DetokenizeResponse(prompt=tokenizer.decode(body.tokens))
+
+    async def health(self) -> Response:
+        if not self.async_engine.is_running:
+            return _error_response(APIError(503, "the engine loop is not running", type="server_error"))
+        return JSONResponse({"status": "ok"})
+
+    async def version(self) -> dict[str, str]:
+        return {"version": __version__}
+
+    async def prometheus(self) -> Response:
+        return Response(self.metrics.render(), media_type="text/plain; version=0.0.4; charset=utf-8")
+
+
+# -- errors -----------------------------------------------------------------------------------------
+
+
+def _engine_dead(error: EngineDeadError) -> APIError:
+    return APIError(503, str(error), type="server_error", code="engine_unavailable")
+
+
+async def _on_api_error(request: Request, exc: Exception) -> Response:
+    assert isinstance(exc, APIError)
+    return _error_response(exc)
+
+
+async def _on_engine_dead(request: Request, exc: Exception) -> Response:
+    assert isinstance(exc, EngineDeadError)
+    return _error_response(_engine_dead(exc))
+
+
+async def _on_validation_error(request: Request, exc: Exception) -> Response:
+    """FastAPI's 422 becomes OpenAI's 400, naming the offending parameter."""
+    assert isinstance(exc, RequestValidationError)
+    errors = exc.errors()
+    if not errors:
+        return _error_response(bad_request("invalid request body"))
+    first = errors[0]
+    if first.get("type") == "json_invalid":
+        reason = (first.get("ctx") or {}).get("error")
+        return _error_response(bad_request(f"the body is not valid JSON: {reason}" if reason else
+                                           "the body is not valid JSON"))
+    loc = [str(part) for part in first.get("loc", ()) if part != "body"]
+    if not loc and first.get("type") in ("missing", "model_attributes_type"):
+        return _error_response(bad_request("the request body must be a JSON object"))
+    where = ".".join(loc)
+    message = f"{where}: {first.get('msg')}" if where else str(first.get("msg"))
+    return _error_response(bad_request(message, loc[0] if loc else None))
+
+
+async def _on_http_error(request: Request, exc: Exception) -> Response:
+    assert isinstance(exc, StarletteHTTPException)
+    message = f"no route for {request.method} {request.url.path}" if exc.status_code == 404 else str(exc.detail)
+    kind = "invalid_request_error" if exc.status_code < 500 else "server_error"
+    return _error_response(APIError(exc.status_code, message, type=kind, headers=exc.headers))
+
+
+async def _on_internal_error(request: Request, exc: Exception) -> Response:
+    logger.exception("internal error on %s %s", request.method, request.url.path, exc_info=exc)
+    return _error_response(APIError(500, f"internal server error: {type(exc).__name__}", type="server_error"))
+
+
+# -- app and server ---------------------------------------------------------------------------------
+
+
+def build_app(engine: LLMEngine, *, served_model_name: str, api_key: str | None, max_waiting: int) -> FastAPI:
+    """An app serving ``engine``; its lifespan starts and stops the engine thread.
+
+    One engine must be driven by one running app at a time.
+    """
+    metrics = ServerMetrics(engine, served_model_name)
+    async_engine = AsyncEngine(engine, max_waiting, metrics)
+    serving = OpenAIServing(engine, async_engine, metrics, served_model_name)
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        await async_engine.start()
+        logger.info("engine loop started; serving %r", served_model_name)
+        try:
+            yield
+        finally:
+            await async_engine.stop()
+            logger.info("engine loop stopped")
+
+    # strict_content_type=False: a body sent without a Content-Type is still read as JSON
+    app = FastAPI(title="iterserve", version=__version__, lifespan=lifespan, strict_content_type=False)
+    app.add_exception_handler(APIError, _on_api_error)
+    app.add_exception_handler(EngineDeadError, _on_engine_dead)
+    app.add_exception_handler(RequestValidationError, _on_validation_error)
+    app.add_exception_handler(StarletteHTTPException, _on_http_error)
+    app.add_exception_handler(Exception, _on_internal_error)
+    if api_key:
+        app.add_middleware(_APIKeyMiddleware, api_key=api_key)
+
+    app.post("/v1/completions", response_model=None)(serving.completions)
+    app.post("/v1/chat/completions", response_model=None)(serving.chat_completions)
+    app.get("/v1/models")(serving.models)
+    app.post("/tokenize")(serving.tokenize)
+    app.post("/detokenize")(serving.detokenize)
+    app.get("/health", response_model=None)(serving.health)
+    app.get("/version")(serving.version)
+    app.get("/metrics", response_model=None)(serving.prometheus)
+    return app
+
+
+def _url(host: str, port: int) -> str:
+    return f"http://[{host}]:{port}" if ":" in host else f"http://{host}:{port}"
+
+
+def run_server(args: argparse.Namespace) -> int:
+    """``iterserve serve``: load the model, serve until SIGINT/SIGTERM, exit 0 after a graceful stop."""
+    import uvicorn
+
+    from iterserve.cli import engine_config_from_args
+
+    engine = LLMEngine(engine_config_from_args(args))
+    name = args.served_model_name or args.model
+    app = build_app(engine, served_model_name=name, api_key=args.api_key, max_waiting=args.max_waiting)
+    cap = engine.capacity
+    logger.info("KV cache: %d blocks x %d tokens = %d tokens, max_model_len %d (%d full-length sequences)",
+                cap["num_blocks"], cap["block_size"], cap["total_tokens"], cap["max_model_len"],
+                cap["max_full_length_seqs"])
+    logger.info("OpenAI-compatible API for %r at %s/v1", name, _url(args.host, args.port))
+    server = uvicorn.Server(uvicorn.Config(
+        app, host=args.host, port=args.port, log_level=args.log_level.lower(),
+        timeout_graceful_shutdown=SHUTDOWN_GRACE_S,
+    ))
+    # uvicorn re-raises the signal it handled once it has shut down; a no-op handler turns that
+    # into a normal return, so a requested stop exits 0.
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, lambda signum, frame: None)
+    server.run()
+    engine.close()
+    return 0
