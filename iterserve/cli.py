@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 import sys
 import time
 
@@ -96,6 +97,12 @@ def _cmd_generate(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_serve(args: argparse.Namespace) -> int:
+    from iterserve.server import run_server
+
+    return run_server(args)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="iterserve", description=__doc__)
     parser.add_argument("--log-level", default="INFO")
@@ -108,6 +115,17 @@ def build_parser() -> argparse.ArgumentParser:
     add_engine_args(gen)
     add_sampling_args(gen)
     gen.set_defaults(func=_cmd_generate)
+
+    serve = sub.add_parser("serve", help="serve an OpenAI-compatible HTTP API")
+    serve.add_argument("--host", default="127.0.0.1", help="address to bind (loopback unless told otherwise)")
+    serve.add_argument("--port", type=int, default=8000)
+    serve.add_argument("--api-key", default=os.environ.get("ITERSERVE_API_KEY"),
+                       help="require 'Authorization: Bearer KEY' (default: $ITERSERVE_API_KEY)")
+    serve.add_argument("--max-waiting", type=int, default=256,
+                       help="requests allowed to wait for the batch; more are refused with 429")
+    serve.add_argument("--served-model-name", default=None, help="model name clients use (default: --model)")
+    add_engine_args(serve)
+    serve.set_defaults(func=_cmd_serve)
 
     from iterserve.planner_cli import add_plan_parser
 
