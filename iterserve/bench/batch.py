@@ -112,7 +112,8 @@ def median_time(measure: Callable[[int, int], float], batch: int, context: int, 
 def default_batch_sizes(loaded: LoadedModel, context: int, kv_cache_memory: str | int, max_batch: int,
                         block_size: int = 16) -> list[int]:  # fmt: skip
     """Powers of two up to ``max_batch`` whose sequences' KV cache fits in ``kv_cache_memory``."""
-    per_seq = -(-(context + 1) // block_size) * block_size * loaded.config.kv_bytes_per_token(loaded.model.dtype.itemsize)
+    tokens = -(-(context + 1) // block_size) * block_size
+    per_seq = tokens * loaded.config.kv_bytes_per_token(loaded.model.dtype.itemsize)
     fits = min(max_batch, parse_size(kv_cache_memory) // per_seq)
     if fits < 1:
         raise ValueError(f"one sequence of {context} tokens needs more KV cache than {kv_cache_memory!r}")

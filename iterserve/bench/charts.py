@@ -38,8 +38,8 @@ def throughput_latency_chart(series: list[Series], path: str | Path, *, xlabel: 
         for x, y, text in zip(s.throughput, s.latency, s.point_labels):
             ax.annotate(text, (x, y), textcoords="offset points", xytext=(4, 4), fontsize=8)
         if s.knee is not None:
-            ax.scatter([s.throughput[s.knee]], [s.latency[s.knee]], s=200, facecolors="none",
-                       edgecolors=line.get_color(), linewidths=2, label=f"{s.label}: knee ({s.point_labels[s.knee]})")  # fmt: skip
+            ax.scatter([s.throughput[s.knee]], [s.latency[s.knee]], s=200, facecolors="none", linewidths=2,
+                       edgecolors=line.get_color(), label=f"{s.label}: knee ({s.point_labels[s.knee]})")
     ax.set(xlabel=xlabel, ylabel=ylabel, title=title)
     ax.grid(alpha=0.3)
     ax.legend(fontsize=8)
@@ -130,8 +130,10 @@ def serve_charts(results: list[dict[str, Any]], prefix: Path) -> list[Path]:
         if axis == "max concurrency" and len(points) > 1:
             knee_load = measured_knee([x for x, _ in points], [run["median_tpot_ms"] for run in runs])
             knee = next((i for i, (x, _) in enumerate(points) if x == knee_load), None)
-        series.append(Series(result["label"], [run["output_throughput"] for run in runs],
-                             [run["median_tpot_ms"] for run in runs], [run_label(run) for run in runs], knee))  # fmt: skip
+        series.append(Series(
+            result["label"], [run["output_throughput"] for run in runs], [run["median_tpot_ms"] for run in runs],
+            [run_label(run) for run in runs], knee,
+        ))  # fmt: skip
     throughput_latency_chart(series, throughput_path, xlabel="output throughput (tokens/s)",
                              ylabel="median TPOT (ms)", title="throughput against latency")  # fmt: skip
     if not any(points for _, points in axes):

@@ -245,7 +245,8 @@ def _cmd_batch(args: argparse.Namespace) -> int:
         )  # fmt: skip
         print(f"chart written to {chart}")
     if args.output_json:
-        _write_json(args.output_json, {"benchmark": "batch", **asdict(sweep), "max_gain_at_knee": sweep.max_gain_at_knee})
+        result = {"benchmark": "batch", **asdict(sweep), "max_gain_at_knee": sweep.max_gain_at_knee}
+        _write_json(args.output_json, result)
     return 0
 
 
@@ -333,8 +334,9 @@ def add_bench_parser(subparsers: argparse._SubParsersAction) -> None:
     bt.add_argument("--block-size", type=int, default=d.block_size)
     bt.add_argument("--context", type=int, default=256, help="tokens each sequence holds (default %(default)s)")
     bt.add_argument("--batch-sizes", default=None, help="comma-separated (default: 1, 2, 4, ... up to what fits)")
-    bt.add_argument("--kv-cache-memory", default=d.kv_cache_memory, help="bounds the default sweep (default %(default)s)")
-    bt.add_argument("--max-batch", type=int, default=d.max_num_seqs, help="bounds the default sweep (default %(default)s)")
+    bound = "bounds the default sweep (default %(default)s)"
+    bt.add_argument("--kv-cache-memory", default=d.kv_cache_memory, help=bound)
+    bt.add_argument("--max-batch", type=int, default=d.max_num_seqs, help=bound)
     bt.add_argument("--repeats", type=int, default=5, help="timed runs per point; the median is kept")
     bt.add_argument("--elasticity", type=float, default=0.5,
                     help="knee: first batch whose step time grows >= (B/B_prev)^elasticity (default %(default)s)")

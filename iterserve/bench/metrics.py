@@ -70,14 +70,20 @@ def parse_goodput(items: Iterable[str]) -> dict[str, float]:
         except ValueError:
             ms = -1.0
         if name not in SLO_METRICS or ms < 0:
-            raise ValueError(f"goodput SLO {item!r} must be METRIC:MILLISECONDS with METRIC one of {', '.join(SLO_METRICS)}")
+            raise ValueError(
+                f"goodput SLO {item!r} must be METRIC:MILLISECONDS with METRIC one of {', '.join(SLO_METRICS)}"
+            )
         slos[name] = ms
     return slos
 
 
 def _stats(name: str, values_s: Sequence[float], percentiles: Sequence[float]) -> dict[str, float]:
     ms = np.asarray(values_s if len(values_s) else [0.0], dtype=float) * 1000.0
-    out = {f"mean_{name}_ms": float(ms.mean()), f"median_{name}_ms": float(np.median(ms)), f"std_{name}_ms": float(ms.std())}
+    out = {
+        f"mean_{name}_ms": float(ms.mean()),
+        f"median_{name}_ms": float(np.median(ms)),
+        f"std_{name}_ms": float(ms.std()),
+    }
     for p in percentiles:
         out[f"p{percentile_key(p)}_{name}_ms"] = float(np.percentile(ms, p))
     return out

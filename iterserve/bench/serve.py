@@ -60,14 +60,18 @@ def arrival_offsets(n: int, request_rate: float, burstiness: float, seed: int) -
     return [0.0, *np.cumsum(gaps[:-1]).tolist()]
 
 
-def request_payload(r: Request, cfg: ServeConfig, model: str, tokenizer: Tokenizer | None, max_tokens: int) -> dict[str, Any]:
+def request_payload(
+    r: Request, cfg: ServeConfig, model: str, tokenizer: Tokenizer | None, max_tokens: int
+) -> dict[str, Any]:
     """The JSON body for one request; token-id prompts become text unless ``prompt_format`` is ids."""
     prompt = r.prompt
     is_ids = isinstance(prompt, list) and bool(prompt) and isinstance(prompt[0], int)
     is_messages = isinstance(prompt, list) and bool(prompt) and isinstance(prompt[0], dict)
     if is_ids and (cfg.prompt_format == "text" or cfg.chat):
         if tokenizer is None:
-            raise ValueError("sending token-id prompts as text needs a tokenizer; pass --tokenizer or --prompt-format ids")
+            raise ValueError(
+                "sending token-id prompts as text needs a tokenizer; pass --tokenizer or --prompt-format ids"
+            )
         prompt = tokenizer.decode(prompt)
     body: dict[str, Any] = {"model": model, "max_tokens": max_tokens, "temperature": cfg.temperature, "stream": True,
                             "stream_options": {"include_usage": True}}  # fmt: skip
@@ -161,7 +165,8 @@ async def probe(client: httpx.AsyncClient, cfg: ServeConfig) -> str:
     try:
         resp = await client.get("/v1/models", headers=_headers(cfg), timeout=cfg.connect_timeout + 5)
     except httpx.HTTPError as e:
-        raise ValueError(f"cannot reach {cfg.base_url} ({type(e).__name__}: {e or 'no answer'}); is the server running?") from None
+        reason = f"{type(e).__name__}: {e or 'no answer'}"
+        raise ValueError(f"cannot reach {cfg.base_url} ({reason}); is the server running?") from None
     if cfg.model:
         return cfg.model
     try:
@@ -186,7 +191,8 @@ async def _run_once(
 
     async def one(i: int) -> RequestResult:
         await asyncio.sleep(max(0.0, start + offsets[i] - time.perf_counter()))
-        send = send_request(client, cfg.endpoint, bodies[i], requests[i].prompt_len, cfg.chat, tokenizer, headers, start)
+        send = send_request(client, cfg.endpoint, bodies[i], requests[i].prompt_len, cfg.chat, tokenizer, headers,
+                            start)  # fmt: skip
         if gate is None:
             result = await send
         else:
@@ -216,13 +222,16 @@ async def _bench(
     async with _client(cfg) as client:
         model = await probe(client, cfg)
         first = requests[0]
-        check = await send_request(client, cfg.endpoint, request_payload(first, cfg, model, tokenizer, min(2, first.output_len)),
-                                   first.prompt_len, cfg.chat, tokenizer, _headers(cfg), time.perf_counter())  # fmt: skip
+        body = request_payload(first, cfg, model, tokenizer, min(2, first.output_len))
+        check = await send_request(client, cfg.endpoint, body, first.prompt_len, cfg.chat, tokenizer, _headers(cfg),
+                                   time.perf_counter())  # fmt: skip
         if not check.success:
             raise ValueError(f"test request to {cfg.base_url}{cfg.endpoint} failed: {check.error}")
         runs = []
         for point in points:
-            label = f"rate {point.request_rate:g}" + (f", concurrency {point.max_concurrency}" if point.max_concurrency else "")
+            label = f"rate {point.request_rate:g}"
+            if point.max_concurrency:
+                label += f", concurrency {point.max_concurrency}"
             results, duration = await _run_once(client, cfg, model, requests, tokenizer, point.request_rate, burstiness,
                                                 point.max_concurrency, seed, use_tqdm, label)  # fmt: skip
             run: dict[str, Any] = {

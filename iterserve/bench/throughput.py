@@ -31,7 +31,11 @@ from iterserve.tokenizer import Tokenizer
 logger = logging.getLogger(__name__)
 
 # mode -> (batching, kv_allocation)
-ENGINE_MODES = {"continuous": ("continuous", "paged"), "static": ("static", "paged"), "reserved": ("continuous", "reserved")}
+ENGINE_MODES = {
+    "continuous": ("continuous", "paged"),
+    "static": ("static", "paged"),
+    "reserved": ("continuous", "reserved"),
+}
 HF_MODE = "hf-static"
 
 
@@ -71,7 +75,9 @@ def token_prompts(requests: list[Request], tokenizer: Tokenizer | None) -> list[
     return out
 
 
-def fit_to_context(requests: list[Request], prompts: list[list[int]], max_model_len: int) -> tuple[list[Request], list[list[int]]]:
+def fit_to_context(
+    requests: list[Request], prompts: list[list[int]], max_model_len: int
+) -> tuple[list[Request], list[list[int]]]:
     """Drop requests whose prompt plus output would not fit the context, with a warning."""
     keep = [i for i, p in enumerate(prompts) if len(p) + requests[i].output_len <= max_model_len]
     if len(keep) < len(requests):
@@ -116,8 +122,8 @@ def run_engine_mode(
 ) -> ThroughputRun:
     """Run the workload through a fresh engine in ``mode`` (continuous, static or reserved)."""
     batching, kv_allocation = ENGINE_MODES[mode]
-    llm = LLM(loaded.name, loaded=loaded,
-              **_engine_kwargs(config, batching=batching, kv_allocation=kv_allocation, step_trace=step_trace))  # fmt: skip
+    kwargs = _engine_kwargs(config, batching=batching, kv_allocation=kv_allocation, step_trace=step_trace)
+    llm = LLM(loaded.name, loaded=loaded, **kwargs)
     params = [SamplingParams(max_tokens=r.output_len, ignore_eos=True, temperature=temperature, seed=config.seed + i)
               for i, r in enumerate(requests)]  # fmt: skip
     start = time.perf_counter()
@@ -133,7 +139,8 @@ def run_engine_mode(
         request_throughput=len(requests) / elapsed, output_throughput=n_out / elapsed,
         total_token_throughput=(n_in + n_out) / elapsed, peak_running=engine.peak_running,
         num_steps=engine.num_steps, output_tokens_per_step=n_out / engine.num_steps,
-        num_preemptions=engine.num_preemptions, latency=_latency_summary(results, elapsed, percentiles or list(DEFAULT_PERCENTILES)),
+        num_preemptions=engine.num_preemptions,
+        latency=_latency_summary(results, elapsed, percentiles or list(DEFAULT_PERCENTILES)),
         step_trace=step_trace,
     )
 
@@ -155,7 +162,9 @@ def _load_hf_model(name: str, dtype: torch.dtype, device: torch.device):
     elif path.is_dir():
         model = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=dtype)
     else:
-        raise ValueError(f"--hf-baseline needs a model transformers can load (embedded, .gguf or a folder), not {name!r}")
+        raise ValueError(
+            f"--hf-baseline needs a model transformers can load (embedded, .gguf or a folder), not {name!r}"
+        )
     return model.to(device).eval()
 
 

@@ -292,7 +292,7 @@ def load_sharegpt(path: str | Path, tokenizer: Tokenizer) -> list[Request]:
         if not isinstance(turns, list):
             raise ValueError(f"{where}: expected an object with a 'conversations' list")
         for k, turn in enumerate(turns):
-            if not (isinstance(turn, dict) and isinstance(turn.get("from"), str) and isinstance(turn.get("value"), str)):
+            if not (isinstance(turn, dict) and all(isinstance(turn.get(k), str) for k in ("from", "value"))):
                 raise ValueError(f"{where}, turn {k}: expected {{\"from\": str, \"value\": str}}")
         pair = next(
             ((a["value"], b["value"]) for a, b in zip(turns, turns[1:]) if a["from"] == "human" and b["from"] == "gpt"),

@@ -57,8 +57,8 @@ def asked_output_lens() -> list[int]:
 
 def test_concurrency_sweep_writes_vllm_fields_and_charts(server_url, asked_output_lens, tmp_path, capsys):
     out = tmp_path / "serve.json"
-    rc = main(["bench", "serve", "--base-url", server_url, *SMALL, "--sweep-concurrency", "1,4",
-               "--goodput", "ttft:60000", "tpot:60000", "--percentiles", "50,99", "--output-json", str(out)])  # fmt: skip
+    rc = main(["bench", "serve", "--base-url", server_url, *SMALL, "--sweep-concurrency", "1,4", "--goodput",
+               "ttft:60000", "tpot:60000", "--percentiles", "50,99", "--output-json", str(out)])  # fmt: skip
     assert rc == 0
     table = capsys.readouterr().out
     assert "model tiny" in table and "goodput req/s" in table

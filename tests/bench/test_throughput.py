@@ -106,7 +106,8 @@ def test_prompts_that_do_not_fit_are_skipped(loaded):
 
 def test_hf_baseline_runs_padded_batches_to_their_longest_output(tmp_path):
     cfg = transformers.LlamaConfig(vocab_size=300, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
-                                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128)  # fmt: skip
+                                   num_attention_heads=4, num_key_value_heads=2,
+                                   max_position_embeddings=128)  # fmt: skip
     torch.manual_seed(0)
     transformers.LlamaForCausalLM(cfg).save_pretrained(tmp_path)
     tiny = load_model(str(tmp_path), dtype="float32", device="cpu")

@@ -147,7 +147,8 @@ def test_sharegpt_uses_the_human_prompt_and_the_gpt_reply_length(tmp_path, token
 @pytest.mark.parametrize(
     "data, message",
     [({"conversations": []}, "expected a JSON list"),
-     ([sharegpt_entry(("human", "a"), ("gpt", "b")), {"turns": []}], r"entry 1: expected an object with a 'conversations'"),
+     ([sharegpt_entry(("human", "a"), ("gpt", "b")), {"turns": []}],
+      r"entry 1: expected an object with a 'conversations'"),
      ([{"conversations": [{"from": "human", "value": 3}]}], r"entry 0, turn 0"),
      ([sharegpt_entry(("gpt", "x"))], "no conversation has a human turn")],
 )  # fmt: skip
