@@ -122,3 +122,19 @@ def test_bad_load_options_are_refused(capsys):
     assert main([*base, "--sweep-concurrency", "1.5"]) == 2
     assert main([*base, "--goodput", "latency:5"]) == 2
     assert "METRIC:MILLISECONDS" in capsys.readouterr().err
+
+
+def test_plot_overlays_vllm_results_and_refuses_other_files(tmp_path, capsys):
+    fields = {"median_ttft_ms": 50.0, "p99_ttft_ms": 80.0, "median_tpot_ms": 12.0, "p99_tpot_ms": 15.0}
+    for rate in (1, 2):  # what `vllm bench serve --save-result` writes: one run per file
+        vllm = {"backend": "vllm", "request_rate": rate, "burstiness": 1.0, "max_concurrency": None,
+                "request_throughput": rate * 0.9, "output_throughput": rate * 100.0, **fields}  # fmt: skip
+        (tmp_path / f"vllm-{rate}.json").write_text(json.dumps(vllm))
+    prefix = tmp_path / "cmp"
+    assert main(["bench", "plot", str(tmp_path / "vllm-1.json"), str(tmp_path / "vllm-2.json"),
+                 "--output-prefix", str(prefix)]) == 0  # fmt: skip
+    assert (tmp_path / "cmp_latency.png").is_file() and (tmp_path / "cmp_throughput.png").is_file()
+    (tmp_path / "other.json").write_text(json.dumps({"benchmark": "batch", "points": []}))
+    assert main(["bench", "plot", str(tmp_path / "other.json")]) == 2
+    assert main(["bench", "plot", str(tmp_path / "vllm-1.json"), "--labels", "a,b"]) == 2
+    assert "not a bench serve result" in capsys.readouterr().err
