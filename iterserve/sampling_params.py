@@ -2,7 +2,12 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
+
+# Below this temperature sampling is indistinguishable from greedy, and dividing logits by it
+# overflows float32; such requests are decoded greedily (as vLLM does).
+GREEDY_TEMPERATURE = 1e-5
 
 
 @dataclass
@@ -36,13 +41,23 @@ class SamplingParams:
         self.stop_token_ids = list(self.stop_token_ids or [])
         if self.top_k == -1:
             self.top_k = 0
+        floats = ("temperature", "top_p", "min_p", "repetition_penalty", "presence_penalty", "frequency_penalty")
+        for name in floats:
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+                raise ValueError(f"{name} must be a finite number, got {value!r}")
+        if self.temperature < GREEDY_TEMPERATURE and self.temperature >= 0:
+            self.temperature = 0.0
         checks = [
             (self.n == 1, f"n must be 1, got {self.n}"),
             (self.temperature >= 0, f"temperature must be >= 0, got {self.temperature}"),
             (0 < self.top_p <= 1, f"top_p must be in (0, 1], got {self.top_p}"),
             (self.top_k >= 0, f"top_k must be -1 (disabled) or >= 1, got {self.top_k}"),
             (0 <= self.min_p <= 1, f"min_p must be in [0, 1], got {self.min_p}"),
-            (self.repetition_penalty > 0, f"repetition_penalty must be > 0, got {self.repetition_penalty}"),
+            (self.temperature <= 100, f"temperature must be <= 100, got {self.temperature}"),
+            (1e-8 <= self.top_p, f"top_p must be >= 1e-8, got {self.top_p}"),
+            (0.01 <= self.repetition_penalty <= 100,
+             f"repetition_penalty must be in [0.01, 100], got {self.repetition_penalty}"),
             (-2 <= self.presence_penalty <= 2, f"presence_penalty must be in [-2, 2], got {self.presence_penalty}"),
             (-2 <= self.frequency_penalty <= 2,
              f"frequency_penalty must be in [-2, 2], got {self.frequency_penalty}"),
@@ -54,7 +69,8 @@ class SamplingParams:
             (all(isinstance(s, str) and s for s in self.stop), "stop must be a list of non-empty strings"),
             (all(isinstance(t, int) and t >= 0 for t in self.stop_token_ids),
              "stop_token_ids must be non-negative integers"),
-            (self.seed is None or isinstance(self.seed, int), f"seed must be an integer, got {self.seed!r}"),
+            (self.seed is None or (isinstance(self.seed, int) and -(2**63) <= self.seed < 2**64),
+             f"seed must be a 64-bit integer, got {self.seed!r}"),
         ]
         for ok, message in checks:
             if not ok:

@@ -35,3 +35,24 @@ def test_invalid_values_raise(kwargs, field):
 def test_normalisation():
     p = SamplingParams(stop="###", top_k=-1, temperature=0)
     assert p.stop == ["###"] and p.top_k == 0 and p.greedy and not p.has_penalties
+
+
+@pytest.mark.parametrize(
+    "kwargs, field",
+    [
+        ({"temperature": float("nan")}, "temperature"),
+        ({"temperature": 1e39}, "temperature"),
+        ({"top_p": 1e-45}, "top_p"),
+        ({"repetition_penalty": 1e-39}, "repetition_penalty"),
+        ({"presence_penalty": float("inf")}, "presence_penalty"),
+        ({"seed": 2**70}, "seed"),
+    ],
+)
+def test_values_that_would_break_a_batch_are_refused(kwargs, field):
+    """Extreme values overflow float32 in the sampler and would fail every request in the step."""
+    with pytest.raises(ValueError, match=field):
+        SamplingParams(**kwargs)
+
+
+def test_vanishing_temperature_is_greedy():
+    assert SamplingParams(temperature=1e-40).greedy
