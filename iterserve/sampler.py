@@ -72,6 +72,20 @@ def _truncate(logits: torch.Tensor, p: SamplingParams) -> torch.Tensor:
     return probs / probs.sum()
 
 
+def _draw(probs: torch.Tensor, generator: torch.Generator) -> int:
+    """One draw from ``probs`` by inverting its CDF with a single uniform number.
+
+    ``torch.multinomial`` spends most of a millisecond on a 49k vocabulary filling random
+    numbers; one uniform and a binary search over the cumulative sum cost a few percent of that.
+    """
+    cdf = probs.cumsum(-1)
+    u = torch.rand(1, generator=generator, device=probs.device) * cdf[-1]
+    index = int(torch.searchsorted(cdf, u, right=True).item())
+    if index >= probs.shape[-1]:  # u rounded up to the total: take the last token with mass
+        index = int(probs.nonzero()[-1].item())
+    return index
+
+
 class Sampler:
     """Samples one token per row; ``generator`` serves requests that have no seed of their own."""
 
@@ -91,8 +105,7 @@ class Sampler:
         for i, row in enumerate(rows):
             if not row.params.greedy:
                 probs = _truncate(logits[i], row.params)
-                gen = row.generator or self.generator
-                tokens[i] = int(torch.multinomial(probs, 1, generator=gen).item())
+                tokens[i] = _draw(probs, row.generator or self.generator)
         logprobs: list[dict[int, float] | None] = [None] * len(rows)
         if raw_logprobs is not None:
             for i, row in enumerate(rows):

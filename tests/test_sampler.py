@@ -72,3 +72,14 @@ def test_logprobs_are_raw_log_softmax():
     ref = torch.log_softmax(torch.tensor(logits[0]), -1)
     lp = res.logprobs[0]
     assert set(lp) >= {1, 2} and lp[2] == pytest.approx(ref[2].item())
+
+
+def test_draws_follow_the_distribution_and_never_pick_zero_mass():
+    probs = [0.1, 0.0, 0.6, 0.3]
+    logits = [math.log(p) if p else float("-inf") for p in probs]
+    s = Sampler(torch.Generator().manual_seed(3))
+    t = torch.tensor([logits])
+    picks = [s(t.clone(), [row(temperature=1.0)]).token_ids[0] for _ in range(4000)]
+    freq = [picks.count(i) / len(picks) for i in range(4)]
+    assert freq[1] == 0
+    assert all(abs(f - p) < 0.03 for f, p in zip(freq, probs))
