@@ -167,32 +167,19 @@ def _fmt_bw(b: float) -> str:
 
 
 def _print_table(title: str, headers: Sequence[str], rows: Sequence[Sequence[str]], out: TextIO) -> None:
-    try:
-        from rich.console import Console
-        from rich.table import Table
-    except ImportError:
-        Console = None  # noqa: N806
-    if Console is not None:
-        table = Table()
-        for i, h in enumerate(headers):
-            table.add_column(h, justify="left" if i == 0 else "right")
-        for row in rows:
-            table.add_row(*row)
-        width = None if out.isatty() else max(100, 4 + sum(
-            max(len(str(c)) for c in col) + 3 for col in zip(headers, *rows)))  # fmt: skip
-        console = Console(file=out, width=width, highlight=False)
-        console.print(title, markup=False)
-        console.print(table)
-        return
-    widths = [max(len(str(c)) for c in col) for col in zip(headers, *rows)]
-    print(title, file=out)
-    line = "  ".join(h.ljust(w) if i == 0 else h.rjust(w) for i, (h, w) in enumerate(zip(headers, widths)))
-    print(line, file=out)
-    print("-" * len(line), file=out)
+    from rich.console import Console
+    from rich.table import Table
+
+    table = Table()
+    for i, h in enumerate(headers):
+        table.add_column(h, justify="left" if i == 0 else "right")
     for row in rows:
-        print("  ".join(c.ljust(w) if i == 0 else c.rjust(w) for i, (c, w) in enumerate(zip(row, widths))),
-              file=out)  # fmt: skip
-    print(file=out)
+        table.add_row(*row)
+    width = None if out.isatty() else max(100, 4 + sum(
+        max(len(str(c)) for c in col) + 3 for col in zip(headers, *rows)))  # fmt: skip
+    console = Console(file=out, width=width, highlight=False)
+    console.print(title, markup=False)
+    console.print(table)
 
 
 def _knee_text(p: planner.Plan) -> str:
