@@ -1,9 +1,11 @@
 """PagedAttention over a block-structured KV cache.
 
-Every layer owns one cache tensor per K and V shaped ``[num_blocks, block_size, kv_heads, head_dim]``.
+Every layer owns one cache tensor per K and V shaped ``[num_blocks, kv_heads, block_size, head_dim]``.
 A sequence's tokens live in the blocks listed in its block table; token ``i`` of a sequence sits in
 block ``table[i // block_size]`` at offset ``i % block_size``, i.e. at the flat *slot*
-``table[i // block_size] * block_size + i % block_size``.
+``table[i // block_size] * block_size + i % block_size``. Heads come before offsets inside a block
+so that gathering one head's rows of a sequence's blocks, in order, yields that head's K (or V) as
+one contiguous ``[context, head_dim]`` matrix, ready for a matmul without any re-layout.
 
 One forward pass carries a flattened batch: first the decode tokens of many sequences (one token
 each), then the prompt chunks of prefilling sequences. New K/V are written to their slots, then
@@ -23,7 +25,7 @@ import torch.nn.functional as F
 class KVCache:
     """K and V block pools of one layer."""
 
-    k: torch.Tensor  # [num_blocks, block_size, kv_heads, head_dim]
+    k: torch.Tensor  # [num_blocks, kv_heads, block_size, head_dim]
     v: torch.Tensor
 
     @classmethod
@@ -31,7 +33,7 @@ class KVCache:
         cls, num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int,
         dtype: torch.dtype, device: torch.device | str,
     ) -> "KVCache":
-        shape = (num_blocks, block_size, num_kv_heads, head_dim)
+        shape = (num_blocks, num_kv_heads, block_size, head_dim)
         return cls(torch.zeros(shape, dtype=dtype, device=device), torch.zeros(shape, dtype=dtype, device=device))
 
 
@@ -135,23 +137,23 @@ def paged_attention(
     scale: float,
 ) -> torch.Tensor:
     """Write this step's K/V into the cache, then attend; returns [num_tokens, num_heads, head_dim]."""
-    num_blocks, block_size, kv_heads, head_dim = cache.k.shape
-    cache.k.view(-1, kv_heads, head_dim).index_copy_(0, meta.slot_mapping, k)
-    cache.v.view(-1, kv_heads, head_dim).index_copy_(0, meta.slot_mapping, v)
+    num_blocks, kv_heads, block_size, head_dim = cache.k.shape
+    blocks, offsets = meta.slot_mapping // block_size, meta.slot_mapping % block_size
+    cache.k[blocks, :, offsets] = k
+    cache.v[blocks, :, offsets] = v
     out = torch.empty_like(q)
     n_dec = meta.num_decode_tokens
     if n_dec:
-        # Gather each decode sequence's blocks (one row copy per block), then attend with two
-        # batched matmuls; GQA groups share their K/V head without repeating it.
+        # Gather every decode sequence's blocks head by head into [S, kv_heads, T, D], then attend
+        # with two batched matmuls; GQA groups share their K/V head without repeating it.
         tables = meta.decode_block_tables
-        seqs, max_blocks = tables.shape
-        ctx = max_blocks * block_size
-        keys = _gather_blocks(cache.k, tables.reshape(-1)).view(seqs, ctx, kv_heads, head_dim)
-        values = _gather_blocks(cache.v, tables.reshape(-1)).view(seqs, ctx, kv_heads, head_dim)
+        seqs = tables.shape[0]
+        keys = _gather_heads(cache.k, tables).view(seqs, kv_heads, -1, head_dim)
+        values = _gather_heads(cache.v, tables).view(seqs, kv_heads, -1, head_dim)
         qd = q[:n_dec].view(seqs, kv_heads, -1, head_dim)
-        scores = torch.matmul(qd, keys.permute(0, 2, 3, 1)).float() * scale + meta.decode_bias
+        scores = torch.matmul(qd, keys.transpose(-1, -2)).float() * scale + meta.decode_bias
         probs = scores.softmax(dim=-1).to(q.dtype)
-        out[:n_dec] = torch.matmul(probs, values.transpose(1, 2)).view(n_dec, -1, head_dim)
+        out[:n_dec] = torch.matmul(probs, values).view(n_dec, -1, head_dim)
     for span in meta.prefills:
         qs = q[span.start:span.end].transpose(0, 1).unsqueeze(0)  # [1, H, chunk, D]
         if span.num_cached == 0 and span.mask is None:
@@ -160,15 +162,21 @@ def paged_attention(
             vs = v[span.start:span.end].transpose(0, 1).unsqueeze(0)
             o = F.scaled_dot_product_attention(qs, ks, vs, is_causal=True, scale=scale, enable_gqa=True)
         else:
-            ks = _gather_blocks(cache.k, span.block_table)[: span.context_len].transpose(0, 1).unsqueeze(0)
-            vs = _gather_blocks(cache.v, span.block_table)[: span.context_len].transpose(0, 1).unsqueeze(0)
+            table = span.block_table[None]
+            ks = _gather_heads(cache.k, table).view(1, kv_heads, -1, head_dim)[:, :, : span.context_len]
+            vs = _gather_heads(cache.v, table).view(1, kv_heads, -1, head_dim)[:, :, : span.context_len]
             o = F.scaled_dot_product_attention(qs, ks, vs, attn_mask=span.mask, scale=scale, enable_gqa=True)
         out[span.start:span.end] = o.squeeze(0).transpose(0, 1)
     return out
 
 
-def _gather_blocks(pool: torch.Tensor, block_ids: torch.Tensor) -> torch.Tensor:
-    """K or V rows of the listed blocks, in order: [len(block_ids) * block_size, kv_heads, head_dim].
-    ``index_select`` on whole blocks copies contiguous rows, far cheaper than fancy indexing."""
-    num_blocks, block_size, kv_heads, head_dim = pool.shape
-    return pool.view(num_blocks, -1).index_select(0, block_ids).view(-1, kv_heads, head_dim)
+def _gather_heads(pool: torch.Tensor, tables: torch.Tensor) -> torch.Tensor:
+    """Rows of the listed blocks ordered (sequence, head, block): ``[S * kv_heads * n * block_size, D]``.
+
+    ``tables`` is ``[S, n]``; each (block, head) row of the pool is ``block_size x head_dim``
+    contiguous values, and ``index_select`` copies whole rows, far cheaper than fancy indexing.
+    """
+    num_blocks, kv_heads, block_size, head_dim = pool.shape
+    heads = torch.arange(kv_heads, device=tables.device)
+    rows = (tables[:, None, :] * kv_heads + heads[None, :, None]).reshape(-1)
+    return pool.view(num_blocks * kv_heads, -1).index_select(0, rows).view(-1, head_dim)

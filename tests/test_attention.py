@@ -86,8 +86,8 @@ def test_new_tokens_land_in_their_slots():
     meta = AttentionMetadata.build(block_size=BS, block_tables=[[5, 2]], num_cached=[0], query_lens=[6])
     paged_attention(torch.randn(6, H, D), k, torch.randn(6, KVH, D), cache, meta, 1.0)
     assert meta.slot_mapping.tolist() == [20, 21, 22, 23, 8, 9]
-    torch.testing.assert_close(cache.k[5], k[:4])
-    torch.testing.assert_close(cache.k[2, :2], k[4:])
+    torch.testing.assert_close(cache.k[5].transpose(0, 1), k[:4])  # [kv_heads, offset, D] per block
+    torch.testing.assert_close(cache.k[2, :, :2].transpose(0, 1), k[4:])
     assert cache.k[[0, 1, 3, 4, 6, 7]].abs().sum() == 0
 
 
