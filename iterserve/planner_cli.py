@@ -295,12 +295,8 @@ def chart_plans(plans: list[planner.Plan], path: str) -> None:
         if p.capacity.max_seqs >= 1:
             for ax in (ax_tps, ax_lat):
                 ax.axvline(p.capacity.max_seqs, color=color, ls=":", lw=1)
-    for ax, ylabel in ((ax_tps, "tokens/s (all sequences)"), (ax_lat, "per-token latency, ms (TPOT)")):
-        ax.set_xscale("log", base=2)
-        ax.set_yscale("log")
-        ax.set_xlabel("batch size (concurrent sequences)")
-        ax.set_ylabel(ylabel)
-        ax.grid(True, which="both", alpha=0.3)
+    _log_batch_axes(((ax_tps, "tokens/s (all sequences)"), (ax_lat, "per-token latency, ms (TPOT)")),
+                    "batch size (concurrent sequences)")
     first = plans[0]
     ax_tps.legend(fontsize=8)
     fig.suptitle(
@@ -310,6 +306,16 @@ def chart_plans(plans: list[planner.Plan], path: str) -> None:
     )
     fig.tight_layout()
     fig.savefig(path, dpi=120)
+
+
+def _log_batch_axes(axes: Sequence[tuple[Any, str]], xlabel: str) -> None:
+    """Log-log axes against batch size, as every planner chart draws them."""
+    for ax, ylabel in axes:
+        ax.set_xscale("log", base=2)
+        ax.set_yscale("log")
+        ax.set_xlabel(xlabel)
+        ax.set_ylabel(ylabel)
+        ax.grid(True, which="both", alpha=0.3)
 
 
 def chart_validation(v: planner.Validation, path: str) -> None:
@@ -327,12 +333,7 @@ def chart_validation(v: planner.Validation, path: str) -> None:
         if knee is not None:
             for ax in (ax_t, ax_tps):
                 ax.axvline(knee, color=color, ls="--", lw=1, label=f"{label} B={knee}" if ax is ax_t else None)
-    for ax, ylabel in ((ax_t, "decode step time, ms"), (ax_tps, "tokens/s")):
-        ax.set_xscale("log", base=2)
-        ax.set_yscale("log")
-        ax.set_xlabel("batch size")
-        ax.set_ylabel(ylabel)
-        ax.grid(True, which="both", alpha=0.3)
+    _log_batch_axes(((ax_t, "decode step time, ms"), (ax_tps, "tokens/s")), "batch size")
     ax_t.legend(fontsize=8)
     fig.suptitle(f"{v.model}, {v.dtype}, decode at {v.context} ctx on {v.hardware.name}", fontsize=10)
     fig.tight_layout()
