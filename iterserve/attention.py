@@ -46,6 +46,13 @@ class PrefillSpan:
     context_len: int  # tokens in the cache after this step (cached prefix + this chunk)
     block_table: torch.Tensor  # [num_blocks_of_seq] block ids covering context_len
     mask: torch.Tensor | None = None  # [chunk, context_len] bool, None when the chunk starts at 0
+    _rows: torch.Tensor | None = field(default=None, repr=False)
+
+    def rows(self, kv_heads: int) -> torch.Tensor:
+        """Cache rows to gather for this sequence (computed once per step, shared by all layers)."""
+        if self._rows is None:
+            self._rows = _head_rows(self.block_table[None], kv_heads)
+        return self._rows
 
     @property
     def num_cached(self) -> int:
@@ -60,10 +67,19 @@ class AttentionMetadata:
     """
 
     slot_mapping: torch.Tensor  # [num_tokens] flat cache slot of every new token
+    slot_blocks: torch.Tensor  # [num_tokens] its block (slot // block_size)
+    slot_offsets: torch.Tensor  # [num_tokens] its offset in the block (slot % block_size)
     num_decode_tokens: int = 0
     decode_block_tables: torch.Tensor | None = None  # [num_decodes, max_blocks]
     decode_bias: torch.Tensor | None = None  # [num_decodes, 1, 1, max_blocks * block_size]: 0 or -inf
     prefills: list[PrefillSpan] = field(default_factory=list)
+    _decode_rows: torch.Tensor | None = field(default=None, repr=False)
+
+    def decode_rows(self, kv_heads: int) -> torch.Tensor:
+        """Cache rows to gather for the decode sequences (computed once per step, for all layers)."""
+        if self._decode_rows is None:
+            self._decode_rows = _head_rows(self.decode_block_tables, kv_heads)
+        return self._decode_rows
 
     @classmethod
     def build(
@@ -81,14 +97,21 @@ class AttentionMetadata:
         ``num_cached[i]`` tokens of sequence ``i`` are already in its blocks; this step adds
         ``query_lens[i]`` more.
         """
-        slots: list[int] = []
+        blocks: list[int] = []
+        offsets: list[int] = []
         for table, cached, qlen in zip(block_tables, num_cached, query_lens):
             for pos in range(cached, cached + qlen):
-                slots.append(table[pos // block_size] * block_size + pos % block_size)
+                blocks.append(table[pos // block_size])
+                offsets.append(pos % block_size)
         num_decodes = 0
         while num_decodes < len(query_lens) and query_lens[num_decodes] == 1 and num_cached[num_decodes] > 0:
             num_decodes += 1
-        meta = cls(slot_mapping=torch.tensor(slots, dtype=torch.long, device=device), num_decode_tokens=num_decodes)
+        blocks_t = torch.tensor(blocks, dtype=torch.long)
+        offsets_t = torch.tensor(offsets, dtype=torch.long)
+        meta = cls(
+            slot_mapping=(blocks_t * block_size + offsets_t).to(device), slot_blocks=blocks_t.to(device),
+            slot_offsets=offsets_t.to(device), num_decode_tokens=num_decodes,
+        )
         if num_decodes:
             ctx = [num_cached[i] + 1 for i in range(num_decodes)]
             max_blocks = max((c + block_size - 1) // block_size for c in ctx)
@@ -137,19 +160,18 @@ def paged_attention(
     scale: float,
 ) -> torch.Tensor:
     """Write this step's K/V into the cache, then attend; returns [num_tokens, num_heads, head_dim]."""
-    num_blocks, kv_heads, block_size, head_dim = cache.k.shape
-    blocks, offsets = meta.slot_mapping // block_size, meta.slot_mapping % block_size
-    cache.k[blocks, :, offsets] = k
-    cache.v[blocks, :, offsets] = v
+    _, kv_heads, _, head_dim = cache.k.shape
+    cache.k[meta.slot_blocks, :, meta.slot_offsets] = k
+    cache.v[meta.slot_blocks, :, meta.slot_offsets] = v
     out = torch.empty_like(q)
     n_dec = meta.num_decode_tokens
     if n_dec:
         # Gather every decode sequence's blocks head by head into [S, kv_heads, T, D], then attend
         # with two batched matmuls; GQA groups share their K/V head without repeating it.
-        tables = meta.decode_block_tables
-        seqs = tables.shape[0]
-        keys = _gather_heads(cache.k, tables).view(seqs, kv_heads, -1, head_dim)
-        values = _gather_heads(cache.v, tables).view(seqs, kv_heads, -1, head_dim)
+        seqs = meta.decode_block_tables.shape[0]
+        rows = meta.decode_rows(kv_heads)
+        keys = _gather_rows(cache.k, rows).view(seqs, kv_heads, -1, head_dim)
+        values = _gather_rows(cache.v, rows).view(seqs, kv_heads, -1, head_dim)
         qd = q[:n_dec].view(seqs, kv_heads, -1, head_dim)
         scores = torch.matmul(qd, keys.transpose(-1, -2)).float() * scale + meta.decode_bias
         probs = scores.softmax(dim=-1).to(q.dtype)
@@ -162,21 +184,23 @@ def paged_attention(
             vs = v[span.start:span.end].transpose(0, 1).unsqueeze(0)
             o = F.scaled_dot_product_attention(qs, ks, vs, is_causal=True, scale=scale, enable_gqa=True)
         else:
-            table = span.block_table[None]
-            ks = _gather_heads(cache.k, table).view(1, kv_heads, -1, head_dim)[:, :, : span.context_len]
-            vs = _gather_heads(cache.v, table).view(1, kv_heads, -1, head_dim)[:, :, : span.context_len]
+            rows = span.rows(kv_heads)
+            ks = _gather_rows(cache.k, rows).view(1, kv_heads, -1, head_dim)[:, :, : span.context_len]
+            vs = _gather_rows(cache.v, rows).view(1, kv_heads, -1, head_dim)[:, :, : span.context_len]
             o = F.scaled_dot_product_attention(qs, ks, vs, attn_mask=span.mask, scale=scale, enable_gqa=True)
         out[span.start:span.end] = o.squeeze(0).transpose(0, 1)
     return out
 
 
-def _gather_heads(pool: torch.Tensor, tables: torch.Tensor) -> torch.Tensor:
-    """Rows of the listed blocks ordered (sequence, head, block): ``[S * kv_heads * n * block_size, D]``.
-
-    ``tables`` is ``[S, n]``; each (block, head) row of the pool is ``block_size x head_dim``
-    contiguous values, and ``index_select`` copies whole rows, far cheaper than fancy indexing.
-    """
-    num_blocks, kv_heads, block_size, head_dim = pool.shape
+def _head_rows(tables: torch.Tensor, kv_heads: int) -> torch.Tensor:
+    """Pool rows (one per block and head) for block tables ``[S, n]``, ordered (sequence, head, block)
+    so that each head's rows of a sequence form its K or V as one ``[n * block_size, D]`` matrix."""
     heads = torch.arange(kv_heads, device=tables.device)
-    rows = (tables[:, None, :] * kv_heads + heads[None, :, None]).reshape(-1)
+    return (tables[:, None, :] * kv_heads + heads[None, :, None]).reshape(-1)
+
+
+def _gather_rows(pool: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+    """``[len(rows) * block_size, D]``: ``index_select`` copies whole contiguous (block, head) rows,
+    far cheaper than fancy indexing."""
+    num_blocks, kv_heads, block_size, head_dim = pool.shape
     return pool.view(num_blocks * kv_heads, -1).index_select(0, rows).view(-1, head_dim)
