@@ -88,6 +88,8 @@ class BlockManager:
     def _register_full_blocks(self, seq: Sequence, num_tokens: int) -> None:
         """Hash and publish the blocks of ``seq`` that ``num_tokens`` computed tokens have filled."""
         full = num_tokens // self.block_size
+        if full <= seq.num_hashed_blocks:
+            return  # most decode steps fill no block; skip copying the sequence's tokens
         tokens = seq.token_ids
         for i in range(seq.num_hashed_blocks, full):
             parent = seq.block_hashes[-1] if seq.block_hashes else None
@@ -98,7 +100,7 @@ class BlockManager:
             if block.hash is None and h not in self.cached:
                 block.hash, block.parent_hash, block.token_ids = h, parent, chunk
                 self.cached[h] = block
-        seq.num_hashed_blocks = max(seq.num_hashed_blocks, full)
+        seq.num_hashed_blocks = full
 
     # -- allocation -----------------------------------------------------------------------------
 
