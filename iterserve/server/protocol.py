@@ -11,7 +11,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_serializer
 
-from iterserve.sampling_params import SamplingParams
+from iterserve.sampling_params import SamplingParams, SamplingParamsError
 
 # Sampler limits. The sampler works in float32, where a temperature or penalty near 0 or near the
 # float limits turns logits into inf/nan and fails the whole batch's step, so such values are
@@ -125,14 +125,8 @@ class _SamplingRequest(_Request):
                 min_tokens=self.min_tokens, stop=self.stop or [], stop_token_ids=self.stop_token_ids or [],
                 ignore_eos=self.ignore_eos, logprobs=logprobs, skip_special_tokens=self.skip_special_tokens,
             )
-        except ValueError as e:
-            raise bad_request(str(e), _param_named_in(str(e))) from e
-
-
-def _param_named_in(message: str) -> str | None:
-    """SamplingParams messages start with the field's name."""
-    name = message.split(" ", 1)[0]
-    return name if name in SamplingParams.__dataclass_fields__ else None
+        except SamplingParamsError as e:
+            raise bad_request(str(e), e.param) from e
 
 
 class CompletionRequest(_SamplingRequest):
