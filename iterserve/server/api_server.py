@@ -396,23 +396,31 @@ async def _on_engine_dead(request: Request, exc: Exception) -> Response:
     return _error_response(_engine_dead(exc))
 
 
+def _printable(text: str) -> str:
+    """``text`` with any lone surrogate escaped, so that an error message can always be sent as UTF-8."""
+    return text.encode("utf-8", "backslashreplace").decode("utf-8")
+
+
 async def _on_validation_error(request: Request, exc: Exception) -> Response:
     """FastAPI's 422 becomes OpenAI's 400, naming the offending parameter."""
     assert isinstance(exc, RequestValidationError)
     errors = exc.errors()
     if not errors:
         return _error_response(bad_request("invalid request body"))
-    first = errors[0]
+    # A union field reports one error per member type; one raised by our own validators says what is wrong.
+    first = next((e for e in errors if e.get("type") == "value_error"), errors[0])
     if first.get("type") == "json_invalid":
         reason = (first.get("ctx") or {}).get("error")
         return _error_response(bad_request(f"the body is not valid JSON: {reason}" if reason else
                                            "the body is not valid JSON"))
-    loc = [str(part) for part in first.get("loc", ()) if part != "body"]
+    # pydantic tags a union member's errors with the member's type, e.g. "list[int]": not a field name
+    loc = [_printable(str(part)) for part in first.get("loc", ()) if part != "body" and "[" not in str(part)]
     if not loc and first.get("type") in ("missing", "model_attributes_type"):
         return _error_response(bad_request("the request body must be a JSON object"))
     where = ".".join(loc)
-    message = f"{where}: {first.get('msg')}" if where else str(first.get("msg"))
-    return _error_response(bad_request(message, loc[0] if loc else None))
+    reason = (first.get("ctx") or {}).get("error") if first.get("type") == "value_error" else None
+    message = _printable(str(reason or first.get("msg")))
+    return _error_response(bad_request(f"{where}: {message}" if where else message, loc[0] if loc else None))
 
 
 async def _on_http_error(request: Request, exc: Exception) -> Response:

@@ -7,9 +7,9 @@ known ones we cannot honour, so a client never silently gets something other tha
 from __future__ import annotations
 
 import time
-from typing import Any, Literal
+from typing import Annotated, Any, Literal, TypeVar, Union
 
-from pydantic import BaseModel, ConfigDict, Field, model_serializer
+from pydantic import BaseModel, ConfigDict, Discriminator, Field, Strict, Tag, field_validator, model_serializer
 
 from iterserve.sampling_params import SamplingParams, SamplingParamsError
 
@@ -57,9 +57,75 @@ def bad_request(message: str, param: str | None = None, code: str | None = None)
 # -- requests -------------------------------------------------------------------------------------
 
 
+def _first_lone_surrogate(value: Any) -> tuple[str, int] | None:
+    """The first string in a validated field value holding a lone surrogate, with its index.
+
+    Runs once per field, not once per element: a list of strings is checked with one join, and a
+    list of numbers (a token-id prompt of millions) is not walked, since a validated list holds
+    one type. Lists of Any are walked; their strings never reach the tokenizer or a response.
+    """
+    if isinstance(value, str):
+        try:
+            value.encode("utf-8")
+        except UnicodeEncodeError as e:
+            return value, e.start
+        return None
+    if isinstance(value, dict):
+        return _first_lone_surrogate(list(value)) or _first_lone_surrogate(list(value.values()))
+    if not isinstance(value, list) or not value:
+        return None
+    if isinstance(value[0], str):
+        try:
+            if _first_lone_surrogate("".join(value)) is None:
+                return None
+        except TypeError:  # not all strings: walk them
+            pass
+    elif not isinstance(value[0], (list, dict)):
+        return None
+    for item in value:
+        if (found := _first_lone_surrogate(item)) is not None:
+            return found
+    return None
+
+
+def _prompt_kind(value: Any) -> str | None:
+    """Which shape of prompt ``value`` is, judged by its first element, so that pydantic validates
+    only that shape: trying each in turn reports an error per element of a million-item list."""
+    if isinstance(value, str):
+        return "text"
+    if not isinstance(value, list):
+        return None
+    return {str: "texts", list: "id_lists"}.get(type(value[0]), "ids") if value else "ids"
+
+
+T = TypeVar("T")
+# An integer that refuses floats, bools and numeric strings rather than reading 2.5 as 2 or true as 1.
+Int = Annotated[int, Strict()]
+# A list whose validation stops at the first bad element: reporting an error for each element of a
+# million-element list takes pydantic (and FastAPI after it) tens of seconds on the event loop.
+ListOf = Annotated[list[T], Field(fail_fast=True)]
+Prompt = Annotated[
+    Union[Annotated[str, Tag("text")], Annotated[ListOf[Int], Tag("ids")], Annotated[ListOf[str], Tag("texts")],
+          Annotated[ListOf[ListOf[Int]], Tag("id_lists")]],
+    Discriminator(_prompt_kind, custom_error_type="prompt_type",
+                  custom_error_message="must be a string, a list of token ids, or a list of either"),
+]
+
+
 class _Request(BaseModel):
     # Non-finite floats are refused: JSON parsers accept NaN/Infinity and the sampler cannot use them.
     model_config = ConfigDict(extra="ignore", allow_inf_nan=False)
+
+    @field_validator("*")
+    @classmethod
+    def _valid_unicode(cls, value: Any) -> Any:
+        """JSON can carry a lone surrogate (an unpaired \\ud800 escape): Python decodes it into a string
+        that neither the tokenizer nor a UTF-8 response can encode, so it is refused, naming the field."""
+        if (found := _first_lone_surrogate(value)) is not None:
+            text, index = found
+            raise ValueError(f"contains a lone surrogate (U+{ord(text[index]):04X}) at index {index} of a string; "
+                             "text must be valid Unicode")
+        return value
 
 
 class StreamOptions(_Request):
@@ -70,25 +136,25 @@ class _SamplingRequest(_Request):
     """Fields shared by completions and chat completions."""
 
     model: str | None = None
-    n: int = 1
+    n: Int = 1
     stream: bool = False
     stream_options: StreamOptions | None = None
     temperature: float | None = None
     top_p: float | None = None
-    stop: str | list[str] | None = None
-    seed: int | None = None
+    stop: str | ListOf[str] | None = None
+    seed: Int | None = None
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
-    logit_bias: dict[str, float] | None = None
+    logit_bias: dict[str, Any] | None = None  # token id -> bias; refused unless empty, so values are not parsed
     user: str | None = None
     # vLLM extensions
-    top_k: int = 0
+    top_k: Int = 0
     min_p: float = 0.0
     repetition_penalty: float = 1.0
-    min_tokens: int = 0
+    min_tokens: Int = 0
     ignore_eos: bool = False
     skip_special_tokens: bool = True
-    stop_token_ids: list[int] | None = None
+    stop_token_ids: ListOf[Int] | None = None
 
     def check_supported(self) -> None:
         """Refuse options we do not implement, naming the parameter."""
@@ -130,12 +196,12 @@ class _SamplingRequest(_Request):
 
 
 class CompletionRequest(_SamplingRequest):
-    prompt: str | list[int] | list[str] | list[list[int]]
-    max_tokens: int | None = COMPLETION_DEFAULT_MAX_TOKENS
-    logprobs: int | None = None
+    prompt: Prompt
+    max_tokens: Int | None = COMPLETION_DEFAULT_MAX_TOKENS
+    logprobs: Int | None = None
     echo: bool = False
     suffix: str | None = None
-    best_of: int | None = None
+    best_of: Int | None = None
 
     def check_supported(self) -> None:
         super().check_supported()
@@ -149,16 +215,16 @@ class CompletionRequest(_SamplingRequest):
 
 class ChatMessage(_Request):
     role: Literal["system", "developer", "user", "assistant"]
-    content: str | list[dict[str, Any]] | None = None
+    content: str | ListOf[dict[str, Any]] | None = None
     name: str | None = None
 
 
 class ChatCompletionRequest(_SamplingRequest):
-    messages: list[ChatMessage] = Field(min_length=1)
-    max_tokens: int | None = None
-    max_completion_tokens: int | None = None
+    messages: ListOf[ChatMessage] = Field(min_length=1)
+    max_tokens: Int | None = None
+    max_completion_tokens: Int | None = None
     logprobs: bool = False
-    top_logprobs: int | None = None
+    top_logprobs: Int | None = None
     tools: list[Any] | None = None
     tool_choice: Any = None
     functions: list[Any] | None = None
@@ -196,14 +262,14 @@ class ChatCompletionRequest(_SamplingRequest):
 class TokenizeRequest(_Request):
     model: str | None = None
     prompt: str | None = None
-    messages: list[ChatMessage] | None = None
+    messages: ListOf[ChatMessage] | None = None
     add_special_tokens: bool = True
     add_generation_prompt: bool = True
 
 
 class DetokenizeRequest(_Request):
     model: str | None = None
-    tokens: list[int]
+    tokens: ListOf[Int]
 
 
 # -- responses ------------------------------------------------------------------------------------
