@@ -27,7 +27,7 @@ from pydantic import BaseModel
 from starlette.background import BackgroundTask
 from starlette.datastructures import Headers
 from starlette.exceptions import HTTPException as StarletteHTTPException
-from starlette.types import ASGIApp, Receive, Scope, Send
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from iterserve import __version__
 from iterserve.engine.llm_engine import LLMEngine
@@ -48,6 +48,10 @@ logger = logging.getLogger(__name__)
 SHUTDOWN_GRACE_S = 5.0  # in-flight requests may finish within this; later ones are aborted
 RETRY_AFTER_S = 1
 PUBLIC_PATHS = frozenset({"/health", "/metrics", "/version"})
+# Room for a 128k-token prompt several times over, however the JSON spells it (a token id takes
+# about 7 bytes, a non-ASCII character escaped as \uXXXX 6). FastAPI parses JSON on the event loop:
+# the worst case this allows, 8 MiB of token ids, held it for 0.7 s on a busy two-core machine.
+DEFAULT_MAX_REQUEST_BODY_BYTES = 8 * 1024 * 1024
 MIN_LOGPROB = -9999.0  # stands in for -inf, which JSON cannot carry
 
 TokenLogprobs = list[tuple[int, dict[int, float]]]  # (sampled token, its logprobs entry) per token
@@ -108,6 +112,88 @@ class _APIKeyMiddleware:
                 await _error_response(error)(scope, receive, send)
                 return
         await self.app(scope, receive, send)
+
+
+class _JSONBodyMiddleware:
+    """POST bodies must be declared ``application/json`` (415 otherwise).
+
+    A web page can make a visitor's browser send a cross-origin POST without asking first only with
+    no Content-Type or a form or text/plain one; refusing those keeps other sites from running
+    generations on a server the visitor can reach (a JSON POST needs a CORS preflight, which this
+    server does not grant).
+    """
+
+    def __init__(self, app: ASGIApp) -> None:
+        self.app = app
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] == "http" and scope["method"] == "POST":
+            content_type = Headers(scope=scope).get("content-type")
+            if content_type is None or content_type.partition(";")[0].strip().lower() != "application/json":
+                got = "no Content-Type" if content_type is None else f"Content-Type {content_type!r}"
+                error = APIError(415, f"the body must be JSON sent with 'Content-Type: application/json'; got {got}",
+                                 code="unsupported_media_type")
+                await _error_response(error)(scope, receive, send)
+                return
+        await self.app(scope, receive, send)
+
+
+class _BodyTooLarge(Exception):
+    """Raised into the app when the body it is reading goes over the limit; the 413 is already sent."""
+
+
+class _BodySizeLimitMiddleware:
+    """Refuse request bodies over ``max_bytes`` with a 413, without reading the rest.
+
+    A declared Content-Length over the limit is refused before the app runs. Otherwise the bytes
+    are counted as the app receives them; at the limit the 413 is sent and the app's read fails,
+    and whatever the app answers then is dropped. The server discards the unread remainder, so
+    the connection stays usable.
+    """
+
+    def __init__(self, app: ASGIApp, max_bytes: int) -> None:
+        self.app = app
+        self.max_bytes = max_bytes
+
+    def _error(self) -> JSONResponse:
+        return _error_response(APIError(413, f"the request body is larger than the limit of {self.max_bytes} bytes",
+                                        code="request_too_large"))
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        declared = Headers(scope=scope).get("content-length", "")
+        if declared.isdigit() and int(declared) > self.max_bytes:
+            await self._error()(scope, receive, send)
+            return
+        received = 0
+        response_started = refused = False
+
+        async def counting_receive() -> Message:
+            nonlocal received, refused
+            message = await receive()
+            if message["type"] == "http.request":
+                received += len(message.get("body", b""))
+                if received > self.max_bytes:
+                    if not response_started:
+                        await self._error()(scope, receive, send)
+                        refused = True
+                    raise _BodyTooLarge
+            return message
+
+        async def guarded_send(message: Message) -> None:
+            nonlocal response_started
+            if refused:
+                return
+            response_started = response_started or message["type"] == "http.response.start"
+            await send(message)
+
+        try:
+            await self.app(scope, counting_receive, guarded_send)
+        except _BodyTooLarge:
+            if not refused:
+                raise
 
 
 class OpenAIServing:
@@ -438,10 +524,12 @@ async def _on_internal_error(request: Request, exc: Exception) -> Response:
 # -- app and server ---------------------------------------------------------------------------------
 
 
-def build_app(engine: LLMEngine, *, served_model_name: str, api_key: str | None, max_waiting: int) -> FastAPI:
+def build_app(engine: LLMEngine, *, served_model_name: str, api_key: str | None, max_waiting: int,
+              max_request_body_bytes: int = DEFAULT_MAX_REQUEST_BODY_BYTES) -> FastAPI:
     """An app serving ``engine``; its lifespan starts and stops the engine thread.
 
-    One engine must be driven by one running app at a time.
+    One engine must be driven by one running app at a time. Request bodies over
+    ``max_request_body_bytes`` are refused with a 413.
     """
     metrics = ServerMetrics(engine, served_model_name)
     async_engine = AsyncEngine(engine, max_waiting, metrics)
@@ -457,13 +545,15 @@ def build_app(engine: LLMEngine, *, served_model_name: str, api_key: str | None,
             await async_engine.stop()
             logger.info("engine loop stopped")
 
-    # strict_content_type=False: a body sent without a Content-Type is still read as JSON
-    app = FastAPI(title="iterserve", version=__version__, lifespan=lifespan, strict_content_type=False)
+    app = FastAPI(title="iterserve", version=__version__, lifespan=lifespan)
     app.add_exception_handler(APIError, _on_api_error)
     app.add_exception_handler(EngineDeadError, _on_engine_dead)
     app.add_exception_handler(RequestValidationError, _on_validation_error)
     app.add_exception_handler(StarletteHTTPException, _on_http_error)
     app.add_exception_handler(Exception, _on_internal_error)
+    # the last added runs first: the key is checked, then the Content-Type, then the body size
+    app.add_middleware(_BodySizeLimitMiddleware, max_bytes=max_request_body_bytes)
+    app.add_middleware(_JSONBodyMiddleware)
     if api_key:
         app.add_middleware(_APIKeyMiddleware, api_key=api_key)
 
@@ -490,7 +580,8 @@ def run_server(args: argparse.Namespace) -> int:
 
     engine = LLMEngine(engine_config_from_args(args))
     name = args.served_model_name or args.model
-    app = build_app(engine, served_model_name=name, api_key=args.api_key, max_waiting=args.max_waiting)
+    app = build_app(engine, served_model_name=name, api_key=args.api_key, max_waiting=args.max_waiting,
+                    max_request_body_bytes=args.max_request_body_bytes)
     cap = engine.capacity
     logger.info("KV cache: %d blocks x %d tokens = %d tokens, max_model_len %d (%d full-length sequences)",
                 cap["num_blocks"], cap["block_size"], cap["total_tokens"], cap["max_model_len"],

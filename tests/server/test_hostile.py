@@ -13,11 +13,17 @@ from collections.abc import Callable, Iterator
 import httpx
 import pytest
 
-from tests.server.conftest import API_KEY
+from iterserve.engine.llm_engine import EngineConfig, LLMEngine
+from iterserve.sampling_params import MAX_STOP_CHARS, MAX_STOP_STRINGS
+from iterserve.server import build_app
+
+from tests.server.conftest import API_KEY, MODEL, ServerThread
 
 AUTH = {"Authorization": f"Bearer {API_KEY}"}
 JSON = {"Content-Type": "application/json"}
 CHAT = [{"role": "user", "content": "What is the capital of France?"}]
+MiB = 1024 * 1024
+OPEN_SERVER_BODY_LIMIT = 4096
 
 
 def http(url: str, **headers: str) -> httpx.Client:
@@ -79,6 +85,15 @@ def while_probing_health(url: str, action: Callable[[], httpx.Response]) -> tupl
         r = action()
         time.sleep(0.1)
     return r, probe.worst
+
+@pytest.fixture(scope="module")
+def open_server(smollm) -> Iterator[tuple[ServerThread, LLMEngine]]:
+    """A server without an API key (as on a developer's machine) and with a small body limit."""
+    engine = LLMEngine(EngineConfig(dtype="float32", num_kv_blocks=32, max_model_len=128), smollm)
+    app = build_app(engine, served_model_name=MODEL, api_key=None, max_waiting=8,
+                    max_request_body_bytes=OPEN_SERVER_BODY_LIMIT)
+    with ServerThread(app) as s:
+        yield s, engine
 
 # -- invalid Unicode, non-integers, malformed lists ------------------------------------------------
 
@@ -152,3 +167,85 @@ def test_a_list_of_bad_elements_is_refused_at_the_first(server, body, param):
         r, worst = while_probing_health(server.url, lambda: c.post("/v1/completions", json=body))
         assert_error(r, 400, param)
         assert worst < 1.0 and time.perf_counter() - start < 5.0
+
+# -- request size ----------------------------------------------------------------------------------
+
+
+def test_16_mb_body_is_refused_with_413_while_health_answers(server):
+    body = json.dumps({"prompt": "x" * (16 * MiB)}).encode()
+
+    def chunks() -> Iterator[bytes]:  # no Content-Length: the limit must be enforced as bytes arrive
+        for i in range(0, len(body), MiB):
+            yield body[i:i + MiB]
+
+    with http(server.url, **JSON) as c:
+        for content in (body, chunks()):
+            r, worst = while_probing_health(server.url, lambda: c.post("/v1/completions", content=content))
+            error = assert_error(r, 413, code="request_too_large")
+            assert str(8 * MiB) in error["message"]
+            assert worst < 1.0
+        ok = c.post("/v1/completions", json={"prompt": "Hello", "max_tokens": 2})
+        assert ok.status_code == 200 and local_port(ok) == local_port(r)  # the connection was kept
+
+
+def test_body_limit_is_exact_and_configurable(open_server):
+    s, _ = open_server
+    prefix = b'{"prompt": "Hello"'
+    with http(s.url, **JSON) as c:
+        for size, status in ((OPEN_SERVER_BODY_LIMIT, 200), (OPEN_SERVER_BODY_LIMIT + 1, 413)):
+            raw = prefix + b" " * (size - len(prefix) - 1) + b"}"  # JSON whitespace: a body that size, any prompt
+            assert len(raw) == size
+            r = c.post("/tokenize", content=raw)
+            assert r.status_code == status, r.text
+
+# -- content type ----------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("content_type", [None, "text/plain", "text/plain;charset=UTF-8",
+                                          "application/x-www-form-urlencoded", "multipart/form-data; boundary=x"])
+def test_post_bodies_must_be_declared_json(server, content_type):
+    headers = {} if content_type is None else {"Content-Type": content_type}
+    raw = json.dumps({"prompt": "Hello", "max_tokens": 2}).encode()
+    with http(server.url) as c:
+        for path in ("/v1/completions", "/tokenize"):
+            assert_error(c.post(path, content=raw, headers=headers), 415, code="unsupported_media_type")
+        ok = c.post("/v1/completions", content=raw, headers={"Content-Type": "application/json; charset=utf-8"})
+        assert ok.status_code == 200, ok.text
+
+
+def test_cross_origin_browser_post_runs_no_generation(open_server):
+    """What a page on another site can make a browser send without a CORS preflight."""
+    s, engine = open_server
+    steps = engine.num_steps
+    body = json.dumps({"prompt": "Hello", "max_tokens": 4}).encode()
+    with httpx.Client(base_url=s.url, timeout=30) as c:
+        for content_type in ("text/plain;charset=UTF-8", None):
+            headers = {"Origin": "http://evil.example"}
+            if content_type:
+                headers["Content-Type"] = content_type
+            r = c.post("/v1/completions", content=body, headers=headers)
+            assert_error(r, 415)
+            assert "access-control-allow-origin" not in r.headers
+        time.sleep(0.2)
+        assert engine.num_steps == steps and not engine.requests
+        # the same request as JSON is served, so the refusal above is the Content-Type's doing
+        assert c.post("/v1/completions", content=body, headers=JSON).status_code == 200
+    assert engine.num_steps > steps
+
+# -- stop strings ----------------------------------------------------------------------------------
+
+
+def test_ten_thousand_stop_strings_are_refused_quickly(server, engine):
+    with http(server.url, **JSON) as c:
+        start = time.perf_counter()
+        error = assert_error(c.post("/v1/completions", json={"prompt": "Hello", "stop": ["s" * 100] * 10_000}),
+                             400, "stop")
+        assert time.perf_counter() - start < 2.0 and "at most 64" in error["message"]
+        # 10,000 strings of 1 KB are over the body limit before they are even parsed
+        assert_error(c.post("/v1/completions", json={"prompt": "Hello", "stop": ["s" * 1024] * 10_000}), 413)
+        chars = c.post("/v1/completions", json={"prompt": "Hello", "stop": ["s" * MAX_STOP_CHARS, "t"]})
+        assert_error(chars, 400, "stop")
+        at_limits = {"prompt": "Hello", "max_tokens": 2, "stop": ["s" * (MAX_STOP_CHARS // MAX_STOP_STRINGS)] *
+                     MAX_STOP_STRINGS}
+        assert c.post("/v1/completions", json=at_limits).status_code == 200
+    assert not engine.requests
