@@ -1,8 +1,14 @@
 """OpenAI-compatible HTTP API over one engine: completions, chat, models, tokenize, health, metrics.
 
-Handlers validate and tokenize on the event loop (the tokenizer is only read, never reconfigured)
-and hand requests to :class:`AsyncEngine`, whose thread owns the engine. Every refusal is an
-OpenAI-style ``{"error": {...}}`` body with a 4xx status; only genuine faults give a 5xx.
+Handlers validate on the event loop, tokenize and render chat templates in worker threads (the
+tokenizer is only read, never reconfigured, and releases the GIL while encoding), and hand
+requests to :class:`AsyncEngine`, whose thread owns the engine. Every refusal is an OpenAI-style
+``{"error": {...}}`` body with a 4xx status; only genuine faults give a 5xx.
+
+Hostile input is refused before it costs much: bodies over a size limit are cut off as they
+arrive (413), POST bodies must be declared JSON (415), invalid Unicode and malformed lists are
+refused when the body is parsed (stopping at the first bad element), and a prompt too long for
+the context is refused before it is tokenized when its length alone proves it.
 """
 
 from __future__ import annotations
@@ -230,6 +236,45 @@ class OpenAIServing:
                 f"max_model_len ({limit})", "max_tokens", "context_length_exceeded",
             )
 
+    def _refuse_unfittable(self, tokenizer: Tokenizer, text: str, max_tokens: int, param: str) -> None:
+        """Refuse text that must make more than ``max_tokens`` tokens, judged without tokenizing it
+        (tokenizing megabytes takes seconds, and such a prompt cannot fit anyway)."""
+        at_least = tokenizer.min_num_tokens(text)
+        if at_least > max_tokens:
+            raise bad_request(f"the prompt has {len(text)} characters, which make at least {at_least} tokens: "
+                              f"more than max_model_len ({self.engine.max_model_len}) allows", param,
+                              "context_length_exceeded")
+
+    async def _encode(self, text: str, param: str, max_tokens: int, add_special_tokens: bool = True) -> list[int]:
+        """Token ids for ``text`` if it can be at most ``max_tokens`` long, found in a worker thread so
+        that the server keeps answering meanwhile."""
+        tokenizer = self._tokenizer()
+
+        def encode() -> list[int]:
+            self._refuse_unfittable(tokenizer, text, max_tokens, param)
+            return tokenizer.encode(text, add_special_tokens)
+
+        return await asyncio.to_thread(encode)
+
+    async def _encode_chat(self, messages: list[dict[str, Any]], add_generation_prompt: bool,
+                           max_tokens: int) -> list[int]:
+        """Token ids of a conversation rendered by the chat template, both done in a worker thread.
+
+        The length check applies to the rendered prompt: a template may leave some content out.
+        """
+        tokenizer = self._tokenizer()
+
+        def render_and_encode() -> list[int]:
+            try:
+                prompt = tokenizer.apply_chat_template(messages, add_generation_prompt=add_generation_prompt)
+            except ValueError as e:
+                raise bad_request(str(e), "messages") from e
+            assert isinstance(prompt, str)
+            self._refuse_unfittable(tokenizer, prompt, max_tokens, "messages")
+            return tokenizer.encode(prompt, add_special_tokens=False)
+
+        return await asyncio.to_thread(render_and_encode)
+
     async def _submit(self, request_id: str, prompt: list[int], params: SamplingParams) -> RequestStream:
         """Queue the request and wait until the engine has taken it (or refused it: a 400)."""
         try:
@@ -303,25 +348,27 @@ class OpenAIServing:
 
     # -- completions --------------------------------------------------------------------------
 
-    def _completion_prompt(self, prompt: str | list[int] | list[str] | list[list[int]]) -> tuple[list[int], str]:
-        """Token ids and text of the one prompt (a one-element batch is unwrapped)."""
+    async def _completion_prompt(self, prompt: str | list[int] | list[str] | list[list[int]],
+                                 echo: bool) -> tuple[list[int], str]:
+        """Token ids of the one prompt (a one-element batch is unwrapped), and its text when echoed."""
         if isinstance(prompt, list) and prompt and isinstance(prompt[0], (str, list)):
             if len(prompt) != 1:
                 raise bad_request(f"got {len(prompt)} prompts; send one prompt per request", "prompt")
             prompt = prompt[0]
         if isinstance(prompt, str):
-            return self._tokenizer().encode(prompt), prompt
-        tokenizer = self.engine.tokenizer
+            return await self._encode(prompt, "prompt", self.engine.max_model_len - 1), prompt
+        self._check_length(len(prompt), None, "prompt")  # before walking a list that may be huge
         vocab = self.engine.model_config.vocab_size
         if any(not 0 <= t < vocab for t in prompt):
             raise bad_request(f"prompt token ids must be in [0, {vocab})", "prompt")
-        return list(prompt), tokenizer.decode(prompt, skip_special_tokens=False) if tokenizer else ""
+        tokenizer = self.engine.tokenizer
+        return list(prompt), tokenizer.decode(prompt, skip_special_tokens=False) if echo and tokenizer else ""
 
     async def completions(self, body: CompletionRequest, request: Request) -> Response:
         self._check_model(body.model)
         body.check_supported()
         params = body.sampling_params(body.max_tokens, body.logprobs)
-        prompt_ids, prompt_text = self._completion_prompt(body.prompt)
+        prompt_ids, prompt_text = await self._completion_prompt(body.prompt, body.echo)
         self._check_length(len(prompt_ids), body.max_tokens, "prompt")
         request_id = f"cmpl-{uuid.uuid4().hex}"
         stream = await self._submit(request_id, prompt_ids, params)
@@ -374,13 +421,8 @@ class OpenAIServing:
         body.check_supported()
         max_tokens = body.requested_max_tokens
         params = body.sampling_params(max_tokens, body.requested_logprobs)
-        tokenizer = self._tokenizer()
-        try:
-            prompt_ids = tokenizer.apply_chat_template(
-                body.message_dicts(), add_generation_prompt=body.add_generation_prompt, tokenize=True
-            )
-        except ValueError as e:
-            raise bad_request(str(e), "messages") from e
+        prompt_ids = await self._encode_chat(body.message_dicts(), body.add_generation_prompt,
+                                             self.engine.max_model_len - 1)
         self._check_length(len(prompt_ids), max_tokens, "messages")
         request_id = f"chatcmpl-{uuid.uuid4().hex}"
         stream = await self._submit(request_id, prompt_ids, params)
@@ -431,27 +473,36 @@ class OpenAIServing:
                                          max_model_len=self.engine.max_model_len)])
 
     async def tokenize(self, body: TokenizeRequest) -> TokenizeResponse:
+        """Token ids of a prompt or conversation of up to max_model_len tokens (longer text is refused,
+        so that this endpoint cannot be made to tokenize arbitrarily much)."""
         self._check_model(body.model)
-        tokenizer = self._tokenizer()
         if (body.prompt is None) == (body.messages is None):
             raise bad_request("send exactly one of 'prompt' and 'messages'", "prompt")
+        limit = self.engine.max_model_len
         if body.messages is not None:
-            try:
-                ids = tokenizer.apply_chat_template([m.model_dump(exclude_none=True) for m in body.messages],
-                                                    add_generation_prompt=body.add_generation_prompt, tokenize=True)
-            except ValueError as e:
-                raise bad_request(str(e), "messages") from e
+            param = "messages"
+            ids = await self._encode_chat([m.model_dump(exclude_none=True) for m in body.messages],
+                                          body.add_generation_prompt, limit)
         else:
-            ids = tokenizer.encode(body.prompt or "", add_special_tokens=body.add_special_tokens)
-        return TokenizeResponse(tokens=ids, count=len(ids), max_model_len=self.engine.max_model_len)
+            param = "prompt"
+            ids = await self._encode(body.prompt or "", param, limit, body.add_special_tokens)
+        if len(ids) > limit:
+            raise bad_request(f"the text has {len(ids)} tokens, more than max_model_len ({limit})", param,
+                              "context_length_exceeded")
+        return TokenizeResponse(tokens=ids, count=len(ids), max_model_len=limit)
 
     async def detokenize(self, body: DetokenizeRequest) -> DetokenizeResponse:
+        """The text of up to max_model_len token ids, decoded in a worker thread."""
         self._check_model(body.model)
         tokenizer = self._tokenizer()
+        limit = self.engine.max_model_len
+        if len(body.tokens) > limit:
+            raise bad_request(f"got {len(body.tokens)} token ids, more than max_model_len ({limit})", "tokens",
+                              "context_length_exceeded")
         vocab = tokenizer.vocab_size
         if any(not 0 <= t < vocab for t in body.tokens):
             raise bad_request(f"token ids must be in [0, {vocab})", "tokens")
-        return DetokenizeResponse(prompt=tokenizer.decode(body.tokens))
+        return DetokenizeResponse(prompt=await asyncio.to_thread(tokenizer.decode, body.tokens))
 
     async def health(self) -> Response:
         if not self.async_engine.is_running:

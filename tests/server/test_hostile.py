@@ -17,7 +17,7 @@ from iterserve.engine.llm_engine import EngineConfig, LLMEngine
 from iterserve.sampling_params import MAX_STOP_CHARS, MAX_STOP_STRINGS
 from iterserve.server import build_app
 
-from tests.server.conftest import API_KEY, MODEL, ServerThread
+from tests.server.conftest import API_KEY, MAX_MODEL_LEN, MODEL, ServerThread
 
 AUTH = {"Authorization": f"Bearer {API_KEY}"}
 JSON = {"Content-Type": "application/json"}
@@ -249,3 +249,36 @@ def test_ten_thousand_stop_strings_are_refused_quickly(server, engine):
                      MAX_STOP_STRINGS}
         assert c.post("/v1/completions", json=at_limits).status_code == 200
     assert not engine.requests
+
+# -- prompts too long for the context --------------------------------------------------------------
+
+
+@pytest.mark.parametrize("path,body,param", [
+    ("/v1/completions", {"prompt": "hello " * 700_000, "max_tokens": 2}, "prompt"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hello " * 700_000}]}, "messages"),
+    ("/tokenize", {"prompt": "hello " * 700_000}, "prompt"),
+    ("/tokenize", {"messages": [{"role": "user", "content": "hello " * 700_000}]}, "messages"),
+])
+def test_huge_prompt_is_refused_before_tokenizing_while_health_answers(server, path, body, param):
+    """4 MB of text: tokenizing it takes seconds; its length alone proves it cannot fit 1024 tokens."""
+    with http(server.url, **JSON) as c:
+        start = time.perf_counter()
+        r, worst = while_probing_health(server.url, lambda: c.post(path, json=body))
+        error = assert_error(r, 400, param, "context_length_exceeded")
+        assert "characters" in error["message"]  # refused on its length, not after tokenizing
+        assert worst < 1.0 and time.perf_counter() - start < 3.0
+
+
+def test_tokenize_refuses_text_longer_than_the_context(server, engine):
+    just_over = "hello " * MAX_MODEL_LEN  # short enough to tokenize, too long to be a prompt
+    with http(server.url, **JSON) as c:
+        assert_error(c.post("/tokenize", json={"prompt": just_over}), 400, "prompt", "context_length_exceeded")
+        fits = c.post("/tokenize", json={"prompt": "hello " * (MAX_MODEL_LEN // 4)})
+        assert fits.status_code == 200 and fits.json()["count"] <= MAX_MODEL_LEN
+
+def test_detokenize_refuses_more_ids_than_the_context(server, engine):
+    with http(server.url, **JSON) as c:
+        error = assert_error(c.post("/detokenize", json={"tokens": [1] * (MAX_MODEL_LEN + 1)}), 400, "tokens")
+        assert error["code"] == "context_length_exceeded"
+        ids = engine.tokenizer.encode("Hello world")
+        assert c.post("/detokenize", json={"tokens": ids}).json() == {"prompt": "Hello world"}
