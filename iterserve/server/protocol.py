@@ -6,6 +6,7 @@ known ones we cannot honour, so a client never silently gets something other tha
 
 from __future__ import annotations
 
+import json
 import time
 from typing import Annotated, Any, Literal, TypeVar, Union
 
@@ -60,32 +61,34 @@ def bad_request(message: str, param: str | None = None, code: str | None = None)
 def _first_lone_surrogate(value: Any) -> tuple[str, int] | None:
     """The first string in a validated field value holding a lone surrogate, with its index.
 
-    Runs once per field, not once per element: a list of strings is checked with one join, and a
-    list of numbers (a token-id prompt of millions) is not walked, since a validated list holds
-    one type. Lists of Any are walked; their strings never reach the tokenizer or a response.
+    Costs little even on lists of millions: a validated list holds one type, so a list of numbers
+    or models (a token-id prompt, the messages) is not walked, and other lists and dicts are
+    checked by encoding them as JSON at C speed; only one that fails is searched.
     """
+    if isinstance(value, str):
+        return _find_lone_surrogate(value)
+    if isinstance(value, list) and value and isinstance(value[0], list):
+        return next(filter(None, map(_first_lone_surrogate, value)), None)
+    if not isinstance(value, (list, dict)) or (value and isinstance(value, list) and
+                                                not isinstance(value[0], (str, dict))):
+        return None
+    try:
+        json.dumps(value, ensure_ascii=False).encode("utf-8")
+        return None
+    except (UnicodeEncodeError, TypeError, ValueError):
+        return _find_lone_surrogate(value)
+
+
+def _find_lone_surrogate(value: Any) -> tuple[str, int] | None:
+    """Search strings, lists and dicts (keys too) of any shape for a lone surrogate."""
     if isinstance(value, str):
         try:
             value.encode("utf-8")
         except UnicodeEncodeError as e:
             return value, e.start
         return None
-    if isinstance(value, dict):
-        return _first_lone_surrogate(list(value)) or _first_lone_surrogate(list(value.values()))
-    if not isinstance(value, list) or not value:
-        return None
-    if isinstance(value[0], str):
-        try:
-            if _first_lone_surrogate("".join(value)) is None:
-                return None
-        except TypeError:  # not all strings: walk them
-            pass
-    elif not isinstance(value[0], (list, dict)):
-        return None
-    for item in value:
-        if (found := _first_lone_surrogate(item)) is not None:
-            return found
-    return None
+    items = [*value, *value.values()] if isinstance(value, dict) else value if isinstance(value, list) else []
+    return next(filter(None, map(_find_lone_surrogate, items)), None)
 
 
 def _prompt_kind(value: Any) -> str | None:
@@ -145,7 +148,7 @@ class _SamplingRequest(_Request):
     seed: Int | None = None
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
-    logit_bias: dict[str, Any] | None = None  # token id -> bias; refused unless empty, so values are not parsed
+    logit_bias: dict[str, float] | None = None
     user: str | None = None
     # vLLM extensions
     top_k: Int = 0
@@ -156,12 +159,18 @@ class _SamplingRequest(_Request):
     skip_special_tokens: bool = True
     stop_token_ids: ListOf[Int] | None = None
 
+    @field_validator("logit_bias", mode="before")
+    @classmethod
+    def _no_logit_bias(cls, value: Any) -> Any:
+        """Not implemented, so refused before its entries (any number of them) are parsed."""
+        if value:
+            raise ValueError("not supported")
+        return value
+
     def check_supported(self) -> None:
         """Refuse options we do not implement, naming the parameter."""
         if self.n != 1:
             raise bad_request(f"n must be 1 (one choice per request), got {self.n}", "n")
-        if self.logit_bias:
-            raise bad_request("logit_bias is not supported", "logit_bias")
         if self.stream_options is not None and not self.stream:
             raise bad_request("stream_options can only be set when stream is true", "stream_options")
 

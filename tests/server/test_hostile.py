@@ -106,7 +106,9 @@ SURROGATE_CASES = [
     ("/v1/completions", r'{"prompt": "Hello", "stop": ["\ud800"], "max_tokens": 2}', "stop"),
     ("/v1/completions", r'{"prompt": "Hello", "stop": "x\udc00", "max_tokens": 2}', "stop"),
     ("/v1/completions", r'{"prompt": "Hello", "model": "\ud800"}', "model"),
-    ("/v1/completions", r'{"prompt": "Hello", "logit_bias": {"\ud800": "x"}}', "logit_bias"),
+    ("/v1/completions", r'{"prompt": "Hello", "user": "\ud800"}', "user"),
+    ("/v1/chat/completions",
+     r'{"messages": [{"role": "user", "content": [{"type": "text", "text": "hi", "\ud800": 1}]}]}', "messages"),
     ("/v1/chat/completions", r'{"messages": [{"role": "user", "content": "hi \ud83d"}]}', "messages"),
     ("/v1/chat/completions",
      r'{"messages": [{"role": "user", "content": [{"type": "text", "text": "\ude00"}]}]}', "messages"),
@@ -156,9 +158,9 @@ def test_non_integer_sampling_values_get_400(server, engine, path, extra, param)
     engine.block_manager.check_no_leaks()
 
 @pytest.mark.parametrize("body,param", [
-    ({"prompt": [1, "a"] * 300_000, "max_tokens": 2}, "prompt"),
-    ({"prompt": "Hello", "stop_token_ids": [1, "a"] * 300_000}, "stop_token_ids"),
-    ({"prompt": "Hello", "logit_bias": {str(i): "x" for i in range(300_000)}}, "logit_bias"),
+    ({"prompt": [1, "a"] * 150_000, "max_tokens": 2}, "prompt"),
+    ({"prompt": "Hello", "stop_token_ids": [1, "a"] * 150_000}, "stop_token_ids"),
+    ({"prompt": "Hello", "logit_bias": {str(i): "x" for i in range(150_000)}}, "logit_bias"),
 ])
 def test_a_list_of_bad_elements_is_refused_at_the_first(server, body, param):
     """pydantic used to report an error per element: a few MB of them held the event loop for minutes."""
