@@ -15,7 +15,7 @@ import json
 import os
 from collections.abc import Iterable, Mapping, Sequence
 from datetime import datetime
-from functools import lru_cache
+from functools import cached_property, lru_cache
 from pathlib import Path
 from typing import Any
 
@@ -243,8 +243,60 @@ class Tokenizer:
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         """Token ids for ``text``; with ``add_special_tokens`` BOS/EOS are added only where the
-        model's config asks for them (as transformers does)."""
-        return self.backend.encode(text, add_special_tokens=add_special_tokens).ids
+        model's config asks for them (as transformers does).
+
+        Goes through the batch call because, unlike ``encode``, it releases the GIL: a long text
+        tokenized in a worker thread then leaves the server's event loop running."""
+        return self.backend.encode_batch_fast([text], add_special_tokens=add_special_tokens)[0].ids
+
+    def min_num_tokens(self, text: str) -> int:
+        """A lower bound on ``len(self.encode(text))`` found without tokenizing (0 where there is none).
+
+        Lets a server refuse a prompt too long for its context without spending seconds on it. Costs
+        one pass over the text's UTF-8 bytes (milliseconds per megabyte).
+        """
+        if self._length_bound is None:
+            return 0
+        max_token_bytes, unspellable = self._length_bound
+        data = text.encode("utf-8", "surrogatepass")
+        spelled = len(data.translate(None, unspellable)) if unspellable else len(data)
+        return -(-spelled // max_token_bytes)
+
+    @cached_property
+    def _length_bound(self) -> tuple[int, bytes] | None:
+        """(the most input bytes one token stands for, the bytes the vocabulary cannot spell), or None.
+
+        Every spellable byte of input ends up in some token, and no token stands for more input
+        than its own length, so ``spelled bytes / longest token`` bounds the count, provided no
+        step drops or merges input: no normalizer, pre-tokenizers that only split text (or map
+        characters one to one), a BPE model that spells each byte or drops it (never folds a run
+        into one unknown token), added tokens that do not absorb the whitespace around them, and
+        no truncation. The pipelines built here from GGUF files qualify; other tokenizer.json
+        files may not.
+        """
+        spec = json.loads(self.backend.to_str())
+        model, pre_tokenizer = spec["model"], spec.get("pre_tokenizer")
+        if spec.get("normalizer") is not None or spec.get("truncation") is not None:
+            return None
+        if model.get("type") != "BPE" or not _keeps_characters(pre_tokenizer):
+            return None
+        added = spec.get("added_tokens") or []
+        if any(t.get("lstrip") or t.get("rstrip") for t in added):
+            return None
+        vocab: dict[str, int] = model["vocab"]
+        if _has_byte_level(pre_tokenizer):
+            # A byte-level BPE skips a byte whose alphabet character is not in the vocabulary.
+            alphabet = _bytes_to_unicode()
+            unspellable = bytes(b for b, c in alphabet.items() if c not in vocab)
+            spelled_in = set(alphabet.values())
+            sizes = [len(t) if set(t) <= spelled_in else len(t.encode()) for t in vocab]
+        elif model.get("byte_fallback") and all(f"<0x{b:02X}>" in vocab for b in range(256)):
+            unspellable = b""
+            # a vocabulary character stands for at most its own bytes ("\u2581" for a 1-byte space)
+            sizes = [len(t.encode()) for t in vocab]
+        else:
+            return None
+        return max(sizes + [len(t["content"].encode()) for t in added]), unspellable
 
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
         return self.backend.decode(list(ids), skip_special_tokens=skip_special_tokens)
@@ -344,6 +396,34 @@ class IncrementalDetokenizer:
 
 
 # -- building backends ------------------------------------------------------------------------------
+
+
+def _keeps_characters(pre_tokenizer: Mapping[str, Any] | None) -> bool:
+    """Whether a serialized pre-tokenizer keeps every input character (it may split or respell them)."""
+    if pre_tokenizer is None:
+        return True
+    kind = pre_tokenizer.get("type")
+    if kind == "Sequence":
+        return all(_keeps_characters(p) for p in pre_tokenizer.get("pretokenizers", []))
+    if kind in ("ByteLevel", "Metaspace", "Digits"):
+        return True
+    return kind in ("Split", "Punctuation") and pre_tokenizer.get("behavior") != "Removed"
+
+
+def _bytes_to_unicode() -> dict[int, str]:
+    """GPT-2's byte-level alphabet: the character each byte is spelled with in the vocabulary."""
+    printable = [*range(ord("!"), ord("~") + 1), *range(ord("\u00a1"), ord("\u00ac") + 1),
+                 *range(ord("\u00ae"), ord("\u00ff") + 1)]
+    others = [b for b in range(256) if b not in printable]
+    return {**{b: chr(b) for b in printable}, **{b: chr(256 + i) for i, b in enumerate(others)}}
+
+
+def _has_byte_level(pre_tokenizer: Mapping[str, Any] | None) -> bool:
+    if pre_tokenizer is None:
+        return False
+    if pre_tokenizer.get("type") == "Sequence":
+        return any(_has_byte_level(p) for p in pre_tokenizer.get("pretokenizers", []))
+    return pre_tokenizer.get("type") == "ByteLevel"
 
 
 def _open_gguf(path: str | os.PathLike[str]) -> gguf.GGUFReader:

@@ -2,9 +2,10 @@
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 
-from iterserve.sampling_params import SamplingParams
+from iterserve.sampling_params import MAX_STOP_CHARS, MAX_STOP_STRINGS, SamplingParams, SamplingParamsError
 
 
 @pytest.mark.parametrize(
@@ -28,8 +29,9 @@ from iterserve.sampling_params import SamplingParams
     ],
 )
 def test_invalid_values_raise(kwargs, field):
-    with pytest.raises(ValueError, match=field):
+    with pytest.raises(SamplingParamsError, match=field) as info:
         SamplingParams(**kwargs)
+    assert info.value.param == field and isinstance(info.value, ValueError)
 
 
 def test_normalisation():
@@ -56,3 +58,49 @@ def test_values_that_would_break_a_batch_are_refused(kwargs, field):
 
 def test_vanishing_temperature_is_greedy():
     assert SamplingParams(temperature=1e-40).greedy
+
+
+@pytest.mark.parametrize(
+    "kwargs, field",
+    [
+        ({"top_k": 2.5}, "top_k"),
+        ({"top_k": 3.0}, "top_k"),
+        ({"logprobs": 1.5}, "logprobs"),
+        ({"logprobs": True}, "logprobs"),
+        ({"max_tokens": True}, "max_tokens"),
+        ({"max_tokens": 8.0}, "max_tokens"),
+        ({"min_tokens": 0.5}, "min_tokens"),
+        ({"n": 1.0}, "n"),
+        ({"seed": 1.5}, "seed"),
+        ({"seed": "7"}, "seed"),
+        ({"stop_token_ids": [2.5]}, "stop_token_ids"),
+        ({"stop_token_ids": [False]}, "stop_token_ids"),
+        ({"stop": [7]}, "stop"),
+    ],
+)
+def test_integer_fields_refuse_floats_and_bools(kwargs, field):
+    """A float top_k used to pass and then fail inside the engine step, breaking every later generate()."""
+    with pytest.raises(SamplingParamsError, match=f"{field} must be an integer|{field} must be a list") as info:
+        SamplingParams(**kwargs)
+    assert info.value.param == field
+
+
+def test_integer_like_values_become_plain_ints():
+    p = SamplingParams(top_k=np.int64(5), max_tokens=np.int32(8), seed=np.uint64(3), stop_token_ids=[np.int16(2)])
+    assert (p.top_k, p.max_tokens, p.seed, p.stop_token_ids) == (5, 8, 3, [2])
+    assert all(type(v) is int for v in (p.top_k, p.max_tokens, p.seed, *p.stop_token_ids))
+
+
+def test_stop_string_limits():
+    SamplingParams(stop=["x"] * MAX_STOP_STRINGS)
+    SamplingParams(stop=["a" * (MAX_STOP_CHARS - 1), "b"])
+    with pytest.raises(SamplingParamsError, match=f"at most {MAX_STOP_STRINGS}") as info:
+        SamplingParams(stop=["x"] * (MAX_STOP_STRINGS + 1))
+    assert info.value.param == "stop"
+    with pytest.raises(SamplingParamsError, match=f"at most {MAX_STOP_CHARS} are allowed") as info:
+        SamplingParams(stop=["a" * MAX_STOP_CHARS, "b"])
+    assert info.value.param == "stop"
+    with pytest.raises(SamplingParamsError) as info:
+        SamplingParams(stop_token_ids=list(range(100_000)))
+    assert info.value.param == "stop_token_ids"
+

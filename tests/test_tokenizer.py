@@ -4,11 +4,14 @@ from __future__ import annotations
 
 import json
 import os
+import threading
+import time
 from pathlib import Path
 
 import gguf
 import pytest
-from tokenizers import processors
+from tokenizers import Tokenizer as BackendTokenizer
+from tokenizers import models, pre_tokenizers, processors
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
@@ -407,3 +410,54 @@ def test_unsupported_tokenizer_model_is_named(tmp_path):
     no_vocab = _write_gguf(tmp_path / "empty.gguf", {"general.name": ("x", S)})
     with pytest.raises(ValueError, match="no tokenizer vocabulary"):
         Tokenizer.from_gguf(no_vocab)
+
+
+# -- cheap length bound and threads ---------------------------------------------------------------
+
+
+def _bound_cases(tokenizer: Tokenizer) -> list[str]:
+    """Texts that pack the most input into the fewest tokens: the longest entries repeated, runs
+    of one character, special tokens back to back, bytes the vocabulary cannot spell."""
+    vocab = sorted(tokenizer.backend.get_vocab(with_added_tokens=True), key=len, reverse=True)
+    decoded = [tokenizer.decode([tokenizer.backend.token_to_id(t)], skip_special_tokens=False) for t in vocab[:20]]
+    return [*TEXTS, *(d * 50 for d in decoded), "".join(decoded), " " * 5000, "\n" * 3000, "a" * 4000,
+            "<|im_start|>" * 200, "\x04" * 500 + "hi", chr(0x50000) * 100, "=" * 3000, "0" * 3000]
+
+
+def test_min_num_tokens_is_a_lower_bound(tok, tiny_sentencepiece_gguf):
+    for tokenizer in (tok, Tokenizer.from_gguf(tiny_sentencepiece_gguf)):
+        for text in _bound_cases(tokenizer):
+            assert tokenizer.min_num_tokens(text) <= len(tokenizer.encode(text)), text[:40]
+    # and it is useful: plain text of n characters is at least n / (longest token) tokens
+    assert tok.min_num_tokens("hello world " * 10_000) >= 120_000 // 81
+
+
+def test_pipelines_that_may_fold_input_give_no_bound():
+    word_level = BackendTokenizer(models.WordLevel({"a": 0, "<unk>": 1}, unk_token="<unk>"))
+    word_level.pre_tokenizer = pre_tokenizers.Whitespace()
+    assert Tokenizer(word_level, special_tokens={}).min_num_tokens("x" * 10_000) == 0
+    truncating = Tokenizer.from_gguf(GGUF_PATH)
+    truncating.backend.enable_truncation(8)
+    assert truncating.min_num_tokens("hello " * 10_000) == 0
+
+
+def test_encode_lets_other_threads_run(tok):
+    """Tokenizing a long prompt in a worker thread must not stop the server's event loop."""
+    text = "The quick brown fox jumps over the lazy dog. " * 20_000
+    took: list[float] = []
+
+    def encode() -> None:
+        start = time.perf_counter()
+        tok.encode(text)
+        took.append(time.perf_counter() - start)
+
+    worker = threading.Thread(target=encode)
+    gaps, last = [], time.perf_counter()
+    worker.start()
+    while worker.is_alive():
+        time.sleep(0.002)
+        now = time.perf_counter()
+        gaps.append(now - last)
+        last = now
+    worker.join()
+    assert max(gaps) < took[0] / 4, (max(gaps), took[0])

@@ -1,8 +1,14 @@
 """OpenAI-compatible HTTP API over one engine: completions, chat, models, tokenize, health, metrics.
 
-Handlers validate and tokenize on the event loop (the tokenizer is only read, never reconfigured)
-and hand requests to :class:`AsyncEngine`, whose thread owns the engine. Every refusal is an
-OpenAI-style ``{"error": {...}}`` body with a 4xx status; only genuine faults give a 5xx.
+Handlers validate on the event loop, tokenize and render chat templates in worker threads (the
+tokenizer is only read, never reconfigured, and releases the GIL while encoding), and hand
+requests to :class:`AsyncEngine`, whose thread owns the engine. Every refusal is an OpenAI-style
+``{"error": {...}}`` body with a 4xx status; only genuine faults give a 5xx.
+
+Hostile input is refused before it costs much: bodies over a size limit are cut off as they
+arrive (413), POST bodies must be declared JSON (415), invalid Unicode and malformed lists are
+refused when the body is parsed (stopping at the first bad element), and a prompt too long for
+the context is refused before it is tokenized when its length alone proves it.
 """
 
 from __future__ import annotations
@@ -27,7 +33,7 @@ from pydantic import BaseModel
 from starlette.background import BackgroundTask
 from starlette.datastructures import Headers
 from starlette.exceptions import HTTPException as StarletteHTTPException
-from starlette.types import ASGIApp, Receive, Scope, Send
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from iterserve import __version__
 from iterserve.engine.llm_engine import LLMEngine
@@ -48,6 +54,10 @@ logger = logging.getLogger(__name__)
 SHUTDOWN_GRACE_S = 5.0  # in-flight requests may finish within this; later ones are aborted
 RETRY_AFTER_S = 1
 PUBLIC_PATHS = frozenset({"/health", "/metrics", "/version"})
+# Room for a 128k-token prompt several times over, however the JSON spells it (a token id takes
+# about 7 bytes, a non-ASCII character escaped as \uXXXX 6). FastAPI parses JSON on the event loop:
+# the worst case this allows, 8 MiB of token ids, held it for 0.7 s on a busy two-core machine.
+DEFAULT_MAX_REQUEST_BODY_BYTES = 8 * 1024 * 1024
 MIN_LOGPROB = -9999.0  # stands in for -inf, which JSON cannot carry
 
 TokenLogprobs = list[tuple[int, dict[int, float]]]  # (sampled token, its logprobs entry) per token
@@ -110,6 +120,88 @@ class _APIKeyMiddleware:
         await self.app(scope, receive, send)
 
 
+class _JSONBodyMiddleware:
+    """POST bodies must be declared ``application/json`` (415 otherwise).
+
+    A web page can make a visitor's browser send a cross-origin POST without asking first only with
+    no Content-Type or a form or text/plain one; refusing those keeps other sites from running
+    generations on a server the visitor can reach (a JSON POST needs a CORS preflight, which this
+    server does not grant).
+    """
+
+    def __init__(self, app: ASGIApp) -> None:
+        self.app = app
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] == "http" and scope["method"] == "POST":
+            content_type = Headers(scope=scope).get("content-type")
+            if content_type is None or content_type.partition(";")[0].strip().lower() != "application/json":
+                got = "no Content-Type" if content_type is None else f"Content-Type {content_type!r}"
+                error = APIError(415, f"the body must be JSON sent with 'Content-Type: application/json'; got {got}",
+                                 code="unsupported_media_type")
+                await _error_response(error)(scope, receive, send)
+                return
+        await self.app(scope, receive, send)
+
+
+class _BodyTooLarge(Exception):
+    """Raised into the app when the body it is reading goes over the limit; the 413 is already sent."""
+
+
+class _BodySizeLimitMiddleware:
+    """Refuse request bodies over ``max_bytes`` with a 413, without reading the rest.
+
+    A declared Content-Length over the limit is refused before the app runs. Otherwise the bytes
+    are counted as the app receives them; at the limit the 413 is sent and the app's read fails,
+    and whatever the app answers then is dropped. The server discards the unread remainder, so
+    the connection stays usable.
+    """
+
+    def __init__(self, app: ASGIApp, max_bytes: int) -> None:
+        self.app = app
+        self.max_bytes = max_bytes
+
+    def _error(self) -> JSONResponse:
+        return _error_response(APIError(413, f"the request body is larger than the limit of {self.max_bytes} bytes",
+                                        code="request_too_large"))
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        declared = Headers(scope=scope).get("content-length", "")
+        if declared.isdigit() and int(declared) > self.max_bytes:
+            await self._error()(scope, receive, send)
+            return
+        received = 0
+        response_started = refused = False
+
+        async def counting_receive() -> Message:
+            nonlocal received, refused
+            message = await receive()
+            if message["type"] == "http.request":
+                received += len(message.get("body", b""))
+                if received > self.max_bytes:
+                    if not response_started:
+                        await self._error()(scope, receive, send)
+                        refused = True
+                    raise _BodyTooLarge
+            return message
+
+        async def guarded_send(message: Message) -> None:
+            nonlocal response_started
+            if refused:
+                return
+            response_started = response_started or message["type"] == "http.response.start"
+            await send(message)
+
+        try:
+            await self.app(scope, counting_receive, guarded_send)
+        except _BodyTooLarge:
+            if not refused:
+                raise
+
+
 class OpenAIServing:
     """The route handlers, bound to one engine."""
 
@@ -143,6 +235,45 @@ class OpenAIServing:
                 f"prompt ({num_prompt} tokens) + max_tokens ({max_tokens}) = {num_prompt + max_tokens} exceeds "
                 f"max_model_len ({limit})", "max_tokens", "context_length_exceeded",
             )
+
+    def _refuse_unfittable(self, tokenizer: Tokenizer, text: str, max_tokens: int, param: str) -> None:
+        """Refuse text that must make more than ``max_tokens`` tokens, judged without tokenizing it
+        (tokenizing megabytes takes seconds, and such a prompt cannot fit anyway)."""
+        at_least = tokenizer.min_num_tokens(text)
+        if at_least > max_tokens:
+            raise bad_request(f"the prompt has {len(text)} characters, which make at least {at_least} tokens: "
+                              f"more than max_model_len ({self.engine.max_model_len}) allows", param,
+                              "context_length_exceeded")
+
+    async def _encode(self, text: str, param: str, max_tokens: int, add_special_tokens: bool = True) -> list[int]:
+        """Token ids for ``text`` if it can be at most ``max_tokens`` long, found in a worker thread so
+        that the server keeps answering meanwhile."""
+        tokenizer = self._tokenizer()
+
+        def encode() -> list[int]:
+            self._refuse_unfittable(tokenizer, text, max_tokens, param)
+            return tokenizer.encode(text, add_special_tokens)
+
+        return await asyncio.to_thread(encode)
+
+    async def _encode_chat(self, messages: list[dict[str, Any]], add_generation_prompt: bool,
+                           max_tokens: int) -> list[int]:
+        """Token ids of a conversation rendered by the chat template, both done in a worker thread.
+
+        The length check applies to the rendered prompt: a template may leave some content out.
+        """
+        tokenizer = self._tokenizer()
+
+        def render_and_encode() -> list[int]:
+            try:
+                prompt = tokenizer.apply_chat_template(messages, add_generation_prompt=add_generation_prompt)
+            except ValueError as e:
+                raise bad_request(str(e), "messages") from e
+            assert isinstance(prompt, str)
+            self._refuse_unfittable(tokenizer, prompt, max_tokens, "messages")
+            return tokenizer.encode(prompt, add_special_tokens=False)
+
+        return await asyncio.to_thread(render_and_encode)
 
     async def _submit(self, request_id: str, prompt: list[int], params: SamplingParams) -> RequestStream:
         """Queue the request and wait until the engine has taken it (or refused it: a 400)."""
@@ -217,25 +348,27 @@ class OpenAIServing:
 
     # -- completions --------------------------------------------------------------------------
 
-    def _completion_prompt(self, prompt: str | list[int] | list[str] | list[list[int]]) -> tuple[list[int], str]:
-        """Token ids and text of the one prompt (a one-element batch is unwrapped)."""
+    async def _completion_prompt(self, prompt: str | list[int] | list[str] | list[list[int]],
+                                 echo: bool) -> tuple[list[int], str]:
+        """Token ids of the one prompt (a one-element batch is unwrapped), and its text when echoed."""
         if isinstance(prompt, list) and prompt and isinstance(prompt[0], (str, list)):
             if len(prompt) != 1:
                 raise bad_request(f"got {len(prompt)} prompts; send one prompt per request", "prompt")
             prompt = prompt[0]
         if isinstance(prompt, str):
-            return self._tokenizer().encode(prompt), prompt
-        tokenizer = self.engine.tokenizer
+            return await self._encode(prompt, "prompt", self.engine.max_model_len - 1), prompt
+        self._check_length(len(prompt), None, "prompt")  # before walking a list that may be huge
         vocab = self.engine.model_config.vocab_size
         if any(not 0 <= t < vocab for t in prompt):
             raise bad_request(f"prompt token ids must be in [0, {vocab})", "prompt")
-        return list(prompt), tokenizer.decode(prompt, skip_special_tokens=False) if tokenizer else ""
+        tokenizer = self.engine.tokenizer
+        return list(prompt), tokenizer.decode(prompt, skip_special_tokens=False) if echo and tokenizer else ""
 
     async def completions(self, body: CompletionRequest, request: Request) -> Response:
         self._check_model(body.model)
         body.check_supported()
         params = body.sampling_params(body.max_tokens, body.logprobs)
-        prompt_ids, prompt_text = self._completion_prompt(body.prompt)
+        prompt_ids, prompt_text = await self._completion_prompt(body.prompt, body.echo)
         self._check_length(len(prompt_ids), body.max_tokens, "prompt")
         request_id = f"cmpl-{uuid.uuid4().hex}"
         stream = await self._submit(request_id, prompt_ids, params)
@@ -288,13 +421,8 @@ class OpenAIServing:
         body.check_supported()
         max_tokens = body.requested_max_tokens
         params = body.sampling_params(max_tokens, body.requested_logprobs)
-        tokenizer = self._tokenizer()
-        try:
-            prompt_ids = tokenizer.apply_chat_template(
-                body.message_dicts(), add_generation_prompt=body.add_generation_prompt, tokenize=True
-            )
-        except ValueError as e:
-            raise bad_request(str(e), "messages") from e
+        prompt_ids = await self._encode_chat(body.message_dicts(), body.add_generation_prompt,
+                                             self.engine.max_model_len - 1)
         self._check_length(len(prompt_ids), max_tokens, "messages")
         request_id = f"chatcmpl-{uuid.uuid4().hex}"
         stream = await self._submit(request_id, prompt_ids, params)
@@ -345,27 +473,36 @@ class OpenAIServing:
                                          max_model_len=self.engine.max_model_len)])
 
     async def tokenize(self, body: TokenizeRequest) -> TokenizeResponse:
+        """Token ids of a prompt or conversation of up to max_model_len tokens (longer text is refused,
+        so that this endpoint cannot be made to tokenize arbitrarily much)."""
         self._check_model(body.model)
-        tokenizer = self._tokenizer()
         if (body.prompt is None) == (body.messages is None):
             raise bad_request("send exactly one of 'prompt' and 'messages'", "prompt")
+        limit = self.engine.max_model_len
         if body.messages is not None:
-            try:
-                ids = tokenizer.apply_chat_template([m.model_dump(exclude_none=True) for m in body.messages],
-                                                    add_generation_prompt=body.add_generation_prompt, tokenize=True)
-            except ValueError as e:
-                raise bad_request(str(e), "messages") from e
+            param = "messages"
+            ids = await self._encode_chat([m.model_dump(exclude_none=True) for m in body.messages],
+                                          body.add_generation_prompt, limit)
         else:
-            ids = tokenizer.encode(body.prompt or "", add_special_tokens=body.add_special_tokens)
-        return TokenizeResponse(tokens=ids, count=len(ids), max_model_len=self.engine.max_model_len)
+            param = "prompt"
+            ids = await self._encode(body.prompt or "", param, limit, body.add_special_tokens)
+        if len(ids) > limit:
+            raise bad_request(f"the text has {len(ids)} tokens, more than max_model_len ({limit})", param,
+                              "context_length_exceeded")
+        return TokenizeResponse(tokens=ids, count=len(ids), max_model_len=limit)
 
     async def detokenize(self, body: DetokenizeRequest) -> DetokenizeResponse:
+        """The text of up to max_model_len token ids, decoded in a worker thread."""
         self._check_model(body.model)
         tokenizer = self._tokenizer()
+        limit = self.engine.max_model_len
+        if len(body.tokens) > limit:
+            raise bad_request(f"got {len(body.tokens)} token ids, more than max_model_len ({limit})", "tokens",
+                              "context_length_exceeded")
         vocab = tokenizer.vocab_size
         if any(not 0 <= t < vocab for t in body.tokens):
             raise bad_request(f"token ids must be in [0, {vocab})", "tokens")
-        return DetokenizeResponse(prompt=tokenizer.decode(body.tokens))
+        return DetokenizeResponse(prompt=await asyncio.to_thread(tokenizer.decode, body.tokens))
 
     async def health(self) -> Response:
         if not self.async_engine.is_running:
@@ -396,23 +533,31 @@ async def _on_engine_dead(request: Request, exc: Exception) -> Response:
     return _error_response(_engine_dead(exc))
 
 
+def _printable(text: str) -> str:
+    """``text`` with any lone surrogate escaped, so that an error message can always be sent as UTF-8."""
+    return text.encode("utf-8", "backslashreplace").decode("utf-8")
+
+
 async def _on_validation_error(request: Request, exc: Exception) -> Response:
     """FastAPI's 422 becomes OpenAI's 400, naming the offending parameter."""
     assert isinstance(exc, RequestValidationError)
     errors = exc.errors()
     if not errors:
         return _error_response(bad_request("invalid request body"))
-    first = errors[0]
+    # A union field reports one error per member type; one raised by our own validators says what is wrong.
+    first = next((e for e in errors if e.get("type") == "value_error"), errors[0])
     if first.get("type") == "json_invalid":
         reason = (first.get("ctx") or {}).get("error")
         return _error_response(bad_request(f"the body is not valid JSON: {reason}" if reason else
                                            "the body is not valid JSON"))
-    loc = [str(part) for part in first.get("loc", ()) if part != "body"]
+    # pydantic tags a union member's errors with the member's type, e.g. "list[int]": not a field name
+    loc = [_printable(str(part)) for part in first.get("loc", ()) if part != "body" and "[" not in str(part)]
     if not loc and first.get("type") in ("missing", "model_attributes_type"):
         return _error_response(bad_request("the request body must be a JSON object"))
     where = ".".join(loc)
-    message = f"{where}: {first.get('msg')}" if where else str(first.get("msg"))
-    return _error_response(bad_request(message, loc[0] if loc else None))
+    reason = (first.get("ctx") or {}).get("error") if first.get("type") == "value_error" else None
+    message = _printable(str(reason or first.get("msg")))
+    return _error_response(bad_request(f"{where}: {message}" if where else message, loc[0] if loc else None))
 
 
 async def _on_http_error(request: Request, exc: Exception) -> Response:
@@ -430,10 +575,12 @@ async def _on_internal_error(request: Request, exc: Exception) -> Response:
 # -- app and server ---------------------------------------------------------------------------------
 
 
-def build_app(engine: LLMEngine, *, served_model_name: str, api_key: str | None, max_waiting: int) -> FastAPI:
+def build_app(engine: LLMEngine, *, served_model_name: str, api_key: str | None, max_waiting: int,
+              max_request_body_bytes: int = DEFAULT_MAX_REQUEST_BODY_BYTES) -> FastAPI:
     """An app serving ``engine``; its lifespan starts and stops the engine thread.
 
-    One engine must be driven by one running app at a time.
+    One engine must be driven by one running app at a time. Request bodies over
+    ``max_request_body_bytes`` are refused with a 413.
     """
     metrics = ServerMetrics(engine, served_model_name)
     async_engine = AsyncEngine(engine, max_waiting, metrics)
@@ -449,13 +596,15 @@ def build_app(engine: LLMEngine, *, served_model_name: str, api_key: str | None,
             await async_engine.stop()
             logger.info("engine loop stopped")
 
-    # strict_content_type=False: a body sent without a Content-Type is still read as JSON
-    app = FastAPI(title="iterserve", version=__version__, lifespan=lifespan, strict_content_type=False)
+    app = FastAPI(title="iterserve", version=__version__, lifespan=lifespan)
     app.add_exception_handler(APIError, _on_api_error)
     app.add_exception_handler(EngineDeadError, _on_engine_dead)
     app.add_exception_handler(RequestValidationError, _on_validation_error)
     app.add_exception_handler(StarletteHTTPException, _on_http_error)
     app.add_exception_handler(Exception, _on_internal_error)
+    # the last added runs first: the key is checked, then the Content-Type, then the body size
+    app.add_middleware(_BodySizeLimitMiddleware, max_bytes=max_request_body_bytes)
+    app.add_middleware(_JSONBodyMiddleware)
     if api_key:
         app.add_middleware(_APIKeyMiddleware, api_key=api_key)
 
@@ -482,7 +631,8 @@ def run_server(args: argparse.Namespace) -> int:
 
     engine = LLMEngine(engine_config_from_args(args))
     name = args.served_model_name or args.model
-    app = build_app(engine, served_model_name=name, api_key=args.api_key, max_waiting=args.max_waiting)
+    app = build_app(engine, served_model_name=name, api_key=args.api_key, max_waiting=args.max_waiting,
+                    max_request_body_bytes=args.max_request_body_bytes)
     cap = engine.capacity
     logger.info("KV cache: %d blocks x %d tokens = %d tokens, max_model_len %d (%d full-length sequences)",
                 cap["num_blocks"], cap["block_size"], cap["total_tokens"], cap["max_model_len"],

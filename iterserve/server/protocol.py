@@ -6,12 +6,13 @@ known ones we cannot honour, so a client never silently gets something other tha
 
 from __future__ import annotations
 
+import json
 import time
-from typing import Any, Literal
+from typing import Annotated, Any, Literal, TypeVar, Union
 
-from pydantic import BaseModel, ConfigDict, Field, model_serializer
+from pydantic import BaseModel, ConfigDict, Discriminator, Field, Strict, Tag, field_validator, model_serializer
 
-from iterserve.sampling_params import SamplingParams
+from iterserve.sampling_params import SamplingParams, SamplingParamsError
 
 # Sampler limits. The sampler works in float32, where a temperature or penalty near 0 or near the
 # float limits turns logits into inf/nan and fails the whole batch's step, so such values are
@@ -57,9 +58,77 @@ def bad_request(message: str, param: str | None = None, code: str | None = None)
 # -- requests -------------------------------------------------------------------------------------
 
 
+def _first_lone_surrogate(value: Any) -> tuple[str, int] | None:
+    """The first string in a validated field value holding a lone surrogate, with its index.
+
+    Costs little even on lists of millions: a validated list holds one type, so a list of numbers
+    or models (a token-id prompt, the messages) is not walked, and other lists and dicts are
+    checked by encoding them as JSON at C speed; only one that fails is searched.
+    """
+    if isinstance(value, str):
+        return _find_lone_surrogate(value)
+    if isinstance(value, list) and value and isinstance(value[0], list):
+        return next(filter(None, map(_first_lone_surrogate, value)), None)
+    if not isinstance(value, (list, dict)) or (value and isinstance(value, list) and
+                                                not isinstance(value[0], (str, dict))):
+        return None
+    try:
+        json.dumps(value, ensure_ascii=False).encode("utf-8")
+        return None
+    except (UnicodeEncodeError, TypeError, ValueError):
+        return _find_lone_surrogate(value)
+
+
+def _find_lone_surrogate(value: Any) -> tuple[str, int] | None:
+    """Search strings, lists and dicts (keys too) of any shape for a lone surrogate."""
+    if isinstance(value, str):
+        try:
+            value.encode("utf-8")
+        except UnicodeEncodeError as e:
+            return value, e.start
+        return None
+    items = [*value, *value.values()] if isinstance(value, dict) else value if isinstance(value, list) else []
+    return next(filter(None, map(_find_lone_surrogate, items)), None)
+
+
+def _prompt_kind(value: Any) -> str | None:
+    """Which shape of prompt ``value`` is, judged by its first element, so that pydantic validates
+    only that shape: trying each in turn reports an error per element of a million-item list."""
+    if isinstance(value, str):
+        return "text"
+    if not isinstance(value, list):
+        return None
+    return {str: "texts", list: "id_lists"}.get(type(value[0]), "ids") if value else "ids"
+
+
+T = TypeVar("T")
+# An integer that refuses floats, bools and numeric strings rather than reading 2.5 as 2 or true as 1.
+Int = Annotated[int, Strict()]
+# A list whose validation stops at the first bad element: reporting an error for each element of a
+# million-element list takes pydantic (and FastAPI after it) tens of seconds on the event loop.
+ListOf = Annotated[list[T], Field(fail_fast=True)]
+Prompt = Annotated[
+    Union[Annotated[str, Tag("text")], Annotated[ListOf[Int], Tag("ids")], Annotated[ListOf[str], Tag("texts")],
+          Annotated[ListOf[ListOf[Int]], Tag("id_lists")]],
+    Discriminator(_prompt_kind, custom_error_type="prompt_type",
+                  custom_error_message="must be a string, a list of token ids, or a list of either"),
+]
+
+
 class _Request(BaseModel):
     # Non-finite floats are refused: JSON parsers accept NaN/Infinity and the sampler cannot use them.
     model_config = ConfigDict(extra="ignore", allow_inf_nan=False)
+
+    @field_validator("*")
+    @classmethod
+    def _valid_unicode(cls, value: Any) -> Any:
+        """JSON can carry a lone surrogate (an unpaired \\ud800 escape): Python decodes it into a string
+        that neither the tokenizer nor a UTF-8 response can encode, so it is refused, naming the field."""
+        if (found := _first_lone_surrogate(value)) is not None:
+            text, index = found
+            raise ValueError(f"contains a lone surrogate (U+{ord(text[index]):04X}) at index {index} of a string; "
+                             "text must be valid Unicode")
+        return value
 
 
 class StreamOptions(_Request):
@@ -70,32 +139,38 @@ class _SamplingRequest(_Request):
     """Fields shared by completions and chat completions."""
 
     model: str | None = None
-    n: int = 1
+    n: Int = 1
     stream: bool = False
     stream_options: StreamOptions | None = None
     temperature: float | None = None
     top_p: float | None = None
-    stop: str | list[str] | None = None
-    seed: int | None = None
+    stop: str | ListOf[str] | None = None
+    seed: Int | None = None
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
     logit_bias: dict[str, float] | None = None
     user: str | None = None
     # vLLM extensions
-    top_k: int = 0
+    top_k: Int = 0
     min_p: float = 0.0
     repetition_penalty: float = 1.0
-    min_tokens: int = 0
+    min_tokens: Int = 0
     ignore_eos: bool = False
     skip_special_tokens: bool = True
-    stop_token_ids: list[int] | None = None
+    stop_token_ids: ListOf[Int] | None = None
+
+    @field_validator("logit_bias", mode="before")
+    @classmethod
+    def _no_logit_bias(cls, value: Any) -> Any:
+        """Not implemented, so refused before its entries (any number of them) are parsed."""
+        if value:
+            raise ValueError("not supported")
+        return value
 
     def check_supported(self) -> None:
         """Refuse options we do not implement, naming the parameter."""
         if self.n != 1:
             raise bad_request(f"n must be 1 (one choice per request), got {self.n}", "n")
-        if self.logit_bias:
-            raise bad_request("logit_bias is not supported", "logit_bias")
         if self.stream_options is not None and not self.stream:
             raise bad_request("stream_options can only be set when stream is true", "stream_options")
 
@@ -125,23 +200,17 @@ class _SamplingRequest(_Request):
                 min_tokens=self.min_tokens, stop=self.stop or [], stop_token_ids=self.stop_token_ids or [],
                 ignore_eos=self.ignore_eos, logprobs=logprobs, skip_special_tokens=self.skip_special_tokens,
             )
-        except ValueError as e:
-            raise bad_request(str(e), _param_named_in(str(e))) from e
-
-
-def _param_named_in(message: str) -> str | None:
-    """SamplingParams messages start with the field's name."""
-    name = message.split(" ", 1)[0]
-    return name if name in SamplingParams.__dataclass_fields__ else None
+        except SamplingParamsError as e:
+            raise bad_request(str(e), e.param) from e
 
 
 class CompletionRequest(_SamplingRequest):
-    prompt: str | list[int] | list[str] | list[list[int]]
-    max_tokens: int | None = COMPLETION_DEFAULT_MAX_TOKENS
-    logprobs: int | None = None
+    prompt: Prompt
+    max_tokens: Int | None = COMPLETION_DEFAULT_MAX_TOKENS
+    logprobs: Int | None = None
     echo: bool = False
     suffix: str | None = None
-    best_of: int | None = None
+    best_of: Int | None = None
 
     def check_supported(self) -> None:
         super().check_supported()
@@ -155,16 +224,16 @@ class CompletionRequest(_SamplingRequest):
 
 class ChatMessage(_Request):
     role: Literal["system", "developer", "user", "assistant"]
-    content: str | list[dict[str, Any]] | None = None
+    content: str | ListOf[dict[str, Any]] | None = None
     name: str | None = None
 
 
 class ChatCompletionRequest(_SamplingRequest):
-    messages: list[ChatMessage] = Field(min_length=1)
-    max_tokens: int | None = None
-    max_completion_tokens: int | None = None
+    messages: ListOf[ChatMessage] = Field(min_length=1)
+    max_tokens: Int | None = None
+    max_completion_tokens: Int | None = None
     logprobs: bool = False
-    top_logprobs: int | None = None
+    top_logprobs: Int | None = None
     tools: list[Any] | None = None
     tool_choice: Any = None
     functions: list[Any] | None = None
@@ -202,14 +271,14 @@ class ChatCompletionRequest(_SamplingRequest):
 class TokenizeRequest(_Request):
     model: str | None = None
     prompt: str | None = None
-    messages: list[ChatMessage] | None = None
+    messages: ListOf[ChatMessage] | None = None
     add_special_tokens: bool = True
     add_generation_prompt: bool = True
 
 
 class DetokenizeRequest(_Request):
     model: str | None = None
-    tokens: list[int]
+    tokens: ListOf[Int]
 
 
 # -- responses ------------------------------------------------------------------------------------
