@@ -121,7 +121,8 @@ def check_prompt(token_ids: list[int], params: SamplingParams, vocab_size: int, 
     max_tokens = params.max_tokens if params.max_tokens is not None else max_model_len - n
     if n + max_tokens > max_model_len:
         raise ValueError(
-            f"prompt ({n} tokens) + max_tokens ({max_tokens}) = {n + max_tokens} exceeds max_model_len ({max_model_len})"
+            f"prompt ({n} tokens) + max_tokens ({max_tokens}) = {n + max_tokens} exceeds "
+            f"max_model_len ({max_model_len})"
         )
     return max_tokens
 
