@@ -124,6 +124,8 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--max-waiting", type=int, default=256,
                        help="requests allowed to wait for the batch; more are refused with 429")
     serve.add_argument("--served-model-name", default=None, help="model name clients use (default: --model)")
+    serve.add_argument("--shutdown-timeout", type=float, default=5.0,
+                       help="seconds running requests may take to finish after SIGTERM before they are ended")
     add_engine_args(serve)
     serve.set_defaults(func=_cmd_serve)
 
