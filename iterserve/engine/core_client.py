@@ -43,7 +43,7 @@ from iterserve.tokenizer import Tokenizer
 
 logger = logging.getLogger(__name__)
 
-ORPHAN_CHECK_S = 1.0  # how often an idle core checks that the API process is still there
+ORPHAN_CHECK_S = 1.0  # how often an idle core checks that the API process is still there (a busy one: every step)
 
 
 class QueueFullError(Exception):
@@ -103,10 +103,11 @@ def _busy_loop(core: EngineCore, inputs: zmq.Socket, outputs: zmq.Socket, encode
     decoder = msgspec.msgpack.Decoder(EngineCoreInput)
     while True:
         if not core.has_unfinished_requests():
-            while not inputs.poll(int(ORPHAN_CHECK_S * 1000)):
-                if os.getppid() != parent:
-                    logger.warning("the API process is gone; the engine core exits")
-                    return
+            while not inputs.poll(int(ORPHAN_CHECK_S * 1000)) and os.getppid() == parent:
+                pass
+        if os.getppid() != parent:  # nobody reads the outputs any more: a send would block for ever
+            logger.warning("the API process is gone; the engine core exits")
+            return
         errors: list[EngineCoreOutput] = []
         while True:
             try:

@@ -533,6 +533,8 @@ def run_server(args: argparse.Namespace) -> int:
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda signum, frame: None)
     server.run()
+    if not server.started:
+        return 1  # the engine core did not start; the log says why
     if engine.error is not None:
         logger.error("exiting because the engine core died: %s", engine.error)
         return 1
