@@ -2,8 +2,8 @@
 
 Handlers validate and tokenize in this process (the tokenizer is only read, never reconfigured)
 and hand token ids to :class:`EngineCoreClient`, whose core process owns the model; text, stop
-strings and streaming happen here. Every refusal is an
-OpenAI-style ``{"error": {...}}`` body with a 4xx status; only genuine faults give a 5xx.
+strings and streaming happen here. Every refusal is an OpenAI-style ``{"error": {...}}`` body with
+a 4xx status; only genuine faults give a 5xx.
 """
 
 from __future__ import annotations
@@ -49,7 +49,6 @@ from iterserve.tokenizer import Tokenizer
 
 logger = logging.getLogger(__name__)
 
-SHUTDOWN_TIMEOUT_S = 5.0  # default: in-flight requests may finish within this after SIGTERM; later ones end
 RETRY_AFTER_S = 1
 PUBLIC_PATHS = frozenset({"/health", "/metrics", "/version"})
 MIN_LOGPROB = -9999.0  # stands in for -inf, which JSON cannot carry
