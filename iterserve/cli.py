@@ -126,6 +126,8 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--served-model-name", default=None, help="model name clients use (default: --model)")
     serve.add_argument("--max-request-body-bytes", type=int, default=8 * 1024 * 1024,
                        help="request bodies larger than this are refused with 413 (default: 8 MiB)")
+    serve.add_argument("--shutdown-timeout", type=float, default=5.0,
+                       help="seconds running requests may take to finish after SIGTERM before they are ended")
     add_engine_args(serve)
     serve.set_defaults(func=_cmd_serve)
 

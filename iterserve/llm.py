@@ -8,6 +8,7 @@ from typing import Any, Sequence as Seq
 from tqdm.auto import tqdm
 
 from iterserve.engine.llm_engine import EngineConfig, LLMEngine
+from iterserve.engine.output_processor import RequestOutputKind
 from iterserve.models.loader import DEFAULT_MODEL, LoadedModel
 from iterserve.outputs import RequestOutput
 from iterserve.sampling_params import SamplingParams
@@ -55,7 +56,7 @@ class LLM:
         ids = []
         try:
             for prompt, p in zip(prompts, params):
-                ids.append(self.engine.add_request(prompt, p))
+                ids.append(self.engine.add_request(prompt, p, output_kind=RequestOutputKind.FINAL_ONLY))
         except ValueError:
             for rid in ids:
                 self.engine.abort_request(rid)
@@ -87,8 +88,7 @@ class LLM:
         final: dict[str, RequestOutput] = {}
         with tqdm(total=len(ids), desc="generate", disable=not use_tqdm, unit="req") as bar:
             while self.engine.has_unfinished_requests():
-                for out in self.engine.step():
-                    if out.finished:
-                        final[out.request_id] = out
-                        bar.update(1)
+                for out in self.engine.step():  # final outputs only
+                    final[out.request_id] = out
+                    bar.update(1)
         return [final[i] for i in ids]

@@ -1,4 +1,4 @@
-"""What the engine hands back: vLLM-shaped request outputs, cumulative plus this step's delta."""
+"""What the engine hands back: vLLM-shaped request outputs, cumulative or only this step's delta."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ class CompletionOutput:
     index: int
     text: str
     token_ids: list[int]
-    finish_reason: str | None = None  # "stop", "length" or "abort"
+    finish_reason: str | None = None  # "stop", "length", "abort" or "error"
     stop_reason: str | int | None = None  # the stop string or stop token that ended it
     logprobs: list[dict[int, float]] | None = None
     delta_text: str = ""  # text released in this step (never past a stop string)
@@ -32,3 +32,15 @@ class RequestOutput:
     finished: bool
     metrics: RequestMetrics
     num_cached_tokens: int = 0
+
+    def add(self, later: RequestOutput) -> None:
+        """Merge a later delta output of the same request into this unread one (a slow consumer's backlog)."""
+        mine, theirs = self.outputs[0], later.outputs[0]
+        mine.text += theirs.text
+        mine.delta_text = mine.text
+        mine.token_ids.extend(theirs.token_ids)
+        mine.delta_token_ids = mine.token_ids
+        if mine.logprobs is not None:
+            mine.logprobs.extend(theirs.logprobs or [])
+        mine.finish_reason, mine.stop_reason = theirs.finish_reason, theirs.stop_reason
+        self.finished = later.finished

@@ -119,7 +119,7 @@ class BlockManager:
     ) -> bool:
         """Make ``seq``'s block table cover its computed tokens plus ``num_new_tokens`` (or
         ``reserve_tokens`` if more). ``cached_prefix`` (from :meth:`find_cached_prefix`, for a
-        sequence holding no blocks yet) is shared and counted as computed. Returns False, changing
+        sequence holding no blocks yet) is shared; the scheduler then counts it as computed. Returns False, changing
         nothing, when the pool cannot supply the blocks."""
         hits = cached_prefix or []
         computed = seq.num_computed_tokens + len(hits) * self.block_size
@@ -136,8 +136,6 @@ class BlockManager:
             seq.block_hashes.append(block.hash)
         if hits:
             seq.num_hashed_blocks = len(hits)
-            seq.num_computed_tokens = computed
-            seq.num_cached_tokens = computed
         for _ in range(max(0, need)):
             seq.block_table.append(self._take_free_block().block_id)
         return True

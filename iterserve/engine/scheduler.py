@@ -6,6 +6,10 @@ requests in arrival order, chunking the last prompt to fit. A request therefore 
 the next step and leaves the moment it finishes. When the KV pool runs dry, the most recently
 admitted running sequence is preempted: its blocks are freed and it is recomputed later.
 
+After the forward pass, :meth:`Scheduler.update_from_output` is the one place a sequence's progress
+moves: computed tokens advance, full blocks are published to the prefix cache, the sampled token is
+appended, token-level stops are applied and finished sequences leave the batch.
+
 Static batching runs on the same machinery but admits a new batch only when the previous one has
 completely finished; that is the behaviour continuous batching removes.
 """
@@ -17,6 +21,7 @@ from dataclasses import dataclass, field
 
 from iterserve.engine.block_manager import BlockManager
 from iterserve.engine.sequence import Sequence, SequenceStatus
+from iterserve.sampler import SampleResult
 
 
 @dataclass
@@ -25,6 +30,7 @@ class SchedulerConfig:
     max_num_batched_tokens: int = 2048
     batching: str = "continuous"  # or "static"
     kv_allocation: str = "paged"  # or "reserved": hold blocks for prompt + max_tokens from admission
+    max_model_len: int | None = None  # a sequence reaching this many tokens finishes with "length"
 
     def __post_init__(self) -> None:
         if self.batching not in ("continuous", "static"):
@@ -39,10 +45,15 @@ class SchedulerConfig:
 class ScheduledSeq:
     seq: Sequence
     num_tokens: int  # tokens of this sequence computed in this step
+    is_prefill: bool = field(init=False)  # fixed when scheduled: the sequence moves on after the step
+
+    def __post_init__(self) -> None:
+        self.is_prefill = self.seq.is_prefill
 
     @property
-    def is_prefill(self) -> bool:
-        return self.num_tokens > 1 or self.seq.num_computed_tokens == 0
+    def samples(self) -> bool:
+        """This step computes the sequence's last token, so the model samples its next one."""
+        return self.seq.num_computed_tokens + self.num_tokens == self.seq.num_tokens
 
 
 @dataclass
@@ -59,6 +70,14 @@ class SchedulerOutput:
     @property
     def is_empty(self) -> bool:
         return not self.scheduled
+
+
+@dataclass
+class SchedulerUpdate:
+    """What one step changed: the sequences that got a token (in step order) and those that finished."""
+
+    sampled: list[Sequence] = field(default_factory=list)
+    finished: list[Sequence] = field(default_factory=list)
 
 
 class Scheduler:
@@ -124,6 +143,10 @@ class Scheduler:
             num_new = min(seq.num_tokens - num_computed, budget)
             if not bm.allocate(seq, num_new, hits, reserve_tokens=self._reserve(seq)):
                 break
+            if hits:
+                seq.num_computed_tokens = num_computed
+                if seq.metrics.num_preemptions == 0:
+                    seq.num_cached_tokens = num_computed
             self.waiting.popleft()
             seq.status = SequenceStatus.RUNNING
             self.running.append(seq)
@@ -135,11 +158,46 @@ class Scheduler:
         out.scheduled = decodes + prefills
         return out
 
-    def finish(self, seq: Sequence) -> None:
-        """Remove a finished or aborted sequence wherever it is and free its blocks."""
+    def update_from_output(self, out: SchedulerOutput, result: SampleResult) -> SchedulerUpdate:
+        """Apply a step's results: ``result`` holds one sample per scheduled sequence that computed its
+        last token, in scheduled order. Finished sequences are freed and returned."""
+        update = SchedulerUpdate()
+        sampling = [s for s in out.scheduled if s.samples]
+        if len(sampling) != len(result.token_ids):
+            raise ValueError(f"{len(result.token_ids)} samples for {len(sampling)} sampling sequences")
+        for s in out.scheduled:
+            s.seq.num_computed_tokens += s.num_tokens
+            self.block_manager.commit(s.seq)
+        for s, token, logprobs in zip(sampling, result.token_ids, result.logprobs):
+            seq = s.seq
+            seq.output_token_ids.append(token)
+            if logprobs is not None:
+                seq.output_logprobs.append(logprobs)
+            update.sampled.append(seq)
+            reason = self._stop_reason(seq, token)
+            if reason is not None:
+                self.finish(seq, reason)
+                update.finished.append(seq)
+        return update
+
+    def _stop_reason(self, seq: Sequence, token: int) -> str | None:
+        """Token-level stops: a stop or EOS token (once min_tokens are out), max_tokens, max_model_len."""
+        n_out = len(seq.output_token_ids)
+        if token in seq.stop_ids and n_out >= seq.params.min_tokens:
+            seq.stop_reason = token if token in seq.params.stop_token_ids else None
+            return "stop"
+        max_len = self.config.max_model_len
+        if n_out >= seq.max_tokens or (max_len is not None and seq.num_tokens >= max_len):
+            return "length"
+        return None
+
+    def finish(self, seq: Sequence, reason: str = "abort") -> None:
+        """End a sequence wherever it is (``reason``: stop, length, abort or error) and free its blocks."""
         if seq in self.running:
             self.running.remove(seq)
         elif seq in self.waiting:
             self.waiting.remove(seq)
         self.block_manager.free(seq)
         self.static_batch.discard(seq.request_id)
+        seq.status = SequenceStatus.FINISHED
+        seq.finish_reason = reason

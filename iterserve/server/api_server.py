@@ -1,9 +1,10 @@
 """OpenAI-compatible HTTP API over one engine: completions, chat, models, tokenize, health, metrics.
 
 Handlers validate on the event loop, tokenize and render chat templates in worker threads (the
-tokenizer is only read, never reconfigured, and releases the GIL while encoding), and hand
-requests to :class:`AsyncEngine`, whose thread owns the engine. Every refusal is an OpenAI-style
-``{"error": {...}}`` body with a 4xx status; only genuine faults give a 5xx.
+tokenizer is only read, never reconfigured, and releases the GIL while encoding), and hand token
+ids to :class:`EngineCoreClient`, whose core process owns the model; text, stop strings and
+streaming happen here. Every refusal is an OpenAI-style ``{"error": {...}}`` body with a 4xx
+status; only genuine faults give a 5xx.
 
 Hostile input is refused before it costs much: bodies over a size limit are cut off as they
 arrive (413), POST bodies must be declared JSON (415), invalid Unicode and malformed lists are
@@ -26,6 +27,7 @@ from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from typing import Any
 
+import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
@@ -36,10 +38,12 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from iterserve import __version__
-from iterserve.engine.llm_engine import LLMEngine
+from iterserve.engine.core import EngineConfig
+from iterserve.engine.core_client import (
+    EngineCoreClient, EngineDeadError, QueueFullError, RequestFailedError, RequestStream,
+)
 from iterserve.outputs import CompletionOutput, RequestOutput
 from iterserve.sampling_params import SamplingParams
-from iterserve.server.async_engine import AsyncEngine, EngineDeadError, QueueFullError, RequestStream
 from iterserve.server.metrics import ServerMetrics
 from iterserve.server.protocol import (
     APIError, AssistantMessage, ChatChoice, ChatCompletionChunk, ChatCompletionRequest, ChatCompletionResponse,
@@ -51,7 +55,6 @@ from iterserve.tokenizer import Tokenizer
 
 logger = logging.getLogger(__name__)
 
-SHUTDOWN_GRACE_S = 5.0  # in-flight requests may finish within this; later ones are aborted
 RETRY_AFTER_S = 1
 PUBLIC_PATHS = frozenset({"/health", "/metrics", "/version"})
 # Room for a 128k-token prompt several times over, however the JSON spells it (a token id takes
@@ -89,7 +92,7 @@ def _new_logprobs(c: CompletionOutput) -> TokenLogprobs:
 
 
 def _usage(out: RequestOutput) -> Usage:
-    prompt, completion = len(out.prompt_token_ids), len(out.outputs[0].token_ids)
+    prompt, completion = len(out.prompt_token_ids), out.metrics.num_output_tokens
     return Usage(prompt_tokens=prompt, completion_tokens=completion, total_tokens=prompt + completion,
                  prompt_tokens_details=PromptTokensDetails(cached_tokens=out.num_cached_tokens))
 
@@ -205,9 +208,8 @@ class _BodySizeLimitMiddleware:
 class OpenAIServing:
     """The route handlers, bound to one engine."""
 
-    def __init__(self, engine: LLMEngine, async_engine: AsyncEngine, metrics: ServerMetrics, model_name: str) -> None:
+    def __init__(self, engine: EngineCoreClient, metrics: ServerMetrics, model_name: str) -> None:
         self.engine = engine
-        self.async_engine = async_engine
         self.metrics = metrics
         self.model_name = model_name
 
@@ -275,22 +277,15 @@ class OpenAIServing:
 
         return await asyncio.to_thread(render_and_encode)
 
-    async def _submit(self, request_id: str, prompt: list[int], params: SamplingParams) -> RequestStream:
-        """Queue the request and wait until the engine has taken it (or refused it: a 400)."""
+    async def _submit(self, request_id: str, prompt: list[int], params: SamplingParams, stream: bool) -> RequestStream:
+        """Send the request to the engine: deltas when streaming, one final output otherwise."""
         try:
-            stream = self.async_engine.add_request(request_id, prompt, params, time.perf_counter())
+            return self.engine.add_request(request_id, prompt, params, time.perf_counter(), stream)
         except QueueFullError as e:
             raise APIError(429, f"the server is at capacity: {e}; retry later", type="rate_limit_error",
                            code="rate_limit_exceeded", headers={"Retry-After": str(RETRY_AFTER_S)}) from e
-        try:
-            await stream.admitted
         except ValueError as e:
-            stream.close()
             raise bad_request(str(e)) from e
-        except BaseException:
-            stream.close()
-            raise
-        return stream
 
     async def _final_output(self, stream: RequestStream, request: Request) -> RequestOutput | None:
         """The finished output, or None when the client disconnected first (the request is aborted)."""
@@ -371,7 +366,7 @@ class OpenAIServing:
         prompt_ids, prompt_text = await self._completion_prompt(body.prompt, body.echo)
         self._check_length(len(prompt_ids), body.max_tokens, "prompt")
         request_id = f"cmpl-{uuid.uuid4().hex}"
-        stream = await self._submit(request_id, prompt_ids, params)
+        stream = await self._submit(request_id, prompt_ids, params, bool(body.stream))
         echo = prompt_text if body.echo else ""
         if body.stream:
             return self._streaming(self._completion_events(stream, body, echo), stream)
@@ -408,8 +403,8 @@ class OpenAIServing:
             if body.include_usage and final is not None:
                 yield _sse(CompletionResponse(id=stream.request_id, created=created, model=self.model_name,
                                               choices=[], usage=_usage(final)))
-        except EngineDeadError as e:
-            yield _sse(_engine_dead(e).body())
+        except (EngineDeadError, RequestFailedError) as e:
+            yield _sse(_engine_error(e).body())
         finally:
             stream.close()
         yield "data: [DONE]\n\n"
@@ -425,7 +420,7 @@ class OpenAIServing:
                                              self.engine.max_model_len - 1)
         self._check_length(len(prompt_ids), max_tokens, "messages")
         request_id = f"chatcmpl-{uuid.uuid4().hex}"
-        stream = await self._submit(request_id, prompt_ids, params)
+        stream = await self._submit(request_id, prompt_ids, params, bool(body.stream))
         if body.stream:
             return self._streaming(self._chat_events(stream, body), stream)
         final = await self._final_output(stream, request)
@@ -460,8 +455,8 @@ class OpenAIServing:
                                               stop_reason=c.stop_reason)])
             if body.include_usage and final is not None:
                 yield chunk([], _usage(final))
-        except EngineDeadError as e:
-            yield _sse(_engine_dead(e).body())
+        except (EngineDeadError, RequestFailedError) as e:
+            yield _sse(_engine_error(e).body())
         finally:
             stream.close()
         yield "data: [DONE]\n\n"
@@ -469,7 +464,7 @@ class OpenAIServing:
     # -- everything else ----------------------------------------------------------------------
 
     async def models(self) -> ModelList:
-        return ModelList(data=[ModelCard(id=self.model_name, root=self.engine.loaded.name,
+        return ModelList(data=[ModelCard(id=self.model_name, root=self.engine.config.model,
                                          max_model_len=self.engine.max_model_len)])
 
     async def tokenize(self, body: TokenizeRequest) -> TokenizeResponse:
@@ -505,8 +500,8 @@ class OpenAIServing:
         return DetokenizeResponse(prompt=await asyncio.to_thread(tokenizer.decode, body.tokens))
 
     async def health(self) -> Response:
-        if not self.async_engine.is_running:
-            return _error_response(APIError(503, "the engine loop is not running", type="server_error"))
+        if not self.engine.is_running:
+            return _error_response(APIError(503, "the engine is not running", type="server_error"))
         return JSONResponse({"status": "ok"})
 
     async def version(self) -> dict[str, str]:
@@ -519,7 +514,10 @@ class OpenAIServing:
 # -- errors -----------------------------------------------------------------------------------------
 
 
-def _engine_dead(error: EngineDeadError) -> APIError:
+def _engine_error(error: EngineDeadError | RequestFailedError) -> APIError:
+    """503 while the engine is gone or stopping; 500 for a failed step (its traceback is only logged)."""
+    if isinstance(error, RequestFailedError):
+        return APIError(500, str(error), type="server_error", code="engine_error")
     return APIError(503, str(error), type="server_error", code="engine_unavailable")
 
 
@@ -528,9 +526,9 @@ async def _on_api_error(request: Request, exc: Exception) -> Response:
     return _error_response(exc)
 
 
-async def _on_engine_dead(request: Request, exc: Exception) -> Response:
-    assert isinstance(exc, EngineDeadError)
-    return _error_response(_engine_dead(exc))
+async def _on_engine_error(request: Request, exc: Exception) -> Response:
+    assert isinstance(exc, (EngineDeadError, RequestFailedError))
+    return _error_response(_engine_error(exc))
 
 
 def _printable(text: str) -> str:
@@ -575,30 +573,32 @@ async def _on_internal_error(request: Request, exc: Exception) -> Response:
 # -- app and server ---------------------------------------------------------------------------------
 
 
-def build_app(engine: LLMEngine, *, served_model_name: str, api_key: str | None, max_waiting: int,
-              max_request_body_bytes: int = DEFAULT_MAX_REQUEST_BODY_BYTES) -> FastAPI:
-    """An app serving ``engine``; its lifespan starts and stops the engine thread.
+def build_app(config: EngineConfig, *, served_model_name: str, api_key: str | None, max_waiting: int,
+              max_request_body_bytes: int = DEFAULT_MAX_REQUEST_BODY_BYTES, log_level: str = "INFO") -> FastAPI:
+    """An app serving ``config``'s model; its lifespan starts and stops the engine core process.
 
-    One engine must be driven by one running app at a time. Request bodies over
-    ``max_request_body_bytes`` are refused with a 413.
+    ``app.state.engine`` is the :class:`EngineCoreClient` (set its ``on_dead`` to hear of a dead core).
+    Request bodies over ``max_request_body_bytes`` are refused with a 413.
     """
-    metrics = ServerMetrics(engine, served_model_name)
-    async_engine = AsyncEngine(engine, max_waiting, metrics)
-    serving = OpenAIServing(engine, async_engine, metrics, served_model_name)
+    metrics = ServerMetrics(served_model_name)
+    engine = EngineCoreClient(config, max_waiting=max_waiting, observer=metrics, log_level=log_level)
+    serving = OpenAIServing(engine, metrics, served_model_name)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
-        await async_engine.start()
-        logger.info("engine loop started; serving %r", served_model_name)
+        await engine.start()
+        logger.info("engine core started; serving %r", served_model_name)
         try:
             yield
         finally:
-            await async_engine.stop()
-            logger.info("engine loop stopped")
+            await engine.stop()
+            logger.info("engine core stopped")
 
     app = FastAPI(title="iterserve", version=__version__, lifespan=lifespan)
+    app.state.engine = engine
     app.add_exception_handler(APIError, _on_api_error)
-    app.add_exception_handler(EngineDeadError, _on_engine_dead)
+    app.add_exception_handler(EngineDeadError, _on_engine_error)
+    app.add_exception_handler(RequestFailedError, _on_engine_error)
     app.add_exception_handler(RequestValidationError, _on_validation_error)
     app.add_exception_handler(StarletteHTTPException, _on_http_error)
     app.add_exception_handler(Exception, _on_internal_error)
@@ -623,29 +623,66 @@ def _url(host: str, port: int) -> str:
     return f"http://[{host}]:{port}" if ":" in host else f"http://{host}:{port}"
 
 
-def run_server(args: argparse.Namespace) -> int:
-    """``iterserve serve``: load the model, serve until SIGINT/SIGTERM, exit 0 after a graceful stop."""
-    import uvicorn
+class _GracefulServer(uvicorn.Server):
+    """uvicorn, but SIGINT/SIGTERM first drains: new requests get 503, running ones get
+    ``shutdown_timeout`` seconds, the rest end with an error; then the server stops. A second
+    signal stops at once."""
 
+    def __init__(self, config: uvicorn.Config, engine: EngineCoreClient, shutdown_timeout: float) -> None:
+        super().__init__(config)
+        self.engine = engine
+        self.shutdown_timeout = shutdown_timeout
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._draining = False
+
+    async def startup(self, sockets: Any = None) -> None:
+        self._loop = asyncio.get_running_loop()
+        await super().startup(sockets)
+
+    def handle_exit(self, sig: int, frame: Any) -> None:
+        if self._draining or self._loop is None:
+            super().handle_exit(sig, frame)
+            return
+        self._draining = True
+        logger.info("shutting down: finishing running requests (up to %.1f s)", self.shutdown_timeout)
+        self._loop.call_soon_threadsafe(lambda: asyncio.ensure_future(self._drain()))
+
+    async def _drain(self) -> None:
+        await self.engine.drain(self.shutdown_timeout)
+        self.should_exit = True
+
+
+def run_server(args: argparse.Namespace) -> int:
+    """``iterserve serve``: serve until SIGINT/SIGTERM (exit 0 after draining) or until the engine core
+    dies (exit 1, so a supervisor restarts the server)."""
     from iterserve.cli import engine_config_from_args
 
-    engine = LLMEngine(engine_config_from_args(args))
+    config = engine_config_from_args(args)
     name = args.served_model_name or args.model
-    app = build_app(engine, served_model_name=name, api_key=args.api_key, max_waiting=args.max_waiting,
-                    max_request_body_bytes=args.max_request_body_bytes)
+    app = build_app(config, served_model_name=name, api_key=args.api_key, max_waiting=args.max_waiting,
+                    max_request_body_bytes=args.max_request_body_bytes, log_level=args.log_level)
+    engine: EngineCoreClient = app.state.engine
     cap = engine.capacity
     logger.info("KV cache: %d blocks x %d tokens = %d tokens, max_model_len %d (%d full-length sequences)",
-                cap["num_blocks"], cap["block_size"], cap["total_tokens"], cap["max_model_len"],
-                cap["max_full_length_seqs"])
+                cap.num_blocks, cap.block_size, cap.total_tokens, cap.max_model_len, cap.max_full_length_seqs)
     logger.info("OpenAI-compatible API for %r at %s/v1", name, _url(args.host, args.port))
-    server = uvicorn.Server(uvicorn.Config(
+    server = _GracefulServer(uvicorn.Config(
         app, host=args.host, port=args.port, log_level=args.log_level.lower(),
-        timeout_graceful_shutdown=SHUTDOWN_GRACE_S,
-    ))
-    # uvicorn re-raises the signal it handled once it has shut down; a no-op handler turns that
-    # into a normal return, so a requested stop exits 0.
+        timeout_graceful_shutdown=args.shutdown_timeout + 1,
+    ), engine, args.shutdown_timeout)
+
+    def engine_died() -> None:
+        server.should_exit = True
+
+    engine.on_dead = engine_died
+    # uvicorn re-raises a signal it handled once it has shut down; a no-op handler turns that into a
+    # normal return, so a requested stop exits 0.
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda signum, frame: None)
     server.run()
-    engine.close()
+    if not server.started:
+        return 1  # the engine core did not start; the log says why
+    if engine.error is not None:
+        logger.error("exiting because the engine core died: %s", engine.error)
+        return 1
     return 0

@@ -1,15 +1,15 @@
 """Prometheus metrics for one server, named like vLLM's (``iterserve:`` for ``vllm:``).
 
 Each app owns a private CollectorRegistry, so several apps can live in one process (tests do).
-Only the engine thread updates engine-derived values: it reads the engine between steps, where
-reading is safe, and prometheus-client collectors are thread-safe for the scrape.
+Engine-derived values come from the counters the core sends with every step
+(:class:`iterserve.engine.messages.SchedulerStats`); request histograms from finished outputs.
 """
 
 from __future__ import annotations
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
-from iterserve.engine.llm_engine import LLMEngine
+from iterserve.engine.messages import SchedulerStats
 from iterserve.outputs import RequestOutput
 
 TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0,
@@ -18,8 +18,8 @@ TPOT_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1
 LATENCY_BUCKETS = (0.05, 0.1, 0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0,
                    120.0, 240.0, 480.0, 960.0, 1920.0)
 
-# Engine counters mirrored as Prometheus counters: engine attribute -> metric name.
-_ENGINE_COUNTERS = {
+# Core counters mirrored as Prometheus counters: SchedulerStats field -> metric name.
+_CORE_COUNTERS = {
     "num_preemptions": ("iterserve:num_preemptions", "Sequences preempted to free KV cache blocks."),
     "num_prompt_tokens": ("iterserve:prompt_tokens", "Prompt tokens computed in prefill (prefix-cache hits excluded)."),
     "num_generation_tokens": ("iterserve:generation_tokens", "Tokens generated."),
@@ -27,7 +27,7 @@ _ENGINE_COUNTERS = {
 
 
 class ServerMetrics:
-    def __init__(self, engine: LLMEngine, model_name: str) -> None:
+    def __init__(self, model_name: str) -> None:
         self.registry = CollectorRegistry()
         labels = {"model_name": model_name}
         names = list(labels)
@@ -39,14 +39,14 @@ class ServerMetrics:
             return Histogram(name, doc, names, buckets=buckets, registry=self.registry).labels(**labels)
 
         self.running = gauge("iterserve:num_requests_running", "Requests in the running batch.")
-        self.waiting = gauge("iterserve:num_requests_waiting", "Requests waiting for the scheduler (or its thread).")
+        self.waiting = gauge("iterserve:num_requests_waiting", "Requests waiting for the scheduler (or on their way).")
         self.kv_cache_usage = gauge("iterserve:kv_cache_usage_perc", "Fraction of KV cache blocks in use (0-1).")
         self.prefix_hit_rate = gauge(
             "iterserve:prefix_cache_hit_rate", "Prompt tokens served from the prefix cache / prompt tokens looked up."
         )
         self._counters = {
-            attr: Counter(name, doc, names, registry=self.registry).labels(**labels)
-            for attr, (name, doc) in _ENGINE_COUNTERS.items()
+            field: Counter(name, doc, names, registry=self.registry).labels(**labels)
+            for field, (name, doc) in _CORE_COUNTERS.items()
         }
         self._request_success = Counter(
             "iterserve:request_success", "Finished requests by finish reason.", [*names, "finished_reason"],
@@ -59,22 +59,21 @@ class ServerMetrics:
         self.e2e = histogram("iterserve:e2e_request_latency_seconds", "Arrival to finish.", LATENCY_BUCKETS)
         self.queue_time = histogram("iterserve:request_queue_time_seconds", "Arrival to first scheduled.",
                                     LATENCY_BUCKETS)
-        # Counters start at zero for this app even when the engine has served before.
-        self._last = {attr: getattr(engine, attr) for attr in _ENGINE_COUNTERS}
-        for reason in ("stop", "length", "abort"):
+        self._last = dict.fromkeys(_CORE_COUNTERS, 0)  # each app's core starts from zero
+        for reason in ("stop", "length", "abort", "error"):
             self._request_success.labels(**labels, finished_reason=reason)
 
-    def record_step(self, engine: LLMEngine, num_pending: int) -> None:
-        """Refresh gauges and counters from the engine; call on the engine thread."""
-        self.running.set(engine.num_running)
-        self.waiting.set(engine.num_waiting + num_pending)
-        self.kv_cache_usage.set(engine.block_manager.usage)
-        if engine.prefix_query_tokens:
-            self.prefix_hit_rate.set(engine.prefix_hit_tokens / engine.prefix_query_tokens)
-        for attr, counter in self._counters.items():
-            value = getattr(engine, attr)
-            counter.inc(value - self._last[attr])
-            self._last[attr] = value
+    def record_stats(self, stats: SchedulerStats, num_waiting: int) -> None:
+        """Refresh gauges and counters from the core's latest stats."""
+        self.running.set(stats.num_running)
+        self.waiting.set(num_waiting)
+        self.kv_cache_usage.set(stats.kv_cache_usage)
+        if stats.prefix_query_tokens:
+            self.prefix_hit_rate.set(stats.prefix_hit_tokens / stats.prefix_query_tokens)
+        for field, counter in self._counters.items():
+            value = getattr(stats, field)
+            counter.inc(value - self._last[field])
+            self._last[field] = value
 
     def record_finished(self, output: RequestOutput) -> None:
         m = output.metrics

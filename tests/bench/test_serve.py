@@ -13,8 +13,7 @@ import uvicorn
 
 from iterserve.bench.workloads import WorkloadSpec, make_workload
 from iterserve.cli import main
-from iterserve.engine.llm_engine import EngineConfig, LLMEngine
-from iterserve.models.loader import load_model
+from iterserve.engine.core import EngineConfig
 from iterserve.server.api_server import build_app
 
 TINY = "random:smollm2-135m?num_layers=2"
@@ -28,21 +27,19 @@ def free_port() -> int:
 
 @pytest.fixture(scope="module")
 def server_url():
-    engine = LLMEngine(EngineConfig(model=TINY, dtype="float32", device="cpu", num_kv_blocks=256, max_num_seqs=8),
-                       load_model(TINY, dtype="float32", device="cpu"))  # fmt: skip
-    app = build_app(engine, served_model_name="tiny", api_key=None, max_waiting=64)
+    config = EngineConfig(model=TINY, dtype="float32", device="cpu", num_kv_blocks=256, max_num_seqs=8)
+    app = build_app(config, served_model_name="tiny", api_key=None, max_waiting=64)
     port = free_port()
     server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
     thread = threading.Thread(target=server.run, daemon=True)
     thread.start()
-    deadline = time.monotonic() + 30
+    deadline = time.monotonic() + 240  # the engine core process loads the model first
     while not server.started:
         assert thread.is_alive() and time.monotonic() < deadline, "the server did not start"
         time.sleep(0.05)
     yield f"http://127.0.0.1:{port}"
     server.should_exit = True
     thread.join(timeout=30)
-    engine.close()
 
 
 SMALL = ["--num-prompts", "6", "--input-len", "uniform:8:24", "--output-len", "uniform:2:12", "--disable-tqdm"]

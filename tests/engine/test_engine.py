@@ -80,7 +80,7 @@ def test_prefix_cache_hits_and_keeps_outputs(smollm, hf_smollm):
 
 
 def test_requests_added_while_others_decode(smollm, chat_prompt_ids, hf_greedy):
-    eng = engine(smollm, max_num_batched_tokens=32)
+    eng = engine(smollm, max_num_batched_tokens=32, step_history=1000)
     final = {}
     pending = list(enumerate(chat_prompt_ids))
     steps = 0

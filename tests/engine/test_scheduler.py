@@ -1,32 +1,31 @@
-"""Scheduling decisions on simulated steps (no model): budgets, chunking, preemption, policies."""
+"""Scheduling decisions on simulated steps (no model): budgets, chunking, preemption, policies, and
+update_from_output's bookkeeping: progress, stops, freeing."""
 
 from __future__ import annotations
 
+import pytest
+
 from iterserve.engine.block_manager import BlockManager
 from iterserve.engine.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
-from iterserve.engine.sequence import RequestMetrics, Sequence
+from iterserve.engine.sequence import RequestMetrics, Sequence, SequenceStatus
+from iterserve.sampler import SampleResult
 from iterserve.sampling_params import SamplingParams
 
 
-def seq(rid: str, prompt_len: int, max_tokens: int = 8, base: int = 0) -> Sequence:
-    return Sequence(rid, None, list(range(base, base + prompt_len)), SamplingParams(max_tokens=max_tokens),
-                    max_tokens, RequestMetrics(0.0))
+def seq(rid: str, prompt_len: int, max_tokens: int = 8, base: int = 0, stop_ids: frozenset[int] = frozenset(),
+        **params) -> Sequence:
+    return Sequence(rid, None, list(range(base, base + prompt_len)), SamplingParams(max_tokens=max_tokens, **params),
+                    max_tokens, RequestMetrics(0.0), stop_ids=stop_ids)
 
 
 def make(num_blocks=64, block_size=4, prefix=False, **cfg) -> Scheduler:
     return Scheduler(SchedulerConfig(**cfg), BlockManager(num_blocks, block_size, prefix))
 
 
-def simulate(sched: Scheduler, out: SchedulerOutput) -> None:
-    """What the engine does after the forward pass: advance, sample a token, retire finished."""
-    for s in out.scheduled:
-        s.seq.num_computed_tokens += s.num_tokens
-        sched.block_manager.commit(s.seq)
-    for s in out.scheduled:
-        if s.seq.num_computed_tokens == s.seq.num_tokens:
-            s.seq.output_token_ids.append(7)
-            if len(s.seq.output_token_ids) >= s.seq.max_tokens:
-                sched.finish(s.seq)
+def simulate(sched: Scheduler, out: SchedulerOutput, token: int = 7) -> list[Sequence]:
+    """What the engine does after the forward pass: every sampling sequence samples ``token``."""
+    n = sum(s.samples for s in out.scheduled)
+    return sched.update_from_output(out, SampleResult([token] * n, [None] * n)).finished
 
 
 def summary(out: SchedulerOutput) -> list[tuple[str, int]]:
@@ -136,3 +135,69 @@ def test_prefix_hit_skips_cached_tokens():
     sched.add(seq("b", 10))
     out = sched.schedule()
     assert summary(out) == [("a", 1), ("b", 2)] and out.prefix_hit_tokens == 8
+
+
+# -- update_from_output -------------------------------------------------------------------------------
+
+
+def test_update_advances_progress_commits_blocks_and_appends_only_for_finished_prompts():
+    sched = make(prefix=True, max_num_batched_tokens=6)
+    a = seq("a", 10)
+    sched.add(a)
+    out = sched.schedule()
+    assert summary(out) == [("a", 6)] and not out.scheduled[0].samples  # a chunk: no token yet
+    assert simulate(sched, out) == [] and a.num_computed_tokens == 6 and a.output_token_ids == []
+    assert a.num_hashed_blocks == 1  # the first full block (4 tokens) is in the prefix cache
+    out = sched.schedule()
+    assert summary(out) == [("a", 4)] and out.scheduled[0].samples and out.scheduled[0].is_prefill
+    simulate(sched, out, token=99)
+    assert (a.num_computed_tokens, a.output_token_ids, a.num_hashed_blocks) == (10, [99], 2)
+    out = sched.schedule()
+    assert summary(out) == [("a", 1)] and not out.scheduled[0].is_prefill
+
+
+def test_update_refuses_a_sample_count_that_does_not_match():
+    sched = make()
+    sched.add(seq("a", 3))
+    with pytest.raises(ValueError, match="samples"):
+        sched.update_from_output(sched.schedule(), SampleResult([1, 2], [None, None]))
+
+
+def test_stop_token_respects_min_tokens_and_reports_stop_token_ids():
+    sched = make()
+    eos, own = 7, 8
+    a = seq("a", 3, max_tokens=10, stop_ids=frozenset({eos, own}), min_tokens=2, stop_token_ids=[own])
+    b = seq("b", 3, max_tokens=10, base=50, stop_ids=frozenset({eos, own}), stop_token_ids=[own])
+    sched.add(a)
+    sched.add(b)
+    assert simulate(sched, sched.schedule(), token=eos) == [b]  # a's EOS came before min_tokens
+    assert (b.finish_reason, b.stop_reason, b.status) == ("stop", None, SequenceStatus.FINISHED)
+    assert a.output_token_ids == [eos] and a.finish_reason is None
+    assert simulate(sched, sched.schedule(), token=own) == [a]
+    assert (a.finish_reason, a.stop_reason) == ("stop", own)
+    assert not sched.has_unfinished()
+    sched.block_manager.check_no_leaks()
+
+
+def test_length_stops_at_max_tokens_or_max_model_len():
+    sched = make(max_model_len=6)
+    a, b = seq("a", 3, max_tokens=2), seq("b", 4, max_tokens=50, base=20)
+    sched.add(a)
+    sched.add(b)
+    assert simulate(sched, sched.schedule()) == []
+    finished = simulate(sched, sched.schedule())
+    assert [f.request_id for f in finished] == ["a", "b"] and a.finish_reason == b.finish_reason == "length"
+    assert len(a.output_token_ids) == 2 and b.num_tokens == 6
+    sched.block_manager.check_no_leaks()
+
+
+def test_finish_frees_blocks_wherever_the_sequence_is():
+    sched = make(max_num_seqs=1)
+    a, b = seq("a", 5), seq("b", 5, base=10)
+    sched.add(a)
+    sched.add(b)
+    simulate(sched, sched.schedule())
+    sched.finish(b)  # still waiting
+    sched.finish(a, "error")  # running
+    assert (a.finish_reason, b.finish_reason) == ("error", "abort") and not sched.has_unfinished()
+    sched.block_manager.check_no_leaks()

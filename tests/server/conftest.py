@@ -1,22 +1,28 @@
-"""Server fixtures: an engine on the session's SmolLM2-135M weights, served by uvicorn on loopback."""
+"""Server fixtures: the app on SmolLM2-135M (its core in a process of its own), served by uvicorn on loopback."""
 
 from __future__ import annotations
 
 import threading
 import time
 from collections.abc import Iterator
+from pathlib import Path
 
+import httpx
 import pytest
 import uvicorn
 from fastapi import FastAPI
+from prometheus_client.parser import text_string_to_metric_families
 
 from iterserve import LLM
-from iterserve.engine.llm_engine import EngineConfig, LLMEngine
+from iterserve.engine.core import EngineConfig
+from iterserve.engine.core_client import EngineCoreClient
 from iterserve.server import build_app
 
 API_KEY = "test-key"
 MODEL = "smollm2-test"
 MAX_MODEL_LEN = 1024
+TINY_MODEL = "random:smollm2-135m?num_layers=2"  # starts fast; for tests that do not compare text
+STARTUP_TIMEOUT_S = 240  # the core process loads the model under a shared, busy CPU
 
 
 class ServerThread:
@@ -27,15 +33,16 @@ class ServerThread:
                                 timeout_graceful_shutdown=5)
         self.server = uvicorn.Server(config)
         self.thread = threading.Thread(target=self.server.run, name="uvicorn", daemon=True)
+        self.engine: EngineCoreClient = app.state.engine
         self.url = ""
 
     def __enter__(self) -> ServerThread:
         self.thread.start()
-        deadline = time.monotonic() + 30
+        deadline = time.monotonic() + STARTUP_TIMEOUT_S
         while not self.server.started:
             if not self.thread.is_alive() or time.monotonic() > deadline:
                 raise RuntimeError("uvicorn did not start")
-            time.sleep(0.01)
+            time.sleep(0.05)
         port = self.server.servers[0].sockets[0].getsockname()[1]
         self.url = f"http://127.0.0.1:{port}"
         return self
@@ -46,20 +53,52 @@ class ServerThread:
         assert not self.thread.is_alive(), "uvicorn did not stop"
 
 
+def metric_samples(server: ServerThread) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
+    """/metrics as {(sample name, sorted labels without model_name): value}."""
+    text = httpx.get(f"{server.url}/metrics").text
+    return {
+        (s.name, tuple(sorted((k, v) for k, v in s.labels.items() if k != "model_name"))): s.value
+        for family in text_string_to_metric_families(text)
+        for s in family.samples
+    }
+
+
+def aborted(server: ServerThread) -> float:
+    return metric_samples(server)[("iterserve:request_success_total", (("finished_reason", "abort"),))]
+
+
+def wait_until_idle(server: ServerThread, timeout: float = 10.0) -> float:
+    """Seconds until the core reports no request and no KV block in use (so nothing leaked)."""
+    start = time.monotonic()
+    while True:
+        m = metric_samples(server)
+        busy = {k: m[(k, ())] for k in ("iterserve:num_requests_running", "iterserve:num_requests_waiting",
+                                        "iterserve:kv_cache_usage_perc")}
+        if not any(busy.values()):
+            return time.monotonic() - start
+        assert time.monotonic() - start < timeout, f"the engine is still busy: {busy}"
+        time.sleep(0.05)
+
+
 @pytest.fixture(scope="session")
-def engine(smollm) -> LLMEngine:
+def trace_path(tmp_path_factory) -> Path:
+    return tmp_path_factory.mktemp("server") / "steps.jsonl"
+
+
+@pytest.fixture(scope="session")
+def engine_config(trace_path) -> EngineConfig:
     """The served engine (float32 on CPU, so greedy outputs compare exactly with offline runs)."""
-    return LLMEngine(EngineConfig(dtype="float32", num_kv_blocks=256, max_model_len=MAX_MODEL_LEN), smollm)
+    return EngineConfig(dtype="float32", num_kv_blocks=256, max_model_len=MAX_MODEL_LEN, step_trace=str(trace_path))
 
 
 @pytest.fixture(scope="session")
 def reference(smollm) -> LLM:
-    """An offline LLM sharing the weights; only used while the server is idle."""
+    """An offline LLM on the same weights and settings, in this process."""
     return LLM(loaded=smollm, dtype="float32", num_kv_blocks=256, max_model_len=MAX_MODEL_LEN)
 
 
 @pytest.fixture(scope="session")
-def server(engine) -> Iterator[ServerThread]:
-    app = build_app(engine, served_model_name=MODEL, api_key=API_KEY, max_waiting=256)
+def server(engine_config) -> Iterator[ServerThread]:
+    app = build_app(engine_config, served_model_name=MODEL, api_key=API_KEY, max_waiting=256)
     with ServerThread(app) as running:
         yield running

@@ -1,0 +1,349 @@
+"""EngineCore: the busy loop's pieces, with no text and no HTTP.
+
+``add_request`` takes token ids and SamplingParams; ``step`` schedules, runs one forward pass and
+lets the scheduler apply the samples, then returns one small delta per request that advanced plus
+the scheduler's counters. A step that raises fails only the requests it scheduled (finish reason
+"error", blocks freed, traceback logged); the core carries on with the others.
+
+The offline engine calls it on the caller's thread; the server runs it on the main thread of its
+own process (:mod:`iterserve.engine.core_client`), so all torch work stays on one thread team.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import re
+import time
+from collections import deque
+from dataclasses import asdict, dataclass, field
+from typing import IO
+
+import torch
+
+from iterserve.config import ModelConfig, parse_dtype
+from iterserve.engine.block_manager import BlockManager
+from iterserve.engine.messages import EngineCoreOutput, EngineCoreOutputs, EngineCoreRequest, SchedulerStats
+from iterserve.engine.model_runner import ModelRunner
+from iterserve.engine.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
+from iterserve.engine.sequence import RequestMetrics, Sequence
+from iterserve.models.loader import DEFAULT_MODEL, LoadedModel, load_model
+from iterserve.sampling_params import SamplingParams
+from iterserve.tokenizer import Tokenizer
+
+logger = logging.getLogger(__name__)
+
+# Test hook: a step that schedules a request whose prompt contains this token id raises before the
+# forward pass, as a fault in the model would. Read once when the core is built.
+FAULT_TOKEN_ENV = "ITERSERVE_TEST_FAULT_TOKEN"
+
+_SIZE = re.compile(r"^\s*([\d.]+)\s*([KMGT]i?B?|B)?\s*$", re.IGNORECASE)
+
+
+def parse_size(value: str | int) -> int:
+    """'2GiB', '512MiB', '1.5GB', 1048576 -> bytes."""
+    if isinstance(value, int):
+        return value
+    m = _SIZE.match(value)
+    if not m:
+        raise ValueError(f"cannot parse memory size {value!r}; use e.g. '2GiB' or '512MiB'")
+    num, unit = float(m.group(1)), (m.group(2) or "B").upper()
+    powers = {"K": 1, "M": 2, "G": 3, "T": 4}
+    base = 1024 if "I" in unit or unit in ("K", "M", "G", "T") else 1000
+    return int(num * (base ** powers.get(unit[0], 0)))
+
+
+@dataclass
+class EngineConfig:
+    model: str = DEFAULT_MODEL
+    dtype: str = "bfloat16"
+    device: str | None = None
+    block_size: int = 16
+    max_model_len: int | None = None
+    max_num_seqs: int = 256
+    max_num_batched_tokens: int = 2048
+    enable_prefix_caching: bool = True
+    kv_cache_memory: str | int = "2GiB"
+    num_kv_blocks: int | None = None  # overrides kv_cache_memory
+    batching: str = "continuous"
+    kv_allocation: str = "paged"
+    seed: int = 0
+    step_trace: str | None = None  # JSON-lines file of per-step and per-request records
+    step_history: int = 0  # keep the last N steps' StepStats in memory (benchmarks, tests); 0 keeps none
+
+
+@dataclass(frozen=True)
+class Capacity:
+    """What the KV pool holds; a pure function of the config and the model's shape."""
+
+    kv_bytes_per_token: int
+    num_blocks: int
+    block_size: int
+    total_tokens: int
+    max_model_len: int
+    max_full_length_seqs: int
+
+    @classmethod
+    def of(cls, config: EngineConfig, model_config: ModelConfig, dtype_bytes: int | None = None) -> Capacity:
+        """Raises ValueError when the pool cannot hold one block or one max_model_len sequence."""
+        bs = config.block_size
+        if bs < 1:
+            raise ValueError(f"block_size must be >= 1, got {bs}")
+        per_token = model_config.kv_bytes_per_token(dtype_bytes or parse_dtype(config.dtype).itemsize)
+        num_blocks = config.num_kv_blocks or parse_size(config.kv_cache_memory) // (bs * per_token)
+        if num_blocks < 1:
+            raise ValueError(f"KV cache memory {config.kv_cache_memory!r} does not hold a single block of {bs} tokens")
+        capacity = num_blocks * bs
+        max_len = config.max_model_len or min(model_config.max_position_embeddings, capacity)
+        if max_len > model_config.max_position_embeddings:
+            raise ValueError(
+                f"max_model_len {max_len} exceeds the model's maximum context ({model_config.max_position_embeddings})"
+            )
+        if max_len > capacity:
+            raise ValueError(
+                f"max_model_len {max_len} needs more KV cache than the pool holds ({capacity} tokens in "
+                f"{num_blocks} blocks); raise kv_cache_memory/num_kv_blocks or lower max_model_len"
+            )
+        return cls(per_token, num_blocks, bs, capacity, max_len, capacity // max_len)
+
+
+def check_prompt(token_ids: list[int], params: SamplingParams, vocab_size: int, max_model_len: int) -> int:
+    """Validate a tokenized request; returns its max_tokens resolved against max_model_len."""
+    bad = [t for t in token_ids if not isinstance(t, int) or not 0 <= t < vocab_size]
+    if bad:
+        raise ValueError(f"prompt token ids must be integers in [0, {vocab_size}); got {bad[:5]}")
+    if not token_ids:
+        raise ValueError("prompt is empty")
+    n = len(token_ids)
+    if n >= max_model_len:
+        raise ValueError(f"prompt has {n} tokens but max_model_len is {max_model_len}: no room for a generated token")
+    max_tokens = params.max_tokens if params.max_tokens is not None else max_model_len - n
+    if n + max_tokens > max_model_len:
+        raise ValueError(
+            f"prompt ({n} tokens) + max_tokens ({max_tokens}) = {n + max_tokens} exceeds "
+            f"max_model_len ({max_model_len})"
+        )
+    return max_tokens
+
+
+def stop_token_ids(params: SamplingParams, model_config: ModelConfig, tokenizer: Tokenizer | None) -> frozenset[int]:
+    """The tokens that end a request: its stop_token_ids, plus the model's EOS unless ignore_eos."""
+    ids = set(params.stop_token_ids)
+    if not params.ignore_eos:
+        if tokenizer is not None:
+            ids |= tokenizer.eos_token_ids
+        eos = model_config.eos_token_id
+        ids |= set(eos if isinstance(eos, list) else [] if eos is None else [eos])
+    return frozenset(ids)
+
+
+@dataclass
+class StepStats:
+    """What one step did, for benchmarks and timelines."""
+
+    step: int
+    start: float
+    duration: float
+    num_running: int
+    num_waiting: int
+    num_prefill_tokens: int
+    num_decode_tokens: int
+    num_prefill_seqs: int
+    num_decode_seqs: int
+    kv_blocks_used: int
+    prefix_hit_tokens: int
+    num_preemptions: int
+    seqs: list[tuple[str, str, int]] = field(default_factory=list)  # (request id, prefill|decode, tokens)
+
+
+class EngineCore:
+    def __init__(self, config: EngineConfig, loaded: LoadedModel | None = None) -> None:
+        self.config = config
+        self.loaded = loaded or load_model(config.model, config.dtype, config.device, config.seed)
+        self.model_config = self.loaded.config
+        model = self.loaded.model
+        self.capacity = Capacity.of(config, self.model_config, model.dtype.itemsize)
+        self.max_model_len = self.capacity.max_model_len
+        bs, num_blocks = config.block_size, self.capacity.num_blocks
+        self.block_manager = BlockManager(num_blocks, bs, config.enable_prefix_caching)
+        self.scheduler = Scheduler(
+            SchedulerConfig(config.max_num_seqs, config.max_num_batched_tokens, config.batching, config.kv_allocation,
+                            self.max_model_len),
+            self.block_manager,
+        )
+        self.runner = ModelRunner(model, num_blocks, bs, config.seed)
+        self.requests: dict[str, Sequence] = {}
+        self.num_requests_received = 0
+        self.num_steps = 0
+        self.num_preemptions = 0
+        self.prefix_hit_tokens = 0
+        self.prefix_query_tokens = 0
+        self.num_prompt_tokens = 0
+        self.num_generation_tokens = 0
+        self.peak_running = 0
+        self._last_step_tokens = 0
+        self.step_history: deque[StepStats] = deque(maxlen=config.step_history)
+        self._trace: IO[str] | None = open(config.step_trace, "w") if config.step_trace else None
+        fault = os.environ.get(FAULT_TOKEN_ENV)
+        self._fault_token = int(fault) if fault else None
+        c = self.capacity
+        logger.info(
+            "KV cache: %d bytes/token (%s), %d blocks x %d tokens = %d tokens; %d sequences of max_model_len=%d fit",
+            c.kv_bytes_per_token, str(model.dtype).removeprefix("torch."), c.num_blocks, bs, c.total_tokens,
+            c.max_full_length_seqs, c.max_model_len,
+        )
+
+    # -- requests -------------------------------------------------------------------------------
+
+    def add_request(self, request: EngineCoreRequest) -> None:
+        """Queue a tokenized request; raises ValueError (and queues nothing) for bad input."""
+        self.num_requests_received += 1
+        rid, params = request.request_id, request.params
+        if rid in self.requests:
+            raise ValueError(f"request id {rid!r} is already in use")
+        ids = request.prompt_token_ids
+        max_tokens = check_prompt(ids, params, self.model_config.vocab_size, self.max_model_len)
+        seq = Sequence(
+            request_id=rid, prompt=None, prompt_token_ids=list(ids), params=params, max_tokens=max_tokens,
+            metrics=RequestMetrics(arrival_time=request.arrival_time, num_prompt_tokens=len(ids)),
+            stop_ids=stop_token_ids(params, self.model_config, self.loaded.tokenizer),
+            generator=None if params.seed is None else torch.Generator(self.runner.device).manual_seed(params.seed),
+        )
+        self.requests[rid] = seq
+        self.scheduler.add(seq)
+
+    def abort_request(self, request_id: str) -> bool:
+        """Stop a request wherever it is and free its blocks; False if it is unknown or done."""
+        seq = self.requests.pop(request_id, None)
+        if seq is None:
+            return False
+        self.scheduler.finish(seq, "abort")
+        seq.metrics.finished_time = time.perf_counter()
+        self._trace_request(seq)
+        return True
+
+    def has_unfinished_requests(self) -> bool:
+        return self.scheduler.has_unfinished()
+
+    @property
+    def num_running(self) -> int:
+        return len(self.scheduler.running)
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self.scheduler.waiting)
+
+    # -- the step -------------------------------------------------------------------------------
+
+    def step(self) -> EngineCoreOutputs:
+        """Schedule, run one forward pass, apply the samples; the deltas of requests that advanced."""
+        start = time.perf_counter()
+        sched = self.scheduler.schedule()
+        if sched.is_empty:
+            self._last_step_tokens = 0
+            return EngineCoreOutputs([], self.stats())
+        for s in sched.scheduled:
+            if s.seq.metrics.first_scheduled_time is None:
+                s.seq.metrics.first_scheduled_time = start
+                s.seq.metrics.num_cached_tokens = s.seq.num_cached_tokens
+        try:
+            self._inject_fault(sched)
+            _, result = self.runner.execute(sched.scheduled)
+            update = self.scheduler.update_from_output(sched, result)
+        except Exception:  # noqa: BLE001 - a fault fails this step's requests, never the core
+            logger.exception("step %d failed; failing its %d requests", self.num_steps + 1, len(sched.scheduled))
+            outputs = self._fail(sched, time.perf_counter())
+            self._record(sched, start, time.perf_counter() - start)
+            return EngineCoreOutputs(outputs, self.stats())
+        now = time.perf_counter()
+        outputs = []
+        for seq in update.sampled:
+            outputs.append(self._delta(seq, now))
+            if seq.is_finished:
+                self._retire(seq, now)
+        self._record(sched, start, now - start)
+        return EngineCoreOutputs(outputs, self.stats())
+
+    def _delta(self, seq: Sequence, now: float) -> EngineCoreOutput:
+        m = seq.metrics
+        m.token_times.append(now)
+        m.num_output_tokens += 1
+        if m.first_token_time is None:
+            m.first_token_time = now
+        self.num_generation_tokens += 1
+        return EngineCoreOutput(
+            request_id=seq.request_id, new_token_ids=[seq.output_token_ids[-1]], timestamp=now,
+            new_logprobs=[seq.output_logprobs[-1]] if seq.params.logprobs is not None else None,
+            finish_reason=seq.finish_reason, stop_reason=seq.stop_reason if isinstance(seq.stop_reason, int) else None,
+            first_scheduled_time=m.first_scheduled_time if m.num_output_tokens == 1 else None,
+            num_cached_tokens=seq.num_cached_tokens, num_preemptions=m.num_preemptions,
+        )
+
+    def _inject_fault(self, sched: SchedulerOutput) -> None:
+        if self._fault_token is not None and any(self._fault_token in s.seq.prompt_token_ids for s in sched.scheduled):
+            raise RuntimeError(f"injected fault: a scheduled prompt holds token {self._fault_token}")
+
+    def _fail(self, sched: SchedulerOutput, now: float) -> list[EngineCoreOutput]:
+        outputs = []
+        for s in sched.scheduled:
+            seq = s.seq
+            self.scheduler.finish(seq, "error")
+            self._retire(seq, now)
+            outputs.append(EngineCoreOutput(seq.request_id, [], now, finish_reason="error",
+                                            first_scheduled_time=seq.metrics.first_scheduled_time))
+        return outputs
+
+    def _retire(self, seq: Sequence, now: float) -> None:
+        seq.metrics.finished_time = now
+        self.requests.pop(seq.request_id, None)
+        self._trace_request(seq)
+
+    # -- statistics -----------------------------------------------------------------------------
+
+    def stats(self) -> SchedulerStats:
+        return SchedulerStats(
+            num_running=self.num_running, num_waiting=self.num_waiting,
+            num_requests_received=self.num_requests_received, kv_cache_usage=self.block_manager.usage,
+            num_steps=self.num_steps, num_preemptions=self.num_preemptions, num_prompt_tokens=self.num_prompt_tokens,
+            num_generation_tokens=self.num_generation_tokens, prefix_hit_tokens=self.prefix_hit_tokens,
+            prefix_query_tokens=self.prefix_query_tokens, step_tokens=self._last_step_tokens,
+        )
+
+    def _record(self, sched: SchedulerOutput, start: float, duration: float) -> None:
+        self.num_steps += 1
+        self.num_preemptions += len(sched.preempted)
+        self.prefix_hit_tokens += sched.prefix_hit_tokens
+        self.prefix_query_tokens += sched.prefix_query_tokens
+        prefill = [s for s in sched.scheduled if s.is_prefill]
+        self.num_prompt_tokens += sum(s.num_tokens for s in prefill)
+        self.peak_running = max(self.peak_running, len(sched.scheduled))
+        self._last_step_tokens = sched.num_tokens
+        if not self.step_history.maxlen and self._trace is None:
+            return
+        stats = StepStats(
+            step=self.num_steps, start=start, duration=duration,
+            num_running=len(self.scheduler.running), num_waiting=len(self.scheduler.waiting),
+            num_prefill_tokens=sum(s.num_tokens for s in prefill),
+            num_decode_tokens=sum(s.num_tokens for s in sched.scheduled if not s.is_prefill),
+            num_prefill_seqs=len(prefill), num_decode_seqs=len(sched.scheduled) - len(prefill),
+            kv_blocks_used=self.block_manager.num_used_blocks, prefix_hit_tokens=sched.prefix_hit_tokens,
+            num_preemptions=len(sched.preempted),
+            seqs=[(s.seq.request_id, "prefill" if s.is_prefill else "decode", s.num_tokens) for s in sched.scheduled],
+        )
+        if self.step_history.maxlen:
+            self.step_history.append(stats)
+        if self._trace is not None:
+            self._trace.write(json.dumps({"type": "step", **asdict(stats)}) + "\n")
+            self._trace.flush()  # readable while the engine runs (a server's trace is read live)
+
+    def _trace_request(self, seq: Sequence) -> None:
+        if self._trace is not None:
+            record = {"type": "request", "request_id": seq.request_id, "finish_reason": seq.finish_reason}
+            self._trace.write(json.dumps({**record, **seq.metrics.as_dict()}) + "\n")
+            self._trace.flush()
+
+    def close(self) -> None:
+        if self._trace is not None:
+            self._trace.close()
+            self._trace = None

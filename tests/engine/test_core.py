@@ -1,0 +1,73 @@
+"""EngineCore on a small random model: deltas carry only what is new, a failed step fails only its
+requests and frees their blocks, bad requests are refused without side effects."""
+
+from __future__ import annotations
+
+import pytest
+
+from iterserve.engine.core import FAULT_TOKEN_ENV, EngineConfig, EngineCore
+from iterserve.engine.messages import EngineCoreRequest
+from iterserve.models.loader import load_model
+from iterserve.sampling_params import SamplingParams
+
+FAULT_TOKEN = 4242
+
+
+@pytest.fixture(scope="module")
+def tiny_loaded():
+    return load_model("random:smollm2-135m?num_layers=2", dtype="float32", device="cpu", seed=0)
+
+
+def core(loaded, **kw) -> EngineCore:
+    return EngineCore(EngineConfig(**{"num_kv_blocks": 32, "max_model_len": 128, **kw}), loaded)
+
+
+def request(rid: str, prompt: list[int], **params) -> EngineCoreRequest:
+    return EngineCoreRequest(rid, prompt, SamplingParams(**{"ignore_eos": True, **params}), 0.0)
+
+
+def test_deltas_carry_only_new_tokens_and_the_finish(tiny_loaded):
+    c = core(tiny_loaded, max_num_batched_tokens=8)
+    c.add_request(request("a", list(range(1, 20)), max_tokens=5, logprobs=2))
+    seen = []
+    while c.has_unfinished_requests():
+        step = c.step()
+        for o in step.outputs:
+            assert len(o.new_token_ids) == 1 and len(o.new_logprobs) == 1 and len(o.new_logprobs[0]) >= 2
+            seen.append(o)
+    assert seen[0].first_scheduled_time is not None and all(o.first_scheduled_time is None for o in seen[1:])
+    assert [o.finish_reason for o in seen] == [None] * 4 + ["length"]
+    assert step.stats.num_running == 0 and step.stats.num_generation_tokens == 5 and step.stats.num_steps == 7
+    assert c.step_history.maxlen == 0 and not c.requests  # nothing kept unless asked for
+    c.block_manager.check_no_leaks()
+
+
+def test_a_failed_step_fails_its_requests_and_the_core_carries_on(tiny_loaded, monkeypatch, caplog):
+    monkeypatch.setenv(FAULT_TOKEN_ENV, str(FAULT_TOKEN))
+    c = core(tiny_loaded)
+    c.add_request(request("running", [1, 2, 3], max_tokens=20))
+    assert [o.request_id for o in c.step().outputs] == ["running"]
+    c.add_request(request("poisoned", [5, FAULT_TOKEN, 6], max_tokens=4))
+    failed = c.step().outputs  # one step holds both: both fail
+    assert {(o.request_id, o.finish_reason) for o in failed} == {("running", "error"), ("poisoned", "error")}
+    assert "injected fault" in caplog.text and not c.has_unfinished_requests()
+    c.block_manager.check_no_leaks()
+    c.add_request(request("next", [1, 2, 3], max_tokens=3))
+    outputs = [o for _ in range(3) for o in c.step().outputs]
+    assert [o.finish_reason for o in outputs] == [None, None, "length"]
+    c.block_manager.check_no_leaks()
+
+
+def test_bad_requests_are_refused_and_queue_nothing(tiny_loaded):
+    c = core(tiny_loaded)
+    cases = [([], {}, "empty"), ([1, 10**9], {}, "token ids"), (list(range(1, 200)), {}, "max_model_len"),
+             ([1, 2], {"max_tokens": 500}, "exceeds max_model_len")]
+    for prompt, params, match in cases:
+        with pytest.raises(ValueError, match=match):
+            c.add_request(request("bad", prompt, **params))
+    c.add_request(request("ok", [1, 2], max_tokens=1))
+    with pytest.raises(ValueError, match="already in use"):
+        c.add_request(request("ok", [3, 4], max_tokens=1))
+    assert list(c.requests) == ["ok"] and c.num_waiting == 1
+    assert c.step().outputs[0].finish_reason == "length"
+    c.block_manager.check_no_leaks()
