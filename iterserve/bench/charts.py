@@ -291,3 +291,55 @@ def joins_chart(trace: str | Path, path: str | Path, *, max_num_seqs: int | None
     fig.savefig(path, dpi=110)
     plt.close(fig)
     return joined
+
+
+# -- summaries ------------------------------------------------------------------------------------
+
+
+def _with_spread(ax: Any, labels: list[str], medians: list[float], runs: list[list[float]], color: str) -> None:
+    """Bars at the medians, error bars from min to max over the runs."""
+    lo = [m - min(r) if r else 0.0 for m, r in zip(medians, runs)]
+    hi = [max(r) - m if r else 0.0 for m, r in zip(medians, runs)]
+    ax.bar(labels, medians, color=color, yerr=[lo, hi], capsize=4)
+
+
+def throughput_summary_chart(result: dict[str, Any], path: str | Path) -> None:
+    """A ``bench throughput`` result in three panels: output tokens per step (a count), output tokens/s
+    and median end-to-end latency (medians, min-max over the repeats as error bars)."""
+    runs = result["runs"]
+    labels = [r["mode"] for r in runs]
+    fig, axes = plt.subplots(1, 3, figsize=(12, 3.8))
+    axes[0].bar(labels, [r["output_tokens_per_step"] for r in runs], color="#59a14f")
+    axes[0].set(title="output tokens per engine step\n(a count: the same on any machine)")
+    _with_spread(axes[1], labels, [r["output_throughput"] for r in runs], [r["output_throughput_runs"] for r in runs],
+                 "#4e79a7")  # fmt: skip
+    axes[1].set(title=f"output tokens/s\n(median, min-max of {result['repeats']} runs)")
+    e2el = [[x["median_e2el_ms"] for x in r["latency_runs"] or []] for r in runs]
+    _with_spread(axes[2], labels, [(r["latency"] or {}).get("median_e2el_ms", 0.0) for r in runs], e2el, "#f28e2b")
+    axes[2].set(title=f"median end-to-end latency, ms\n(median, min-max of {result['repeats']} runs)")
+    for ax in axes:
+        ax.grid(alpha=0.3, axis="y")
+    if result.get("busy_warning"):
+        fig.suptitle("measured on a busy machine: wall-clock panels are noisy", fontsize=9, x=0.02, ha="left")
+    fig.tight_layout(rect=(0, 0, 1, 0.95))
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def prompt_sweep_chart(points: list[Any], path: str | Path, *, busy: bool = False) -> None:
+    """TTFT and TPOT against prompt length (medians, min-max as error bars), from a prompt-length sweep."""
+    xs = [p.prompt_len for p in points]
+    fig, axes = plt.subplots(1, 2, figsize=(10, 3.8), sharex=True)
+    for ax, key, title, color in ((axes[0], "ttft", "time to first token (prefill)", "#f28e2b"),
+                                  (axes[1], "tpot", "time per output token (decode)", "#4e79a7")):  # fmt: skip
+        med = [getattr(p, f"{key}_ms") for p in points]
+        runs = [getattr(p, f"{key}_ms_runs") for p in points]
+        ax.errorbar(xs, med, yerr=[[m - min(r) for m, r in zip(med, runs)], [max(r) - m for m, r in zip(med, runs)]],
+                    marker="o", color=color, capsize=3)  # fmt: skip
+        ax.set(title=title, xlabel="prompt tokens", ylabel="ms", ylim=(0, None))
+        ax.grid(alpha=0.3)
+    if busy:
+        fig.suptitle("measured on a busy machine: spreads are wide", fontsize=9, x=0.02, ha="left")
+    fig.tight_layout(rect=(0, 0, 1, 0.95))
+    fig.savefig(path, dpi=110)
+    plt.close(fig)

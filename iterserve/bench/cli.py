@@ -1,4 +1,4 @@
-"""``iterserve bench``: throughput (offline), serve (online), batch (sweep) and plot."""
+"""``iterserve bench``: throughput (offline), serve (online), batch (sweep), ttft (prompt sweep) and plot."""
 
 from __future__ import annotations
 
@@ -184,6 +184,11 @@ def _cmd_throughput(args: argparse.Namespace) -> int:
             for run in result["runs"]:
                 run["step_trace"] = None
     print(throughput_report(result))
+    if args.chart:
+        from iterserve.bench.charts import throughput_summary_chart
+
+        throughput_summary_chart(result, args.chart)
+        print(f"chart written to {args.chart}")
     if args.output_json:
         _write_json(args.output_json, result)
     return 0
@@ -252,6 +257,21 @@ def _cmd_serve(args: argparse.Namespace) -> int:
 # -- batch ----------------------------------------------------------------------------------------
 
 
+def _decode_bandwidth_line(loaded: Any, context: int, decode_s: float, device: str) -> str:
+    """Batch-1 decode as a memory stream: the bytes one step must read (every matmul weight and the
+    sequence's KV cache) over its time, beside this machine's measured bandwidth."""
+    from iterserve import planner
+    from iterserve.hardware import measure_bandwidth
+
+    dtype = loaded.model.dtype.itemsize
+    read = planner.matmul_parameters(loaded.config) * dtype + context * loaded.config.kv_bytes_per_token(dtype)
+    measured = measure_bandwidth(device.split(":")[0] if device.startswith("cuda") else "cpu", budget_s=0.3)
+    peak = max(measured["copy"], measured["read"])
+    return (f"batch-1 decode reads {read / 1e6:,.3g} MB (weights + KV cache) per step in {decode_s * 1000:,.2f} ms: "
+            f"{read / decode_s / 1e9:,.3g} GB/s achieved, {read / decode_s / peak:.0%} of the {peak / 1e9:,.1f} GB/s "
+            "this machine's memory copy/read benchmark reached")  # fmt: skip
+
+
 def _cmd_batch(args: argparse.Namespace) -> int:
     from iterserve.bench.batch import default_batch_sizes, sweep_batches
     from iterserve.bench.charts import Series, throughput_latency_chart
@@ -284,6 +304,9 @@ def _cmd_batch(args: argparse.Namespace) -> int:
         if knee is not None:
             print(f"reading: below batch {knee} a step costs about the same whatever the batch, so a larger batch "
                   "is nearly free throughput; from it on, latency per token grows about as fast as throughput")
+    one = next((p for p in sweep.points if p.batch_size == 1), None)
+    if one is not None:
+        print(_decode_bandwidth_line(loaded, sweep.context, one.decode_s, args.device or "cpu"))
     chart = args.chart or (str(_sibling(args.output_json, ".png")) if args.output_json else None)
     if chart:
         sizes = [p.batch_size for p in sweep.points]
@@ -298,6 +321,44 @@ def _cmd_batch(args: argparse.Namespace) -> int:
     if args.output_json:
         result = {"benchmark": "batch", **asdict(sweep), "max_gain_at_knee": sweep.max_gain_at_knee}
         _write_json(args.output_json, result)
+    return 0
+
+
+def _cmd_ttft(args: argparse.Namespace) -> int:
+    from iterserve.bench.charts import prompt_sweep_chart
+    from iterserve.bench.machine import MachineMonitor
+    from iterserve.bench.prompt_sweep import sweep_prompt_lengths
+    from iterserve.cli import engine_config_from_args
+    from iterserve.models.loader import load_model
+
+    values = _float_list(args.prompt_lens, "--prompt-lens")
+    if not all(v == int(v) for v in values):
+        raise ValueError(f"--prompt-lens takes whole numbers, got {args.prompt_lens!r}")
+    config = engine_config_from_args(args)
+    loaded = load_model(config.model, config.dtype, config.device, config.seed)
+    monitor = MachineMonitor()
+    monitor.sample()
+    points = sweep_prompt_lengths(loaded, config, [int(v) for v in values], args.output_len, args.repeats)
+    monitor.sample()
+    warning = monitor.check.warning()
+    print(f"{loaded.name}: one request at a time, {args.output_len} output tokens, median of {args.repeats}")
+    print(format_table(
+        ["prompt tokens", "steps per request", "tokens in first step", "TTFT ms", "min-max", "TPOT ms", "min-max"],
+        [[p.prompt_len, p.steps_per_request, p.first_step_tokens, p.ttft_ms, _spread(p.ttft_ms_runs), p.tpot_ms,
+          _spread(p.tpot_ms_runs)] for p in points],
+    ))  # fmt: skip
+    first, last = points[0], points[-1]
+    print(f"prompt {first.prompt_len} -> {last.prompt_len} tokens: TTFT x{last.ttft_ms / first.ttft_ms:.1f}, "
+          f"TPOT x{last.tpot_ms / first.tpot_ms:.1f}")  # fmt: skip
+    if warning:
+        print(warning)
+    if args.chart:
+        prompt_sweep_chart(points, args.chart, busy=warning is not None)
+        print(f"chart written to {args.chart}")
+    if args.output_json:
+        _write_json(args.output_json, {"benchmark": "ttft", "model": loaded.name, "output_len": args.output_len,
+                                       "repeats": args.repeats, "machine": monitor.check.to_dict(),
+                                       "busy_warning": warning, "points": [asdict(p) for p in points]})  # fmt: skip
     return 0
 
 
@@ -351,6 +412,7 @@ def add_bench_parser(subparsers: argparse._SubParsersAction) -> None:
                     help="timeline x-axis: engine steps (default; the same on any machine) or wall time")
     tp.add_argument("--joins", default=None,
                     help="PNG of the continuous run's steps: sequences already decoding and requests joining")
+    tp.add_argument("--chart", default=None, help="PNG of tokens per step, tokens/s and latency per mode")
     tp.add_argument("--repeats", type=int, default=1,
                     help="runs of every mode; wall-clock figures report the median and min-max (default 1)")
     tp.add_argument("--max-tokens-cap", type=int, default=None,
@@ -406,6 +468,15 @@ def add_bench_parser(subparsers: argparse._SubParsersAction) -> None:
     bt.add_argument("--chart", default=None, help="PNG path (default: beside --output-json)")
     bt.add_argument("--disable-tqdm", action="store_true")
     bt.set_defaults(func=_cmd_batch)
+
+    tt = sub.add_parser("ttft", help="TTFT and TPOT of lone requests against prompt length (prefill vs decode)")
+    add_engine_args(tt)
+    tt.add_argument("--prompt-lens", default="32,128,256,512", help="comma-separated (default %(default)s)")
+    tt.add_argument("--output-len", type=int, default=16, help="tokens each request generates (default %(default)s)")
+    tt.add_argument("--repeats", type=int, default=3, help="timed requests per prompt length (default %(default)s)")
+    tt.add_argument("--chart", default=None, help="PNG of TTFT and TPOT against prompt length")
+    tt.add_argument("--output-json", default=None)
+    tt.set_defaults(func=_cmd_ttft)
 
     pl = sub.add_parser("plot", help="overlay bench serve (or vllm bench serve) results in charts")
     pl.add_argument("results", nargs="+", help="result JSON files")
