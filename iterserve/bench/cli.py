@@ -151,7 +151,7 @@ def _cmd_throughput(args: argparse.Namespace) -> int:
     from iterserve.bench.throughput import ENGINE_MODES, HF_MODE, run_throughput
     from iterserve.bench.workloads import make_workload
     from iterserve.cli import engine_config_from_args
-    from iterserve.models.loader import load_model
+    from iterserve.bench.progress import load_model_with_status
 
     if args.step_trace:
         raise ValueError("bench throughput writes one step trace per mode: use --trace-dir instead of --step-trace")
@@ -159,7 +159,7 @@ def _cmd_throughput(args: argparse.Namespace) -> int:
     modes = [m for m in args.modes.split(",") if m] + ([HF_MODE] if args.hf_baseline else [])
     percentiles = parse_percentiles(args.percentiles)
     config = engine_config_from_args(args)
-    loaded = load_model(config.model, config.dtype, config.device, config.seed)
+    loaded = load_model_with_status(config.model, config.dtype, config.device, config.seed)
     requests = make_workload(spec, tokenizer=loaded.tokenizer, vocab_size=loaded.config.vocab_size)
     with tempfile.TemporaryDirectory() as tmp:
         trace_dir = args.trace_dir or (tmp if args.timeline or args.joins else None)
@@ -275,9 +275,9 @@ def _decode_bandwidth_line(loaded: Any, context: int, decode_s: float, device: s
 def _cmd_batch(args: argparse.Namespace) -> int:
     from iterserve.bench.batch import default_batch_sizes, sweep_batches
     from iterserve.bench.charts import Series, throughput_latency_chart
-    from iterserve.models.loader import load_model
+    from iterserve.bench.progress import load_model_with_status
 
-    loaded = load_model(args.model, args.dtype, args.device)
+    loaded = load_model_with_status(args.model, args.dtype, args.device)
     if args.batch_sizes:
         values = _float_list(args.batch_sizes, "--batch-sizes")
         if not all(v == int(v) for v in values):
@@ -329,13 +329,13 @@ def _cmd_ttft(args: argparse.Namespace) -> int:
     from iterserve.bench.machine import MachineMonitor
     from iterserve.bench.prompt_sweep import sweep_prompt_lengths
     from iterserve.cli import engine_config_from_args
-    from iterserve.models.loader import load_model
+    from iterserve.bench.progress import load_model_with_status
 
     values = _float_list(args.prompt_lens, "--prompt-lens")
     if not all(v == int(v) for v in values):
         raise ValueError(f"--prompt-lens takes whole numbers, got {args.prompt_lens!r}")
     config = engine_config_from_args(args)
-    loaded = load_model(config.model, config.dtype, config.device, config.seed)
+    loaded = load_model_with_status(config.model, config.dtype, config.device, config.seed)
     monitor = MachineMonitor()
     monitor.sample()
     points = sweep_prompt_lengths(loaded, config, [int(v) for v in values], args.output_len, args.repeats)
