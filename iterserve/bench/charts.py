@@ -222,11 +222,12 @@ def timeline_chart(
     if x not in ("steps", "time"):
         raise ValueError(f"timeline x-axis must be 'steps' or 'time', got {x!r}")
     n = len(traces)
+    loaded = {label: _scheduled_requests(trace) for label, trace in traces.items()}
+    top_blocks = max(s["kv_blocks_used"] for steps, _ in loaded.values() for s in steps)
     fig, axes = plt.subplots(2, n, figsize=(6.5 * n, 6.5), sharex=True, sharey="row", squeeze=False,
                              gridspec_kw={"height_ratios": [3, 1]})  # fmt: skip
-    for k, (label, trace) in enumerate(traces.items()):
+    for k, (label, (steps, requests)) in enumerate(loaded.items()):
         ax, occ = axes[0][k], axes[1][k]
-        steps, requests = _scheduled_requests(trace)
         _draw_rows(ax, steps, requests, x)
         running = [len(s["seqs"]) for s in steps]
         out_tokens = sum(r["num_output_tokens"] for r in requests)
@@ -246,6 +247,7 @@ def timeline_chart(
             occ.axhline(max_num_seqs, color="black", linestyle="--", linewidth=0.8, label="max_num_seqs")
         blocks = occ.twinx()
         blocks.step(xs, [s["kv_blocks_used"] for s in steps], where="post", color="#e15759", linewidth=1)
+        blocks.set_ylim(0, top_blocks * 1.1)  # one scale in every panel, so KV use compares across modes
         blocks.set_ylabel("KV blocks held", color="#e15759", fontsize=8)
         blocks.tick_params(axis="y", labelsize=7, colors="#e15759")
         occ.set(xlabel="engine step" if x == "steps" else "time (s)", ylabel="running")
@@ -313,10 +315,11 @@ def throughput_summary_chart(result: dict[str, Any], path: str | Path) -> None:
     axes[0].set(title="output tokens per engine step\n(a count: the same on any machine)")
     _with_spread(axes[1], labels, [r["output_throughput"] for r in runs], [r["output_throughput_runs"] for r in runs],
                  "#4e79a7")  # fmt: skip
-    axes[1].set(title=f"output tokens/s\n(median, min-max of {result['repeats']} runs)")
+    runs_text = f"median, min-max of {result['repeats']} runs" if result["repeats"] > 1 else "one run"
+    axes[1].set(title=f"output tokens/s\n({runs_text})")
     e2el = [[x["median_e2el_ms"] for x in r["latency_runs"] or []] for r in runs]
     _with_spread(axes[2], labels, [(r["latency"] or {}).get("median_e2el_ms", 0.0) for r in runs], e2el, "#f28e2b")
-    axes[2].set(title=f"median end-to-end latency, ms\n(median, min-max of {result['repeats']} runs)")
+    axes[2].set(title=f"median end-to-end latency, ms\n({runs_text})")
     for ax in axes:
         ax.grid(alpha=0.3, axis="y")
     if result.get("busy_warning"):

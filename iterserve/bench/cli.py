@@ -146,6 +146,11 @@ def throughput_report(result: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
+# timeline panel titles, in panel order: the batching and how KV blocks are allocated
+TIMELINE_LABELS = {"static": "static, paged KV", "continuous": "continuous, paged KV",
+                   "reserved": "continuous, reserved KV"}  # fmt: skip
+
+
 def _cmd_throughput(args: argparse.Namespace) -> int:
     from iterserve.bench.charts import joins_chart, timeline_chart
     from iterserve.bench.throughput import ENGINE_MODES, HF_MODE, run_throughput
@@ -171,8 +176,8 @@ def _cmd_throughput(args: argparse.Namespace) -> int:
         if args.timeline:
             if not traces:
                 raise ValueError("--timeline draws the engine's modes; include continuous, static or reserved")
-            order = sorted(traces, key=["static", "continuous", "reserved"].index)
-            timeline_chart({m: traces[m] for m in order}, args.timeline, x=args.timeline_x,
+            order = sorted(traces, key=list(TIMELINE_LABELS).index)
+            timeline_chart({TIMELINE_LABELS[m]: traces[m] for m in order}, args.timeline, x=args.timeline_x,
                            max_num_seqs=config.max_num_seqs, busy=bool(result["busy_warning"]))  # fmt: skip
             print(f"timeline written to {args.timeline}")
         if args.joins:

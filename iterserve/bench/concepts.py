@@ -67,12 +67,19 @@ def _plan(out: Path, s: Size) -> list[str]:
     return ["plan", "llama-3-8b", "--gpu", "H100-SXM", "--context", "4096", "--chart", str(out / "plan_llama3_8b_h100.png")]
 
 
+def _plan_here(out: Path, s: Size) -> list[str]:
+    """Items 8, 10: the same roofline for this machine, measured, and the embedded model."""
+    return ["plan", "smollm2-135m", "--measure", "--dtype", "fp32", "--context", "2048",
+            "--chart", str(out / "plan_smollm2_here.png")]
+
+
 FIGURES: dict[str, Callable[[Path, Size], list[str]]] = {
     "static_vs_continuous": _static_vs_continuous,
     "paged_vs_reserved": _paged_vs_reserved,
     "ttft": _ttft,
     "batch": _batch,
     "plan": _plan,
+    "plan_here": _plan_here,
 }
 
 
