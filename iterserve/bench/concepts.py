@@ -34,8 +34,9 @@ SMALL = Size(("--model", SMALL_MODEL, "--dtype", "float32"), 1, "16,64,256", "1,
 
 def _static_vs_continuous(out: Path, s: Size) -> list[str]:
     """Items 1, 2, 4: more requests than slots, heavy-tailed outputs."""
-    return ["bench", "throughput", *s.model, "--num-prompts", "32", "--max-num-seqs", "8", "--input-len", "uniform:8:32",
-            "--output-len", "pareto:1:0.8:24", "--modes", "static,continuous", "--repeats", str(s.repeats),
+    return ["bench", "throughput", *s.model, "--num-prompts", "32", "--max-num-seqs", "8",
+            "--input-len", "uniform:8:32", "--output-len", "pareto:1:0.8:24", "--modes", "static,continuous",
+            "--repeats", str(s.repeats),
             "--disable-tqdm", "--timeline", str(out / "static_vs_continuous.png"), "--joins", str(out / "joins.png"),
             "--chart", str(out / "throughput_latency.png"), "--output-json", str(out / "static_vs_continuous.json")]
 
@@ -64,7 +65,8 @@ def _batch(out: Path, s: Size) -> list[str]:
 
 def _plan(out: Path, s: Size) -> list[str]:
     """Items 8, 9, 10: the roofline of a named GPU and model."""
-    return ["plan", "llama-3-8b", "--gpu", "H100-SXM", "--context", "4096", "--chart", str(out / "plan_llama3_8b_h100.png")]
+    return ["plan", "llama-3-8b", "--gpu", "H100-SXM", "--context", "4096",
+            "--chart", str(out / "plan_llama3_8b_h100.png")]
 
 
 def _plan_here(out: Path, s: Size) -> list[str]:
