@@ -279,6 +279,7 @@ def _decode_bandwidth_line(loaded: Any, context: int, decode_s: float, device: s
 
 def _cmd_batch(args: argparse.Namespace) -> int:
     from iterserve.bench.batch import default_batch_sizes, sweep_batches
+    from iterserve.bench.machine import MachineMonitor
     from iterserve.bench.charts import Series, throughput_latency_chart
     from iterserve.bench.progress import load_model_with_status
 
@@ -290,9 +291,13 @@ def _cmd_batch(args: argparse.Namespace) -> int:
         batches = [int(v) for v in values]
     else:
         batches = default_batch_sizes(loaded, args.context, args.kv_cache_memory, args.max_batch, args.block_size)
+    monitor = MachineMonitor()
+    monitor.sample()
     sweep = sweep_batches(loaded, batches, args.context, repeats=args.repeats, block_size=args.block_size,
                           prefill=not args.no_prefill, elasticity=args.elasticity,
                           use_tqdm=not args.disable_tqdm)  # fmt: skip
+    monitor.sample()
+    warning = monitor.check.warning()
     print(f"{sweep.model} ({sweep.dtype}, {sweep.device}), context {sweep.context}, median of {sweep.repeats}")
     print(format_table(
         ["batch", "decode step ms", "decode tok/s", "ms per token", "prefill ms", "prefill tok/s"],
@@ -312,6 +317,8 @@ def _cmd_batch(args: argparse.Namespace) -> int:
     one = next((p for p in sweep.points if p.batch_size == 1), None)
     if one is not None:
         print(_decode_bandwidth_line(loaded, sweep.context, one.decode_s, args.device or "cpu"))
+    if warning:
+        print(warning)
     chart = args.chart or (str(_sibling(args.output_json, ".png")) if args.output_json else None)
     if chart:
         sizes = [p.batch_size for p in sweep.points]
@@ -324,7 +331,8 @@ def _cmd_batch(args: argparse.Namespace) -> int:
         )  # fmt: skip
         print(f"chart written to {chart}")
     if args.output_json:
-        result = {"benchmark": "batch", **asdict(sweep), "max_gain_at_knee": sweep.max_gain_at_knee}
+        result = {"benchmark": "batch", **asdict(sweep), "max_gain_at_knee": sweep.max_gain_at_knee,
+                  "machine": monitor.check.to_dict(), "busy_warning": warning}  # fmt: skip
         _write_json(args.output_json, result)
     return 0
 

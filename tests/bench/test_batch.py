@@ -82,8 +82,9 @@ def test_cli_prints_table_and_writes_json_and_chart(loaded, monkeypatch, tmp_pat
                "--output-json", str(out), "--disable-tqdm"])  # fmt: skip
     assert rc == 0
     text = capsys.readouterr().out
-    assert "decode tok/s" in text and "knee:" in text
+    assert "decode tok/s" in text and "knee:" in text and "batch-1 decode reads" in text
     data = json.loads(out.read_text())
+    assert len(data["machine"]["probe_s"]) == 2 and (data["busy_warning"] is None) == (not data["machine"]["busy"])
     assert data["benchmark"] == "batch" and [p["batch_size"] for p in data["points"]] == [1, 2, 4]
     assert set(data) >= {f.name for f in BatchSweep.__dataclass_fields__.values()} | {"max_gain_at_knee"}
     assert (tmp_path / "batch.png").read_bytes()[:4] == b"\x89PNG"
