@@ -397,12 +397,21 @@ def _run_validate(args: argparse.Namespace, out: TextIO) -> int:
     batches = _parse_batches(args.batches) or list(planner.DEFAULT_VALIDATION_BATCHES)
     planner.check_context(cfg, context)  # bad input first, before anything is measured or built
     planner.check_positive(args.repeats, "repeats")
-    if args.timer == "synthetic":
-        timer = planner.synthetic_decode_timer(cfg, dtype, device=device)
-    else:
-        timer = planner.default_decode_timer(args.model, dtype, device=device)
-    v = planner.validate(cfg, timer, device=device, dtype=dtype, kv_dtype=args.kv_dtype, context=context,
-                         batches=batches, repeats=args.repeats)  # fmt: skip
+    from iterserve.bench.progress import status
+
+    with status(f"loading {args.model} ...") as say:
+        if args.timer == "synthetic":
+            timer = planner.synthetic_decode_timer(cfg, dtype, device=device)
+        else:
+            timer = planner.default_decode_timer(args.model, dtype, device=device)
+
+        def timed(batch: int, context_len: int) -> float:
+            say(f"timing decode steps at context {context_len}: batch {batch} (sweep up to {max(batches)}) ...")
+            return timer(batch, context_len)
+
+        say("measuring this machine's memory bandwidth and FLOP/s ...")
+        v = planner.validate(cfg, timed, device=device, dtype=dtype, kv_dtype=args.kv_dtype, context=context,
+                             batches=batches, repeats=args.repeats)  # fmt: skip
     if args.chart:
         chart_validation(v, args.chart)
     if args.json:

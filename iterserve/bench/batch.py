@@ -12,6 +12,10 @@ batch. Decode throughput is ``B / t``, so at the knee the larger batch bought at
 ``(B_i / B_{i-1}) ** (1 - elasticity)`` times the throughput: with the default elasticity 0.5,
 a doubling gave less than 41% more tokens/s while every sequence waited at least 41% longer
 per token.
+
+A step over more sequences never does less work, so its time cannot fall as the batch grows; a
+sweep where it does (by more than :data:`NOISE_TOLERANCE`) measured the machine's other load, not
+the model, and no knee is called on it: the sweep says so and asks for a rerun.
 """
 
 from __future__ import annotations
@@ -35,6 +39,26 @@ from iterserve.planner import measured_knee
 from iterserve.sampling_params import SamplingParams
 
 DEFAULT_ELASTICITY = 0.5
+# a larger batch's step may come out this much faster than a smaller one's before the sweep counts as noise
+NOISE_TOLERANCE = 0.1
+
+
+def non_monotone_steps(batches: list[int], times: list[float], tolerance: float = NOISE_TOLERANCE) -> list[int]:
+    """The batches whose step time fell more than ``tolerance`` below the previous (smaller) batch's."""
+    pairs = sorted(zip(batches, times))
+    return [b1 for (_, t0), (b1, t1) in zip(pairs, pairs[1:]) if t1 < t0 * (1 - tolerance)]
+
+
+def read_knee(batches: list[int], times: list[float], elasticity: float = DEFAULT_ELASTICITY,
+              tolerance: float = NOISE_TOLERANCE) -> tuple[int | None, str | None]:  # fmt: skip
+    """``(knee, None)`` on a sweep whose step time grows with the batch, ``(None, why)`` on one that
+    does not: a knee read off noise would be a guess."""
+    falls = non_monotone_steps(batches, times, tolerance)
+    if falls:
+        where = ", ".join(f"B={b}" for b in falls)
+        return None, (f"not called: the step time fell as the batch grew (at {where}), so the sweep measured "
+                      "other load on the machine; rerun it with more --repeats on a quieter machine")  # fmt: skip
+    return measured_knee(batches, times, elasticity), None
 
 
 class StepTimer:
@@ -140,6 +164,7 @@ class BatchSweep:
     elasticity: float
     knee_batch_size: int | None  # measured_knee over decode step times
     points: list[BatchPoint] = field(default_factory=list)
+    knee_refused: str | None = None  # why no knee was called on a non-monotone sweep
 
     @property
     def max_gain_at_knee(self) -> float:
@@ -169,9 +194,9 @@ def sweep_batches(
         dec = median_time(timer.decode, b, context, repeats)
         pre = median_time(timer.prefill, b, context, repeats) if prefill else None
         points.append(BatchPoint(b, dec, b / dec, dec * 1000 / b, pre, b * context / pre if pre else None))
+    knee, refused = read_knee([p.batch_size for p in points], [p.decode_s for p in points], elasticity)
     return BatchSweep(
         model=loaded.name, dtype=str(loaded.model.dtype).removeprefix("torch."), device=str(loaded.model.device),
-        context=context, repeats=repeats, elasticity=elasticity,
-        knee_batch_size=measured_knee([p.batch_size for p in points], [p.decode_s for p in points], elasticity),
-        points=points,
+        context=context, repeats=repeats, elasticity=elasticity, knee_batch_size=knee, points=points,
+        knee_refused=refused,
     )

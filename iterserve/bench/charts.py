@@ -174,30 +174,175 @@ def sequence_spans(steps: list[dict[str, Any]]) -> dict[str, dict[str, list[tupl
     return spans
 
 
-def timeline_chart(traces: dict[str, str | Path], path: str | Path) -> None:
-    """Each sequence's queue, prefill and decode spans over time, one panel per trace, side by side.
+def step_spans(steps: list[dict[str, Any]]) -> dict[str, dict[str, list[tuple[float, float]]]]:
+    """As :func:`sequence_spans`, in engine steps: step ``k`` (1-based in the trace) spans ``[k-1, k)``."""
+    return sequence_spans([{**s, "start": s["step"] - 1, "duration": 1} for s in steps])
 
-    Time is measured from each run's first arrival, and all panels share both axes, so a batch
-    slot that static batching leaves idle shows as white space a continuous run fills.
-    """
-    fig, axes = plt.subplots(1, len(traces), figsize=(6.5 * len(traces), 5), sharex=True, sharey=True, squeeze=False)
-    for ax, (label, trace) in zip(axes[0], traces.items()):
-        steps, requests = read_trace(trace)
-        requests = [r for r in requests if r["first_scheduled_time"] is not None]
-        requests.sort(key=lambda r: r["arrival_time"])
+
+def _draw_rows(ax: Any, steps: list[dict[str, Any]], requests: list[dict[str, Any]], x: str) -> None:
+    """One row per request (by arrival): queue, prefill and decode spans, in steps or seconds."""
+    if x == "steps":
+        first_step: dict[str, int] = {}
+        for step in steps:
+            for rid, _, _ in step["seqs"]:
+                first_step.setdefault(rid, step["step"] - 1)
+        spans, t0 = step_spans(steps), 0.0
+        queued = {r["request_id"]: (0.0, float(first_step.get(r["request_id"], 0))) for r in requests}
+    else:
         t0 = min([r["arrival_time"] for r in requests] + [s["start"] for s in steps[:1]])
         spans = sequence_spans(steps)
-        for y, r in enumerate(requests):
-            ax.broken_barh([(r["arrival_time"] - t0, r["first_scheduled_time"] - r["arrival_time"])], (y - 0.4, 0.8),
-                           facecolors=PHASE_COLORS["queue"])  # fmt: skip
-            for phase in ("prefill", "decode"):
-                segments = [(s - t0, w) for s, w in spans.get(r["request_id"], {}).get(phase, [])]
-                ax.broken_barh(segments, (y - 0.4, 0.8), facecolors=PHASE_COLORS[phase])
+        queued = {r["request_id"]: (r["arrival_time"] - t0, r["first_scheduled_time"] - r["arrival_time"])
+                  for r in requests}  # fmt: skip
+    for y, r in enumerate(requests):
+        ax.broken_barh([queued[r["request_id"]]], (y - 0.4, 0.8), facecolors=PHASE_COLORS["queue"])
+        for phase in ("prefill", "decode"):
+            segments = [(s - t0, w) for s, w in spans.get(r["request_id"], {}).get(phase, [])]
+            ax.broken_barh(segments, (y - 0.4, 0.8), facecolors=PHASE_COLORS[phase])
+
+
+def _scheduled_requests(trace: str | Path) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
+    steps, requests = read_trace(trace)
+    requests = [r for r in requests if r["first_scheduled_time"] is not None]
+    requests.sort(key=lambda r: (r["arrival_time"], int(r["request_id"]) if r["request_id"].isdigit() else 0))
+    return steps, requests
+
+
+def timeline_chart(
+    traces: dict[str, str | Path], path: str | Path, *, x: str = "steps", max_num_seqs: int | None = None,
+    busy: bool = False,
+) -> None:
+    """Each sequence's queue, prefill and decode spans, one panel per trace, side by side, with the
+    running sequences and KV blocks of every step drawn under each panel.
+
+    The x-axis counts engine steps by default, so the picture is the same on any machine and a
+    stall of the machine cannot pass for batching waste; ``x="time"`` draws wall time instead
+    (``busy`` then notes that the machine was busy). All panels share their axes, so a batch slot
+    that static batching leaves idle shows as white space a continuous run fills.
+    """
+    if x not in ("steps", "time"):
+        raise ValueError(f"timeline x-axis must be 'steps' or 'time', got {x!r}")
+    n = len(traces)
+    loaded = {label: _scheduled_requests(trace) for label, trace in traces.items()}
+    top_blocks = max(s["kv_blocks_used"] for steps, _ in loaded.values() for s in steps)
+    fig, axes = plt.subplots(2, n, figsize=(6.5 * n, 6.5), sharex=True, sharey="row", squeeze=False,
+                             gridspec_kw={"height_ratios": [3, 1]})  # fmt: skip
+    for k, (label, (steps, requests)) in enumerate(loaded.items()):
+        ax, occ = axes[0][k], axes[1][k]
+        _draw_rows(ax, steps, requests, x)
+        running = [len(s["seqs"]) for s in steps]
         out_tokens = sum(r["num_output_tokens"] for r in requests)
-        ax.set(title=f"{label}: {len(steps)} steps, {out_tokens / max(len(steps), 1):.1f} tokens out per step",
-               xlabel="time (s)", ylabel="request (by arrival)")  # fmt: skip
+        occupancy = f", slot occupancy {sum(running) / len(running) / max_num_seqs:.0%}" if max_num_seqs else ""
+        ax.set(title=f"{label}: {len(steps)} steps, {out_tokens / max(len(steps), 1):.2f} tokens out per step"
+                     f"{occupancy}", ylabel="request (by arrival)")  # fmt: skip
+        ax.title.set_fontsize(9)
+        if x == "steps":
+            xs = [s["step"] - 1 for s in steps]
+            widths = [1.0] * len(steps)
+        else:
+            t0 = min([r["arrival_time"] for r in requests] + [s["start"] for s in steps[:1]])
+            xs, widths = [s["start"] - t0 for s in steps], [s["duration"] for s in steps]
+        occ.bar(xs, running, width=widths, align="edge", color=PHASE_COLORS["decode"], linewidth=0,
+                label="running sequences")  # fmt: skip
+        if max_num_seqs:
+            occ.axhline(max_num_seqs, color="black", linestyle="--", linewidth=0.8, label="max_num_seqs")
+        blocks = occ.twinx()
+        blocks.step(xs, [s["kv_blocks_used"] for s in steps], where="post", color="#e15759", linewidth=1)
+        blocks.set_ylim(0, top_blocks * 1.1)  # one scale in every panel, so KV use compares across modes
+        blocks.set_ylabel("KV blocks held", color="#e15759", fontsize=8)
+        blocks.tick_params(axis="y", labelsize=7, colors="#e15759")
+        occ.set(xlabel="engine step" if x == "steps" else "time (s)", ylabel="running")
+        occ.legend(fontsize=7, loc="upper right")
     axes[0][0].invert_yaxis()  # the y axis is shared: inverting it once flips every panel
     fig.legend(handles=[Patch(color=c, label=p) for p, c in PHASE_COLORS.items()], loc="upper right", ncols=3)
-    fig.tight_layout(rect=(0, 0, 1, 0.94))
-    fig.savefig(path, dpi=120)
+    if x == "time" and busy:
+        fig.suptitle("wall time on a busy machine: stalls of the machine show as long spans", x=0.02, ha="left",
+                     fontsize=9)  # fmt: skip
+    fig.tight_layout(rect=(0, 0, 1, 0.95))
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def joins_chart(trace: str | Path, path: str | Path, *, max_num_seqs: int | None = None) -> int:
+    """Iteration-level scheduling in one step trace: per step, the sequences already decoding and
+    the requests whose prefill joins them; above, each request's spans. Returns how many requests
+    joined a batch that was already decoding."""
+    steps, requests = _scheduled_requests(trace)
+    fig, (ax, bars) = plt.subplots(2, 1, figsize=(9, 6.5), sharex=True, gridspec_kw={"height_ratios": [3, 2]})
+    _draw_rows(ax, steps, requests, "steps")
+    ax.invert_yaxis()
+    xs = [s["step"] - 1 for s in steps]
+    started: set[str] = set()
+    joining, decoding, joined = [], [], 0
+    for s in steps:
+        new = [rid for rid, phase, _ in s["seqs"] if phase == "prefill" and rid not in started]
+        started.update(new)
+        joined += len(new) if s["num_decode_seqs"] > 0 else 0
+        joining.append(len(new))
+        decoding.append(len(s["seqs"]) - len(new))
+    bars.bar(xs, decoding, width=1.0, align="edge", color=PHASE_COLORS["decode"], linewidth=0,
+             label="already in the batch")  # fmt: skip
+    bars.bar(xs, joining, width=1.0, align="edge", bottom=decoding, color=PHASE_COLORS["prefill"], linewidth=0,
+             label="joining at this step (prefill)")  # fmt: skip
+    if max_num_seqs:
+        bars.axhline(max_num_seqs, color="black", linestyle="--", linewidth=0.8, label="max_num_seqs")
+    ax.set(title=f"{joined} of {len(requests)} requests joined a batch that was already decoding",
+           ylabel="request (by arrival)")  # fmt: skip
+    bars.set(xlabel="engine step", ylabel="sequences in the step")
+    bars.legend(fontsize=8, loc="upper right")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return joined
+
+
+# -- summaries ------------------------------------------------------------------------------------
+
+
+def _with_spread(ax: Any, labels: list[str], medians: list[float], runs: list[list[float]], color: str) -> None:
+    """Bars at the medians, error bars from min to max over the runs."""
+    lo = [m - min(r) if r else 0.0 for m, r in zip(medians, runs)]
+    hi = [max(r) - m if r else 0.0 for m, r in zip(medians, runs)]
+    ax.bar(labels, medians, color=color, yerr=[lo, hi], capsize=4)
+
+
+def throughput_summary_chart(result: dict[str, Any], path: str | Path) -> None:
+    """A ``bench throughput`` result in three panels: output tokens per step (a count), output tokens/s
+    and median end-to-end latency (medians, min-max over the repeats as error bars)."""
+    runs = result["runs"]
+    labels = [r["mode"] for r in runs]
+    fig, axes = plt.subplots(1, 3, figsize=(12, 3.8))
+    axes[0].bar(labels, [r["output_tokens_per_step"] for r in runs], color="#59a14f")
+    axes[0].set(title="output tokens per engine step\n(a count: the same on any machine)")
+    _with_spread(axes[1], labels, [r["output_throughput"] for r in runs], [r["output_throughput_runs"] for r in runs],
+                 "#4e79a7")  # fmt: skip
+    runs_text = f"median, min-max of {result['repeats']} runs" if result["repeats"] > 1 else "one run"
+    axes[1].set(title=f"output tokens/s\n({runs_text})")
+    e2el = [[x["median_e2el_ms"] for x in r["latency_runs"] or []] for r in runs]
+    _with_spread(axes[2], labels, [(r["latency"] or {}).get("median_e2el_ms", 0.0) for r in runs], e2el, "#f28e2b")
+    axes[2].set(title=f"median end-to-end latency, ms\n({runs_text})")
+    for ax in axes:
+        ax.grid(alpha=0.3, axis="y")
+    if result.get("busy_warning"):
+        fig.suptitle("measured on a busy machine: wall-clock panels are noisy", fontsize=9, x=0.02, ha="left")
+    fig.tight_layout(rect=(0, 0, 1, 0.95))
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def prompt_sweep_chart(points: list[Any], path: str | Path, *, busy: bool = False) -> None:
+    """TTFT and TPOT against prompt length (medians, min-max as error bars), from a prompt-length sweep."""
+    xs = [p.prompt_len for p in points]
+    fig, axes = plt.subplots(1, 2, figsize=(10, 3.8), sharex=True)
+    for ax, key, title, color in ((axes[0], "ttft", "time to first token (prefill)", "#f28e2b"),
+                                  (axes[1], "tpot", "time per output token (decode)", "#4e79a7")):  # fmt: skip
+        med = [getattr(p, f"{key}_ms") for p in points]
+        runs = [getattr(p, f"{key}_ms_runs") for p in points]
+        ax.errorbar(xs, med, yerr=[[m - min(r) for m, r in zip(med, runs)], [max(r) - m for m, r in zip(med, runs)]],
+                    marker="o", color=color, capsize=3)  # fmt: skip
+        ax.set(title=title, xlabel="prompt tokens", ylabel="ms", ylim=(0, None))
+        ax.grid(alpha=0.3)
+    if busy:
+        fig.suptitle("measured on a busy machine: spreads are wide", fontsize=9, x=0.02, ha="left")
+    fig.tight_layout(rect=(0, 0, 1, 0.95))
+    fig.savefig(path, dpi=110)
     plt.close(fig)

@@ -1,4 +1,4 @@
-"""``iterserve bench``: throughput (offline), serve (online), batch (sweep) and plot."""
+"""``iterserve bench``: throughput (offline), serve (online), batch (sweep), ttft (prompt sweep) and plot."""
 
 from __future__ import annotations
 
@@ -98,12 +98,65 @@ def workload_spec_from_args(args: argparse.Namespace) -> WorkloadSpec:
 # -- throughput -----------------------------------------------------------------------------------
 
 
+def _spread(values: Sequence[float]) -> str:
+    """``min-max`` of a repeated figure, or ``-`` for a single run."""
+    return f"{min(values):,.2f}-{max(values):,.2f}" if len(values) > 1 else "-"
+
+
+def throughput_report(result: dict[str, Any]) -> str:
+    """The ``bench throughput`` tables: counts first (the same on any machine), then wall-clock
+    medians with their spread over the repeats, then the ratios and any busy-machine warning."""
+    runs = result["runs"]
+    counts = format_table(
+        ["mode", "steps", "out tok/step", "peak running", "mean running", "slot occupancy", "peak KV blocks",
+         "mean KV blocks", "joined running batch", "preempted"],
+        [[r["mode"], r["num_steps"], r["output_tokens_per_step"], r["peak_running"], r["mean_running"],
+          f"{r['slot_occupancy']:.0%}", r["peak_kv_blocks"], r["mean_kv_blocks"], r["joined_running_batch"],
+          r["num_preemptions"]] for r in runs],
+    )  # fmt: skip
+
+    def lat(r: dict[str, Any], key: str) -> float | None:
+        return (r["latency"] or {}).get(key)
+
+    def lat_spread(r: dict[str, Any], key: str) -> str:
+        return _spread([run[key] for run in r["latency_runs"]]) if r["latency_runs"] else "-"
+
+    n = result["repeats"]
+    clock = format_table(
+        ["mode", "out tok/s", "min-max", "req/s", "median TTFT ms", "min-max", "median TPOT ms", "min-max",
+         "median E2EL ms"],
+        [[r["mode"], r["output_throughput"], _spread(r["output_throughput_runs"]), r["request_throughput"],
+          lat(r, "median_ttft_ms"), lat_spread(r, "median_ttft_ms"), lat(r, "median_tpot_ms"),
+          lat_spread(r, "median_tpot_ms"), lat(r, "median_e2el_ms")] for r in runs],
+    )  # fmt: skip
+    cap = result.get("max_tokens_cap")
+    lines = [
+        f"{result['num_requests']} requests, max_num_seqs {result['engine']['max_num_seqs']}"
+        + (f", max_tokens {cap} with an emulated end at each drawn length" if cap else ""),
+        "counts (machine-independent)", counts, "",
+        f"wall clock: median of {n} run{'s' if n > 1 else ''}" + (", min-max over the runs" if n > 1 else ""), clock,
+    ]  # fmt: skip
+    if "continuous_over_static" in result:
+        ratios = result["continuous_over_static_runs"]
+        spread = f" (runs: {', '.join(f'{x:.2f}' for x in ratios)})" if len(ratios) > 1 else ""
+        lines.append(f"continuous / static: {result['continuous_over_static_per_step']:.2f}x output tokens per step; "
+                     f"{result['continuous_over_static']:.2f}x output tokens/s{spread}")  # fmt: skip
+    if result.get("busy_warning"):
+        lines.append(result["busy_warning"])
+    return "\n".join(lines)
+
+
+# timeline panel titles, in panel order: the batching and how KV blocks are allocated
+TIMELINE_LABELS = {"static": "static, paged KV", "continuous": "continuous, paged KV",
+                   "reserved": "continuous, reserved KV"}  # fmt: skip
+
+
 def _cmd_throughput(args: argparse.Namespace) -> int:
-    from iterserve.bench.charts import timeline_chart
-    from iterserve.bench.throughput import HF_MODE, run_throughput
+    from iterserve.bench.charts import joins_chart, timeline_chart
+    from iterserve.bench.throughput import ENGINE_MODES, HF_MODE, run_throughput
     from iterserve.bench.workloads import make_workload
     from iterserve.cli import engine_config_from_args
-    from iterserve.models.loader import load_model
+    from iterserve.bench.progress import load_model_with_status
 
     if args.step_trace:
         raise ValueError("bench throughput writes one step trace per mode: use --trace-dir instead of --step-trace")
@@ -111,34 +164,36 @@ def _cmd_throughput(args: argparse.Namespace) -> int:
     modes = [m for m in args.modes.split(",") if m] + ([HF_MODE] if args.hf_baseline else [])
     percentiles = parse_percentiles(args.percentiles)
     config = engine_config_from_args(args)
-    loaded = load_model(config.model, config.dtype, config.device, config.seed)
+    loaded = load_model_with_status(config.model, config.dtype, config.device, config.seed)
     requests = make_workload(spec, tokenizer=loaded.tokenizer, vocab_size=loaded.config.vocab_size)
     with tempfile.TemporaryDirectory() as tmp:
-        trace_dir = args.trace_dir or (tmp if args.timeline else None)
+        trace_dir = args.trace_dir or (tmp if args.timeline or args.joins else None)
         result = run_throughput(loaded, config, requests, modes, temperature=args.temperature, trace_dir=trace_dir,
-                                percentiles=percentiles, use_tqdm=not args.disable_tqdm)  # fmt: skip
+                                max_tokens_cap=args.max_tokens_cap, repeats=args.repeats, percentiles=percentiles,
+                                use_tqdm=not args.disable_tqdm)  # fmt: skip
         result["workload"] = asdict(spec)
+        traces = {r["mode"]: r["step_trace"] for r in result["runs"] if r["mode"] in ENGINE_MODES}
         if args.timeline:
-            traces = {r["mode"]: r["step_trace"] for r in result["runs"] if r["mode"] in ("static", "continuous")}
             if not traces:
-                raise ValueError("--timeline draws static and continuous batching; include one of them in --modes")
-            timeline_chart(dict(sorted(traces.items(), reverse=True)), args.timeline)
+                raise ValueError("--timeline draws the engine's modes; include continuous, static or reserved")
+            order = sorted(traces, key=list(TIMELINE_LABELS).index)
+            timeline_chart({TIMELINE_LABELS[m]: traces[m] for m in order}, args.timeline, x=args.timeline_x,
+                           max_num_seqs=config.max_num_seqs, busy=bool(result["busy_warning"]))  # fmt: skip
             print(f"timeline written to {args.timeline}")
+        if args.joins:
+            if "continuous" not in traces:
+                raise ValueError("--joins draws the continuous run's step trace; include continuous in --modes")
+            joins_chart(traces["continuous"], args.joins, max_num_seqs=config.max_num_seqs)
+            print(f"joins chart written to {args.joins}")
         if not args.trace_dir:
             for run in result["runs"]:
                 run["step_trace"] = None
-    p = percentile_key(percentiles[-1])
-    print(format_table(
-        ["mode", "req/s", "out tok/s", "total tok/s", "peak running", "steps", "out tok/step", "preempted",
-         "median TTFT ms", f"p{p} TTFT ms", "median TPOT ms"],
-        [[r["mode"], r["request_throughput"], r["output_throughput"], r["total_token_throughput"], r["peak_running"],
-          r["num_steps"], r["output_tokens_per_step"], r["num_preemptions"],
-          *((r["latency"] or {}).get(k) for k in ("median_ttft_ms", f"p{p}_ttft_ms", "median_tpot_ms"))]
-         for r in result["runs"]],
-    ))  # fmt: skip
-    if "continuous_over_static" in result:
-        print(f"continuous / static: {result['continuous_over_static']:.2f}x output tokens/s, "
-              f"{result['continuous_over_static_per_step']:.2f}x output tokens per step")  # fmt: skip
+    print(throughput_report(result))
+    if args.chart:
+        from iterserve.bench.charts import throughput_summary_chart
+
+        throughput_summary_chart(result, args.chart)
+        print(f"chart written to {args.chart}")
     if args.output_json:
         _write_json(args.output_json, result)
     return 0
@@ -207,12 +262,28 @@ def _cmd_serve(args: argparse.Namespace) -> int:
 # -- batch ----------------------------------------------------------------------------------------
 
 
+def _decode_bandwidth_line(loaded: Any, context: int, decode_s: float, device: str) -> str:
+    """Batch-1 decode as a memory stream: the bytes one step must read (every matmul weight and the
+    sequence's KV cache) over its time, beside this machine's measured bandwidth."""
+    from iterserve import planner
+    from iterserve.hardware import measure_bandwidth
+
+    dtype = loaded.model.dtype.itemsize
+    read = planner.matmul_parameters(loaded.config) * dtype + context * loaded.config.kv_bytes_per_token(dtype)
+    measured = measure_bandwidth(device.split(":")[0] if device.startswith("cuda") else "cpu", budget_s=0.3)
+    peak = max(measured["copy"], measured["read"])
+    return (f"batch-1 decode reads {read / 1e6:,.3g} MB (weights + KV cache) per step in {decode_s * 1000:,.2f} ms: "
+            f"{read / decode_s / 1e9:,.3g} GB/s achieved, {read / decode_s / peak:.0%} of the {peak / 1e9:,.1f} GB/s "
+            "this machine's memory copy/read benchmark reached")  # fmt: skip
+
+
 def _cmd_batch(args: argparse.Namespace) -> int:
     from iterserve.bench.batch import default_batch_sizes, sweep_batches
+    from iterserve.bench.machine import MachineMonitor
     from iterserve.bench.charts import Series, throughput_latency_chart
-    from iterserve.models.loader import load_model
+    from iterserve.bench.progress import load_model_with_status
 
-    loaded = load_model(args.model, args.dtype, args.device)
+    loaded = load_model_with_status(args.model, args.dtype, args.device)
     if args.batch_sizes:
         values = _float_list(args.batch_sizes, "--batch-sizes")
         if not all(v == int(v) for v in values):
@@ -220,9 +291,13 @@ def _cmd_batch(args: argparse.Namespace) -> int:
         batches = [int(v) for v in values]
     else:
         batches = default_batch_sizes(loaded, args.context, args.kv_cache_memory, args.max_batch, args.block_size)
+    monitor = MachineMonitor()
+    monitor.sample()
     sweep = sweep_batches(loaded, batches, args.context, repeats=args.repeats, block_size=args.block_size,
                           prefill=not args.no_prefill, elasticity=args.elasticity,
                           use_tqdm=not args.disable_tqdm)  # fmt: skip
+    monitor.sample()
+    warning = monitor.check.warning()
     print(f"{sweep.model} ({sweep.dtype}, {sweep.device}), context {sweep.context}, median of {sweep.repeats}")
     print(format_table(
         ["batch", "decode step ms", "decode tok/s", "ms per token", "prefill ms", "prefill tok/s"],
@@ -230,9 +305,20 @@ def _cmd_batch(args: argparse.Namespace) -> int:
           None if p.prefill_s is None else p.prefill_s * 1000, p.prefill_tokens_per_s] for p in sweep.points],
     ))  # fmt: skip
     knee = sweep.knee_batch_size
-    print(f"knee: batch {knee}" if knee is not None else "knee: none within the sweep",
-          f"(first batch whose decode step grew >= (B/B_prev)^{sweep.elasticity:g}; "
-          f"a doubling there adds < {sweep.max_gain_at_knee:.0%} tokens/s)")  # fmt: skip
+    if sweep.knee_refused:
+        print(f"knee: {sweep.knee_refused}")
+    else:
+        print(f"knee: batch {knee}" if knee is not None else "knee: none within the sweep",
+              f"(first batch whose decode step grew >= (B/B_prev)^{sweep.elasticity:g}; "
+              f"a doubling there adds < {sweep.max_gain_at_knee:.0%} tokens/s)")  # fmt: skip
+        if knee is not None:
+            print(f"reading: below batch {knee} a step costs about the same whatever the batch, so a larger batch "
+                  "is nearly free throughput; from it on, latency per token grows about as fast as throughput")
+    one = next((p for p in sweep.points if p.batch_size == 1), None)
+    if one is not None:
+        print(_decode_bandwidth_line(loaded, sweep.context, one.decode_s, args.device or "cpu"))
+    if warning:
+        print(warning)
     chart = args.chart or (str(_sibling(args.output_json, ".png")) if args.output_json else None)
     if chart:
         sizes = [p.batch_size for p in sweep.points]
@@ -245,8 +331,47 @@ def _cmd_batch(args: argparse.Namespace) -> int:
         )  # fmt: skip
         print(f"chart written to {chart}")
     if args.output_json:
-        result = {"benchmark": "batch", **asdict(sweep), "max_gain_at_knee": sweep.max_gain_at_knee}
+        result = {"benchmark": "batch", **asdict(sweep), "max_gain_at_knee": sweep.max_gain_at_knee,
+                  "machine": monitor.check.to_dict(), "busy_warning": warning}  # fmt: skip
         _write_json(args.output_json, result)
+    return 0
+
+
+def _cmd_ttft(args: argparse.Namespace) -> int:
+    from iterserve.bench.charts import prompt_sweep_chart
+    from iterserve.bench.machine import MachineMonitor
+    from iterserve.bench.prompt_sweep import sweep_prompt_lengths
+    from iterserve.cli import engine_config_from_args
+    from iterserve.bench.progress import load_model_with_status
+
+    values = _float_list(args.prompt_lens, "--prompt-lens")
+    if not all(v == int(v) for v in values):
+        raise ValueError(f"--prompt-lens takes whole numbers, got {args.prompt_lens!r}")
+    config = engine_config_from_args(args)
+    loaded = load_model_with_status(config.model, config.dtype, config.device, config.seed)
+    monitor = MachineMonitor()
+    monitor.sample()
+    points = sweep_prompt_lengths(loaded, config, [int(v) for v in values], args.output_len, args.repeats)
+    monitor.sample()
+    warning = monitor.check.warning()
+    print(f"{loaded.name}: one request at a time, {args.output_len} output tokens, median of {args.repeats}")
+    print(format_table(
+        ["prompt tokens", "steps per request", "tokens in first step", "TTFT ms", "min-max", "TPOT ms", "min-max"],
+        [[p.prompt_len, p.steps_per_request, p.first_step_tokens, p.ttft_ms, _spread(p.ttft_ms_runs), p.tpot_ms,
+          _spread(p.tpot_ms_runs)] for p in points],
+    ))  # fmt: skip
+    first, last = points[0], points[-1]
+    print(f"prompt {first.prompt_len} -> {last.prompt_len} tokens: TTFT x{last.ttft_ms / first.ttft_ms:.1f}, "
+          f"TPOT x{last.tpot_ms / first.tpot_ms:.1f}")  # fmt: skip
+    if warning:
+        print(warning)
+    if args.chart:
+        prompt_sweep_chart(points, args.chart, busy=warning is not None)
+        print(f"chart written to {args.chart}")
+    if args.output_json:
+        _write_json(args.output_json, {"benchmark": "ttft", "model": loaded.name, "output_len": args.output_len,
+                                       "repeats": args.repeats, "machine": monitor.check.to_dict(),
+                                       "busy_warning": warning, "points": [asdict(p) for p in points]})  # fmt: skip
     return 0
 
 
@@ -294,7 +419,18 @@ def add_bench_parser(subparsers: argparse._SubParsersAction) -> None:
     tp.add_argument("--percentiles", default=default_pct, help=pct)
     tp.add_argument("--output-json", default=None)
     tp.add_argument("--trace-dir", default=None, help="keep each mode's step trace as <dir>/<mode>.jsonl")
-    tp.add_argument("--timeline", default=None, help="PNG of every sequence's spans, static beside continuous")
+    tp.add_argument("--timeline", default=None,
+                    help="PNG of every sequence's spans, one panel per engine mode, slot occupancy under each")
+    tp.add_argument("--timeline-x", choices=["steps", "time"], default="steps",
+                    help="timeline x-axis: engine steps (default; the same on any machine) or wall time")
+    tp.add_argument("--joins", default=None,
+                    help="PNG of the continuous run's steps: sequences already decoding and requests joining")
+    tp.add_argument("--chart", default=None, help="PNG of tokens per step, tokens/s and latency per mode")
+    tp.add_argument("--repeats", type=int, default=1,
+                    help="runs of every mode; wall-clock figures report the median and min-max (default 1)")
+    tp.add_argument("--max-tokens-cap", type=int, default=None,
+                    help="every request asks for this many tokens and ends at its drawn output length (an "
+                         "emulated end-of-sequence), so reserved allocation holds blocks for the cap")
     tp.add_argument("--disable-tqdm", action="store_true")
     tp.set_defaults(func=_cmd_throughput)
 
@@ -345,6 +481,15 @@ def add_bench_parser(subparsers: argparse._SubParsersAction) -> None:
     bt.add_argument("--chart", default=None, help="PNG path (default: beside --output-json)")
     bt.add_argument("--disable-tqdm", action="store_true")
     bt.set_defaults(func=_cmd_batch)
+
+    tt = sub.add_parser("ttft", help="TTFT and TPOT of lone requests against prompt length (prefill vs decode)")
+    add_engine_args(tt)
+    tt.add_argument("--prompt-lens", default="32,128,256,512", help="comma-separated (default %(default)s)")
+    tt.add_argument("--output-len", type=int, default=16, help="tokens each request generates (default %(default)s)")
+    tt.add_argument("--repeats", type=int, default=3, help="timed requests per prompt length (default %(default)s)")
+    tt.add_argument("--chart", default=None, help="PNG of TTFT and TPOT against prompt length")
+    tt.add_argument("--output-json", default=None)
+    tt.set_defaults(func=_cmd_ttft)
 
     pl = sub.add_parser("plot", help="overlay bench serve (or vllm bench serve) results in charts")
     pl.add_argument("results", nargs="+", help="result JSON files")

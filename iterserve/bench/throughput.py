@@ -1,28 +1,41 @@
 """Offline throughput: one workload through the engine under several batching modes, in-process.
 
-Every request is queued at once with ``ignore_eos`` and ``max_tokens`` set to its output length,
-so each mode does exactly the same useful work and differs only in how it packs that work into
-forward passes. Continuous batching refills a finished sequence's slot at the next step; static
-batching waits for the whole batch; ``reserved`` is continuous batching that holds KV blocks for
-``prompt + max_tokens`` from admission, as servers did before paging. ``hf-static`` is the naive
-baseline: transformers' ``generate`` over padded batches.
+Every request is queued at once with ``ignore_eos``, so each mode does exactly the same useful work
+and differs only in how it packs that work into forward passes. Continuous batching refills a
+finished sequence's slot at the next step; static batching waits for the whole batch; ``reserved``
+is continuous batching that holds KV blocks for ``prompt + max_tokens`` from admission, as servers
+did before paging. ``hf-static`` is the naive baseline: transformers' ``generate`` over padded
+batches.
+
+A request's ``max_tokens`` is its drawn output length unless a cap is given: then it asks for the
+cap (as a client asking for 512 tokens does) and the driver ends it once it has produced its drawn
+length (an emulated end-of-sequence, through :meth:`LLMEngine.abort_request`), so ``reserved``
+holds blocks for the cap while paged allocation holds only what is written.
+
+Counts lead the report because they do not depend on the machine's speed: engine steps, output
+tokens per step, running sequences, slot occupancy and KV blocks held, all read from the engine's
+JSON-lines step trace. Wall-clock figures follow, over ``repeats`` runs of every mode (interleaved,
+so a busy spell does not land on one mode only), with a busy-machine check around them.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import logging
+import statistics
+import tempfile
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import torch
 
+from iterserve.bench.charts import read_trace
+from iterserve.bench.machine import MachineMonitor
 from iterserve.bench.metrics import DEFAULT_PERCENTILES, RequestResult, compute_metrics
 from iterserve.bench.workloads import Request
-from iterserve.engine.llm_engine import EngineConfig
-from iterserve.llm import LLM
+from iterserve.engine.llm_engine import EngineConfig, LLMEngine
 from iterserve.models.loader import LoadedModel, embedded_model_path
 from iterserve.outputs import RequestOutput
 from iterserve.sampling_params import SamplingParams
@@ -40,24 +53,97 @@ HF_MODE = "hf-static"
 
 
 @dataclass
+class StepCounts:
+    """What a run did, counted from its step trace: the same on any machine for the same workload."""
+
+    num_steps: int
+    output_tokens_per_step: float
+    peak_running: int  # most sequences in one step
+    mean_running: float  # sequences per step, averaged over steps
+    slot_occupancy: float  # mean_running / max_num_seqs
+    peak_kv_blocks: int | None  # None where there is no engine KV pool (hf-static)
+    mean_kv_blocks: float | None
+    num_preemptions: int
+    joined_running_batch: int | None  # requests whose prefill ran in a step that also decoded others
+
+
+def trace_counts(path: str | Path, max_num_seqs: int, output_tokens: int) -> StepCounts:
+    """Count steps, sequences per step and KV blocks from a JSON-lines step trace."""
+    steps, _ = read_trace(path)
+    if not steps:
+        raise ValueError(f"{path}: the step trace holds no steps")
+    running = [len(s["seqs"]) for s in steps]
+    blocks = [s["kv_blocks_used"] for s in steps]
+    joined: set[str] = set()
+    started: set[str] = set()
+    for s in steps:
+        for rid, phase, _ in s["seqs"]:
+            if phase == "prefill" and rid not in started:
+                started.add(rid)
+                if s["num_decode_seqs"] > 0:
+                    joined.add(rid)
+    mean_running = statistics.fmean(running)
+    return StepCounts(
+        num_steps=len(steps), output_tokens_per_step=output_tokens / len(steps), peak_running=max(running),
+        mean_running=mean_running, slot_occupancy=mean_running / max_num_seqs, peak_kv_blocks=max(blocks),
+        mean_kv_blocks=statistics.fmean(blocks), num_preemptions=sum(s["num_preemptions"] for s in steps),
+        joined_running_batch=len(joined),
+    )
+
+
+@dataclass
+class Timed:
+    """One repeat's wall-clock figures."""
+
+    elapsed_s: float
+    latency: dict[str, float] | None = None
+
+
+@dataclass
 class ThroughputRun:
-    """One mode's totals. ``latency`` holds vLLM-named TTFT/TPOT/ITL/E2EL statistics (ms), timed
-    from when each request was queued: all at the start, so TTFT includes the wait for a slot."""
+    """One mode's totals: counts first, then wall-clock medians over the repeats and every repeat's
+    value (``*_runs``). ``latency`` holds vLLM-named TTFT/TPOT/ITL/E2EL statistics (ms), each the
+    median over repeats, timed from when each request was queued: all at the start, so TTFT
+    includes the wait for a slot."""
 
     mode: str
     num_requests: int
-    elapsed_s: float
     total_input_tokens: int
     total_output_tokens: int
+    num_steps: int
+    output_tokens_per_step: float
+    peak_running: int
+    mean_running: float
+    slot_occupancy: float
+    peak_kv_blocks: int | None
+    mean_kv_blocks: float | None
+    num_preemptions: int
+    joined_running_batch: int | None
+    repeats: int
+    elapsed_s: float
     request_throughput: float
     output_throughput: float
     total_token_throughput: float
-    peak_running: int
-    num_steps: int
-    output_tokens_per_step: float
-    num_preemptions: int
+    elapsed_s_runs: list[float] = field(default_factory=list)
+    output_throughput_runs: list[float] = field(default_factory=list)
     latency: dict[str, float] | None = None
+    latency_runs: list[dict[str, float]] | None = None
     step_trace: str | None = None
+
+
+def _make_run(mode: str, n_req: int, n_in: int, n_out: int, counts: StepCounts, timed: list[Timed],
+              step_trace: str | None) -> ThroughputRun:  # fmt: skip
+    elapsed = [t.elapsed_s for t in timed]
+    median = statistics.median(elapsed)
+    latencies = [t.latency for t in timed if t.latency is not None]
+    latency = ({k: statistics.median(run[k] for run in latencies) for k in latencies[0]} if latencies else None)
+    return ThroughputRun(
+        mode=mode, num_requests=n_req, total_input_tokens=n_in, total_output_tokens=n_out,
+        **dataclasses.asdict(counts), repeats=len(timed), elapsed_s=median, request_throughput=n_req / median,
+        output_throughput=n_out / median, total_token_throughput=(n_in + n_out) / median, elapsed_s_runs=elapsed,
+        output_throughput_runs=[n_out / e for e in elapsed], latency=latency, latency_runs=latencies or None,
+        step_trace=step_trace,
+    )
 
 
 def token_prompts(requests: list[Request], tokenizer: Tokenizer | None) -> list[list[int]]:
@@ -76,16 +162,21 @@ def token_prompts(requests: list[Request], tokenizer: Tokenizer | None) -> list[
 
 
 def fit_to_context(
-    requests: list[Request], prompts: list[list[int]], max_model_len: int
+    requests: list[Request], prompts: list[list[int]], max_model_len: int, max_tokens_cap: int | None = None
 ) -> tuple[list[Request], list[list[int]]]:
-    """Drop requests whose prompt plus output would not fit the context, with a warning."""
-    keep = [i for i, p in enumerate(prompts) if len(p) + requests[i].output_len <= max_model_len]
+    """Drop requests whose prompt plus ``max_tokens`` would not fit the context, with a warning."""
+    keep = [i for i, p in enumerate(prompts) if len(p) + max_tokens(requests[i], max_tokens_cap) <= max_model_len]
     if len(keep) < len(requests):
         logger.warning("skipping %d of %d requests longer than max_model_len=%d",
                        len(requests) - len(keep), len(requests), max_model_len)  # fmt: skip
     if not keep:
         raise ValueError(f"no request of the workload fits max_model_len={max_model_len}")
     return [dataclasses.replace(requests[i], prompt_len=len(prompts[i])) for i in keep], [prompts[i] for i in keep]
+
+
+def max_tokens(request: Request, cap: int | None) -> int:
+    """What a request asks the engine for: the cap when one is given (never less than its drawn length)."""
+    return request.output_len if cap is None else max(cap, request.output_len)
 
 
 def _request_result(out: RequestOutput) -> RequestResult:
@@ -102,10 +193,35 @@ def _latency_summary(results: list[RequestResult], elapsed: float, percentiles: 
     return {k: v for k, v in summary.items() if k.endswith("_ms")}
 
 
-def _engine_kwargs(config: EngineConfig, **overrides: Any) -> dict[str, Any]:
-    kw = {**dataclasses.asdict(config), **overrides}
-    kw.pop("model")
-    return kw
+def _engine_config(config: EngineConfig, **overrides: Any) -> EngineConfig:
+    return dataclasses.replace(config, **overrides)
+
+
+def drive(
+    engine: LLMEngine, requests: list[Request], prompts: list[list[int]], params: list[SamplingParams],
+    *, use_tqdm: bool = True, desc: str = "generate",
+) -> list[RequestOutput]:
+    """Queue every request at once and step the engine until all are done, ending each request once
+    it has produced its drawn ``output_len`` (an emulated end-of-sequence when ``max_tokens`` is larger).
+
+    Returns each request's last output, in workload order.
+    """
+    from tqdm.auto import tqdm
+
+    arrival = time.perf_counter()
+    ids = [engine.add_request(p, sp, request_id=str(i), arrival_time=arrival)
+           for i, (p, sp) in enumerate(zip(prompts, params))]  # fmt: skip
+    target = {rid: r.output_len for rid, r in zip(ids, requests)}
+    final: dict[str, RequestOutput] = {}
+    with tqdm(total=len(ids), desc=desc, disable=not use_tqdm, unit="req") as bar:
+        while engine.has_unfinished_requests():
+            for out in engine.step():
+                if out.finished or len(out.outputs[0].token_ids) >= target[out.request_id]:
+                    if not out.finished:
+                        engine.abort_request(out.request_id)
+                    final[out.request_id] = out
+                    bar.update(1)
+    return [final[i] for i in ids]
 
 
 def run_engine_mode(
@@ -116,33 +232,28 @@ def run_engine_mode(
     prompts: list[list[int]],
     *,
     temperature: float = 0.0,
-    step_trace: str | None = None,
+    step_trace: str,
+    max_tokens_cap: int | None = None,
     percentiles: list[float] | None = None,
     use_tqdm: bool = True,
-) -> ThroughputRun:
-    """Run the workload through a fresh engine in ``mode`` (continuous, static or reserved)."""
+) -> tuple[StepCounts, Timed, int]:
+    """Run the workload once through a fresh engine in ``mode`` (continuous, static or reserved),
+    writing its step trace to ``step_trace``; returns the counts, the timing and the output tokens."""
     batching, kv_allocation = ENGINE_MODES[mode]
-    kwargs = _engine_kwargs(config, batching=batching, kv_allocation=kv_allocation, step_trace=step_trace)
-    llm = LLM(loaded.name, loaded=loaded, **kwargs)
-    params = [SamplingParams(max_tokens=r.output_len, ignore_eos=True, temperature=temperature, seed=config.seed + i)
-              for i, r in enumerate(requests)]  # fmt: skip
+    cfg = _engine_config(config, batching=batching, kv_allocation=kv_allocation, step_trace=step_trace)
+    engine = LLMEngine(cfg, loaded)
+    params = [SamplingParams(max_tokens=max_tokens(r, max_tokens_cap), ignore_eos=True, temperature=temperature,
+                             seed=config.seed + i) for i, r in enumerate(requests)]  # fmt: skip
     start = time.perf_counter()
-    outputs = llm.generate(prompts, params, use_tqdm=use_tqdm)
+    try:
+        outputs = drive(engine, requests, prompts, params, use_tqdm=use_tqdm, desc=mode)
+    finally:
+        engine.close()
     elapsed = time.perf_counter() - start
-    engine = llm.engine
-    engine.close()
     results = [_request_result(o) for o in outputs]
-    n_in = sum(len(p) for p in prompts)
     n_out = sum(r.output_len for r in results)
-    return ThroughputRun(
-        mode=mode, num_requests=len(requests), elapsed_s=elapsed, total_input_tokens=n_in, total_output_tokens=n_out,
-        request_throughput=len(requests) / elapsed, output_throughput=n_out / elapsed,
-        total_token_throughput=(n_in + n_out) / elapsed, peak_running=engine.peak_running,
-        num_steps=engine.num_steps, output_tokens_per_step=n_out / engine.num_steps,
-        num_preemptions=engine.num_preemptions,
-        latency=_latency_summary(results, elapsed, percentiles or list(DEFAULT_PERCENTILES)),
-        step_trace=step_trace,
-    )
+    counts = trace_counts(step_trace, config.max_num_seqs, n_out)
+    return counts, Timed(elapsed, _latency_summary(results, elapsed, percentiles or list(DEFAULT_PERCENTILES))), n_out
 
 
 def _load_hf_model(name: str, dtype: torch.dtype, device: torch.device):
@@ -176,7 +287,9 @@ def run_hf_static(
 
     A batch runs until its longest output is done (``min_new_tokens`` keeps EOS from ending it
     early, as ``ignore_eos`` does in the engine), so shorter requests hold idle slots; each batch
-    costs as many forward passes as its longest output, counted as steps.
+    costs as many forward passes as its longest output, counted as steps. Running sequences are
+    counted as the engine counts them: a sequence whose output is done no longer runs, though
+    its padded row is still computed.
     """
     from tqdm.auto import tqdm
 
@@ -200,12 +313,13 @@ def run_hf_static(
     elapsed = time.perf_counter() - start
     n_in = sum(len(p) for p in prompts)
     n_out = sum(r.output_len for r in requests)
-    return ThroughputRun(
-        mode=HF_MODE, num_requests=len(requests), elapsed_s=elapsed, total_input_tokens=n_in,
-        total_output_tokens=n_out, request_throughput=len(requests) / elapsed, output_throughput=n_out / elapsed,
-        total_token_throughput=(n_in + n_out) / elapsed, peak_running=min(batch_size, len(requests)),
-        num_steps=steps, output_tokens_per_step=n_out / steps, num_preemptions=0,
+    mean_running = n_out / steps  # each running sequence yields one token per step
+    counts = StepCounts(
+        num_steps=steps, output_tokens_per_step=n_out / steps, peak_running=min(batch_size, len(requests)),
+        mean_running=mean_running, slot_occupancy=mean_running / batch_size, peak_kv_blocks=None,
+        mean_kv_blocks=None, num_preemptions=0, joined_running_batch=0,
     )
+    return _make_run(HF_MODE, len(requests), n_in, n_out, counts, [Timed(elapsed)], None)
 
 
 def run_throughput(
@@ -216,50 +330,91 @@ def run_throughput(
     *,
     temperature: float = 0.0,
     trace_dir: str | None = None,
+    max_tokens_cap: int | None = None,
+    repeats: int = 1,
     percentiles: list[float] | None = None,
+    monitor: MachineMonitor | None = None,
     use_tqdm: bool = True,
 ) -> dict[str, Any]:
-    """Run every mode on the same workload; returns the JSON-ready result.
+    """Run every mode ``repeats`` times on the same workload; returns the JSON-ready result.
 
-    ``continuous_over_static`` is the ratio of output tokens/s, and
+    Counts come from each mode's first run (they repeat exactly: every request has its own seed
+    and ignores EOS); wall-clock figures are medians with every run's value kept. ``machine``
+    holds the busy-machine check, sampled before the first run and after every round of modes.
+    ``continuous_over_static`` is the ratio of median output tokens/s, and
     ``continuous_over_static_per_step`` the ratio of output tokens per engine step (a ratio of
     counts, independent of how fast the machine is).
     """
     unknown = [m for m in modes if m not in ENGINE_MODES and m != HF_MODE]
     if unknown or not modes:
         raise ValueError(f"unknown mode(s) {', '.join(unknown) or '(none)'}; use {', '.join([*ENGINE_MODES, HF_MODE])}")
+    if repeats < 1:
+        raise ValueError(f"repeats must be >= 1, got {repeats}")
+    if max_tokens_cap is not None and max_tokens_cap < 1:
+        raise ValueError(f"max_tokens cap must be >= 1, got {max_tokens_cap}")
     prompts = token_prompts(requests, loaded.tokenizer)
     # A few short requests through an engine of the same configuration first, so one-time costs
     # do not land in the first mode timed; it also tells how long a sequence may be.
-    probe = LLM(loaded.name, loaded=loaded, **_engine_kwargs(config, step_trace=None))
+    warm = LLMEngine(_engine_config(config, step_trace=None), loaded)
     vocab = loaded.config.vocab_size
-    probe.generate([[(7 * i + 101) % vocab for i in range(n)] for n in (17, 40)],
-                   SamplingParams(max_tokens=4, ignore_eos=True, temperature=0))  # fmt: skip
-    requests, prompts = fit_to_context(requests, prompts, probe.engine.max_model_len)
-    del probe
-    if trace_dir is not None:
-        Path(trace_dir).mkdir(parents=True, exist_ok=True)
+    warm_prompts = [[(7 * i + 101) % vocab for i in range(n)] for n in (17, 40)]
+    drive(warm, [Request(p, len(p), 4) for p in warm_prompts], warm_prompts,
+          [SamplingParams(max_tokens=4, ignore_eos=True, temperature=0)] * 2, use_tqdm=False)  # fmt: skip
+    requests, prompts = fit_to_context(requests, prompts, warm.max_model_len, max_tokens_cap)
+    del warm
+    monitor = monitor or MachineMonitor()
+    with tempfile.TemporaryDirectory() as tmp:
+        traces = Path(trace_dir if trace_dir is not None else tmp)
+        traces.mkdir(parents=True, exist_ok=True)
+        first: dict[str, ThroughputRun] = {}
+        counts: dict[str, tuple[StepCounts, int]] = {}
+        timed: dict[str, list[Timed]] = {m: [] for m in modes}
+        monitor.sample()
+        for rep in range(repeats):
+            for mode in modes:
+                if mode == HF_MODE:
+                    run = run_hf_static(loaded, requests, prompts, config.max_num_seqs, temperature=temperature,
+                                        use_tqdm=use_tqdm)  # fmt: skip
+                    first.setdefault(mode, run)
+                    timed[mode].append(Timed(run.elapsed_s))
+                    continue
+                trace = traces / (f"{mode}.jsonl" if rep == 0 else f"{mode}.{rep}.jsonl")
+                c, t, n_out = run_engine_mode(loaded, config, mode, requests, prompts, temperature=temperature,
+                                              step_trace=str(trace), max_tokens_cap=max_tokens_cap,
+                                              percentiles=percentiles, use_tqdm=use_tqdm)  # fmt: skip
+                counts.setdefault(mode, (c, n_out))
+                timed[mode].append(t)
+            monitor.sample()
+    n_in = sum(len(p) for p in prompts)
     runs = []
     for mode in modes:
         if mode == HF_MODE:
-            runs.append(run_hf_static(loaded, requests, prompts, config.max_num_seqs,
-                                      temperature=temperature, use_tqdm=use_tqdm))  # fmt: skip
+            base = first[mode]
+            hf_counts = StepCounts(**{f.name: getattr(base, f.name) for f in dataclasses.fields(StepCounts)})
+            runs.append(_make_run(mode, len(requests), n_in, base.total_output_tokens, hf_counts, timed[mode], None))
         else:
+            c, n_out = counts[mode]
             trace = str(Path(trace_dir) / f"{mode}.jsonl") if trace_dir is not None else None
-            runs.append(run_engine_mode(loaded, config, mode, requests, prompts, temperature=temperature,
-                                        step_trace=trace, percentiles=percentiles, use_tqdm=use_tqdm))  # fmt: skip
+            runs.append(_make_run(mode, len(requests), n_in, n_out, c, timed[mode], trace))
     by_mode = {r.mode: r for r in runs}
+    check = monitor.check
     result: dict[str, Any] = {
         "benchmark": "throughput",
         "model": loaded.name,
         "dtype": str(loaded.model.dtype).removeprefix("torch."),
         "device": str(loaded.model.device),
-        "engine": _engine_kwargs(config, step_trace=None),
+        "engine": dataclasses.asdict(_engine_config(config, step_trace=None)),
         "num_requests": len(requests),
+        "max_tokens_cap": max_tokens_cap,
+        "repeats": repeats,
+        "machine": check.to_dict(),
+        "busy_warning": check.warning(),
         "runs": [dataclasses.asdict(r) for r in runs],
     }
     if "continuous" in by_mode and "static" in by_mode:
         c, s = by_mode["continuous"], by_mode["static"]
         result["continuous_over_static"] = c.output_throughput / s.output_throughput
+        result["continuous_over_static_runs"] = [a / b for a, b in zip(c.output_throughput_runs,
+                                                                        s.output_throughput_runs)]  # fmt: skip
         result["continuous_over_static_per_step"] = c.output_tokens_per_step / s.output_tokens_per_step
     return result

@@ -8,7 +8,7 @@ import pytest
 
 from iterserve import planner
 from iterserve.bench.batch import (
-    BatchSweep, StepTimer, decode_step_timer, default_batch_sizes, sweep_batches,
+    BatchSweep, StepTimer, decode_step_timer, default_batch_sizes, non_monotone_steps, read_knee, sweep_batches,
 )
 from iterserve.cli import main
 from iterserve.models.loader import load_model
@@ -82,9 +82,22 @@ def test_cli_prints_table_and_writes_json_and_chart(loaded, monkeypatch, tmp_pat
                "--output-json", str(out), "--disable-tqdm"])  # fmt: skip
     assert rc == 0
     text = capsys.readouterr().out
-    assert "decode tok/s" in text and "knee:" in text
+    assert "decode tok/s" in text and "knee:" in text and "batch-1 decode reads" in text
     data = json.loads(out.read_text())
+    assert len(data["machine"]["probe_s"]) == 2 and (data["busy_warning"] is None) == (not data["machine"]["busy"])
     assert data["benchmark"] == "batch" and [p["batch_size"] for p in data["points"]] == [1, 2, 4]
     assert set(data) >= {f.name for f in BatchSweep.__dataclass_fields__.values()} | {"max_gain_at_knee"}
     assert (tmp_path / "batch.png").read_bytes()[:4] == b"\x89PNG"
     assert main(["bench", "batch", "--batch-sizes", "1,2.5"]) == 2
+
+
+def test_no_knee_is_called_on_a_non_monotone_sweep():
+    # what a loaded machine gave: batch 8 stalled for 2 s, batch 16 took 27 ms
+    batches, noisy = [1, 2, 4, 8, 16, 32], [0.020, 0.021, 0.022, 2.136, 0.027, 0.060]
+    assert planner.measured_knee(batches, noisy) == 8  # the bare rule would call the stall a knee
+    assert non_monotone_steps(batches, noisy) == [16]
+    knee, why = read_knee(batches, noisy)
+    assert knee is None and "B=16" in why and "rerun" in why
+    clean = [0.020, 0.021, 0.022, 0.024, 0.027, 0.060]
+    assert read_knee(batches, clean) == (32, None)
+    assert read_knee(batches, [0.020, 0.019, 0.022, 0.024, 0.027, 0.060]) == (32, None)  # within the tolerance

@@ -10,7 +10,9 @@ import pytest
 import transformers
 import torch
 
-from iterserve.bench.charts import read_trace, sequence_spans
+from iterserve.bench.charts import joins_chart, read_trace, sequence_spans, timeline_chart
+from iterserve.bench.cli import throughput_report
+from iterserve.bench.machine import MachineMonitor
 from iterserve.bench.throughput import run_hf_static, run_throughput, token_prompts
 from iterserve.bench.workloads import Request, WorkloadSpec, make_workload
 from iterserve.cli import main
@@ -53,6 +55,11 @@ def test_continuous_batching_yields_more_tokens_per_step_than_static(result, wor
     assert c["output_tokens_per_step"] > s["output_tokens_per_step"]
     assert result["continuous_over_static_per_step"] == pytest.approx(s["num_steps"] / c["num_steps"])
     assert c["latency"]["median_ttft_ms"] > 0 and "p99_tpot_ms" in c["latency"]
+    # a slot is busy on every step of a static batch only while its sequence runs, so static
+    # batching holds its slots less full than continuous batching
+    assert s["slot_occupancy"] < c["slot_occupancy"] <= 1
+    assert c["mean_running"] == pytest.approx(c["slot_occupancy"] * MAX_SEQS)
+    assert c["joined_running_batch"] > 0 and s["joined_running_batch"] == 0  # static admits only into empty slots
 
 
 def test_step_traces_account_for_every_token(result, workload):
@@ -121,3 +128,76 @@ def test_hf_baseline_explains_a_missing_transformers(loaded, monkeypatch):
     monkeypatch.setitem(sys.modules, "transformers", None)
     with pytest.raises(ValueError, match="transformers is not installed"):
         run_hf_static(loaded, [Request([101], 1, 1)], [[101]], batch_size=1, use_tqdm=False)
+
+
+def quiet_monitor() -> MachineMonitor:
+    return MachineMonitor(probe=lambda: 0.010, loadavg=lambda: 0.5, cpu_count=4)
+
+
+def test_repeats_keep_every_runs_wall_clock_and_one_set_of_counts(loaded, workload):
+    config = EngineConfig(model=TINY, dtype="float32", device="cpu", num_kv_blocks=128, max_num_seqs=MAX_SEQS)
+    result = run_throughput(loaded, config, workload[:6], ["continuous", "static"], repeats=3, use_tqdm=False,
+                            monitor=quiet_monitor())  # fmt: skip
+    assert result["repeats"] == 3 and len(result["continuous_over_static_runs"]) == 3
+    for run in result["runs"]:
+        assert run["repeats"] == 3 and len(run["elapsed_s_runs"]) == len(run["latency_runs"]) == 3
+        assert run["elapsed_s"] == pytest.approx(sorted(run["elapsed_s_runs"])[1])  # the median of three
+        assert run["output_throughput_runs"] == pytest.approx([run["total_output_tokens"] / e
+                                                               for e in run["elapsed_s_runs"]])  # fmt: skip
+        ttfts = sorted(r["median_ttft_ms"] for r in run["latency_runs"])
+        assert run["latency"]["median_ttft_ms"] == pytest.approx(ttfts[1])
+    assert result["busy_warning"] is None and result["machine"]["busy"] is False
+    report = throughput_report(result)
+    assert "median of 3 runs" in report and "warning" not in report
+
+
+def test_busy_machine_is_reported_from_injected_readings(loaded, workload):
+    config = EngineConfig(model=TINY, dtype="float32", device="cpu", num_kv_blocks=128, max_num_seqs=MAX_SEQS)
+    probes = iter([0.010, 0.031])  # the probe ran three times slower after the run than before it
+    monitor = MachineMonitor(probe=lambda: next(probes), loadavg=lambda: 0.5, cpu_count=4)
+    result = run_throughput(loaded, config, workload[:3], ["continuous"], use_tqdm=False, monitor=monitor)
+    assert result["machine"]["busy"] and result["machine"]["probe_s"] == [0.010, 0.031]
+    assert "3.1x slower" in result["busy_warning"]
+    assert result["busy_warning"] in throughput_report(result)
+    loaded_box = MachineMonitor(probe=lambda: 0.010, loadavg=lambda: 9.0, cpu_count=2)
+    loaded_box.sample()
+    assert loaded_box.check.reasons == ["load average 9.00 on 2 cores"]
+    assert quiet_monitor().check.warning() is None
+
+
+def test_emulated_end_of_sequence_reserves_the_cap_but_pages_what_is_used(loaded, tmp_path):
+    config = EngineConfig(model=TINY, dtype="float32", device="cpu", num_kv_blocks=64, block_size=16, max_num_seqs=2)
+    request = Request([101 + i for i in range(20)], 20, 60)
+    result = run_throughput(loaded, config, [request], ["continuous", "reserved"], max_tokens_cap=512,
+                            trace_dir=str(tmp_path), use_tqdm=False, monitor=quiet_monitor())  # fmt: skip
+    runs = {r["mode"]: r for r in result["runs"]}
+    for run in runs.values():
+        assert run["total_output_tokens"] == 60
+        _, records = read_trace(run["step_trace"])
+        assert [r["num_output_tokens"] for r in records] == [60]
+    assert runs["reserved"]["peak_kv_blocks"] == -(-(20 + 512) // 16)  # prompt + the whole cap, from admission
+    assert runs["continuous"]["peak_kv_blocks"] <= -(-(20 + 60) // 16)  # only the tokens written
+    steps, _ = read_trace(runs["reserved"]["step_trace"])
+    assert {s["kv_blocks_used"] for s in steps} == {34}
+
+
+def test_paged_allocation_fits_more_sequences_than_reserved_under_a_cap(loaded):
+    config = EngineConfig(model=TINY, dtype="float32", device="cpu", num_kv_blocks=40, block_size=16, max_num_seqs=8)
+    reqs = [Request([101 + i] * 16, 16, 8) for i in range(8)]
+    result = run_throughput(loaded, config, reqs, ["continuous", "reserved"], max_tokens_cap=128, use_tqdm=False,
+                            monitor=quiet_monitor())  # fmt: skip
+    runs = {r["mode"]: r for r in result["runs"]}
+    assert runs["continuous"]["peak_running"] == 8
+    assert runs["reserved"]["peak_running"] == 40 // -(-(16 + 128) // 16)  # 4 reservations of 9 blocks
+    assert runs["continuous"]["num_steps"] < runs["reserved"]["num_steps"]
+
+
+def test_timeline_in_steps_and_joins_chart(result, tmp_path):
+    traces = {r["mode"]: r["step_trace"] for r in result["runs"]}
+    for x in ("steps", "time"):
+        timeline_chart(traces, tmp_path / f"{x}.png", x=x, max_num_seqs=MAX_SEQS, busy=True)
+        assert (tmp_path / f"{x}.png").read_bytes()[:4] == b"\x89PNG"
+    joined = joins_chart(traces["continuous"], tmp_path / "joins.png", max_num_seqs=MAX_SEQS)
+    assert joined == next(r["joined_running_batch"] for r in result["runs"] if r["mode"] == "continuous")
+    with pytest.raises(ValueError, match="x-axis"):
+        timeline_chart(traces, tmp_path / "bad.png", x="wall")
