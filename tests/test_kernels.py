@@ -8,9 +8,12 @@ from __future__ import annotations
 
 import pytest
 import torch
+import torch.nn.functional as F
 
 from iterserve import kernels
 from iterserve.attention import AttentionMetadata, KVCache, decode_attention_reference
+from iterserve.config import ModelConfig
+from iterserve.models.llama import RMSNorm, RotaryEmbedding, apply_rope
 
 OPS = kernels.ops or kernels.load_build()
 pytestmark = pytest.mark.skipif(
@@ -91,3 +94,61 @@ def test_write_kv_matches_index_put(dtype):
     want.v[meta.slot_blocks, :, meta.slot_offsets] = v
     assert torch.equal(got.k, want.k) and torch.equal(got.v, want.v)
     assert got.k.abs().sum() > 0
+
+
+def reference(monkeypatch, fn, *args):
+    """Run ``fn`` on the PyTorch path, as with ITERSERVE_CPU_KERNELS=0."""
+    with monkeypatch.context() as m:
+        m.setattr(kernels, "ops", None)
+        return fn(*args)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_rms_norm_and_fused_residual_add(monkeypatch, dtype):
+    g = torch.Generator().manual_seed(1)
+    norm = RMSNorm(100, 1e-5)
+    norm.weight.data = torch.rand(100, generator=g) + 0.5
+    norm.to(dtype)
+    x, residual = (torch.randn(7, 100, generator=g).to(dtype) for _ in range(2))
+    torch.testing.assert_close(OPS.rms_norm(x, norm.weight, norm.eps), reference(monkeypatch, norm, x), **TOL[dtype])
+    want_out, want_res = reference(monkeypatch, norm, x.clone(), residual.clone())
+    got_x, got_res = x.clone(), residual.clone()
+    OPS.fused_add_rms_norm(got_x, got_res, norm.weight, norm.eps)
+    assert torch.equal(got_res, want_res)  # the residual stream is the same rounded sum
+    torch.testing.assert_close(got_x, want_out, **TOL[dtype])
+
+
+def test_rms_norm_of_strided_heads(monkeypatch):
+    """q/k norms (Qwen3) normalise [tokens, heads, D] views of the QKV output."""
+    norm = RMSNorm(16, 1e-6)
+    norm.weight.data.uniform_(0.5, 1.5)
+    qkv = torch.randn(5, 3 * 16 + 8)
+    q = qkv[:, :48].view(5, 3, 16)
+    torch.testing.assert_close(OPS.rms_norm(q, norm.weight, norm.eps), reference(monkeypatch, norm, q),
+                               **TOL[torch.float32])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_rope_in_place_matches_apply_rope(dtype):
+    g = torch.Generator().manual_seed(2)
+    config = ModelConfig(architecture="llama", vocab_size=10, hidden_size=6 * 24, intermediate_size=8, num_layers=1,
+                         num_heads=6, num_kv_heads=2, head_dim=24, max_position_embeddings=64)
+    rotary = RotaryEmbedding(config)
+    positions = torch.tensor([0, 5, 63, 17])
+    cos, sin = rotary(positions, dtype)
+    qkv = torch.randn(4, (6 + 2 + 2) * 24, generator=g).to(dtype)
+    q, k = qkv[:, :144].view(4, 6, 24), qkv[:, 144:192].view(4, 2, 24)  # strided, as split from QKV
+    want_q, want_k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+    v_before = qkv[:, 192:].clone()
+    OPS.rope_(q, k, cos[:, 0], sin[:, 0])
+    torch.testing.assert_close(q, want_q, **TOL[dtype])
+    torch.testing.assert_close(k, want_k, **TOL[dtype])
+    assert torch.equal(qkv[:, 192:], v_before)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_silu_and_mul(dtype):
+    x = (torch.randn(9, 2 * 100, generator=torch.Generator().manual_seed(3)) * 4).to(dtype)
+    gate, up = x.split(100, dim=-1)
+    want = (F.silu(gate.float()) * up.float()).to(dtype)
+    torch.testing.assert_close(OPS.silu_and_mul(x), want, **TOL[dtype])
