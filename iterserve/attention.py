@@ -135,7 +135,8 @@ class AttentionMetadata:
         if num_decodes:
             ctx = cached[:num_decodes] + 1
             max_blocks = int((ctx.max() + block_size - 1) // block_size)
-            meta.decode_block_tables = torch.from_numpy(np.ascontiguousarray(tables[:num_decodes, :max_blocks])).to(device)
+            decode_tables = np.ascontiguousarray(tables[:num_decodes, :max_blocks])
+            meta.decode_block_tables = torch.from_numpy(decode_tables).to(device)
             meta.decode_context_lens = torch.from_numpy(ctx).to(device)
         start = num_decodes
         for i in range(num_decodes, len(query_lens)):
