@@ -16,7 +16,7 @@ from iterserve.config import ModelConfig
 from iterserve.models.llama import RMSNorm, RotaryEmbedding, apply_rope
 
 OPS = kernels.ops or kernels.load_build()
-pytestmark = pytest.mark.skipif(
+needs_build = pytest.mark.skipif(
     OPS is None, reason="the C++ CPU kernels are not built for this source: run `python -m iterserve.kernels` "
                         "(scripts/setup.sh does)")
 
@@ -51,6 +51,7 @@ def decode_case(ratio: int, block_size: int, dtype: torch.dtype, window: int | N
     return q, cache, meta
 
 
+@needs_build
 @pytest.mark.parametrize("ratio", [1, 3, 4])
 @pytest.mark.parametrize("block_size", [1, 16, 32])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -69,6 +70,7 @@ def test_paged_decode_matches_reference(ratio, block_size, dtype, window):
     torch.testing.assert_close(out.float(), expected, **TOL[dtype])
 
 
+@needs_build
 def test_paged_decode_reads_strided_queries():
     """Queries are views into the fused QKV output; the kernel must honour their row stride."""
     q, cache, meta = decode_case(3, 16, torch.float32, None, 64, seed=7)
@@ -80,6 +82,7 @@ def test_paged_decode_reads_strided_queries():
     torch.testing.assert_close(out, decode_attention_reference(q, cache, meta, 0.125), **TOL[torch.float32])
 
 
+@needs_build
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_write_kv_matches_index_put(dtype):
     g = torch.Generator().manual_seed(0)
@@ -103,6 +106,7 @@ def reference(monkeypatch, fn, *args):
         return fn(*args)
 
 
+@needs_build
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_rms_norm_and_fused_residual_add(monkeypatch, dtype):
     g = torch.Generator().manual_seed(1)
@@ -118,6 +122,7 @@ def test_rms_norm_and_fused_residual_add(monkeypatch, dtype):
     torch.testing.assert_close(got_x, want_out, **TOL[dtype])
 
 
+@needs_build
 def test_rms_norm_of_strided_heads(monkeypatch):
     """q/k norms (Qwen3) normalise [tokens, heads, D] views of the QKV output."""
     norm = RMSNorm(16, 1e-6)
@@ -128,6 +133,7 @@ def test_rms_norm_of_strided_heads(monkeypatch):
                                **TOL[torch.float32])
 
 
+@needs_build
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_rope_in_place_matches_apply_rope(dtype):
     g = torch.Generator().manual_seed(2)
@@ -146,9 +152,23 @@ def test_rope_in_place_matches_apply_rope(dtype):
     assert torch.equal(qkv[:, 192:], v_before)
 
 
+@needs_build
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_silu_and_mul(dtype):
     x = (torch.randn(9, 2 * 100, generator=torch.Generator().manual_seed(3)) * 4).to(dtype)
     gate, up = x.split(100, dim=-1)
     want = (F.silu(gate.float()) * up.float()).to(dtype)
     torch.testing.assert_close(OPS.silu_and_mul(x), want, **TOL[dtype])
+
+
+def test_missing_build_falls_back_with_one_log_line(monkeypatch, tmp_path, caplog):
+    monkeypatch.setattr(kernels, "BUILD_DIR", tmp_path)
+    with caplog.at_level("WARNING", logger="iterserve.kernels"):
+        assert kernels.load_build() is None
+    assert [r.getMessage() for r in caplog.records] == [
+        "iterserve CPU kernels are not built for this source (run scripts/setup.sh); the PyTorch reference path runs"]
+
+
+def test_env_var_forces_the_reference_path(monkeypatch):
+    monkeypatch.setenv(kernels.ENV_VAR, "0")
+    assert kernels._load() is None
