@@ -184,10 +184,10 @@ def paged_attention(
     n_dec = meta.num_decode_tokens
     if n_dec:
         if fused:
-            # Reads each sequence's blocks in place: no gathered copy of K/V. scripts/bench_decode_attention.py
-            # (bf16, context 512, one layer) measured the gather + two matmuls 5.6x / 4.7x / 6.1x slower at
-            # batch 1 / 16 / 64; torch.compile of that route took 0.7-1.2x the gather's time, still 7-20x
-            # the kernel's (a run under heavy shared load, all routes alternating).
+            # Reads each sequence's blocks in place: no gathered copy of K/V. Decode attention alone (bf16,
+            # context 512, one layer) measured the gather + two matmuls 5.6x / 4.7x / 6.1x slower at batch
+            # 1 / 16 / 64; torch.compile of that route took 0.7-1.2x the gather's time, still 7-20x the
+            # kernel's (scripts/bench_decode_attention.py, under heavy shared load, routes alternating).
             kernels.ops.paged_decode(out[:n_dec], q[:n_dec], cache.k, cache.v, meta.decode_block_tables,
                                      meta.decode_context_lens, scale, meta.sliding_window or 0)
         else:
