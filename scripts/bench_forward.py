@@ -1,7 +1,13 @@
 """Time single forward passes of the model layer: decode batches and prefill chunks.
 
 For each dtype this prints ms per step, tokens/s, and the achieved memory bandwidth and FLOP/s
-implied by the planner's cost model (weights streamed once per step plus the K/V read).
+implied by the planner's cost model (weights streamed once per step plus the K/V read), beside this
+machine's peaks measured by the same script: a streaming read (sum of a 512 MiB tensor) and a large
+F.linear in the benchmarked dtype.
+
+When the C++ CPU kernels are built, each shape runs on both paths, alternating pass by pass so
+that load from other processes hits both alike: ``fused`` (the kernels) and ``reference`` (PyTorch,
+as with ITERSERVE_CPU_KERNELS=0).
 
     .venv/bin/python scripts/bench_forward.py --dtypes float32,bfloat16 --context 512
 """
@@ -13,7 +19,9 @@ import statistics
 import time
 
 import torch
+import torch.nn.functional as F
 
+from iterserve import kernels
 from iterserve.attention import AttentionMetadata
 from iterserve.engine.model_runner import keep_freed_memory_in_process
 from iterserve.models.loader import load_model
@@ -32,6 +40,36 @@ def median_time(fn, repeats: int) -> float:
     return statistics.median(times)
 
 
+def interleaved_medians(fn, paths: list[str], repeats: int) -> dict[str, float]:
+    """Median seconds of ``fn`` per path, the paths alternating pass by pass."""
+    built = kernels.ops
+    times: dict[str, list[float]] = {p: [] for p in paths}
+    try:
+        for i in range(repeats + 1):  # the first round warms up
+            for path in paths:
+                kernels.ops = built if path == "fused" else None
+                start = time.perf_counter()
+                fn()
+                if i:
+                    times[path].append(time.perf_counter() - start)
+    finally:
+        kernels.ops = built
+    return {p: statistics.median(t) for p, t in times.items()}
+
+
+def peak_read_gbs() -> float:
+    """Streaming read bandwidth: summing a tensor far larger than the caches."""
+    x = torch.ones(128 * 2**20, dtype=torch.float32)
+    return x.numel() * 4 / median_time(x.sum, 5) / 1e9
+
+
+def peak_linear_gflops(dtype: torch.dtype) -> float:
+    """F.linear on a large square problem in ``dtype``: the best the matmul library does here."""
+    n = 2048
+    x, w = torch.randn(n, n).to(dtype), torch.randn(n, n).to(dtype)
+    return 2 * n**3 / median_time(lambda: F.linear(x, w), 5) / 1e9
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default="smollm2-135m")
@@ -48,9 +86,16 @@ def main() -> None:
     batches = [int(b) for b in args.batches.split(",")]
     chunks = [int(c) for c in args.prefill.split(",")]
     block = 16
-    print(f"model={args.model} context={args.context} threads={torch.get_num_threads()}")
-    print(f"{'dtype':<9} {'step':<14} {'ms':>9} {'tokens/s':>10} {'GB/s':>7} {'GFLOP/s':>8}")
-    for dtype in args.dtypes.split(","):
+    paths = ["fused", "reference"] if kernels.ops is not None else ["reference"]
+    read_gbs = peak_read_gbs()
+    print(f"model={args.model} context={args.context} threads={torch.get_num_threads()} paths={','.join(paths)}")
+    print(f"measured peaks: streaming read {read_gbs:.1f} GB/s")
+    linear = {dtype: peak_linear_gflops(getattr(torch, dtype)) for dtype in args.dtypes.split(",")}
+    for dtype, gflops in linear.items():
+        print(f"measured peaks: {dtype} F.linear {gflops:.1f} GFLOP/s")
+    print(f"{'dtype':<9} {'step':<14} {'path':<10} {'ms':>9} {'tokens/s':>10} {'GB/s':>7} {'%read':>6} "
+          f"{'GFLOP/s':>8} {'%linear':>7}")
+    for dtype, linear_gflops in linear.items():
         loaded = load_model(args.model, dtype=dtype, device="cpu")
         model, cfg = loaded.model, loaded.config
         blocks_per_seq = -(-(args.context + 1) // block)
@@ -58,9 +103,13 @@ def main() -> None:
         caches = model.allocate_kv_cache(num_blocks, block)
         pdt = PLANNER_DTYPE[dtype]
 
-        def report(label: str, seconds: float, tokens: int, cost) -> None:
-            print(f"{dtype:<9} {label:<14} {seconds * 1e3:9.1f} {tokens / seconds:10.1f} "
-                  f"{cost.bytes / seconds / 1e9:7.2f} {cost.flops / seconds / 1e9:8.1f}")
+        def report(label: str, medians: dict[str, float], tokens: int, cost) -> None:
+            for path, seconds in medians.items():
+                gbs, gflops = cost.bytes / seconds / 1e9, cost.flops / seconds / 1e9
+                print(f"{dtype:<9} {label:<14} {path:<10} {seconds * 1e3:9.1f} {tokens / seconds:10.1f} "
+                      f"{gbs:7.2f} {100 * gbs / read_gbs:5.0f}% {gflops:8.1f} {100 * gflops / linear_gflops:6.0f}%")
+            if len(medians) == 2:
+                print(f"{'':<9} {label:<14} {'speed-up':<10} {medians['reference'] / medians['fused']:8.2f}x")
 
         for b in batches:
             perm = torch.randperm(num_blocks).tolist()
@@ -70,7 +119,7 @@ def main() -> None:
             ids = torch.randint(100, cfg.vocab_size, (b,))
             pos = torch.full((b,), args.context)
             rows = torch.arange(b)
-            t = median_time(lambda: model(ids, pos, caches, meta, rows), args.repeats)
+            t = interleaved_medians(lambda: model(ids, pos, caches, meta, rows), paths, args.repeats)
             report(f"decode B={b}", t, b, decode_cost(cfg, b, args.context, pdt))
         for n in chunks:
             meta = AttentionMetadata.build(block_size=block, block_tables=[list(range(-(-n // block)))],
@@ -78,7 +127,7 @@ def main() -> None:
             ids = torch.randint(100, cfg.vocab_size, (n,))
             pos = torch.arange(n)
             last = torch.tensor([n - 1])
-            t = median_time(lambda: model(ids, pos, caches, meta, last), args.repeats)
+            t = interleaved_medians(lambda: model(ids, pos, caches, meta, last), paths, args.repeats)
             report(f"prefill N={n}", t, n, prefill_cost(cfg, n, 1, pdt))
         del caches, loaded, model
 

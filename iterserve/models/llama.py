@@ -14,22 +14,38 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from iterserve import kernels
 from iterserve.attention import AttentionMetadata, KVCache, paged_attention
 from iterserve.config import ModelConfig
 
 
 class RMSNorm(nn.Module):
+    """RMSNorm; given a residual it first adds ``x`` into it and returns ``(normed, new_residual)``.
+
+    Taking the residual add lets the CPU kernel do add + norm in one pass over the activations.
+    """
+
     def __init__(self, dim: int, eps: float) -> None:
         super().__init__()
         self.weight = nn.Parameter(torch.ones(dim))
         self.eps = eps
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(
+        self, x: torch.Tensor, residual: torch.Tensor | None = None
+    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        if kernels.enabled_for(x):
+            if residual is None:
+                return kernels.ops.rms_norm(x, self.weight, self.eps)
+            kernels.ops.fused_add_rms_norm(x, residual, self.weight, self.eps)  # in place on both
+            return x, residual
+        if residual is not None:
+            residual = x = x + residual
         # Normalise in float32 and cast back before the weight, as the reference implementation does.
         dtype = x.dtype
         x32 = x.float()
         x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * x32.to(dtype)
+        out = self.weight * x32.to(dtype)
+        return out if residual is None else (out, residual)
 
 
 def rope_inv_freq(config: ModelConfig) -> torch.Tensor:
@@ -102,7 +118,10 @@ class Attention(nn.Module):
         v = v.view(n, self.num_kv_heads, self.head_dim)
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
-        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        if kernels.enabled_for(q):
+            kernels.ops.rope_(q, k, cos[:, 0], sin[:, 0])  # in place, one pass per row
+        else:
+            q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         out = paged_attention(q, k, v, cache, meta, self.scale)
         return self.o_proj(out.reshape(n, self.q_size))
 
@@ -115,7 +134,10 @@ class MLP(nn.Module):
         self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up_proj(x).split(self.intermediate_size, dim=-1)
+        gate_up = self.gate_up_proj(x)
+        if kernels.enabled_for(gate_up):
+            return self.down_proj(kernels.ops.silu_and_mul(gate_up))
+        gate, up = gate_up.split(self.intermediate_size, dim=-1)
         return self.down_proj(F.silu(gate) * up)
 
 
@@ -127,9 +149,18 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.mlp = MLP(config)
 
-    def forward(self, x, cos, sin, cache: KVCache, meta: AttentionMetadata) -> torch.Tensor:
-        x = x + self.self_attn(self.input_layernorm(x), cos, sin, cache, meta)
-        return x + self.mlp(self.post_attention_layernorm(x))
+    def forward(
+        self, x: torch.Tensor, residual: torch.Tensor | None, cos: torch.Tensor, sin: torch.Tensor, cache: KVCache,
+        meta: AttentionMetadata,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Returns this layer's output and the residual stream before it (the next norm adds them)."""
+        if residual is None:
+            x, residual = self.input_layernorm(x), x
+        else:
+            x, residual = self.input_layernorm(x, residual)
+        x = self.self_attn(x, cos, sin, cache, meta)
+        x, residual = self.post_attention_layernorm(x, residual)
+        return self.mlp(x), residual
 
 
 class LlamaModel(nn.Module):
@@ -173,8 +204,10 @@ class LlamaModel(nn.Module):
         """Returns float32 logits ``[len(logits_indices), vocab]`` (all rows when None)."""
         x = self.embed_tokens(input_ids)
         cos, sin = self.rotary(positions, x.dtype)
+        residual = None
         for layer, cache in zip(self.layers, kv_caches):
-            x = layer(x, cos, sin, cache, meta)
+            x, residual = layer(x, residual, cos, sin, cache, meta)
         if logits_indices is not None:
-            x = x[logits_indices]
-        return self.lm_head(self.norm(x)).float()
+            x, residual = x[logits_indices], residual[logits_indices]
+        x, _ = self.norm(x, residual)
+        return self.lm_head(x).float()

@@ -1,0 +1,98 @@
+"""The optional C++ CPU kernels (``csrc/cpu_ops.cpp``): build once at set-up, load at import.
+
+``scripts/setup.sh`` runs ``python -m iterserve.kernels``, which compiles the extension with
+``torch.utils.cpp_extension`` into ``iterserve/_build/`` (git-ignored). Importing this module only
+loads that build, never compiles: the build's name carries a hash of the source, the compiler flags
+and the torch version, so an edited source or another torch finds no build and falls back instead
+of loading a stale one. Without a build, or with ``ITERSERVE_CPU_KERNELS=0``, ``ops`` is None and
+every caller runs its PyTorch reference path (which is also the path for CUDA tensors).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib.util
+import logging
+import os
+import shutil
+from pathlib import Path
+from types import ModuleType
+
+import torch
+
+logger = logging.getLogger(__name__)
+
+ENV_VAR = "ITERSERVE_CPU_KERNELS"
+SOURCE = Path(__file__).with_name("csrc") / "cpu_ops.cpp"
+BUILD_DIR = Path(__file__).with_name("_build")
+_PREFIX = "iterserve_cpu_ops_"
+
+
+def _cflags() -> list[str]:
+    """-O3 for this machine, and ATen's Vectorized compiled for the capability torch detected at run time
+    (without the CPU_CAPABILITY defines the header falls back to its scalar loops)."""
+    flags = ["-O3", "-march=native", "-fopenmp"]
+    capability = torch.backends.cpu.get_cpu_capability()
+    if capability in ("AVX2", "AVX512"):
+        flags += [f"-DCPU_CAPABILITY={capability}", f"-DCPU_CAPABILITY_{capability}"]
+    return flags
+
+
+def module_name() -> str:
+    """Name of the build that matches this source, these flags and this torch."""
+    key = SOURCE.read_bytes() + " ".join(_cflags()).encode() + torch.__version__.encode()
+    return _PREFIX + hashlib.sha256(key).hexdigest()[:12]
+
+
+def build(verbose: bool = False) -> ModuleType:
+    """Compile the extension into ``BUILD_DIR`` (takes a minute) and drop builds of older sources."""
+    from torch.utils import cpp_extension
+
+    name = module_name()
+    directory = BUILD_DIR / name
+    directory.mkdir(parents=True, exist_ok=True)
+    module = cpp_extension.load(
+        name=name, sources=[str(SOURCE)], extra_cflags=_cflags(), extra_ldflags=["-fopenmp"],
+        build_directory=str(directory), verbose=verbose,
+    )
+    for old in BUILD_DIR.glob(_PREFIX + "*"):
+        if old.name != name:
+            shutil.rmtree(old, ignore_errors=True)
+    return module
+
+
+def load_build() -> ModuleType | None:
+    """The built extension for this source, or None (with one log line saying the reference path runs)."""
+    name = module_name()
+    path = BUILD_DIR / name / f"{name}.so"
+    if not path.exists():
+        logger.warning("iterserve CPU kernels are not built for this source (run scripts/setup.sh); "
+                       "the PyTorch reference path runs")
+        return None
+    try:
+        spec = importlib.util.spec_from_file_location(name, path)
+        module = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(module)
+    except ImportError as exc:
+        logger.warning("iterserve CPU kernels failed to load (%s); the PyTorch reference path runs", exc)
+        return None
+    return module
+
+
+def _load() -> ModuleType | None:
+    if os.environ.get(ENV_VAR, "1") == "0":
+        logger.info("%s=0: CPU kernels disabled, the PyTorch reference path runs", ENV_VAR)
+        return None
+    return load_build()
+
+
+ops: ModuleType | None = _load()
+
+
+def enabled_for(t: torch.Tensor) -> bool:
+    """Whether the fused CPU ops serve this tensor (built, not disabled, and on the CPU)."""
+    return ops is not None and t.device.type == "cpu"
+
+
+if __name__ == "__main__":
+    print(f"built {build(verbose=bool(os.environ.get('VERBOSE'))).__file__}")

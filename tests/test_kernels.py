@@ -1,0 +1,174 @@
+"""The C++ CPU kernels (iterserve.kernels) against the PyTorch reference paths they replace.
+
+These load the build directly, so they also run under ITERSERVE_CPU_KERNELS=0 (which only keeps the
+model on the reference path); they skip only when no build exists for this source.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from iterserve import kernels
+from iterserve.attention import AttentionMetadata, KVCache, decode_attention_reference
+from iterserve.config import ModelConfig
+from iterserve.models.llama import RMSNorm, RotaryEmbedding, apply_rope
+
+OPS = kernels.ops or kernels.load_build()
+needs_build = pytest.mark.skipif(
+    OPS is None, reason="the C++ CPU kernels are not built for this source: run `python -m iterserve.kernels` "
+                        "(scripts/setup.sh does)")
+
+# bf16 rounds the kernel's float32 result once: about 2^-8 relative.
+TOL = {torch.float32: dict(atol=2e-5, rtol=1e-4), torch.bfloat16: dict(atol=1e-2, rtol=1e-2)}
+
+
+def decode_case(ratio: int, block_size: int, dtype: torch.dtype, window: int | None, head_dim: int, seed: int):
+    """A decode batch with ragged contexts (including a 1-token one) over scattered blocks."""
+    g = torch.Generator().manual_seed(seed)
+    kv_heads = 2
+    contexts = [1, 2, block_size, block_size + 1, 77, 3 * block_size + 5]
+    tables, nxt = [], 0
+    total = sum(-(-c // block_size) for c in contexts) + 3
+    perm = torch.randperm(total, generator=g).tolist()
+    for c in contexts:
+        n = -(-c // block_size)
+        tables.append(perm[nxt:nxt + n])
+        nxt += n
+    cache = KVCache.allocate(total, block_size, kv_heads, head_dim, torch.float32, "cpu")
+    cache.k.normal_(generator=g)
+    cache.v.normal_(generator=g)
+    # Built by hand: a 1-token context never reaches decode in the engine, but the kernel must handle it.
+    width = max(len(t) for t in tables)
+    empty = torch.zeros(0, dtype=torch.long)
+    meta = AttentionMetadata(
+        slot_mapping=empty, slot_blocks=empty, slot_offsets=empty, block_size=block_size, sliding_window=window,
+        num_decode_tokens=len(contexts), decode_block_tables=torch.tensor([t + [0] * (width - len(t)) for t in tables]),
+        decode_context_lens=torch.tensor(contexts),
+    )
+    q = torch.randn(len(contexts), kv_heads * ratio, head_dim, generator=g)
+    return q, cache, meta
+
+
+@needs_build
+@pytest.mark.parametrize("ratio", [1, 3, 4])
+@pytest.mark.parametrize("block_size", [1, 16, 32])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("window", [None, 5])
+def test_paged_decode_matches_reference(ratio, block_size, dtype, window):
+    head_dim = 36 if ratio == 3 else 64  # 36 is no multiple of the vector width: exercises the tails
+    q, cache, meta = decode_case(ratio, block_size, dtype, window, head_dim, seed=ratio * 100 + block_size)
+    expected = decode_attention_reference(q, cache, meta, head_dim**-0.5)  # float32, from the same values
+    q, cache = q.to(dtype), KVCache(cache.k.to(dtype), cache.v.to(dtype))
+    if dtype != torch.float32:
+        expected = decode_attention_reference(q.float(), KVCache(cache.k.float(), cache.v.float()), meta,
+                                              head_dim**-0.5)
+    out = torch.full_like(q, float("nan"))
+    OPS.paged_decode(out, q, cache.k, cache.v, meta.decode_block_tables, meta.decode_context_lens,
+                     head_dim**-0.5, window or 0)
+    torch.testing.assert_close(out.float(), expected, **TOL[dtype])
+
+
+@needs_build
+def test_paged_decode_reads_strided_queries():
+    """Queries are views into the fused QKV output; the kernel must honour their row stride."""
+    q, cache, meta = decode_case(3, 16, torch.float32, None, 64, seed=7)
+    qkv = torch.randn(q.shape[0], q.shape[1] * q.shape[2] + 100)
+    strided = qkv[:, :q.shape[1] * q.shape[2]].view(q.shape)
+    strided.copy_(q)
+    out = torch.empty_like(q)
+    OPS.paged_decode(out, strided, cache.k, cache.v, meta.decode_block_tables, meta.decode_context_lens, 0.125, 0)
+    torch.testing.assert_close(out, decode_attention_reference(q, cache, meta, 0.125), **TOL[torch.float32])
+
+
+@needs_build
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_write_kv_matches_index_put(dtype):
+    g = torch.Generator().manual_seed(0)
+    kv = torch.randn(5, 2 * 2 * 16 + 7, generator=g).to(dtype)
+    k = kv[:, :32].view(5, 2, 16)  # strided views, as split from the QKV output
+    v = kv[:, 32:64].view(5, 2, 16)
+    meta = AttentionMetadata.build(block_size=4, block_tables=[[3, 1], [6]], num_cached=[2, 1], query_lens=[3, 2])
+    got = KVCache.allocate(8, 4, 2, 16, dtype, "cpu")
+    want = KVCache.allocate(8, 4, 2, 16, dtype, "cpu")
+    OPS.write_kv(k, v, got.k, got.v, meta.slot_blocks, meta.slot_offsets)
+    want.k[meta.slot_blocks, :, meta.slot_offsets] = k
+    want.v[meta.slot_blocks, :, meta.slot_offsets] = v
+    assert torch.equal(got.k, want.k) and torch.equal(got.v, want.v)
+    assert got.k.abs().sum() > 0
+
+
+def reference(monkeypatch, fn, *args):
+    """Run ``fn`` on the PyTorch path, as with ITERSERVE_CPU_KERNELS=0."""
+    with monkeypatch.context() as m:
+        m.setattr(kernels, "ops", None)
+        return fn(*args)
+
+
+@needs_build
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_rms_norm_and_fused_residual_add(monkeypatch, dtype):
+    g = torch.Generator().manual_seed(1)
+    norm = RMSNorm(100, 1e-5)
+    norm.weight.data = torch.rand(100, generator=g) + 0.5
+    norm.to(dtype)
+    x, residual = (torch.randn(7, 100, generator=g).to(dtype) for _ in range(2))
+    torch.testing.assert_close(OPS.rms_norm(x, norm.weight, norm.eps), reference(monkeypatch, norm, x), **TOL[dtype])
+    want_out, want_res = reference(monkeypatch, norm, x.clone(), residual.clone())
+    got_x, got_res = x.clone(), residual.clone()
+    OPS.fused_add_rms_norm(got_x, got_res, norm.weight, norm.eps)
+    assert torch.equal(got_res, want_res)  # the residual stream is the same rounded sum
+    torch.testing.assert_close(got_x, want_out, **TOL[dtype])
+
+
+@needs_build
+def test_rms_norm_of_strided_heads(monkeypatch):
+    """q/k norms (Qwen3) normalise [tokens, heads, D] views of the QKV output."""
+    norm = RMSNorm(16, 1e-6)
+    norm.weight.data.uniform_(0.5, 1.5)
+    qkv = torch.randn(5, 3 * 16 + 8)
+    q = qkv[:, :48].view(5, 3, 16)
+    torch.testing.assert_close(OPS.rms_norm(q, norm.weight, norm.eps), reference(monkeypatch, norm, q),
+                               **TOL[torch.float32])
+
+
+@needs_build
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_rope_in_place_matches_apply_rope(dtype):
+    g = torch.Generator().manual_seed(2)
+    config = ModelConfig(architecture="llama", vocab_size=10, hidden_size=6 * 24, intermediate_size=8, num_layers=1,
+                         num_heads=6, num_kv_heads=2, head_dim=24, max_position_embeddings=64)
+    rotary = RotaryEmbedding(config)
+    positions = torch.tensor([0, 5, 63, 17])
+    cos, sin = rotary(positions, dtype)
+    qkv = torch.randn(4, (6 + 2 + 2) * 24, generator=g).to(dtype)
+    q, k = qkv[:, :144].view(4, 6, 24), qkv[:, 144:192].view(4, 2, 24)  # strided, as split from QKV
+    want_q, want_k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+    v_before = qkv[:, 192:].clone()
+    OPS.rope_(q, k, cos[:, 0], sin[:, 0])
+    torch.testing.assert_close(q, want_q, **TOL[dtype])
+    torch.testing.assert_close(k, want_k, **TOL[dtype])
+    assert torch.equal(qkv[:, 192:], v_before)
+
+
+@needs_build
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_silu_and_mul(dtype):
+    x = (torch.randn(9, 2 * 100, generator=torch.Generator().manual_seed(3)) * 4).to(dtype)
+    gate, up = x.split(100, dim=-1)
+    want = (F.silu(gate.float()) * up.float()).to(dtype)
+    torch.testing.assert_close(OPS.silu_and_mul(x), want, **TOL[dtype])
+
+
+def test_missing_build_falls_back_with_one_log_line(monkeypatch, tmp_path, caplog):
+    monkeypatch.setattr(kernels, "BUILD_DIR", tmp_path)
+    with caplog.at_level("WARNING", logger="iterserve.kernels"):
+        assert kernels.load_build() is None
+    assert [r.getMessage() for r in caplog.records] == [
+        "iterserve CPU kernels are not built for this source (run scripts/setup.sh); the PyTorch reference path runs"]
+
+
+def test_env_var_forces_the_reference_path(monkeypatch):
+    monkeypatch.setenv(kernels.ENV_VAR, "0")
+    assert kernels._load() is None
