@@ -21,10 +21,11 @@ def main() -> None:
     parser.add_argument("workload")
     parser.add_argument("--max-num-seqs", type=int, default=64)
     parser.add_argument("--repeats", type=int, default=2)
+    parser.add_argument("--dtype", default="bfloat16")
     args = parser.parse_args()
     with open(args.workload) as f:
         records = [json.loads(line) for line in f if line.strip()]
-    llm = LLM(model=args.model_dir, dtype="bfloat16", max_model_len=2048, max_num_seqs=args.max_num_seqs)
+    llm = LLM(model=args.model_dir, dtype=args.dtype, max_model_len=2048, max_num_seqs=args.max_num_seqs)
     prompts = [TokensPrompt(prompt_token_ids=r["prompt"]) for r in records]
     params = [SamplingParams(temperature=0, max_tokens=r["output_len"], ignore_eos=True) for r in records]
     llm.generate(prompts[:4], params[:4], use_tqdm=False)  # warm-up
