@@ -18,7 +18,8 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("engine")
     g.add_argument("--model", default=DEFAULT_MODEL,
                    help="embedded model name, .gguf file, Hugging Face folder, or random:<preset>")
-    g.add_argument("--dtype", default=d.dtype, help="float32, bfloat16 or float16")
+    g.add_argument("--dtype", default=d.dtype,
+                   help="auto (bfloat16 where the hardware computes in it, else float32), float32, bfloat16 or float16")
     g.add_argument("--device", default=None, help="cpu or cuda (default: cuda when available)")
     g.add_argument("--block-size", type=int, default=d.block_size)
     g.add_argument("--max-model-len", type=int, default=None)

@@ -32,15 +32,40 @@ DTYPES = {
 }
 
 
+# CPU flags (Linux /proc/cpuinfo) of bf16 matrix instructions. Without them torch emulates bf16: on a
+# 2-core AVX2 EPYC a 64 x 576 by 576 x 1536 F.linear ran at 14.8 GFLOP/s in bf16 against 104 in
+# float32, while AVX-512 bf16 machines run bf16 about twice as fast as float32.
+_BF16_CPU_FLAGS = frozenset({"avx512_bf16", "amx_bf16", "bf16"})
+
+
+def cpu_has_native_bf16(cpuinfo: str | None = None) -> bool:
+    """Whether this CPU has bf16 matrix instructions (x86 AVX-512 BF16 / AMX, or Arm's BF16)."""
+    if cpuinfo is None:
+        try:
+            with open("/proc/cpuinfo") as f:
+                cpuinfo = f.read()
+        except OSError:
+            return False
+    return any(word in _BF16_CPU_FLAGS for line in cpuinfo.splitlines()
+               if line.lower().startswith(("flags", "features")) for word in line.split())
+
+
 def parse_dtype(dtype: str | torch.dtype) -> torch.dtype:
-    """Map a user-facing dtype name to a torch dtype, with a clear error for anything else."""
+    """Map a user-facing dtype name to a torch dtype, with a clear error for anything else.
+
+    ``auto`` is bfloat16 where the hardware computes in it (a CUDA device, a CPU with bf16
+    instructions) and float32 elsewhere, where bf16 would only be emulated.
+    """
     if isinstance(dtype, torch.dtype):
         if dtype in DTYPES.values():
             return dtype
-        raise ValueError(f"unsupported dtype {dtype}; choose one of float32, bfloat16, float16")
+        raise ValueError(f"unsupported dtype {dtype}; choose one of auto, float32, bfloat16, float16")
     key = str(dtype).lower()
+    if key == "auto":
+        native = torch.cuda.is_available() or cpu_has_native_bf16()
+        return torch.bfloat16 if native else torch.float32
     if key not in DTYPES:
-        raise ValueError(f"unknown dtype {dtype!r}; choose one of float32, bfloat16, float16")
+        raise ValueError(f"unknown dtype {dtype!r}; choose one of auto, float32, bfloat16, float16")
     return DTYPES[key]
 
 

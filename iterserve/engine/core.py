@@ -57,7 +57,7 @@ def parse_size(value: str | int) -> int:
 @dataclass
 class EngineConfig:
     model: str = DEFAULT_MODEL
-    dtype: str = "bfloat16"
+    dtype: str = "auto"  # bfloat16 where the hardware has it, else float32
     device: str | None = None
     block_size: int = 16
     max_model_len: int | None = None

@@ -65,7 +65,7 @@ def embedded_model_path(name: str = DEFAULT_MODEL) -> Path:
 
 def load_model(
     name: str = DEFAULT_MODEL,
-    dtype: str | torch.dtype = "bfloat16",
+    dtype: str | torch.dtype = "auto",
     device: str | torch.device | None = None,
     seed: int = 0,
 ) -> LoadedModel:
