@@ -215,9 +215,12 @@ def test_burst_admits_running_plus_waiting_and_refuses_the_rest():
 
 # -- slow readers ---------------------------------------------------------------------------------------
 
-SLOW_READERS = 16
-SLOW_TOKENS = 200
-RSS_BOUND_MB = 100  # the old per-step cumulative copies held ~20 MB per such stream, ~320 MB in all
+SLOW_READERS = 100
+SLOW_TOKENS = 100
+# The stated bound: 1 MB per unread stream (2 MB measured for all 100). Each holds one merged pending delta (100 tokens with 20 logprobs
+# each, tens of KB) plus what the transport buffers before flow control stops the writer. The old per-step
+# cumulative copies held ~20 MB per such stream at 200 tokens.
+RSS_BOUND_MB = SLOW_READERS * 1
 
 
 def rss_mb() -> float:
@@ -227,8 +230,8 @@ def rss_mb() -> float:
 
 @pytest.mark.slow
 def test_slow_readers_do_not_grow_server_memory():
-    app = build_app(tiny_config(num_kv_blocks=512, max_model_len=1024), served_model_name=MODEL, api_key=None,
-                    max_waiting=64)
+    app = build_app(tiny_config(num_kv_blocks=1024, max_model_len=1024, max_num_seqs=128),
+                    served_model_name=MODEL, api_key=None, max_waiting=128)
     body = json.dumps({"model": MODEL, "prompt": [5, 6, 7], "max_tokens": SLOW_TOKENS, "ignore_eos": True,
                        "logprobs": 20, "stream": True}).encode()
     with ServerThread(app) as s:
