@@ -217,9 +217,9 @@ def test_burst_admits_running_plus_waiting_and_refuses_the_rest():
 
 SLOW_READERS = 100
 SLOW_TOKENS = 100
-# The stated bound: 1 MB per unread stream (2 MB measured for all 100). Each holds one merged pending delta (100 tokens with 20 logprobs
-# each, tens of KB) plus what the transport buffers before flow control stops the writer. The old per-step
-# cumulative copies held ~20 MB per such stream at 200 tokens.
+# The stated bound: 1 MB per unread stream (2 MB measured for all 100). Each holds one merged pending
+# delta (100 tokens with 20 logprobs each) plus what the transport buffers before flow control stops the
+# writer. The old per-step cumulative copies held ~20 MB per such stream at 200 tokens.
 RSS_BOUND_MB = SLOW_READERS * 1
 
 
