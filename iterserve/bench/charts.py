@@ -346,3 +346,26 @@ def prompt_sweep_chart(points: list[Any], path: str | Path, *, busy: bool = Fals
     fig.tight_layout(rect=(0, 0, 1, 0.95))
     fig.savefig(path, dpi=110)
     plt.close(fig)
+
+
+def request_steps_chart(point: Any, path: str | Path, *, busy: bool = False) -> None:
+    """One lone request, step by step: the tokens each forward pass processed and how long it took.
+
+    The first bar is the prefill (every prompt token in one pass), each later bar a decode (one token).
+    """
+    steps = range(1, len(point.step_tokens) + 1)
+    colors = ["#f28e2b"] + ["#4e79a7"] * (len(point.step_tokens) - 1)
+    fig, (top, bottom) = plt.subplots(2, 1, figsize=(8, 5), sharex=True)
+    top.bar(steps, point.step_tokens, color=colors)
+    top.set(ylabel="tokens in the pass (log)", yscale="log", ylim=(0.5, None),
+            title=f"one request, prompt {point.prompt_len} tokens: one prefill pass, then one pass per token")
+    bottom.bar(steps, point.step_ms, color=colors)
+    bottom.set(xlabel="engine step of this request", ylabel="step time (ms)", xticks=list(steps))
+    bottom.legend(handles=[Patch(color="#f28e2b", label="prefill"), Patch(color="#4e79a7", label="decode")])
+    for ax in (top, bottom):
+        ax.grid(alpha=0.3, axis="y")
+    if busy:
+        fig.suptitle("measured on a busy machine: step times are noisy", fontsize=9, x=0.02, ha="left")
+    fig.tight_layout(rect=(0, 0, 1, 0.96))
+    fig.savefig(path, dpi=110)
+    plt.close(fig)

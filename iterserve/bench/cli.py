@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import statistics
 import tempfile
 from dataclasses import asdict
 from pathlib import Path
@@ -338,7 +339,7 @@ def _cmd_batch(args: argparse.Namespace) -> int:
 
 
 def _cmd_ttft(args: argparse.Namespace) -> int:
-    from iterserve.bench.charts import prompt_sweep_chart
+    from iterserve.bench.charts import prompt_sweep_chart, request_steps_chart
     from iterserve.bench.machine import MachineMonitor
     from iterserve.bench.prompt_sweep import sweep_prompt_lengths
     from iterserve.cli import engine_config_from_args
@@ -368,6 +369,11 @@ def _cmd_ttft(args: argparse.Namespace) -> int:
     if args.chart:
         prompt_sweep_chart(points, args.chart, busy=warning is not None)
         print(f"chart written to {args.chart}")
+    if args.steps_chart:
+        request_steps_chart(last, args.steps_chart, busy=warning is not None)
+        print(f"steps of one {last.prompt_len}-token request: {last.step_tokens[0]} tokens in its first pass "
+              f"({last.step_ms[0]:.1f} ms), then 1 token a pass (median {statistics.median(last.step_ms[1:]):.1f} ms)")
+        print(f"chart written to {args.steps_chart}")
     if args.output_json:
         _write_json(args.output_json, {"benchmark": "ttft", "model": loaded.name, "output_len": args.output_len,
                                        "repeats": args.repeats, "machine": monitor.check.to_dict(),
@@ -488,6 +494,8 @@ def add_bench_parser(subparsers: argparse._SubParsersAction) -> None:
     tt.add_argument("--output-len", type=int, default=16, help="tokens each request generates (default %(default)s)")
     tt.add_argument("--repeats", type=int, default=3, help="timed requests per prompt length (default %(default)s)")
     tt.add_argument("--chart", default=None, help="PNG of TTFT and TPOT against prompt length")
+    tt.add_argument("--steps-chart", default=None,
+                    help="PNG of the longest prompt's request step by step: tokens per pass and step time")
     tt.add_argument("--output-json", default=None)
     tt.set_defaults(func=_cmd_ttft)
 

@@ -28,7 +28,7 @@ class Size:
     ttft_output: int
 
 
-FULL = Size(("--model", "smollm2-135m", "--dtype", "bfloat16"), 2, "32,128,512", "1,2,4,8,16", 8)
+FULL = Size(("--model", "smollm2-135m", "--dtype", "auto"), 2, "32,128,512", "1,2,4,8,16", 8)
 SMALL = Size(("--model", SMALL_MODEL, "--dtype", "float32"), 1, "16,64,256", "1,2,4", 4)
 
 
@@ -53,7 +53,7 @@ def _ttft(out: Path, s: Size) -> list[str]:
     """Items 5, 6: lone requests at growing prompt lengths."""
     return ["bench", "ttft", *s.model, "--prompt-lens", s.prompt_lens, "--output-len", str(s.ttft_output),
             "--repeats", str(s.repeats), "--chart", str(out / "ttft_vs_prompt.png"),
-            "--output-json", str(out / "ttft_vs_prompt.json")]
+            "--steps-chart", str(out / "request_steps.png"), "--output-json", str(out / "ttft_vs_prompt.json")]
 
 
 def _batch(out: Path, s: Size) -> list[str]:

@@ -33,6 +33,8 @@ class PromptPoint:
     tpot_ms: float  # median over repeats
     ttft_ms_runs: list[float] = field(default_factory=list)
     tpot_ms_runs: list[float] = field(default_factory=list)
+    step_tokens: list[int] = field(default_factory=list)  # tokens each step of the last request processed
+    step_ms: list[float] = field(default_factory=list)  # and how long each of those steps took
 
 
 def sweep_prompt_lengths(
@@ -68,8 +70,10 @@ def sweep_prompt_lengths(
             engine.close()
             steps, _ = read_trace(trace)
             last = [s for s in steps if any(rid == str(repeats) for rid, _, _ in s["seqs"])]
+            step_tokens = [sum(t for _, _, t in s["seqs"]) for s in last]
             points.append(PromptPoint(
-                prompt_len=n, steps_per_request=len(last), first_step_tokens=sum(t for _, _, t in last[0]["seqs"]),
+                prompt_len=n, steps_per_request=len(last), first_step_tokens=step_tokens[0],
                 ttft_ms=statistics.median(ttft), tpot_ms=statistics.median(tpot), ttft_ms_runs=ttft, tpot_ms_runs=tpot,
+                step_tokens=step_tokens, step_ms=[s["duration"] * 1000 for s in last],
             ))  # fmt: skip
     return points

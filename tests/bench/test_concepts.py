@@ -61,3 +61,15 @@ def test_prompt_sweep_prefills_in_one_step_and_decodes_one_token_a_step():
     assert [p.first_step_tokens for p in points] == [8, 40]  # the whole prompt in one forward pass
     assert all(p.steps_per_request == 5 for p in points)  # that pass yields token 1; one pass per later token
     assert all(len(p.ttft_ms_runs) == len(p.tpot_ms_runs) == 2 and p.ttft_ms > 0 for p in points)
+    assert [p.step_tokens for p in points] == [[8, 1, 1, 1, 1], [40, 1, 1, 1, 1]]  # the steps of one request
+    assert all(len(p.step_ms) == 5 and min(p.step_ms) > 0 for p in points)
+
+
+def test_ttft_command_draws_one_request_step_by_step(tmp_path, capsys):
+    rc = concepts.main(["--small", "--only", "ttft", str(tmp_path)])
+    assert rc == 0
+    text = capsys.readouterr().out
+    longest = json.loads((tmp_path / "ttft_vs_prompt.json").read_text())["points"][-1]
+    assert longest["step_tokens"][0] == longest["prompt_len"] == 256
+    assert "steps of one 256-token request: 256 tokens in its first pass" in text
+    assert (tmp_path / "request_steps.png").read_bytes()[:4] == b"\x89PNG"
