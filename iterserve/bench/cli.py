@@ -13,30 +13,11 @@ from typing import Any, Sequence
 from iterserve.bench.metrics import DEFAULT_PERCENTILES, parse_goodput, parse_percentiles, percentile_key
 from iterserve.bench.serve import LoadPoint
 from iterserve.bench.workloads import DATASETS, LengthDist, WorkloadSpec
+from iterserve.tables import render_table
 
 # bench throughput's batch cap: the default 64 requests then span several static batches, which is
 # where static and continuous batching differ (with every request in one batch they would not)
 BENCH_MAX_NUM_SEQS = 16
-
-
-def format_table(headers: Sequence[str], rows: Sequence[Sequence[Any]]) -> str:
-    """Plain text columns: numbers right-aligned, everything else left-aligned."""
-
-    def cell(v: Any) -> str:
-        if v is None:
-            return "-"
-        if isinstance(v, float):
-            return f"{v:,.2f}" if abs(v) < 1e5 else f"{v:,.0f}"
-        return str(v)
-
-    cells = [[cell(v) for v in row] for row in rows]
-    widths = [max([len(h), *(len(r[i]) for r in cells)]) for i, h in enumerate(headers)]
-    numeric = [all(isinstance(row[i], (int, float)) or row[i] is None for row in rows) for i in range(len(headers))]
-
-    def line(values: Sequence[str]) -> str:
-        return "  ".join(v.rjust(w) if num else v.ljust(w) for v, w, num in zip(values, widths, numeric)).rstrip()
-
-    return "\n".join([line(headers), line(["-" * w for w in widths]), *(line(r) for r in cells)])
 
 
 def _write_json(path: str, result: dict[str, Any]) -> None:
@@ -107,7 +88,7 @@ def throughput_report(result: dict[str, Any]) -> str:
     """The ``bench throughput`` tables: counts first (the same on any machine), then wall-clock
     medians with their spread over the repeats, then the ratios and any busy-machine warning."""
     runs = result["runs"]
-    counts = format_table(
+    counts = render_table(
         ["mode", "steps", "out tok/step", "peak running", "mean running", "slot occupancy", "peak KV blocks",
          "mean KV blocks", "joined running batch", "preempted"],
         [[r["mode"], r["num_steps"], r["output_tokens_per_step"], r["peak_running"], r["mean_running"],
@@ -122,7 +103,7 @@ def throughput_report(result: dict[str, Any]) -> str:
         return _spread([run[key] for run in r["latency_runs"]]) if r["latency_runs"] else "-"
 
     n = result["repeats"]
-    clock = format_table(
+    clock = render_table(
         ["mode", "out tok/s", "min-max", "req/s", "median TTFT ms", "min-max", "median TPOT ms", "min-max",
          "median E2EL ms"],
         [[r["mode"], r["output_throughput"], _spread(r["output_throughput_runs"]), r["request_throughput"],
@@ -228,7 +209,7 @@ def _serve_table(result: dict[str, Any]) -> str:
          r["median_e2el_ms"]]
         for r in result["runs"]
     ]  # fmt: skip
-    return format_table(headers, rows) + "\n(latencies in ms)"
+    return render_table(headers, rows) + "\n(latencies in ms)"
 
 
 def _cmd_serve(args: argparse.Namespace) -> int:
@@ -266,7 +247,7 @@ def _decode_bandwidth_line(loaded: Any, context: int, decode_s: float, device: s
     """Batch-1 decode as a memory stream: the bytes one step must read (every matmul weight and the
     sequence's KV cache) over its time, beside this machine's measured bandwidth."""
     from iterserve import planner
-    from iterserve.hardware import measure_bandwidth
+    from iterserve.bench.microbench import measure_bandwidth
 
     dtype = loaded.model.dtype.itemsize
     read = planner.matmul_parameters(loaded.config) * dtype + context * loaded.config.kv_bytes_per_token(dtype)
@@ -299,7 +280,7 @@ def _cmd_batch(args: argparse.Namespace) -> int:
     monitor.sample()
     warning = monitor.check.warning()
     print(f"{sweep.model} ({sweep.dtype}, {sweep.device}), context {sweep.context}, median of {sweep.repeats}")
-    print(format_table(
+    print(render_table(
         ["batch", "decode step ms", "decode tok/s", "ms per token", "prefill ms", "prefill tok/s"],
         [[p.batch_size, p.decode_s * 1000, p.decode_tokens_per_s, p.ms_per_token,
           None if p.prefill_s is None else p.prefill_s * 1000, p.prefill_tokens_per_s] for p in sweep.points],
@@ -355,7 +336,7 @@ def _cmd_ttft(args: argparse.Namespace) -> int:
     monitor.sample()
     warning = monitor.check.warning()
     print(f"{loaded.name}: one request at a time, {args.output_len} output tokens, median of {args.repeats}")
-    print(format_table(
+    print(render_table(
         ["prompt tokens", "steps per request", "tokens in first step", "TTFT ms", "min-max", "TPOT ms", "min-max"],
         [[p.prompt_len, p.steps_per_request, p.first_step_tokens, p.ttft_ms, _spread(p.ttft_ms_runs), p.tpot_ms,
           _spread(p.tpot_ms_runs)] for p in points],

@@ -31,28 +31,13 @@ from iterserve.engine.sequence import RequestMetrics, Sequence
 from iterserve.models.loader import DEFAULT_MODEL, LoadedModel, load_model
 from iterserve.sampling_params import SamplingParams
 from iterserve.tokenizer import Tokenizer
+from iterserve.units import parse_size
 
 logger = logging.getLogger(__name__)
 
 # Test hook: a step that schedules a request whose prompt contains this token id raises before the
 # forward pass, as a fault in the model would. Read once when the core is built.
 FAULT_TOKEN_ENV = "ITERSERVE_TEST_FAULT_TOKEN"
-
-_SIZE = re.compile(r"^\s*([\d.]+)\s*([KMGT]i?B?|B)?\s*$", re.IGNORECASE)
-
-
-def parse_size(value: str | int) -> int:
-    """'2GiB', '512MiB', '1.5GB', 1048576 -> bytes."""
-    if isinstance(value, int):
-        return value
-    m = _SIZE.match(value)
-    if not m:
-        raise ValueError(f"cannot parse memory size {value!r}; use e.g. '2GiB' or '512MiB'")
-    num, unit = float(m.group(1)), (m.group(2) or "B").upper()
-    powers = {"K": 1, "M": 2, "G": 3, "T": 4}
-    base = 1024 if "I" in unit or unit in ("K", "M", "G", "T") else 1000
-    return int(num * (base ** powers.get(unit[0], 0)))
-
 
 @dataclass
 class EngineConfig:

