@@ -17,6 +17,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 from transformers import AutoTokenizer  # noqa: E402
 
+from iterserve.gguf_tokenizer import GGUF_PRE_TOKENIZER_SPLITS  # noqa: E402
 from iterserve.models.loader import embedded_model_path  # noqa: E402
 from iterserve.tokenizer import IncrementalDetokenizer, Tokenizer  # noqa: E402
 
@@ -210,11 +211,21 @@ def test_missing_chat_template_is_a_clear_error(tok):
 @pytest.mark.parametrize("text", STREAM_TEXTS)
 @pytest.mark.parametrize("step", [1, 3])
 def test_stream_equals_one_shot_decode(tok, ref, text, step):
+    """Multi-byte and emoji text: the deltas are exactly the one-shot decode (transformers' too)."""
     ids = tok.encode(text)
     assert any("\ufffd" in tok.decode([i]) for i in ids)  # some characters span several tokens
     deltas = _stream(IncrementalDetokenizer(tok), ids, step)
     assert "".join(deltas) == tok.decode(ids) == ref.decode(ids, skip_special_tokens=True) == text
     assert not any("\ufffd" in d for d in deltas)
+
+
+def test_stream_cut_anywhere_equals_one_shot_decode(tok):
+    """A generation may stop inside a character (max_tokens): every cut of emoji and CJK text streams,
+    with flush(), to exactly what decoding the cut ids gives."""
+    ids = tok.encode("a 👩‍👩‍👧 b 🇫🇷 日本 😀", add_special_tokens=False)
+    for cut in range(1, len(ids) + 1):
+        for step in (1, 2):
+            assert "".join(_stream(IncrementalDetokenizer(tok), ids[:cut], step)) == tok.decode(ids[:cut])
 
 
 def test_stream_with_special_tokens(tok):
@@ -248,9 +259,11 @@ def test_stream_cost_does_not_grow_with_output(tok, monkeypatch):
         return real_decode(window, skip_special_tokens)
 
     monkeypatch.setattr(tok, "decode", counting_decode)
-    assert "".join(_stream(IncrementalDetokenizer(tok), ids)) == expected
-    # each step decodes a few tokens of context, never the whole output
-    assert max(window_sizes) <= 8 and len(window_sizes) <= 2 * len(ids) + 1
+    lead_byte = tok.backend.token_to_id("ð")  # ends the output on an incomplete character, for flush()
+    assert "".join(_stream(IncrementalDetokenizer(tok), [*ids, lead_byte])) == tok.decode([*ids, lead_byte])
+    assert expected in tok.decode([*ids, lead_byte])
+    # steps decode in DecodeStream's window; flush() decodes a few tokens of context, never the whole output
+    assert window_sizes and max(window_sizes) <= 8
 
 
 # -- other GGUF vocabularies --------------------------------------------------------------------------
@@ -296,15 +309,16 @@ def test_sentencepiece_gguf_matches_transformers(tiny_sentencepiece_gguf):
     )
 
 
-def test_byte_level_gguf_with_llama3_split_matches_transformers(smollm_reader, tmp_path):
-    """SmolLM2's first 6000 tokens, but `pre` asks for Llama 3's split regex and the file asks for BOS."""
+@pytest.mark.parametrize("pre", sorted(GGUF_PRE_TOKENIZER_SPLITS))  # every name the table claims
+def test_byte_level_gguf_with_llama3_split_matches_transformers(smollm_reader, tmp_path, pre):
+    """SmolLM2's first 6000 tokens, but `pre` asks for another split regex and the file asks for BOS."""
     fields = smollm_reader.fields
     tokens = fields["tokenizer.ggml.tokens"].contents()[:6000]
     known = set(tokens)
     merges = [m for m in fields["tokenizer.ggml.merges"].contents() if m.replace(" ", "") in known]
     kv = {
         "tokenizer.ggml.model": ("gpt2", S),
-        "tokenizer.ggml.pre": ("llama-bpe", S),
+        "tokenizer.ggml.pre": (pre, S),
         "tokenizer.ggml.tokens": (tokens, A),
         "tokenizer.ggml.merges": (merges, A),
         "tokenizer.ggml.token_type": (fields["tokenizer.ggml.token_type"].contents()[:6000], A),
@@ -312,7 +326,7 @@ def test_byte_level_gguf_with_llama3_split_matches_transformers(smollm_reader, t
         "tokenizer.ggml.eos_token_id": (2, U32),
         "tokenizer.ggml.add_bos_token": (True, B),
     }
-    path = _write_gguf(tmp_path / "llama-bpe.gguf", kv)
+    path = _write_gguf(tmp_path / f"{pre}.gguf", kv)
     ours = Tokenizer.from_gguf(path)
     theirs = AutoTokenizer.from_pretrained(str(tmp_path), gguf_file=path.name)
     assert json.loads(ours.backend.to_str()) == json.loads(theirs.backend_tokenizer.to_str())
