@@ -8,6 +8,7 @@ import os
 import sys
 import time
 
+from iterserve.allocator import tune_allocator
 from iterserve.engine.llm_engine import EngineConfig
 from iterserve.models.loader import DEFAULT_MODEL
 
@@ -147,6 +148,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     logging.basicConfig(level=args.log_level.upper(), format="%(levelname)s %(name)s: %(message)s")
     logging.getLogger("httpx").setLevel(logging.WARNING)  # one line per request drowns bench serve's output
+    tune_allocator()  # a launcher setting, for this process and the engine core it starts
     try:
         return args.func(args)
     except (ValueError, FileNotFoundError) as e:

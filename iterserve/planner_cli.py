@@ -256,19 +256,11 @@ def print_validation(v: Validation, out: TextIO) -> None:
 # -- charts -------------------------------------------------------------------------------------
 
 
-def _figure():
-    from matplotlib.backends.backend_agg import FigureCanvasAgg
-    from matplotlib.figure import Figure
-
-    fig = Figure(figsize=(11, 4.5))
-    FigureCanvasAgg(fig)
-    return fig
-
-
 def chart_plans(plans: list[planner.Plan], path: str) -> None:
     """Predicted tokens/s and per-token latency vs batch, knee and memory limit marked."""
-    fig = _figure()
-    ax_tps, ax_lat = fig.subplots(1, 2)
+    from iterserve.bench.charts import subplots
+
+    fig, (ax_tps, ax_lat) = subplots(1, 2, figsize=(11, 4.5))
     for i, p in enumerate(plans):
         color = f"C{i}"
         b = [s.batch for s in p.sweep]
@@ -309,8 +301,9 @@ def _log_batch_axes(axes: Sequence[tuple[Any, str]], xlabel: str) -> None:
 
 def chart_validation(v: Validation, path: str) -> None:
     """Predicted vs measured decode step time and tokens/s, with both knees marked."""
-    fig = _figure()
-    ax_t, ax_tps = fig.subplots(1, 2)
+    from iterserve.bench.charts import subplots
+
+    fig, (ax_t, ax_tps) = subplots(1, 2, figsize=(11, 4.5))
     b = [r.batch for r in v.rows]
     pred = [r.predicted_s for r in v.rows]
     meas = [r.measured_s for r in v.rows]

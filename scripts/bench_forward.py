@@ -22,8 +22,8 @@ import torch
 import torch.nn.functional as F
 
 from iterserve import kernels
+from iterserve.allocator import tune_allocator
 from iterserve.attention import AttentionMetadata
-from iterserve.engine.model_runner import keep_freed_memory_in_process
 from iterserve.models.loader import load_model
 from iterserve.planner import decode_cost, prefill_cost
 
@@ -82,7 +82,7 @@ def main() -> None:
     args = ap.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
-    keep_freed_memory_in_process()
+    tune_allocator()
     batches = [int(b) for b in args.batches.split(",")]
     chunks = [int(c) for c in args.prefill.split(",")]
     block = 16

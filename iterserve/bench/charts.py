@@ -10,13 +10,18 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import matplotlib
+from matplotlib.backends.backend_agg import FigureCanvasAgg
+from matplotlib.figure import Figure
+from matplotlib.patches import Patch
 
-matplotlib.use("Agg")
-import matplotlib.pyplot as plt  # noqa: E402
-from matplotlib.patches import Patch  # noqa: E402
+from iterserve.bench.knee import measured_knee
 
-from iterserve.bench.knee import measured_knee  # noqa: E402
+
+def subplots(*grid: int, figsize: tuple[float, float], **kwargs: Any) -> tuple[Figure, Any]:
+    """A figure on its own Agg canvas (charts are PNG files): no pyplot state, no global backend."""
+    fig = Figure(figsize=figsize)
+    FigureCanvasAgg(fig)
+    return fig, fig.subplots(*grid, **kwargs)
 
 
 @dataclass
@@ -32,7 +37,7 @@ class Series:
 
 def throughput_latency_chart(series: list[Series], path: str | Path, *, xlabel: str, ylabel: str, title: str) -> None:
     """Latency against throughput, one labelled point per sweep step, the knee circled."""
-    fig, ax = plt.subplots(figsize=(7, 4.5))
+    fig, ax = subplots(figsize=(7, 4.5))
     for s in series:
         (line,) = ax.plot(s.throughput, s.latency, marker="o", label=s.label)
         for x, y, text in zip(s.throughput, s.latency, s.point_labels):
@@ -45,7 +50,6 @@ def throughput_latency_chart(series: list[Series], path: str | Path, *, xlabel: 
     ax.legend(fontsize=8)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
-    plt.close(fig)
 
 
 # -- serve results --------------------------------------------------------------------------------
@@ -80,7 +84,7 @@ def load_axis(runs: list[dict[str, Any]]) -> tuple[str, list[tuple[float, dict[s
 
 def latency_vs_load_chart(results: list[dict[str, Any]], path: str | Path, percentiles: list[str]) -> None:
     """TTFT and TPOT (median and each percentile) against load, one colour per result."""
-    fig, axes = plt.subplots(1, 2, figsize=(11, 4.5))
+    fig, axes = subplots(1, 2, figsize=(11, 4.5))
     styles = ["-", "--", ":", "-."]
     xlabel = "load"
     for k, result in enumerate(results):
@@ -99,7 +103,6 @@ def latency_vs_load_chart(results: list[dict[str, Any]], path: str | Path, perce
         ax.legend(fontsize=7)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
-    plt.close(fig)
 
 
 def percentiles_in(runs: list[dict[str, Any]]) -> list[str]:
@@ -224,7 +227,7 @@ def timeline_chart(
     n = len(traces)
     loaded = {label: _scheduled_requests(trace) for label, trace in traces.items()}
     top_blocks = max(s["kv_blocks_used"] for steps, _ in loaded.values() for s in steps)
-    fig, axes = plt.subplots(2, n, figsize=(6.5 * n, 6.5), sharex=True, sharey="row", squeeze=False,
+    fig, axes = subplots(2, n, figsize=(6.5 * n, 6.5), sharex=True, sharey="row", squeeze=False,
                              gridspec_kw={"height_ratios": [3, 1]})  # fmt: skip
     for k, (label, (steps, requests)) in enumerate(loaded.items()):
         ax, occ = axes[0][k], axes[1][k]
@@ -259,7 +262,6 @@ def timeline_chart(
                      fontsize=9)  # fmt: skip
     fig.tight_layout(rect=(0, 0, 1, 0.95))
     fig.savefig(path, dpi=110)
-    plt.close(fig)
 
 
 def joins_chart(trace: str | Path, path: str | Path, *, max_num_seqs: int | None = None) -> int:
@@ -267,7 +269,7 @@ def joins_chart(trace: str | Path, path: str | Path, *, max_num_seqs: int | None
     the requests whose prefill joins them; above, each request's spans. Returns how many requests
     joined a batch that was already decoding."""
     steps, requests = _scheduled_requests(trace)
-    fig, (ax, bars) = plt.subplots(2, 1, figsize=(9, 6.5), sharex=True, gridspec_kw={"height_ratios": [3, 2]})
+    fig, (ax, bars) = subplots(2, 1, figsize=(9, 6.5), sharex=True, gridspec_kw={"height_ratios": [3, 2]})
     _draw_rows(ax, steps, requests, "steps")
     ax.invert_yaxis()
     xs = [s["step"] - 1 for s in steps]
@@ -291,7 +293,6 @@ def joins_chart(trace: str | Path, path: str | Path, *, max_num_seqs: int | None
     bars.legend(fontsize=8, loc="upper right")
     fig.tight_layout()
     fig.savefig(path, dpi=110)
-    plt.close(fig)
     return joined
 
 
@@ -310,7 +311,7 @@ def throughput_summary_chart(result: dict[str, Any], path: str | Path) -> None:
     and median end-to-end latency (medians, min-max over the repeats as error bars)."""
     runs = result["runs"]
     labels = [r["mode"] for r in runs]
-    fig, axes = plt.subplots(1, 3, figsize=(12, 3.8))
+    fig, axes = subplots(1, 3, figsize=(12, 3.8))
     axes[0].bar(labels, [r["output_tokens_per_step"] for r in runs], color="#59a14f")
     axes[0].set(title="output tokens per engine step\n(a count: the same on any machine)")
     _with_spread(axes[1], labels, [r["output_throughput"] for r in runs], [r["output_throughput_runs"] for r in runs],
@@ -326,13 +327,12 @@ def throughput_summary_chart(result: dict[str, Any], path: str | Path) -> None:
         fig.suptitle("measured on a busy machine: wall-clock panels are noisy", fontsize=9, x=0.02, ha="left")
     fig.tight_layout(rect=(0, 0, 1, 0.95))
     fig.savefig(path, dpi=110)
-    plt.close(fig)
 
 
 def prompt_sweep_chart(points: list[Any], path: str | Path, *, busy: bool = False) -> None:
     """TTFT and TPOT against prompt length (medians, min-max as error bars), from a prompt-length sweep."""
     xs = [p.prompt_len for p in points]
-    fig, axes = plt.subplots(1, 2, figsize=(10, 3.8), sharex=True)
+    fig, axes = subplots(1, 2, figsize=(10, 3.8), sharex=True)
     for ax, key, title, color in ((axes[0], "ttft", "time to first token (prefill)", "#f28e2b"),
                                   (axes[1], "tpot", "time per output token (decode)", "#4e79a7")):  # fmt: skip
         med = [getattr(p, f"{key}_ms") for p in points]
@@ -345,4 +345,3 @@ def prompt_sweep_chart(points: list[Any], path: str | Path, *, busy: bool = Fals
         fig.suptitle("measured on a busy machine: spreads are wide", fontsize=9, x=0.02, ha="left")
     fig.tight_layout(rect=(0, 0, 1, 0.95))
     fig.savefig(path, dpi=110)
-    plt.close(fig)
