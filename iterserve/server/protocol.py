@@ -12,16 +12,8 @@ from typing import Annotated, Any, Literal, TypeVar, Union
 
 from pydantic import BaseModel, ConfigDict, Discriminator, Field, Strict, Tag, field_validator, model_serializer
 
-from iterserve.sampling_params import SamplingParams, SamplingParamsError
+from iterserve.sampling_params import MIN_TOP_P, SamplingParams, SamplingParamsError
 
-# Sampler limits. The sampler works in float32, where a temperature or penalty near 0 or near the
-# float limits turns logits into inf/nan and fails the whole batch's step, so such values are
-# either mapped to what they mean (a near-zero temperature is greedy, as in vLLM; a near-zero
-# top_p keeps only the top token) or refused.
-GREEDY_TEMPERATURE = 1e-5
-MAX_TEMPERATURE = 100.0
-MIN_TOP_P = 1e-8
-REPETITION_PENALTY_RANGE = (1e-2, 1e2)
 COMPLETION_DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
 
 
@@ -179,19 +171,12 @@ class _SamplingRequest(_Request):
         return self.stream_options is not None and self.stream_options.include_usage
 
     def sampling_params(self, max_tokens: int | None, logprobs: int | None) -> SamplingParams:
-        """Build SamplingParams; invalid values become a 400 naming the parameter where known."""
+        """Build SamplingParams, which checks every limit; an invalid value becomes a 400 naming it. A
+        top_p between 0 and SamplingParams' minimum keeps only the top token, as it means."""
         temperature = 1.0 if self.temperature is None else self.temperature
-        if temperature > MAX_TEMPERATURE:
-            raise bad_request(f"temperature must be in [0, {MAX_TEMPERATURE:g}], got {temperature}", "temperature")
-        if 0 < temperature < GREEDY_TEMPERATURE:
-            temperature = 0.0
         top_p = 1.0 if self.top_p is None else self.top_p
         if 0 < top_p < MIN_TOP_P:
             top_p = MIN_TOP_P
-        low, high = REPETITION_PENALTY_RANGE
-        if not low <= self.repetition_penalty <= high:
-            message = f"repetition_penalty must be in [{low:g}, {high:g}], got {self.repetition_penalty}"
-            raise bad_request(message, "repetition_penalty")
         try:
             return SamplingParams(
                 temperature=temperature, top_p=top_p, top_k=self.top_k, min_p=self.min_p,
