@@ -24,9 +24,9 @@ if TYPE_CHECKING:
 PROG = "iterserve plan"
 
 _BW_UNITS = {"": 1e9, "gb/s": 1e9, "gbps": 1e9, "gbs": 1e9, "tb/s": 1e12, "tbps": 1e12, "tbs": 1e12,
-             "mb/s": 1e6, "b/s": 1}  # fmt: skip
+             "mb/s": 1e6, "b/s": 1}
 _FLOPS_UNITS = {"": 1e12, "tflops": 1e12, "tflop/s": 1e12, "t": 1e12, "gflops": 1e9, "gflop/s": 1e9,
-                "g": 1e9, "pflops": 1e15, "pflop/s": 1e15, "p": 1e15, "flops": 1, "flop/s": 1}  # fmt: skip
+                "g": 1e9, "pflops": 1e15, "pflop/s": 1e15, "p": 1e15, "flops": 1, "flop/s": 1}
 
 
 def _parse_quantity(text: str, units: dict[str, float], what: str, default_unit: str) -> float:
@@ -97,24 +97,24 @@ def _add_arguments(p: argparse.ArgumentParser) -> None:
     hw.add_argument("--device", choices=["cpu", "cuda"], help="device for --measure/--validate")
     wl = p.add_argument_group("workload")
     wl.add_argument("--dtype", help="weight/compute dtype: fp32, tf32, bf16, fp16, fp8, int8 "
-                    "(default bf16; with --validate fp32 on CPU)")  # fmt: skip
+                    "(default bf16; with --validate fp32 on CPU)")
     wl.add_argument("--kv-dtype", help="KV-cache dtype (default: --dtype)")
     wl.add_argument("--context", type=int, help="tokens per sequence for KV capacity and decode "
-                    "(default min(4096, model max); 256 with --validate)")  # fmt: skip
+                    "(default min(4096, model max); 256 with --validate)")
     wl.add_argument("--prompt-len", type=int, help="prompt tokens for prefill/TTFT (default --context)")
     wl.add_argument("--batch", type=int, default=1, help="batch for the TTFT/TPOT headline (default 1)")
     wl.add_argument("--batches", help="decode sweep, comma-separated (default 1,2,4,...,256)")
     wl.add_argument("--gpu-memory-utilization", type=float,
                     default=planner.DEFAULT_GPU_MEMORY_UTILIZATION,
-                    help="fraction of device memory for weights + KV cache (default 0.9)")  # fmt: skip
+                    help="fraction of device memory for weights + KV cache (default 0.9)")
     wl.add_argument("--block-size", type=int, default=planner.DEFAULT_BLOCK_SIZE,
-                    help="KV-cache block size in tokens (default 16)")  # fmt: skip
+                    help="KV-cache block size in tokens (default 16)")
     out = p.add_argument_group("output")
     out.add_argument("--json", action="store_true", help="print JSON instead of tables")
     out.add_argument("--chart", metavar="PNG", help="write a chart of tokens/s and latency vs batch")
     val = p.add_argument_group("validation")
     val.add_argument("--validate", action="store_true",
-                     help="time decode steps on this machine and compare with the prediction")  # fmt: skip
+                     help="time decode steps on this machine and compare with the prediction")
     val.add_argument("--repeats", type=int, default=3, help="timed repeats per batch (default 3)")
 
 
@@ -210,7 +210,7 @@ def print_plans(plans: list[planner.Plan], out: TextIO) -> None:
         (f"TTFT @ B={first.batch}", lambda p: _fmt_time(p.ttft_s)),
         (f"TPOT @ B={first.batch}", lambda p: _fmt_time(p.tpot_s)),
         (f"tokens/s @ B={first.batch}", lambda p: f"{p.tokens_per_s:,.0f}"),
-    ]  # fmt: skip
+    ]
     _print_table(
         "roofline",
         ["", *[p.hardware.name for p in plans]],
@@ -243,14 +243,14 @@ def print_validation(v: Validation, out: TextIO) -> None:
             [str(r.batch), _fmt_time(r.predicted_s), _fmt_time(r.measured_s),
              f"{100 * r.relative_error:+.1f}%", r.bound]
             for r in v.rows
-        ],  # fmt: skip
+        ],
         out,
     )
     flops = ", ".join(f"{k} {_fmt_flops(f)}" for k, f in hw.flops.items())
     print(f"hardware: {flops}; bandwidth {_fmt_bw(hw.bandwidth)} ({hw.source})", file=out)
     print(f"predicted knee: {v.predicted_knee if v.predicted_knee is not None else 'none'} "
           f"(on the swept batches: {v.predicted_knee_on_sweep or 'none'}); "
-          f"measured knee: {v.measured_knee or 'none'}", file=out)  # fmt: skip
+          f"measured knee: {v.measured_knee or 'none'}", file=out)
 
 
 # -- charts -------------------------------------------------------------------------------------
@@ -344,7 +344,7 @@ def _hardware_from_args(args: argparse.Namespace, dtype: str) -> list[Accelerato
     if hws:
         return [hw.with_overrides(dtype=dtype, **overrides) for hw in hws]
     missing = [f"--{k}" for k, v in (("flops", args.flops), ("bandwidth", args.bandwidth),
-                                     ("memory", args.memory)) if not v]  # fmt: skip
+                                     ("memory", args.memory)) if not v]
     if len(missing) == 3:
         raise ValueError("say which hardware: --gpu NAME, --measure, or --flops/--bandwidth/--memory")
     if missing:
@@ -363,7 +363,7 @@ def _list_gpus(out: TextIO, as_json: bool) -> None:
         [[hw.name, *[f"{hw.flops[k] / 1e12:g}" if k in hw.flops else "-" for k in keys],
           f"{hw.bandwidth / 1e9:g}", f"{hw.memory_bytes / GiB:g}"] for hw in ACCELERATORS.values()],
         out,
-    )  # fmt: skip
+    )
     for hw in ACCELERATORS.values():
         print(f"{hw.name}: {hw.source}" + (f" ({hw.notes})" if hw.notes else ""), file=out)
 

@@ -108,7 +108,7 @@ def test_gguf_metadata():
 
 def test_table_has_sources_and_dense_numbers():
     for name in ("T4", "A10", "L4", "L40S", "A100-40GB", "A100-80GB", "H100-SXM", "H100-PCIe", "H200",
-                 "RTX-4090", "MI300X"):  # fmt: skip
+                 "RTX-4090", "MI300X"):
         hw = ACCELERATORS[name]
         assert "http" in hw.source and hw.bandwidth > 0 and hw.memory_bytes > 0
         assert {"fp32", "fp16"} <= set(hw.flops)
@@ -129,7 +129,7 @@ def test_ops_per_byte_is_flops_over_bandwidth():
     "spelling,name",
     [("h100-sxm", "H100-SXM"), ("NVIDIA H100 80GB HBM3", "H100-SXM"), ("nvidia a100-sxm4-80gb", "A100-80GB"),
      ("Tesla T4", "T4"), ("rtx 4090", "RTX-4090"), ("mi300x", "MI300X")],
-)  # fmt: skip
+)
 def test_gpu_lookup(spelling, name):
     assert get_accelerator(spelling).name == name
 
@@ -188,7 +188,7 @@ def test_llama3_8b_on_a100_worked_example():
     "model,gpu,dtype,context",
     [("llama-3-8b", "A100-80GB", "bf16", 512), ("llama-2-7b", "A100-80GB", "fp16", 128),
      ("smollm2-135m", "RTX-4090", "fp16", 16), ("qwen3-8b", "H200", "fp8", 64)],
-)  # fmt: skip
+)
 def test_knee_is_where_intensity_crosses_ops_per_byte(model, gpu, dtype, context):
     cfg = planner.load_model_config(model)
     hw = get_accelerator(gpu)

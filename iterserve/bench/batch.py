@@ -112,7 +112,7 @@ def median_time(measure: Callable[[int, int], float], batch: int, context: int, 
 
 
 def default_batch_sizes(loaded: LoadedModel, context: int, kv_cache_memory: str | int, max_batch: int,
-                        block_size: int = 16) -> list[int]:  # fmt: skip
+                        block_size: int = 16) -> list[int]:
     """Powers of two up to ``max_batch`` whose sequences' KV cache fits in ``kv_cache_memory``."""
     tokens = -(-(context + 1) // block_size) * block_size
     per_seq = tokens * loaded.config.kv_bytes_per_token(loaded.model.dtype.itemsize)

@@ -80,7 +80,7 @@ class MachineCheck:
         if not self.busy:
             return None
         return ("warning: the machine was busy (" + "; ".join(self.reasons) + "): wall-clock figures are noisy, "
-                "step counts are not")  # fmt: skip
+                "step counts are not")
 
     def to_dict(self) -> dict[str, object]:
         return {

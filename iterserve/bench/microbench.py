@@ -182,7 +182,7 @@ def measure_local(device: str | None = None, budget_s: float = 2.0) -> Accelerat
     threads = torch.get_num_threads()
     details: dict[str, Any] = {"copy_bandwidth": bw["copy"], "read_bandwidth": bw["read"],
                                "buffer_bytes": bw["buffer_bytes"], "device": device,
-                               "device_name": label, "torch": torch.__version__}  # fmt: skip
+                               "device_name": label, "torch": torch.__version__}
     if not device.startswith("cuda"):
         details["threads"] = threads
     datasheet = match_device_name(label) if device.startswith("cuda") else None

@@ -71,5 +71,5 @@ def sweep_prompt_lengths(
             points.append(PromptPoint(
                 prompt_len=n, steps_per_request=len(last), first_step_tokens=sum(t for _, _, t in last[0]["seqs"]),
                 ttft_ms=statistics.median(ttft), tpot_ms=statistics.median(tpot), ttft_ms_runs=ttft, tpot_ms_runs=tpot,
-            ))  # fmt: skip
+            ))
     return points

@@ -233,7 +233,7 @@ def _is_messages(value: Any) -> bool:
         isinstance(value, list) and bool(value)
         and all(isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str)
                 for m in value)
-    )  # fmt: skip
+    )
 
 
 def load_jsonl(path: str | Path, tokenizer: Tokenizer | None, default_output_len: int = 128) -> list[Request]:

@@ -14,7 +14,7 @@ from iterserve.models.loader import load_model
 
 TINY = "random:smollm2-135m?num_layers=2"
 NO_TOKENIZER = ("random:llama-3-8b?num_layers=1&vocab_size=1024&hidden_size=64&intermediate_size=128&num_heads=4"
-                "&num_kv_heads=2&head_dim=16")  # fmt: skip
+                "&num_kv_heads=2&head_dim=16")
 
 
 @pytest.fixture(scope="module")
@@ -78,7 +78,7 @@ def test_cli_prints_table_and_writes_json_and_chart(loaded, monkeypatch, tmp_pat
     monkeypatch.setattr("iterserve.models.loader.load_model", lambda *a, **k: loaded)
     out = tmp_path / "batch.json"
     rc = main(["bench", "batch", "--model", TINY, "--batch-sizes", "1,2,4", "--context", "16", "--repeats", "1",
-               "--output-json", str(out), "--disable-tqdm"])  # fmt: skip
+               "--output-json", str(out), "--disable-tqdm"])
     assert rc == 0
     text = capsys.readouterr().out
     assert "decode tok/s" in text and "knee:" in text and "batch-1 decode reads" in text
