@@ -20,16 +20,20 @@ def _run(code: str) -> str:
                           timeout=300).stdout.strip()
 
 
-def test_building_a_model_runner_leaves_the_allocator_alone():
-    out = _run(
-        "import os\n"
-        "from iterserve.engine.model_runner import ModelRunner\n"
-        "from iterserve.models.loader import load_model\n"
-        "m = load_model('random:smollm2-135m?num_layers=1', 'float32', 'cpu').model\n"
-        "ModelRunner(m, 4, 16)\n"
-        "print(sorted(k for k in os.environ if k.startswith('MALLOC_')))\n"
-    )
-    assert out == "[]"
+def test_building_a_model_runner_leaves_the_allocator_alone(monkeypatch):
+    import ctypes
+
+    from iterserve.engine.model_runner import ModelRunner
+    from iterserve.models.loader import load_model
+
+    opened = []
+    monkeypatch.setattr(ctypes, "CDLL", lambda *a, **k: opened.append(a))  # what mallopt would go through
+    for name in list(os.environ):
+        if name.startswith("MALLOC_"):
+            monkeypatch.delenv(name)
+    model = load_model("random:smollm2-135m?num_layers=1", "float32", "cpu").model
+    ModelRunner(model, 4, 16)
+    assert opened == [] and not any(name.startswith("MALLOC_") for name in os.environ)
 
 
 def test_the_cli_tunes_its_own_process_and_the_processes_it_starts():
