@@ -215,7 +215,8 @@ def _serve_table(result: dict[str, Any]) -> str:
 def _cmd_serve(args: argparse.Namespace) -> int:
     from iterserve.bench.charts import serve_charts
     from iterserve.bench.serve import ServeConfig, run_serve
-    from iterserve.bench.workloads import load_tokenizer, make_workload
+    from iterserve.bench.workloads import make_workload
+    from iterserve.models.loader import load_tokenizer
 
     spec = workload_spec_from_args(args)
     percentiles = parse_percentiles(args.percentiles)

@@ -336,18 +336,3 @@ def make_workload(
     return sample_requests(loaded, spec.num_prompts, spec.seed)
 
 
-def load_tokenizer(name: str) -> Tokenizer:
-    """A tokenizer alone (no weights): an embedded model's, a .gguf file's or a Hugging Face folder's."""
-    from iterserve.models.loader import embedded_model_path
-
-    try:
-        path = embedded_model_path(name.lower())
-    except KeyError:
-        path = Path(name).expanduser()
-    if path.is_file():
-        return Tokenizer.from_gguf(path)
-    if path.is_dir():
-        return Tokenizer.from_pretrained_dir(path)
-    raise ValueError(
-        f"cannot load a tokenizer for {name!r}: not an embedded model name, a .gguf file or a Hugging Face folder"
-    )

@@ -18,7 +18,7 @@ import logging
 from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Iterable
+from typing import Any, Iterable, Literal
 from urllib.parse import parse_qsl
 
 import numpy as np
@@ -64,6 +64,32 @@ def embedded_model_path(name: str = DEFAULT_MODEL) -> Path:
     raise FileNotFoundError(f"{dist_name} is installed but {filename} is missing from it; reinstall with: {install}")
 
 
+@dataclass(frozen=True)
+class ModelSource:
+    """Where a model name points: a ``random:<preset>`` name, a GGUF file or a Hugging Face folder."""
+
+    name: str
+    kind: Literal["random", "gguf", "folder"]
+    path: Path | None = None
+
+
+def resolve_model(name: str) -> ModelSource:
+    """The one reading of a model name, shared by weights, config-only and tokenizer-only loading."""
+    if name.startswith("random:"):
+        return ModelSource(name, "random")
+    if name.lower() in _EMBEDDED:
+        return ModelSource(name.lower(), "gguf", embedded_model_path(name.lower()))
+    path = Path(name).expanduser()
+    if path.is_file():
+        return ModelSource(name, "gguf", path)
+    if path.is_dir():
+        return ModelSource(str(path), "folder", path)
+    raise ValueError(
+        f"unknown model {name!r}: not an embedded model ({', '.join(_EMBEDDED)}), not a 'random:<preset>' "
+        f"name, and no such file or folder"
+    )
+
+
 def load_model(
     name: str = DEFAULT_MODEL,
     dtype: str | torch.dtype = "auto",
@@ -75,38 +101,35 @@ def load_model(
     device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
     if torch_dtype == torch.float16 and device.type == "cpu":
         logger.warning("float16 on CPU is slow and may be unsupported by some kernels; prefer bfloat16")
-    if name.startswith("random:"):
+    source = resolve_model(name)
+    if source.kind == "random":
         return _load_random(name, torch_dtype, device, seed)
-    if name.lower() in _EMBEDDED:
-        path = embedded_model_path(name.lower())
-        return _load_gguf(path, name.lower(), torch_dtype, device)
-    path = Path(name).expanduser()
-    if path.is_file():
-        return _load_gguf(path, name, torch_dtype, device)
-    if path.is_dir():
-        return _load_hf_folder(path, torch_dtype, device)
-    raise ValueError(
-        f"unknown model {name!r}: not an embedded model ({', '.join(_EMBEDDED)}), not a 'random:<preset>' "
-        f"name, and no such file or folder"
-    )
+    assert source.path is not None
+    if source.kind == "gguf":
+        return _load_gguf(source.path, source.name, torch_dtype, device)
+    return _load_hf_folder(source.path, torch_dtype, device)
 
 
 def load_model_info(name: str = DEFAULT_MODEL) -> tuple[ModelConfig, Tokenizer | None]:
     """The config and tokenizer of ``name`` without its weights: what a process that serves HTTP
     but runs no forward pass needs (a GGUF's tensors stay unread in the memory map)."""
-    if name.startswith("random:"):
+    source = resolve_model(name)
+    if source.kind == "random":
         config = parse_random_name(name)
         return config, _random_tokenizer(config)
-    path = embedded_model_path(name.lower()) if name.lower() in _EMBEDDED else Path(name).expanduser()
-    if path.is_file():
-        reader = open_gguf(path)
-        return gguf_config(reader, name.lower() if name.lower() in _EMBEDDED else name), Tokenizer.from_gguf(reader)
-    if path.is_dir() and (path / "config.json").is_file():
-        config = ModelConfig.from_hf_config(json.loads((path / "config.json").read_text()), name=path.name)
-        tokenizer = Tokenizer.from_pretrained_dir(path) if (path / "tokenizer.json").is_file() else None
-        return config, tokenizer
-    raise ValueError(f"unknown model {name!r}: not an embedded model, a 'random:<preset>' name, a GGUF file or a "
-                     f"model folder with config.json")
+    assert source.path is not None
+    if source.kind == "gguf":
+        reader = open_gguf(source.path)
+        return gguf_config(reader, source.name), Tokenizer.from_gguf(reader)
+    return _hf_config(source.path), _hf_tokenizer(source.path)
+
+
+def load_tokenizer(name: str) -> Tokenizer:
+    """A tokenizer alone (no weights), for a name any loader takes; a clear error where there is none."""
+    tokenizer = load_model_info(name)[1]
+    if tokenizer is None:
+        raise ValueError(f"model {name!r} has no tokenizer (a folder needs tokenizer.json)")
+    return tokenizer
 
 
 def _empty_model(config: ModelConfig, dtype: torch.dtype, device: torch.device) -> LlamaModel:
@@ -255,10 +278,7 @@ def _load_gguf(path: Path, name: str, dtype: torch.dtype, device: torch.device) 
 def _load_hf_folder(path: Path, dtype: torch.dtype, device: torch.device) -> LoadedModel:
     from safetensors import safe_open
 
-    cfg_file = path / "config.json"
-    if not cfg_file.is_file():
-        raise ValueError(f"{str(path)!r} is not a model folder: config.json is missing")
-    config = ModelConfig.from_hf_config(json.loads(cfg_file.read_text()), name=path.name)
+    config = _hf_config(path)
     files = sorted(path.glob("*.safetensors"))
     if not files:
         raise ValueError(f"no *.safetensors weights in {str(path)!r}")
@@ -271,8 +291,18 @@ def _load_hf_folder(path: Path, dtype: torch.dtype, device: torch.device) -> Loa
                     yield key, st.get_tensor(key)
 
     load_hf_state_dict(model, tensors())
-    tokenizer = Tokenizer.from_pretrained_dir(path) if (path / "tokenizer.json").is_file() else None
-    return LoadedModel(name=str(path), config=config, model=model, tokenizer=tokenizer)
+    return LoadedModel(name=str(path), config=config, model=model, tokenizer=_hf_tokenizer(path))
+
+
+def _hf_config(path: Path) -> ModelConfig:
+    cfg_file = path / "config.json"
+    if not cfg_file.is_file():
+        raise ValueError(f"{str(path)!r} is not a model folder: config.json is missing")
+    return ModelConfig.from_hf_config(json.loads(cfg_file.read_text()), name=path.name)
+
+
+def _hf_tokenizer(path: Path) -> Tokenizer | None:
+    return Tokenizer.from_pretrained_dir(path) if (path / "tokenizer.json").is_file() else None
 
 
 # -- random weights -----------------------------------------------------------------------------

@@ -8,9 +8,10 @@ import numpy as np
 import pytest
 
 from iterserve.bench.workloads import (
-    FIRST_RANDOM_TOKEN_ID, LengthDist, Request, WorkloadSpec, load_jsonl, load_sharegpt, load_tokenizer,
-    make_workload, sample_requests,
+    FIRST_RANDOM_TOKEN_ID, LengthDist, Request, WorkloadSpec, load_jsonl, load_sharegpt, make_workload,
+    sample_requests,
 )
+from iterserve.models.loader import load_tokenizer
 
 VOCAB = 1000
 
