@@ -36,7 +36,7 @@ class KVCache:
     def allocate(
         cls, num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int,
         dtype: torch.dtype, device: torch.device | str,
-    ) -> "KVCache":
+    ) -> KVCache:
         shape = (num_blocks, num_kv_heads, block_size, head_dim)
         return cls(torch.zeros(shape, dtype=dtype, device=device), torch.zeros(shape, dtype=dtype, device=device))
 
@@ -109,7 +109,7 @@ class AttentionMetadata:
         query_lens: list[int],
         device: torch.device | str = "cpu",
         sliding_window: int | None = None,
-    ) -> "AttentionMetadata":
+    ) -> AttentionMetadata:
         """Describe a batch of sequences; decode sequences (query length 1) must come first.
 
         ``num_cached[i]`` tokens of sequence ``i`` are already in its blocks; this step adds

@@ -134,13 +134,13 @@ class ModelConfig:
         lm_head = 0 if self.tie_word_embeddings else self.vocab_size * h
         return self.num_layers * per_layer + embed + lm_head + h  # final norm
 
-    def replace(self, **changes: Any) -> "ModelConfig":
+    def replace(self, **changes: Any) -> ModelConfig:
         return dataclasses.replace(self, **changes)
 
     # -- constructors ---------------------------------------------------------------------------
 
     @classmethod
-    def from_hf_config(cls, cfg: dict[str, Any], name: str = "") -> "ModelConfig":
+    def from_hf_config(cls, cfg: dict[str, Any], name: str = "") -> ModelConfig:
         """Build from a Hugging Face ``config.json`` dictionary."""
         archs = cfg.get("architectures") or []
         arch = next((_HF_ARCH_NAMES[a] for a in archs if a in _HF_ARCH_NAMES), None)

@@ -10,11 +10,12 @@ import argparse
 import json
 import re
 import sys
-from typing import TYPE_CHECKING, Any, Sequence, TextIO
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any, TextIO
 
 from iterserve import planner
 from iterserve.dtypes import canonical_dtype
-from iterserve.planner.hardware import ACCELERATORS, GiB, Accelerator, get_accelerator
+from iterserve.planner.hardware import ACCELERATORS, Accelerator, GiB, get_accelerator
 from iterserve.tables import render_table
 from iterserve.units import parse_size
 

@@ -22,8 +22,8 @@ import jinja2
 import jinja2.ext
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 from tokenizers import AddedToken
-from tokenizers.decoders import DecodeStream
 from tokenizers import Tokenizer as BackendTokenizer
+from tokenizers.decoders import DecodeStream
 
 from iterserve.gguf_tokenizer import gguf_vocabulary
 from iterserve.models.gguf_file import open_gguf

@@ -14,9 +14,8 @@ from iterserve.bench.microbench import measure_bandwidth, measure_matmul_flops
 from iterserve.bench.validate import validate
 from iterserve.config import get_preset
 from iterserve.models.loader import embedded_model_path
-from iterserve.planner.hardware import ACCELERATORS, GiB, Accelerator, get_accelerator
+from iterserve.planner.hardware import ACCELERATORS, Accelerator, GiB, get_accelerator
 from iterserve.planner_cli import main, parse_bandwidth, parse_flops, parse_memory
-
 
 
 def _embedded_gguf() -> Path:

@@ -6,9 +6,10 @@ import argparse
 import json
 import math
 import tempfile
+from collections.abc import Sequence
 from dataclasses import asdict
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any
 
 from iterserve.bench.metrics import DEFAULT_PERCENTILES, parse_goodput, parse_percentiles, percentile_key
 from iterserve.bench.serve import LoadPoint
@@ -134,10 +135,10 @@ TIMELINE_LABELS = {"static": "static, paged KV", "continuous": "continuous, page
 
 def _cmd_throughput(args: argparse.Namespace) -> int:
     from iterserve.bench.charts import joins_chart, timeline_chart
+    from iterserve.bench.progress import load_model_with_status
     from iterserve.bench.throughput import ENGINE_MODES, HF_MODE, run_throughput
     from iterserve.bench.workloads import make_workload
     from iterserve.cli import engine_config_from_args
-    from iterserve.bench.progress import load_model_with_status
 
     if args.step_trace:
         raise ValueError("bench throughput writes one step trace per mode: use --trace-dir instead of --step-trace")
@@ -261,8 +262,8 @@ def _decode_bandwidth_line(loaded: Any, context: int, decode_s: float, device: s
 
 def _cmd_batch(args: argparse.Namespace) -> int:
     from iterserve.bench.batch import default_batch_sizes, sweep_batches
-    from iterserve.bench.machine import MachineMonitor
     from iterserve.bench.charts import Series, throughput_latency_chart
+    from iterserve.bench.machine import MachineMonitor
     from iterserve.bench.progress import load_model_with_status
 
     loaded = load_model_with_status(args.model, args.dtype, args.device)
@@ -322,9 +323,9 @@ def _cmd_batch(args: argparse.Namespace) -> int:
 def _cmd_ttft(args: argparse.Namespace) -> int:
     from iterserve.bench.charts import prompt_sweep_chart
     from iterserve.bench.machine import MachineMonitor
+    from iterserve.bench.progress import load_model_with_status
     from iterserve.bench.prompt_sweep import sweep_prompt_lengths
     from iterserve.cli import engine_config_from_args
-    from iterserve.bench.progress import load_model_with_status
 
     values = _float_list(args.prompt_lens, "--prompt-lens")
     if not all(v == int(v) for v in values):

@@ -9,12 +9,13 @@ from __future__ import annotations
 import os
 import platform
 import time
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import torch
 
 from iterserve.dtypes import torch_dtype
-from iterserve.planner.hardware import GiB, Accelerator, match_device_name
+from iterserve.planner.hardware import Accelerator, GiB, match_device_name
 
 
 def _sync(device: str) -> None:

@@ -14,7 +14,6 @@ from __future__ import annotations
 import json
 import logging
 import os
-import re
 import time
 from collections import deque
 from dataclasses import asdict, dataclass, field

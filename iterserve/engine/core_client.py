@@ -32,8 +32,16 @@ import zmq.asyncio
 from iterserve.config import ModelConfig
 from iterserve.engine.core import Capacity, EngineConfig, EngineCore, check_prompt
 from iterserve.engine.messages import (
-    AbortRequests, EngineCoreEvent, EngineCoreInput, EngineCoreOutput, EngineCoreOutputs, EngineCoreRequest,
-    EngineFailed, EngineReady, SchedulerStats, Shutdown,
+    AbortRequests,
+    EngineCoreEvent,
+    EngineCoreInput,
+    EngineCoreOutput,
+    EngineCoreOutputs,
+    EngineCoreRequest,
+    EngineFailed,
+    EngineReady,
+    SchedulerStats,
+    Shutdown,
 )
 from iterserve.engine.output_processor import OutputProcessor, RequestOutputKind
 from iterserve.models.loader import load_model_info
@@ -268,7 +276,7 @@ class EngineCoreClient:
         self._accepting = False
         try:
             await asyncio.wait_for(self._idle.wait(), timeout)
-        except asyncio.TimeoutError:
+        except TimeoutError:
             logger.warning("ending %d requests still running after %.1f s", len(self._streams), timeout)
         self._fail_all(EngineDeadError("the server is shutting down"))
 

@@ -16,9 +16,10 @@ import importlib.metadata
 import json
 import logging
 from collections import Counter
+from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Iterable, Literal
+from typing import Any, Literal
 from urllib.parse import parse_qsl
 
 import numpy as np

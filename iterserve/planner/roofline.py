@@ -35,7 +35,7 @@ from dataclasses import asdict, dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from iterserve.dtypes import canonical_dtype, dtype_bytes
-from iterserve.planner.hardware import GiB, Accelerator
+from iterserve.planner.hardware import Accelerator, GiB
 
 if TYPE_CHECKING:
     from iterserve.config import ModelConfig

@@ -40,17 +40,41 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 from iterserve import __version__
 from iterserve.engine.core import EngineConfig, check_prompt_ids
 from iterserve.engine.core_client import (
-    EngineCoreClient, EngineDeadError, QueueFullError, RequestFailedError, RequestStream,
+    EngineCoreClient,
+    EngineDeadError,
+    QueueFullError,
+    RequestFailedError,
+    RequestStream,
 )
 from iterserve.errors import RequestError
 from iterserve.outputs import CompletionOutput, RequestOutput
 from iterserve.sampling_params import SamplingParams
 from iterserve.server.metrics import ServerMetrics
 from iterserve.server.protocol import (
-    APIError, AssistantMessage, ChatChoice, ChatCompletionChunk, ChatCompletionRequest, ChatCompletionResponse,
-    ChatLogprobs, ChatStreamChoice, CompletionChoice, CompletionLogprobs, CompletionRequest, CompletionResponse,
-    DeltaMessage, DetokenizeRequest, DetokenizeResponse, ModelCard, ModelList, PromptTokensDetails, TokenizeRequest,
-    TokenizeResponse, TokenLogprob, TopLogprob, Usage, bad_request,
+    APIError,
+    AssistantMessage,
+    ChatChoice,
+    ChatCompletionChunk,
+    ChatCompletionRequest,
+    ChatCompletionResponse,
+    ChatLogprobs,
+    ChatStreamChoice,
+    CompletionChoice,
+    CompletionLogprobs,
+    CompletionRequest,
+    CompletionResponse,
+    DeltaMessage,
+    DetokenizeRequest,
+    DetokenizeResponse,
+    ModelCard,
+    ModelList,
+    PromptTokensDetails,
+    TokenizeRequest,
+    TokenizeResponse,
+    TokenLogprob,
+    TopLogprob,
+    Usage,
+    bad_request,
 )
 from iterserve.tokenizer import Tokenizer
 

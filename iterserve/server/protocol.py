@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import json
 import time
-from typing import Annotated, Any, Literal, TypeVar, Union
+from typing import Annotated, Any, Literal, TypeVar
 
 from pydantic import BaseModel, ConfigDict, Discriminator, Field, Strict, Tag, field_validator, model_serializer
 
@@ -100,8 +100,7 @@ Int = Annotated[int, Strict()]
 # million-element list takes pydantic (and FastAPI after it) tens of seconds on the event loop.
 ListOf = Annotated[list[T], Field(fail_fast=True)]
 Prompt = Annotated[
-    Union[Annotated[str, Tag("text")], Annotated[ListOf[Int], Tag("ids")], Annotated[ListOf[str], Tag("texts")],
-          Annotated[ListOf[ListOf[Int]], Tag("id_lists")]],
+    Annotated[str, Tag("text")] | Annotated[ListOf[Int], Tag("ids")] | Annotated[ListOf[str], Tag("texts")] | Annotated[ListOf[ListOf[Int]], Tag("id_lists")],
     Discriminator(_prompt_kind, custom_error_type="prompt_type",
                   custom_error_message="must be a string, a list of token ids, or a list of either"),
 ]

@@ -7,8 +7,8 @@ import json
 import sys
 
 import pytest
-import transformers
 import torch
+import transformers
 
 from iterserve.bench.charts import joins_chart, read_trace, sequence_spans, timeline_chart
 from iterserve.bench.cli import throughput_report

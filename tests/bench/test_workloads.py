@@ -8,7 +8,13 @@ import numpy as np
 import pytest
 
 from iterserve.bench.workloads import (
-    FIRST_RANDOM_TOKEN_ID, LengthDist, Request, WorkloadSpec, load_jsonl, load_sharegpt, make_workload,
+    FIRST_RANDOM_TOKEN_ID,
+    LengthDist,
+    Request,
+    WorkloadSpec,
+    load_jsonl,
+    load_sharegpt,
+    make_workload,
     sample_requests,
 )
 from iterserve.models.loader import load_tokenizer

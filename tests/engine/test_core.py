@@ -7,8 +7,8 @@ import pytest
 
 from iterserve.engine.core import FAULT_TOKEN_ENV, EngineConfig, EngineCore, check_prompt
 from iterserve.engine.messages import EngineCoreRequest
-from iterserve.models.loader import load_model
 from iterserve.errors import RequestError
+from iterserve.models.loader import load_model
 from iterserve.sampling_params import SamplingParams, SamplingParamsError
 
 FAULT_TOKEN = 4242

@@ -11,9 +11,14 @@ import transformers
 from iterserve.attention import AttentionMetadata
 from iterserve.config import PRESETS, ModelConfig, parse_dtype
 from iterserve.models.loader import (
-    ModelSource, embedded_model_path, load_model, load_model_info, load_tokenizer, parse_random_name, resolve_model,
+    ModelSource,
+    embedded_model_path,
+    load_model,
+    load_model_info,
+    load_tokenizer,
+    parse_random_name,
+    resolve_model,
 )
-
 from tests.conftest import NUM_REFERENCE_TOKENS
 
 

@@ -16,7 +16,6 @@ import pytest
 from iterserve.engine.core import EngineConfig
 from iterserve.sampling_params import MAX_STOP_CHARS, MAX_STOP_STRINGS
 from iterserve.server import build_app
-
 from tests.server.conftest import API_KEY, MAX_MODEL_LEN, MODEL, ServerThread, metric_samples, wait_until_idle
 
 AUTH = {"Authorization": f"Bearer {API_KEY}"}
