@@ -90,6 +90,7 @@ def _cmd_generate(args: argparse.Namespace) -> int:
     assert final is not None
     c, m = final.outputs[0], final.metrics
     print("" if args.stream else c.text)
+    assert m.finished_time is not None and m.ttft is not None  # a finished request has both
     elapsed = m.finished_time - start
     print(
         f"[{len(final.prompt_token_ids)} prompt + {len(c.token_ids)} output tokens, finish={c.finish_reason}, "

@@ -95,7 +95,8 @@ def gguf_vocabulary(reader: gguf.GGUFReader, name: str) -> GGUFVocabulary:
     _set_bos_eos_processor(backend, texts["bos_token"], ids["bos_token"], bool(add_bos),
                            texts["eos_token"], ids["eos_token"], bool(field("tokenizer.ggml.add_eos_token")))
     extra_eos = [field(k) for k in ("tokenizer.ggml.eot_token_id", "tokenizer.ggml.eom_token_id")]
-    return GGUFVocabulary(backend, texts, ids, field("tokenizer.chat_template"), [i for i in extra_eos if i is not None])
+    return GGUFVocabulary(backend, texts, ids, field("tokenizer.chat_template"),
+                          [i for i in extra_eos if i is not None])
 
 
 def _byte_level_backend(tokens: list[str], merges: list[str], pre: str | None) -> BackendTokenizer:
@@ -114,7 +115,7 @@ def _byte_level_backend(tokens: list[str], merges: list[str], pre: str | None) -
 
     vocab = {spell(token): index for index, token in enumerate(tokens)}
     backend = BackendTokenizer(models.BPE(
-        vocab=vocab, merges=[tuple(m.split(" ")) for m in merges], dropout=None,
+        vocab=vocab, merges=_merge_pairs(merges), dropout=None,
         continuing_subword_prefix="", end_of_word_suffix="", fuse_unk=False,
     ))
     split = GGUF_PRE_TOKENIZER_SPLITS.get(pre or "")
@@ -135,7 +136,7 @@ def _sentencepiece_backend(
     """Llama/Mistral SentencePiece vocabulary as BPE with byte fallback, as transformers builds it."""
     vocab = {token: index for index, token in enumerate(tokens)}
     if merges is not None:
-        merge_pairs = [tuple(m.split(" ")) for m in merges]
+        merge_pairs = _merge_pairs(merges)
     else:
         merge_pairs = _merges_from_scores(vocab, dict(zip(tokens, scores or ())))
     backend = BackendTokenizer(models.BPE(
@@ -146,6 +147,11 @@ def _sentencepiece_backend(
         decoders.Replace("\u2581", " "), decoders.ByteFallback(), decoders.Fuse(), decoders.Strip(" ", 1, 0),
     ])
     return backend
+
+
+def _merge_pairs(merges: list[str]) -> list[tuple[str, str]]:
+    """GGUF writes each merge as one string, the two pieces separated by a space."""
+    return [(left, right) for left, _, right in (m.partition(" ") for m in merges)]
 
 
 def _merges_from_scores(vocab: dict[str, int], scores: dict[str, float]) -> list[tuple[str, str]]:
@@ -195,9 +201,9 @@ def _set_bos_eos_processor(
     eos: str | None, eos_id: int | None, add_eos: bool,
 ) -> None:
     """Install the post-processor that adds BOS/EOS on encode, shaped like transformers' own."""
-    add_bos = add_bos and bos is not None and bos_id is not None
-    add_eos = add_eos and eos is not None and eos_id is not None
-    single = f"{(bos + ':0 ') if add_bos else ''}$A:0{(' ' + eos + ':0') if add_eos else ''}"
-    pair = f"{single}{(' ' + bos + ':1') if add_bos else ''} $B:1{(' ' + eos + ':1') if add_eos else ''}"
-    special = ([(bos, bos_id)] if add_bos else []) + ([(eos, eos_id)] if add_eos else [])
+    bos_token = (bos, bos_id) if add_bos and bos is not None and bos_id is not None else None
+    eos_token = (eos, eos_id) if add_eos and eos is not None and eos_id is not None else None
+    single = f"{f'{bos_token[0]}:0 ' if bos_token else ''}$A:0{f' {eos_token[0]}:0' if eos_token else ''}"
+    pair = f"{single}{f' {bos_token[0]}:1' if bos_token else ''} $B:1{f' {eos_token[0]}:1' if eos_token else ''}"
+    special = [t for t in (bos_token, eos_token) if t is not None]
     backend.post_processor = processors.TemplateProcessing(single=single, pair=pair, special_tokens=special)

@@ -272,6 +272,7 @@ def chart_plans(plans: list[planner.Plan], path: str) -> None:
             for ax in (ax_tps, ax_lat):
                 ax.axvline(k, color=color, ls="--", lw=1)
             kp = p.knee_point
+            assert kp is not None  # a plan with a knee has its point
             ax_tps.plot([k], [kp.tokens_per_s], "*", color=color, ms=12, label=f"knee B={k}")
             ax_lat.plot([k], [kp.decode.time_s * 1e3], "*", color=color, ms=12)
         if p.capacity.max_seqs >= 1:
@@ -327,11 +328,9 @@ def chart_validation(v: Validation, path: str) -> None:
 
 
 def _hardware_from_args(args: argparse.Namespace, dtype: str) -> list[Accelerator]:
-    overrides = {
-        "flops": parse_flops(args.flops) if args.flops else None,
-        "bandwidth": parse_bandwidth(args.bandwidth) if args.bandwidth else None,
-        "memory_bytes": parse_memory(args.memory) if args.memory else None,
-    }
+    flops = parse_flops(args.flops) if args.flops else None
+    bandwidth = parse_bandwidth(args.bandwidth) if args.bandwidth else None
+    memory = parse_memory(args.memory) if args.memory else None
     hws: list[Accelerator] = []
     if args.gpu:
         names = [n.strip() for n in args.gpu.split(",") if n.strip()]
@@ -343,14 +342,14 @@ def _hardware_from_args(args: argparse.Namespace, dtype: str) -> list[Accelerato
 
         hws.append(measure_local(args.device))
     if hws:
-        return [hw.with_overrides(dtype=dtype, **overrides) for hw in hws]
+        return [hw.with_overrides(dtype=dtype, flops=flops, bandwidth=bandwidth, memory_bytes=memory) for hw in hws]
     missing = [f"--{k}" for k, v in (("flops", args.flops), ("bandwidth", args.bandwidth),
                                      ("memory", args.memory)) if not v]
     if len(missing) == 3:
         raise ValueError("say which hardware: --gpu NAME, --measure, or --flops/--bandwidth/--memory")
     if missing:
         raise ValueError(f"explicit hardware needs --flops, --bandwidth and --memory; missing {', '.join(missing)}")
-    return [planner.custom_accelerator(dtype=dtype, **overrides)]
+    return [planner.custom_accelerator(dtype=dtype, flops=flops, bandwidth=bandwidth, memory_bytes=memory)]
 
 
 def _list_gpus(out: TextIO, as_json: bool) -> None:

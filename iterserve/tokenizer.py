@@ -15,7 +15,7 @@ from collections.abc import Iterable, Mapping, Sequence
 from datetime import datetime
 from functools import cached_property, lru_cache
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal, overload
 
 import gguf
 import jinja2
@@ -227,6 +227,18 @@ class Tokenizer:
 
     # -- chat -----------------------------------------------------------------------------------
 
+    @overload
+    def apply_chat_template(
+        self, messages: Sequence[Mapping[str, Any]], add_generation_prompt: bool = ...,
+        tokenize: Literal[False] = ..., tools: Sequence[Mapping[str, Any]] | None = ..., **kwargs: Any,
+    ) -> str: ...
+
+    @overload
+    def apply_chat_template(
+        self, messages: Sequence[Mapping[str, Any]], add_generation_prompt: bool = ..., *,
+        tokenize: Literal[True], tools: Sequence[Mapping[str, Any]] | None = ..., **kwargs: Any,
+    ) -> list[int]: ...
+
     def apply_chat_template(
         self,
         messages: Sequence[Mapping[str, Any]],
@@ -416,7 +428,9 @@ def _normalize_messages(messages: Any) -> list[dict[str, Any]]:
     normalized = []
     for index, message in enumerate(messages):
         if not isinstance(message, Mapping):
-            raise ValueError(f"messages[{index}] must be a dict with 'role' and 'content', got {type(message).__name__}")
+            raise ValueError(
+                f"messages[{index}] must be a dict with 'role' and 'content', got {type(message).__name__}"
+            )
         role = message.get("role")
         if not isinstance(role, str) or not role:
             raise ValueError(f"messages[{index}] needs a non-empty string 'role'")
@@ -440,7 +454,8 @@ def _normalize_messages(messages: Any) -> list[dict[str, Any]]:
 def _text_part(part: Any, index: int) -> str:
     if not isinstance(part, Mapping) or part.get("type") != "text" or not isinstance(part.get("text"), str):
         raise ValueError(
-            f"messages[{index}]['content'] has an unsupported part {part!r}; only {{'type': 'text', 'text': str}} parts are accepted"
+            f"messages[{index}]['content'] has an unsupported part {part!r}; "
+            "only {'type': 'text', 'text': str} parts are accepted"
         )
     return part["text"]
 

@@ -62,7 +62,8 @@ def hf_smollm():
 @pytest.fixture(scope="session")
 def chat_prompt_ids(hf_smollm) -> list[list[int]]:
     _, tok = hf_smollm
-    return [tok.apply_chat_template(c, add_generation_prompt=True, tokenize=True, return_dict=False) for c in CHAT_PROMPTS]
+    return [tok.apply_chat_template(c, add_generation_prompt=True, tokenize=True, return_dict=False)
+            for c in CHAT_PROMPTS]
 
 
 @pytest.fixture(scope="session")

@@ -132,7 +132,8 @@ def test_decode_matches_transformers(tok, ref, text):
 
 
 def test_special_ids_and_metadata(tok, ref):
-    assert (tok.bos_token_id, tok.eos_token_id, tok.pad_token_id) == (ref.bos_token_id, ref.eos_token_id, ref.pad_token_id)
+    ours = (tok.bos_token_id, tok.eos_token_id, tok.pad_token_id)
+    assert ours == (ref.bos_token_id, ref.eos_token_id, ref.pad_token_id)
     assert tok.bos_token == "<|im_start|>" and tok.eos_token == "<|im_end|>"
     # <|im_end|> is eos; <|endoftext|> also ends generation
     assert tok.eos_token_ids == {2, 0}

@@ -152,7 +152,8 @@ PHASE_COLORS = {"queue": "#d0d0d0", "prefill": "#f28e2b", "decode": "#4e79a7"}
 
 def read_trace(path: str | Path) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
     """The step and request records of an engine step trace (JSON lines)."""
-    steps, requests = [], []
+    steps: list[dict[str, Any]] = []
+    requests: list[dict[str, Any]] = []
     with open(path) as f:
         for line in f:
             record = json.loads(line)

@@ -8,13 +8,15 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
+from typing import TypeVar
 
 DEFAULT_ELASTICITY = 0.5
 # a larger batch's step may come out this much faster than a smaller one's before the sweep counts as noise
 NOISE_TOLERANCE = 0.1
+N = TypeVar("N", int, float)  # batch sizes, or any other load axis
 
 
-def measured_knee(batches: Sequence[int], times: Sequence[float], elasticity: float = DEFAULT_ELASTICITY) -> int | None:
+def measured_knee(batches: Sequence[N], times: Sequence[float], elasticity: float = DEFAULT_ELASTICITY) -> N | None:
     """The first swept batch past the bend of a measured step-time curve.
 
     On a roofline, step time is flat in batch while memory-bound and proportional to batch

@@ -6,6 +6,7 @@ planner takes a measured machine where it takes a datasheet entry.
 
 from __future__ import annotations
 
+import functools
 import os
 import platform
 import time
@@ -89,9 +90,8 @@ def measure_bandwidth(device: str = "cpu", budget_s: float = 0.6) -> dict[str, f
     n = nbytes // 4
     src = torch.ones(n, dtype=torch.float32, device=device)
     dst = torch.empty_like(src)
-    t_copy = _time_op(lambda: dst.copy_(src), device, budget_s / 2)
-    t_read = _time_op(lambda: src.sum(), device, budget_s / 2)
-    del src, dst
+    t_copy = _time_op(functools.partial(dst.copy_, src), device, budget_s / 2)
+    t_read = _time_op(src.sum, device, budget_s / 2)
     return {"copy": 2 * n * 4 / t_copy, "read": n * 4 / t_read, "buffer_bytes": float(n * 4)}
 
 
@@ -131,7 +131,7 @@ def measure_matmul_flops(
             # probe at a small size, then pick n so one multiply takes ~budget/8
             p = 256
             a = torch.randn(p, p).to(td)
-            rate = 2 * p**3 / _time_op(lambda: a @ a, device, 0.0, min_iters=2)
+            rate = 2 * p**3 / _time_op(functools.partial(torch.matmul, a, a), device, 0.0, min_iters=2)
             n = int((rate * budget_s / 8 / 2) ** (1 / 3)) // 64 * 64
             n = min(max(n, 256), 2048)
         a = torch.randn(n, n, device=device).to(td)
@@ -144,7 +144,7 @@ def measure_matmul_flops(
             for name, (a, b, n) in operands.items():
                 if cuda:
                     torch.backends.cuda.matmul.allow_tf32 = name == "tf32"
-                t = _time_op(lambda: a @ b, device, budget_s / max(1, rounds))
+                t = _time_op(functools.partial(torch.matmul, a, b), device, budget_s / max(1, rounds))
                 out[name] = max(out.get(name, 0.0), 2 * n**3 / t)
     finally:
         torch.backends.cuda.matmul.allow_tf32 = prev_tf32

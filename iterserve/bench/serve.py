@@ -22,7 +22,7 @@ import numpy as np
 from tqdm.auto import tqdm
 
 from iterserve.bench.metrics import DEFAULT_PERCENTILES, RequestResult, compute_metrics
-from iterserve.bench.workloads import Request, WorkloadSpec
+from iterserve.bench.workloads import Request, WorkloadSpec, is_token_ids
 from iterserve.tokenizer import Tokenizer
 
 COMPLETIONS = "/v1/completions"
@@ -65,9 +65,8 @@ def request_payload(
 ) -> dict[str, Any]:
     """The JSON body for one request; token-id prompts become text unless ``prompt_format`` is ids."""
     prompt = r.prompt
-    is_ids = isinstance(prompt, list) and bool(prompt) and isinstance(prompt[0], int)
     is_messages = isinstance(prompt, list) and bool(prompt) and isinstance(prompt[0], dict)
-    if is_ids and (cfg.prompt_format == "text" or cfg.chat):
+    if prompt and is_token_ids(prompt) and (cfg.prompt_format == "text" or cfg.chat):
         if tokenizer is None:
             raise ValueError(
                 "sending token-id prompts as text needs a tokenizer; pass --tokenizer or --prompt-format ids"

@@ -34,9 +34,9 @@ import torch
 from iterserve.bench.charts import read_trace
 from iterserve.bench.machine import MachineMonitor
 from iterserve.bench.metrics import DEFAULT_PERCENTILES, RequestResult, compute_metrics
-from iterserve.bench.workloads import Request
+from iterserve.bench.workloads import Request, is_token_ids
 from iterserve.engine.llm_engine import EngineConfig, LLMEngine
-from iterserve.models.loader import LoadedModel, embedded_model_path
+from iterserve.models.loader import LoadedModel, resolve_model
 from iterserve.outputs import RequestOutput
 from iterserve.sampling_params import SamplingParams
 from iterserve.tokenizer import Tokenizer
@@ -148,9 +148,9 @@ def _make_run(mode: str, n_req: int, n_in: int, n_out: int, counts: StepCounts, 
 
 def token_prompts(requests: list[Request], tokenizer: Tokenizer | None) -> list[list[int]]:
     """Every prompt as the token ids the engine would run (chat messages through the chat template)."""
-    out = []
+    out: list[list[int]] = []
     for r in requests:
-        if isinstance(r.prompt, list) and all(isinstance(t, int) for t in r.prompt):
+        if is_token_ids(r.prompt):
             out.append(list(r.prompt))
         elif tokenizer is None:
             raise ValueError("this workload has text prompts but the model has no tokenizer")
@@ -256,7 +256,8 @@ def run_engine_mode(
     return counts, Timed(elapsed, _latency_summary(results, elapsed, percentiles or list(DEFAULT_PERCENTILES))), n_out
 
 
-def _load_hf_model(name: str, dtype: torch.dtype, device: torch.device):
+def _load_hf_model(name: str, dtype: torch.dtype, device: torch.device) -> Any:
+    """transformers' model for ``name`` (its class depends on the checkpoint, hence Any)."""
     try:
         import transformers
     except ImportError:
@@ -264,14 +265,13 @@ def _load_hf_model(name: str, dtype: torch.dtype, device: torch.device):
             "--hf-baseline runs transformers' generate, and transformers is not installed; "
             "install it with: pip install 'iterserve[test]'"
         ) from None
-    try:
-        path = embedded_model_path(name.lower())
-    except KeyError:
-        path = Path(name).expanduser()
-    if path.is_file():
-        model = transformers.AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=dtype)
-    elif path.is_dir():
-        model = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=dtype)
+    source = resolve_model(name)
+    model: Any
+    if source.kind == "gguf" and source.path is not None:
+        model = transformers.AutoModelForCausalLM.from_pretrained(source.path.parent, gguf_file=source.path.name,
+                                                                  dtype=dtype)
+    elif source.kind == "folder" and source.path is not None:
+        model = transformers.AutoModelForCausalLM.from_pretrained(source.path, dtype=dtype)
     else:
         raise ValueError(
             f"--hf-baseline needs a model transformers can load (embedded, .gguf or a folder), not {name!r}"
@@ -394,8 +394,8 @@ def run_throughput(
             runs.append(_make_run(mode, len(requests), n_in, base.total_output_tokens, hf_counts, timed[mode], None))
         else:
             c, n_out = counts[mode]
-            trace = str(Path(trace_dir) / f"{mode}.jsonl") if trace_dir is not None else None
-            runs.append(_make_run(mode, len(requests), n_in, n_out, c, timed[mode], trace))
+            trace_file = str(Path(trace_dir) / f"{mode}.jsonl") if trace_dir is not None else None
+            runs.append(_make_run(mode, len(requests), n_in, n_out, c, timed[mode], trace_file))
     by_mode = {r.mode: r for r in runs}
     check = monitor.check
     result: dict[str, Any] = {
@@ -412,9 +412,9 @@ def run_throughput(
         "runs": [dataclasses.asdict(r) for r in runs],
     }
     if "continuous" in by_mode and "static" in by_mode:
-        c, s = by_mode["continuous"], by_mode["static"]
-        result["continuous_over_static"] = c.output_throughput / s.output_throughput
-        result["continuous_over_static_runs"] = [a / b for a, b in zip(c.output_throughput_runs,
-                                                                        s.output_throughput_runs)]
-        result["continuous_over_static_per_step"] = c.output_tokens_per_step / s.output_tokens_per_step
+        cont, stat = by_mode["continuous"], by_mode["static"]
+        result["continuous_over_static"] = cont.output_throughput / stat.output_throughput
+        result["continuous_over_static_runs"] = [a / b for a, b in zip(cont.output_throughput_runs,
+                                                                        stat.output_throughput_runs)]
+        result["continuous_over_static_per_step"] = cont.output_tokens_per_step / stat.output_tokens_per_step
     return result

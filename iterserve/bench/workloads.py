@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+from typing_extensions import TypeIs
 
 from iterserve.tokenizer import Tokenizer
 
@@ -218,8 +219,13 @@ def synthetic_workload(
 # -- datasets -------------------------------------------------------------------------------------
 
 
+def is_token_ids(prompt: Prompt) -> TypeIs[list[int]]:
+    """Whether a workload prompt is token ids (else text or chat messages)."""
+    return isinstance(prompt, list) and all(isinstance(t, int) for t in prompt)
+
+
 def _prompt_len(prompt: Prompt, tokenizer: Tokenizer | None, where: str) -> int:
-    if isinstance(prompt, list) and all(isinstance(t, int) for t in prompt):
+    if is_token_ids(prompt):
         return len(prompt)
     if tokenizer is None:
         raise ValueError(f"{where}: text prompts need a tokenizer to count their tokens")

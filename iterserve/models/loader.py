@@ -59,7 +59,7 @@ def embedded_model_path(name: str = DEFAULT_MODEL) -> Path:
         ) from None
     for f in dist.files or []:
         if f.name == filename:
-            path = Path(dist.locate_file(f))
+            path = Path(str(dist.locate_file(f)))
             if path.is_file():
                 return path
     raise FileNotFoundError(f"{dist_name} is installed but {filename} is missing from it; reinstall with: {install}")
@@ -319,7 +319,8 @@ def parse_random_name(name: str) -> ModelConfig:
         if not hasattr(config, key):
             raise ValueError(f"unknown config field {key!r} in model name {name!r}")
         current = getattr(config, key)
-        overrides[key] = type(current)(value) if isinstance(current, (int, float)) and not isinstance(current, bool) else value
+        numeric = isinstance(current, (int, float)) and not isinstance(current, bool)
+        overrides[key] = type(current)(value) if numeric else value
     return config.replace(**overrides) if overrides else config
 
 

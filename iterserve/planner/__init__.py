@@ -41,7 +41,8 @@ from iterserve.planner.roofline import (
 )
 
 __all__ = [
-    "ACCELERATORS", "DEFAULT_BLOCK_SIZE", "DEFAULT_CONTEXT", "DEFAULT_GPU_MEMORY_UTILIZATION", "Accelerator", "Capacity", "Cost",
+    "ACCELERATORS", "DEFAULT_BLOCK_SIZE", "DEFAULT_CONTEXT", "DEFAULT_GPU_MEMORY_UTILIZATION", "Accelerator",
+    "Capacity", "Cost",
     "Plan", "RooflinePoint", "SweepPoint", "attention_flops_per_token", "build_plan", "check_context",
     "check_positive", "config_from_gguf", "custom_accelerator", "decode_cost", "decode_knee", "default_batches",
     "find_preset", "get_accelerator", "kv_bytes_per_token", "kv_capacity", "layer_matmul_parameters",

@@ -25,7 +25,7 @@ import time
 import uuid
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
-from typing import Any
+from typing import Any, cast
 
 import uvicorn
 from fastapi import FastAPI, Request
@@ -368,6 +368,7 @@ class OpenAIServing:
             prompt = prompt[0]
         if isinstance(prompt, str):
             return await self._encode(prompt, "prompt", self.engine.max_model_len - 1), prompt
+        prompt = cast(list[int], prompt)  # a one-element batch was unwrapped above
         try:  # before the ids are decoded for echo
             check_prompt_ids(prompt, self.engine.model_config.vocab_size, self.engine.max_model_len)
         except RequestError as e:
@@ -582,7 +583,8 @@ async def _on_http_error(request: Request, exc: Exception) -> Response:
     assert isinstance(exc, StarletteHTTPException)
     message = f"no route for {request.method} {request.url.path}" if exc.status_code == 404 else str(exc.detail)
     kind = "invalid_request_error" if exc.status_code < 500 else "server_error"
-    return _error_response(APIError(exc.status_code, message, type=kind, headers=exc.headers))
+    headers = dict(exc.headers) if exc.headers is not None else None
+    return _error_response(APIError(exc.status_code, message, type=kind, headers=headers))
 
 
 async def _on_internal_error(request: Request, exc: Exception) -> Response:

@@ -90,7 +90,8 @@ def _prompt_kind(value: Any) -> str | None:
         return "text"
     if not isinstance(value, list):
         return None
-    return {str: "texts", list: "id_lists"}.get(type(value[0]), "ids") if value else "ids"
+    first = value[0] if value else None
+    return "texts" if isinstance(first, str) else "id_lists" if isinstance(first, list) else "ids"
 
 
 T = TypeVar("T")
@@ -100,7 +101,8 @@ Int = Annotated[int, Strict()]
 # million-element list takes pydantic (and FastAPI after it) tens of seconds on the event loop.
 ListOf = Annotated[list[T], Field(fail_fast=True)]
 Prompt = Annotated[
-    Annotated[str, Tag("text")] | Annotated[ListOf[Int], Tag("ids")] | Annotated[ListOf[str], Tag("texts")] | Annotated[ListOf[ListOf[Int]], Tag("id_lists")],
+    Annotated[str, Tag("text")] | Annotated[ListOf[Int], Tag("ids")] | Annotated[ListOf[str], Tag("texts")]
+    | Annotated[ListOf[ListOf[Int]], Tag("id_lists")],
     Discriminator(_prompt_kind, custom_error_type="prompt_type",
                   custom_error_message="must be a string, a list of token ids, or a list of either"),
 ]
@@ -176,12 +178,13 @@ class _SamplingRequest(_Request):
         top_p = 1.0 if self.top_p is None else self.top_p
         if 0 < top_p < MIN_TOP_P:
             top_p = MIN_TOP_P
+        stop = [self.stop] if isinstance(self.stop, str) else self.stop or []
         try:
             return SamplingParams(
                 temperature=temperature, top_p=top_p, top_k=self.top_k, min_p=self.min_p,
                 repetition_penalty=self.repetition_penalty, presence_penalty=self.presence_penalty,
                 frequency_penalty=self.frequency_penalty, seed=self.seed, max_tokens=max_tokens,
-                min_tokens=self.min_tokens, stop=self.stop or [], stop_token_ids=self.stop_token_ids or [],
+                min_tokens=self.min_tokens, stop=stop, stop_token_ids=self.stop_token_ids or [],
                 ignore_eos=self.ignore_eos, logprobs=logprobs, skip_special_tokens=self.skip_special_tokens,
             )
         except SamplingParamsError as e:
