@@ -36,7 +36,7 @@ class KVCache:
     def allocate(
         cls, num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int,
         dtype: torch.dtype, device: torch.device | str,
-    ) -> "KVCache":
+    ) -> KVCache:
         shape = (num_blocks, num_kv_heads, block_size, head_dim)
         return cls(torch.zeros(shape, dtype=dtype, device=device), torch.zeros(shape, dtype=dtype, device=device))
 
@@ -81,18 +81,23 @@ class AttentionMetadata:
     prefills: list[PrefillSpan] = field(default_factory=list)
     _decode_rows: torch.Tensor | None = field(default=None, repr=False)
 
+    def decode_tables(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """The decode sequences' block tables and context lengths (built whenever a step has decodes)."""
+        assert self.decode_block_tables is not None and self.decode_context_lens is not None, "no decodes"
+        return self.decode_block_tables, self.decode_context_lens
+
     def decode_rows(self, kv_heads: int) -> torch.Tensor:
         """Cache rows to gather for the decode sequences (computed once per step, for all layers)."""
         if self._decode_rows is None:
-            self._decode_rows = _head_rows(self.decode_block_tables, kv_heads)
+            self._decode_rows = _head_rows(self.decode_tables()[0], kv_heads)
         return self._decode_rows
 
     @functools.cached_property
     def decode_bias(self) -> torch.Tensor:
         """``[num_decodes, 1, 1, max_blocks * block_size]``: 0 where a decode may attend, -inf elsewhere
         (the reference path's mask; the fused kernel reads the context lengths instead)."""
-        ctx = self.decode_context_lens
-        key_pos = torch.arange(self.decode_block_tables.shape[1] * self.block_size, device=ctx.device)
+        tables, ctx = self.decode_tables()
+        key_pos = torch.arange(tables.shape[1] * self.block_size, device=ctx.device)
         mask = key_pos[None, :] < ctx[:, None]
         if self.sliding_window is not None:
             mask &= key_pos[None, :] > (ctx[:, None] - 1 - self.sliding_window)
@@ -109,7 +114,7 @@ class AttentionMetadata:
         query_lens: list[int],
         device: torch.device | str = "cpu",
         sliding_window: int | None = None,
-    ) -> "AttentionMetadata":
+    ) -> AttentionMetadata:
         """Describe a batch of sequences; decode sequences (query length 1) must come first.
 
         ``num_cached[i]`` tokens of sequence ``i`` are already in its blocks; this step adds
@@ -174,21 +179,21 @@ def paged_attention(
     The one backend seam: CPU tensors go to the fused C++ kernels when they are built
     (:mod:`iterserve.kernels`), everything else (CUDA, or ``ITERSERVE_CPU_KERNELS=0``) to PyTorch.
     """
-    fused = kernels.enabled_for(q)
-    if fused:
-        kernels.ops.write_kv(k, v, cache.k, cache.v, meta.slot_blocks, meta.slot_offsets)
+    ops = kernels.ops_for(q)  # the fused kernels, or None for the PyTorch path
+    if ops is not None:
+        ops.write_kv(k, v, cache.k, cache.v, meta.slot_blocks, meta.slot_offsets)
     else:
         cache.k[meta.slot_blocks, :, meta.slot_offsets] = k
         cache.v[meta.slot_blocks, :, meta.slot_offsets] = v
     out = torch.empty_like(q)
     n_dec = meta.num_decode_tokens
     if n_dec:
-        if fused:
+        if ops is not None:
             # Reads each sequence's blocks in place: no gathered copy of K/V. Decode attention alone (bf16,
             # context 512, one layer) measured the gather + two matmuls 5.6x / 4.7x / 6.1x slower at batch
             # 1 / 16 / 64; torch.compile of that route took 0.7-1.2x the gather's time, still 7-20x the
             # kernel's (scripts/bench_decode_attention.py, under heavy shared load, routes alternating).
-            kernels.ops.paged_decode(out[:n_dec], q[:n_dec], cache.k, cache.v, meta.decode_block_tables,
+            ops.paged_decode(out[:n_dec], q[:n_dec], cache.k, cache.v, meta.decode_block_tables,
                                      meta.decode_context_lens, scale, meta.sliding_window or 0)
         else:
             out[:n_dec] = decode_attention_reference(q[:n_dec], cache, meta, scale)
@@ -213,7 +218,7 @@ def decode_attention_reference(q: torch.Tensor, cache: KVCache, meta: AttentionM
     """Decode attention in PyTorch: gather every decode sequence's blocks head by head into
     [S, kv_heads, T, D], then two batched matmuls; GQA groups share their K/V head without repeating it."""
     _, kv_heads, _, head_dim = cache.k.shape
-    seqs = meta.decode_block_tables.shape[0]
+    seqs = meta.decode_tables()[0].shape[0]
     rows = meta.decode_rows(kv_heads)
     keys = _gather_rows(cache.k, rows).view(seqs, kv_heads, -1, head_dim)
     values = _gather_rows(cache.v, rows).view(seqs, kv_heads, -1, head_dim)

@@ -8,6 +8,7 @@ import os
 import sys
 import time
 
+from iterserve.allocator import tune_allocator
 from iterserve.engine.llm_engine import EngineConfig
 from iterserve.models.loader import DEFAULT_MODEL
 
@@ -89,6 +90,7 @@ def _cmd_generate(args: argparse.Namespace) -> int:
     assert final is not None
     c, m = final.outputs[0], final.metrics
     print("" if args.stream else c.text)
+    assert m.finished_time is not None and m.ttft is not None  # a finished request has both
     elapsed = m.finished_time - start
     print(
         f"[{len(final.prompt_token_ids)} prompt + {len(c.token_ids)} output tokens, finish={c.finish_reason}, "
@@ -147,6 +149,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     logging.basicConfig(level=args.log_level.upper(), format="%(levelname)s %(name)s: %(message)s")
     logging.getLogger("httpx").setLevel(logging.WARNING)  # one line per request drowns bench serve's output
+    tune_allocator()  # a launcher setting, for this process and the engine core it starts
     try:
         return args.func(args)
     except (ValueError, FileNotFoundError) as e:

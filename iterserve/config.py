@@ -7,10 +7,14 @@ A config can come from a Hugging Face ``config.json``, from GGUF metadata, or fr
 from __future__ import annotations
 
 import dataclasses
+import json
 from dataclasses import dataclass, field
+from importlib import resources
 from typing import Any
 
 import torch
+
+from iterserve.dtypes import canonical_dtype, torch_dtype
 
 SUPPORTED_ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3")
 
@@ -21,15 +25,8 @@ _HF_ARCH_NAMES = {
     "Qwen3ForCausalLM": "qwen3",
 }
 
-DTYPES = {
-    "float32": torch.float32,
-    "fp32": torch.float32,
-    "bfloat16": torch.bfloat16,
-    "bf16": torch.bfloat16,
-    "float16": torch.float16,
-    "fp16": torch.float16,
-    "half": torch.float16,
-}
+# the dtypes the engine runs in (keys of iterserve.dtypes.DTYPES, the one dtype table)
+RUNNABLE_DTYPES = ("fp32", "bf16", "fp16")
 
 
 # CPU flags (Linux /proc/cpuinfo) of bf16 matrix instructions. Without them torch emulates bf16: on a
@@ -57,16 +54,20 @@ def parse_dtype(dtype: str | torch.dtype) -> torch.dtype:
     instructions) and float32 elsewhere, where bf16 would only be emulated.
     """
     if isinstance(dtype, torch.dtype):
-        if dtype in DTYPES.values():
+        if dtype in {torch_dtype(key) for key in RUNNABLE_DTYPES}:
             return dtype
         raise ValueError(f"unsupported dtype {dtype}; choose one of auto, float32, bfloat16, float16")
     key = str(dtype).lower()
     if key == "auto":
         native = torch.cuda.is_available() or cpu_has_native_bf16()
         return torch.bfloat16 if native else torch.float32
-    if key not in DTYPES:
+    try:
+        canonical = canonical_dtype(key)
+    except ValueError:
+        canonical = None
+    if canonical not in RUNNABLE_DTYPES:
         raise ValueError(f"unknown dtype {dtype!r}; choose one of auto, float32, bfloat16, float16")
-    return DTYPES[key]
+    return torch_dtype(canonical)
 
 
 @dataclass
@@ -133,13 +134,13 @@ class ModelConfig:
         lm_head = 0 if self.tie_word_embeddings else self.vocab_size * h
         return self.num_layers * per_layer + embed + lm_head + h  # final norm
 
-    def replace(self, **changes: Any) -> "ModelConfig":
+    def replace(self, **changes: Any) -> ModelConfig:
         return dataclasses.replace(self, **changes)
 
     # -- constructors ---------------------------------------------------------------------------
 
     @classmethod
-    def from_hf_config(cls, cfg: dict[str, Any], name: str = "") -> "ModelConfig":
+    def from_hf_config(cls, cfg: dict[str, Any], name: str = "") -> ModelConfig:
         """Build from a Hugging Face ``config.json`` dictionary."""
         archs = cfg.get("architectures") or []
         arch = next((_HF_ARCH_NAMES[a] for a in archs if a in _HF_ARCH_NAMES), None)
@@ -217,84 +218,14 @@ class ModelConfig:
         return cfg
 
 
-def _preset(**kw: Any) -> ModelConfig:
-    return ModelConfig(**kw)
+def _load_presets() -> dict[str, ModelConfig]:
+    data = json.loads(resources.files("iterserve").joinpath("data/model_presets.json").read_text("utf-8"))
+    return {key: ModelConfig(**{k: v for k, v in entry.items() if k != "source"})
+            for key, entry in data["presets"].items()}
 
 
-# Real shapes of well-known checkpoints (from their published config.json files).
-PRESETS: dict[str, ModelConfig] = {
-    "smollm2-135m": _preset(
-        name="HuggingFaceTB/SmolLM2-135M-Instruct", architecture="llama", vocab_size=49152,
-        hidden_size=576, intermediate_size=1536, num_layers=30, num_heads=9, num_kv_heads=3,
-        head_dim=64, max_position_embeddings=8192, rms_norm_eps=1e-5, rope_theta=100000.0,
-        tie_word_embeddings=True, bos_token_id=1, eos_token_id=2,
-    ),
-    "smollm2-360m": _preset(
-        name="HuggingFaceTB/SmolLM2-360M-Instruct", architecture="llama", vocab_size=49152,
-        hidden_size=960, intermediate_size=2560, num_layers=32, num_heads=15, num_kv_heads=5,
-        head_dim=64, max_position_embeddings=8192, rms_norm_eps=1e-5, rope_theta=100000.0,
-        tie_word_embeddings=True, bos_token_id=1, eos_token_id=2,
-    ),
-    "qwen2-0.5b": _preset(
-        name="Qwen/Qwen2-0.5B-Instruct", architecture="qwen2", vocab_size=151936,
-        hidden_size=896, intermediate_size=4864, num_layers=24, num_heads=14, num_kv_heads=2,
-        head_dim=64, max_position_embeddings=32768, rms_norm_eps=1e-6, rope_theta=1000000.0,
-        tie_word_embeddings=True, attention_bias=True, bos_token_id=151643, eos_token_id=151645,
-    ),
-    "qwen3-0.6b": _preset(
-        name="Qwen/Qwen3-0.6B", architecture="qwen3", vocab_size=151936, hidden_size=1024,
-        intermediate_size=3072, num_layers=28, num_heads=16, num_kv_heads=8, head_dim=128,
-        max_position_embeddings=40960, rms_norm_eps=1e-6, rope_theta=1000000.0,
-        tie_word_embeddings=True, qk_norm=True, bos_token_id=151643, eos_token_id=151645,
-    ),
-    "qwen3-8b": _preset(
-        name="Qwen/Qwen3-8B", architecture="qwen3", vocab_size=151936, hidden_size=4096,
-        intermediate_size=12288, num_layers=36, num_heads=32, num_kv_heads=8, head_dim=128,
-        max_position_embeddings=40960, rms_norm_eps=1e-6, rope_theta=1000000.0,
-        qk_norm=True, bos_token_id=151643, eos_token_id=151645,
-    ),
-    "llama-2-7b": _preset(
-        name="meta-llama/Llama-2-7b-hf", architecture="llama", vocab_size=32000, hidden_size=4096,
-        intermediate_size=11008, num_layers=32, num_heads=32, num_kv_heads=32, head_dim=128,
-        max_position_embeddings=4096, rms_norm_eps=1e-5, bos_token_id=1, eos_token_id=2,
-    ),
-    "llama-2-13b": _preset(
-        name="meta-llama/Llama-2-13b-hf", architecture="llama", vocab_size=32000, hidden_size=5120,
-        intermediate_size=13824, num_layers=40, num_heads=40, num_kv_heads=40, head_dim=128,
-        max_position_embeddings=4096, rms_norm_eps=1e-5, bos_token_id=1, eos_token_id=2,
-    ),
-    "llama-2-70b": _preset(
-        name="meta-llama/Llama-2-70b-hf", architecture="llama", vocab_size=32000, hidden_size=8192,
-        intermediate_size=28672, num_layers=80, num_heads=64, num_kv_heads=8, head_dim=128,
-        max_position_embeddings=4096, rms_norm_eps=1e-5, bos_token_id=1, eos_token_id=2,
-    ),
-    "llama-3-8b": _preset(
-        name="meta-llama/Meta-Llama-3-8B", architecture="llama", vocab_size=128256, hidden_size=4096,
-        intermediate_size=14336, num_layers=32, num_heads=32, num_kv_heads=8, head_dim=128,
-        max_position_embeddings=8192, rms_norm_eps=1e-5, rope_theta=500000.0,
-        bos_token_id=128000, eos_token_id=128001,
-    ),
-    "llama-3.1-8b": _preset(
-        name="meta-llama/Llama-3.1-8B", architecture="llama", vocab_size=128256, hidden_size=4096,
-        intermediate_size=14336, num_layers=32, num_heads=32, num_kv_heads=8, head_dim=128,
-        max_position_embeddings=131072, rms_norm_eps=1e-5, rope_theta=500000.0,
-        rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
-                      "high_freq_factor": 4.0, "original_max_position_embeddings": 8192},
-        bos_token_id=128000, eos_token_id=128001,
-    ),
-    "llama-3-70b": _preset(
-        name="meta-llama/Meta-Llama-3-70B", architecture="llama", vocab_size=128256,
-        hidden_size=8192, intermediate_size=28672, num_layers=80, num_heads=64, num_kv_heads=8,
-        head_dim=128, max_position_embeddings=8192, rms_norm_eps=1e-5, rope_theta=500000.0,
-        bos_token_id=128000, eos_token_id=128001,
-    ),
-    "mistral-7b": _preset(
-        name="mistralai/Mistral-7B-v0.1", architecture="mistral", vocab_size=32000,
-        hidden_size=4096, intermediate_size=14336, num_layers=32, num_heads=32, num_kv_heads=8,
-        head_dim=128, max_position_embeddings=32768, rms_norm_eps=1e-5, rope_theta=10000.0,
-        sliding_window=4096, bos_token_id=1, eos_token_id=2,
-    ),
-}
+# Real shapes of well-known checkpoints, package data with each entry's source (its config.json).
+PRESETS: dict[str, ModelConfig] = _load_presets()
 
 
 def get_preset(name: str) -> ModelConfig:

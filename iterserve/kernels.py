@@ -71,6 +71,8 @@ def load_build() -> ModuleType | None:
         return None
     try:
         spec = importlib.util.spec_from_file_location(name, path)
+        if spec is None or spec.loader is None:
+            raise ImportError(f"no loader for {path}")
         module = importlib.util.module_from_spec(spec)
         spec.loader.exec_module(module)
     except ImportError as exc:
@@ -89,9 +91,9 @@ def _load() -> ModuleType | None:
 ops: ModuleType | None = _load()
 
 
-def enabled_for(t: torch.Tensor) -> bool:
-    """Whether the fused CPU ops serve this tensor (built, not disabled, and on the CPU)."""
-    return ops is not None and t.device.type == "cpu"
+def ops_for(t: torch.Tensor) -> ModuleType | None:
+    """The fused CPU ops when they serve this tensor (built, not disabled, and on the CPU), else None."""
+    return ops if t.device.type == "cpu" else None
 
 
 if __name__ == "__main__":

@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Sequence as Seq
+from collections.abc import Sequence as Seq
+from typing import Any, cast
 
 from tqdm.auto import tqdm
 
@@ -44,8 +45,8 @@ class LLM:
     ) -> list[RequestOutput]:
         """Generate for every prompt; outputs come back in prompt order."""
         if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
-            prompts = [prompts]  # a single prompt, as text or token ids
-        prompts = list(prompts)
+            prompts = [cast(Prompt, prompts)]  # a single prompt, as text or token ids
+        prompts = list(cast(Seq[Prompt], prompts))
         if sampling_params is None or isinstance(sampling_params, SamplingParams):
             params = [sampling_params or SamplingParams()] * len(prompts)
         else:
@@ -74,7 +75,7 @@ class LLM:
         if self.tokenizer is None:
             raise ValueError("this model has no tokenizer, so it has no chat template")
         if conversations and isinstance(conversations[0], dict):
-            conversations = [conversations]
+            conversations = [cast(list[dict[str, Any]], conversations)]
         prompts = [
             self.tokenizer.encode(
                 self.tokenizer.apply_chat_template(c, add_generation_prompt=add_generation_prompt),

@@ -10,19 +10,24 @@ import argparse
 import json
 import re
 import sys
-from typing import Any, Sequence, TextIO
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any, TextIO
 
 from iterserve import planner
-from iterserve.hardware import ACCELERATORS, GiB, Accelerator, canonical_dtype, get_accelerator
+from iterserve.dtypes import canonical_dtype
+from iterserve.planner.hardware import ACCELERATORS, Accelerator, GiB, get_accelerator
+from iterserve.tables import render_table
+from iterserve.units import parse_size
+
+if TYPE_CHECKING:
+    from iterserve.bench.validate import Validation
 
 PROG = "iterserve plan"
 
-_SIZE_UNITS = {"": GiB, "b": 1, "kb": 1e3, "mb": 1e6, "gb": 1e9, "tb": 1e12,
-               "kib": 2**10, "mib": 2**20, "gib": GiB, "tib": 2**40}  # fmt: skip
 _BW_UNITS = {"": 1e9, "gb/s": 1e9, "gbps": 1e9, "gbs": 1e9, "tb/s": 1e12, "tbps": 1e12, "tbs": 1e12,
-             "mb/s": 1e6, "b/s": 1}  # fmt: skip
+             "mb/s": 1e6, "b/s": 1}
 _FLOPS_UNITS = {"": 1e12, "tflops": 1e12, "tflop/s": 1e12, "t": 1e12, "gflops": 1e9, "gflop/s": 1e9,
-                "g": 1e9, "pflops": 1e15, "pflop/s": 1e15, "p": 1e15, "flops": 1, "flop/s": 1}  # fmt: skip
+                "g": 1e9, "pflops": 1e15, "pflop/s": 1e15, "p": 1e15, "flops": 1, "flop/s": 1}
 
 
 def _parse_quantity(text: str, units: dict[str, float], what: str, default_unit: str) -> float:
@@ -40,8 +45,8 @@ def _parse_quantity(text: str, units: dict[str, float], what: str, default_unit:
 
 
 def parse_memory(text: str) -> int:
-    """``"80"`` (GiB), ``"80GiB"``, ``"85.9GB"`` -> bytes."""
-    return int(_parse_quantity(text, _SIZE_UNITS, "memory size", "GiB"))
+    """``"80"`` (GiB), ``"80GiB"``, ``"2G"``, ``"85.9GB"`` -> bytes (:func:`iterserve.units.parse_size`)."""
+    return parse_size(text)
 
 
 def parse_bandwidth(text: str) -> float:
@@ -88,32 +93,29 @@ def _add_arguments(p: argparse.ArgumentParser) -> None:
     hw.add_argument("--list-gpus", action="store_true", help="print the accelerator table and exit")
     hw.add_argument("--flops", help="peak FLOP/s for --dtype, in TFLOP/s (or with a unit: 800GFLOPS)")
     hw.add_argument("--bandwidth", help="memory bandwidth in GB/s (or with a unit: 3.35TB/s)")
-    hw.add_argument("--memory", help="device memory in GiB (or with a unit: 85.9GB)")
+    hw.add_argument("--memory", help="device memory in GiB (or with a unit: 80GiB, 85.9GB)")
     hw.add_argument("--measure", action="store_true", help="measure this machine (CPU or CUDA)")
     hw.add_argument("--device", choices=["cpu", "cuda"], help="device for --measure/--validate")
     wl = p.add_argument_group("workload")
     wl.add_argument("--dtype", help="weight/compute dtype: fp32, tf32, bf16, fp16, fp8, int8 "
-                    "(default bf16; with --validate fp32 on CPU)")  # fmt: skip
+                    "(default bf16; with --validate fp32 on CPU)")
     wl.add_argument("--kv-dtype", help="KV-cache dtype (default: --dtype)")
     wl.add_argument("--context", type=int, help="tokens per sequence for KV capacity and decode "
-                    "(default min(4096, model max); 256 with --validate)")  # fmt: skip
+                    "(default min(4096, model max); 256 with --validate)")
     wl.add_argument("--prompt-len", type=int, help="prompt tokens for prefill/TTFT (default --context)")
     wl.add_argument("--batch", type=int, default=1, help="batch for the TTFT/TPOT headline (default 1)")
     wl.add_argument("--batches", help="decode sweep, comma-separated (default 1,2,4,...,256)")
     wl.add_argument("--gpu-memory-utilization", type=float,
                     default=planner.DEFAULT_GPU_MEMORY_UTILIZATION,
-                    help="fraction of device memory for weights + KV cache (default 0.9)")  # fmt: skip
+                    help="fraction of device memory for weights + KV cache (default 0.9)")
     wl.add_argument("--block-size", type=int, default=planner.DEFAULT_BLOCK_SIZE,
-                    help="KV-cache block size in tokens (default 16)")  # fmt: skip
+                    help="KV-cache block size in tokens (default 16)")
     out = p.add_argument_group("output")
     out.add_argument("--json", action="store_true", help="print JSON instead of tables")
     out.add_argument("--chart", metavar="PNG", help="write a chart of tokens/s and latency vs batch")
     val = p.add_argument_group("validation")
     val.add_argument("--validate", action="store_true",
-                     help="time decode steps on this machine and compare with the prediction")  # fmt: skip
-    val.add_argument("--timer", choices=["engine", "synthetic"], default="engine",
-                     help="what --validate times: the engine's forward (default) or a synthetic "
-                     "stand-in with the model's shapes")  # fmt: skip
+                     help="time decode steps on this machine and compare with the prediction")
     val.add_argument("--repeats", type=int, default=3, help="timed repeats per batch (default 3)")
 
 
@@ -167,19 +169,7 @@ def _fmt_bw(b: float) -> str:
 
 
 def _print_table(title: str, headers: Sequence[str], rows: Sequence[Sequence[str]], out: TextIO) -> None:
-    from rich.console import Console
-    from rich.table import Table
-
-    table = Table()
-    for i, h in enumerate(headers):
-        table.add_column(h, justify="left" if i == 0 else "right")
-    for row in rows:
-        table.add_row(*row)
-    width = None if out.isatty() else max(100, 4 + sum(
-        max(len(str(c)) for c in col) + 3 for col in zip(headers, *rows)))  # fmt: skip
-    console = Console(file=out, width=width, highlight=False)
-    console.print(title, markup=False)
-    console.print(table)
+    print(render_table(headers, rows, title), file=out)
 
 
 def _knee_text(p: planner.Plan) -> str:
@@ -221,7 +211,7 @@ def print_plans(plans: list[planner.Plan], out: TextIO) -> None:
         (f"TTFT @ B={first.batch}", lambda p: _fmt_time(p.ttft_s)),
         (f"TPOT @ B={first.batch}", lambda p: _fmt_time(p.tpot_s)),
         (f"tokens/s @ B={first.batch}", lambda p: f"{p.tokens_per_s:,.0f}"),
-    ]  # fmt: skip
+    ]
     _print_table(
         "roofline",
         ["", *[p.hardware.name for p in plans]],
@@ -245,7 +235,7 @@ def print_plans(plans: list[planner.Plan], out: TextIO) -> None:
         print(f"{p.hardware.name}: {p.hardware.source}", file=out)
 
 
-def print_validation(v: planner.Validation, out: TextIO) -> None:
+def print_validation(v: Validation, out: TextIO) -> None:
     hw = v.hardware
     _print_table(
         f"validation: {v.model}, {v.dtype}, decode at {v.context} ctx on {hw.name}",
@@ -254,32 +244,24 @@ def print_validation(v: planner.Validation, out: TextIO) -> None:
             [str(r.batch), _fmt_time(r.predicted_s), _fmt_time(r.measured_s),
              f"{100 * r.relative_error:+.1f}%", r.bound]
             for r in v.rows
-        ],  # fmt: skip
+        ],
         out,
     )
     flops = ", ".join(f"{k} {_fmt_flops(f)}" for k, f in hw.flops.items())
     print(f"hardware: {flops}; bandwidth {_fmt_bw(hw.bandwidth)} ({hw.source})", file=out)
     print(f"predicted knee: {v.predicted_knee if v.predicted_knee is not None else 'none'} "
           f"(on the swept batches: {v.predicted_knee_on_sweep or 'none'}); "
-          f"measured knee: {v.measured_knee or 'none'}", file=out)  # fmt: skip
+          f"measured knee: {v.measured_knee or 'none'}", file=out)
 
 
 # -- charts -------------------------------------------------------------------------------------
 
 
-def _figure():
-    from matplotlib.backends.backend_agg import FigureCanvasAgg
-    from matplotlib.figure import Figure
-
-    fig = Figure(figsize=(11, 4.5))
-    FigureCanvasAgg(fig)
-    return fig
-
-
 def chart_plans(plans: list[planner.Plan], path: str) -> None:
     """Predicted tokens/s and per-token latency vs batch, knee and memory limit marked."""
-    fig = _figure()
-    ax_tps, ax_lat = fig.subplots(1, 2)
+    from iterserve.bench.charts import subplots
+
+    fig, (ax_tps, ax_lat) = subplots(1, 2, figsize=(11, 4.5))
     for i, p in enumerate(plans):
         color = f"C{i}"
         b = [s.batch for s in p.sweep]
@@ -290,6 +272,7 @@ def chart_plans(plans: list[planner.Plan], path: str) -> None:
             for ax in (ax_tps, ax_lat):
                 ax.axvline(k, color=color, ls="--", lw=1)
             kp = p.knee_point
+            assert kp is not None  # a plan with a knee has its point
             ax_tps.plot([k], [kp.tokens_per_s], "*", color=color, ms=12, label=f"knee B={k}")
             ax_lat.plot([k], [kp.decode.time_s * 1e3], "*", color=color, ms=12)
         if p.capacity.max_seqs >= 1:
@@ -318,10 +301,11 @@ def _log_batch_axes(axes: Sequence[tuple[Any, str]], xlabel: str) -> None:
         ax.grid(True, which="both", alpha=0.3)
 
 
-def chart_validation(v: planner.Validation, path: str) -> None:
+def chart_validation(v: Validation, path: str) -> None:
     """Predicted vs measured decode step time and tokens/s, with both knees marked."""
-    fig = _figure()
-    ax_t, ax_tps = fig.subplots(1, 2)
+    from iterserve.bench.charts import subplots
+
+    fig, (ax_t, ax_tps) = subplots(1, 2, figsize=(11, 4.5))
     b = [r.batch for r in v.rows]
     pred = [r.predicted_s for r in v.rows]
     meas = [r.measured_s for r in v.rows]
@@ -344,11 +328,9 @@ def chart_validation(v: planner.Validation, path: str) -> None:
 
 
 def _hardware_from_args(args: argparse.Namespace, dtype: str) -> list[Accelerator]:
-    overrides = {
-        "flops": parse_flops(args.flops) if args.flops else None,
-        "bandwidth": parse_bandwidth(args.bandwidth) if args.bandwidth else None,
-        "memory_bytes": parse_memory(args.memory) if args.memory else None,
-    }
+    flops = parse_flops(args.flops) if args.flops else None
+    bandwidth = parse_bandwidth(args.bandwidth) if args.bandwidth else None
+    memory = parse_memory(args.memory) if args.memory else None
     hws: list[Accelerator] = []
     if args.gpu:
         names = [n.strip() for n in args.gpu.split(",") if n.strip()]
@@ -356,16 +338,18 @@ def _hardware_from_args(args: argparse.Namespace, dtype: str) -> list[Accelerato
             raise ValueError("--gpu needs at least one GPU name")
         hws += [get_accelerator(n) for n in names]
     if args.measure:
-        hws.append(planner.measure_local(args.device))
+        from iterserve.bench.microbench import measure_local
+
+        hws.append(measure_local(args.device))
     if hws:
-        return [hw.with_overrides(dtype=dtype, **overrides) for hw in hws]
+        return [hw.with_overrides(dtype=dtype, flops=flops, bandwidth=bandwidth, memory_bytes=memory) for hw in hws]
     missing = [f"--{k}" for k, v in (("flops", args.flops), ("bandwidth", args.bandwidth),
-                                     ("memory", args.memory)) if not v]  # fmt: skip
+                                     ("memory", args.memory)) if not v]
     if len(missing) == 3:
         raise ValueError("say which hardware: --gpu NAME, --measure, or --flops/--bandwidth/--memory")
     if missing:
         raise ValueError(f"explicit hardware needs --flops, --bandwidth and --memory; missing {', '.join(missing)}")
-    return [planner.custom_accelerator(dtype=dtype, **overrides)]
+    return [planner.custom_accelerator(dtype=dtype, flops=flops, bandwidth=bandwidth, memory_bytes=memory)]
 
 
 def _list_gpus(out: TextIO, as_json: bool) -> None:
@@ -379,7 +363,7 @@ def _list_gpus(out: TextIO, as_json: bool) -> None:
         [[hw.name, *[f"{hw.flops[k] / 1e12:g}" if k in hw.flops else "-" for k in keys],
           f"{hw.bandwidth / 1e9:g}", f"{hw.memory_bytes / GiB:g}"] for hw in ACCELERATORS.values()],
         out,
-    )  # fmt: skip
+    )
     for hw in ACCELERATORS.values():
         print(f"{hw.name}: {hw.source}" + (f" ({hw.notes})" if hw.notes else ""), file=out)
 
@@ -389,33 +373,32 @@ def _run_validate(args: argparse.Namespace, out: TextIO) -> int:
         raise ValueError("--validate measures this machine; drop --gpu/--flops/--bandwidth/--memory")
     import torch
 
+    from iterserve.bench import validate
+    from iterserve.bench.progress import status
+
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
     dtype = canonical_dtype(args.dtype or ("bf16" if device == "cuda" else "fp32"))
     cfg = planner.load_model_config(args.model)
     context = args.context if args.context is not None else min(
-        planner.DEFAULT_VALIDATION_CONTEXT, cfg.max_position_embeddings)  # fmt: skip
-    batches = _parse_batches(args.batches) or list(planner.DEFAULT_VALIDATION_BATCHES)
+        validate.DEFAULT_VALIDATION_CONTEXT, cfg.max_position_embeddings)
+    batches = _parse_batches(args.batches) or list(validate.DEFAULT_VALIDATION_BATCHES)
     planner.check_context(cfg, context)  # bad input first, before anything is measured or built
     planner.check_positive(args.repeats, "repeats")
-    from iterserve.bench.progress import status
 
     with status(f"loading {args.model} ...") as say:
-        if args.timer == "synthetic":
-            timer = planner.synthetic_decode_timer(cfg, dtype, device=device)
-        else:
-            timer = planner.default_decode_timer(args.model, dtype, device=device)
+        timer = validate.default_decode_timer(args.model, dtype, device=device)
 
         def timed(batch: int, context_len: int) -> float:
             say(f"timing decode steps at context {context_len}: batch {batch} (sweep up to {max(batches)}) ...")
             return timer(batch, context_len)
 
         say("measuring this machine's memory bandwidth and FLOP/s ...")
-        v = planner.validate(cfg, timed, device=device, dtype=dtype, kv_dtype=args.kv_dtype, context=context,
-                             batches=batches, repeats=args.repeats)  # fmt: skip
+        v = validate.validate(cfg, timed, device=device, dtype=dtype, kv_dtype=args.kv_dtype, context=context,
+                              batches=batches, repeats=args.repeats)
     if args.chart:
         chart_validation(v, args.chart)
     if args.json:
-        print(json.dumps({"validation": v.to_dict(), "timer": args.timer}, indent=2, default=str), file=out)
+        print(json.dumps({"validation": v.to_dict()}, indent=2, default=str), file=out)
     else:
         print_validation(v, out)
         if args.chart:
@@ -450,31 +433,30 @@ def _run(args: argparse.Namespace, out: TextIO, err: TextIO) -> int:
     cfg = planner.load_model_config(args.model)
     hws = _hardware_from_args(args, dtype)
     batches = _parse_batches(args.batches)
+    options: dict[str, Any] = dict(dtype=dtype, kv_dtype=kv_dtype, context=args.context, prompt_len=args.prompt_len,
+                                   batch=args.batch, gpu_memory_utilization=args.gpu_memory_utilization,
+                                   block_size=args.block_size)
+    if batches is None and len(hws) > 1:  # one sweep for every GPU, so the table lines up
+        context = args.context if args.context is not None else min(
+            planner.DEFAULT_CONTEXT, cfg.max_position_embeddings)
+        sweeps = []
+        for hw in hws:
+            try:  # a GPU the model does not fit on is skipped below, with the reason, and adds no rows
+                planner.kv_capacity(cfg, hw, context, dtype, kv_dtype, args.gpu_memory_utilization, args.block_size)
+                sweeps.append(planner.default_batches(cfg, hw, context, dtype, kv_dtype))
+            except ValueError:
+                continue
+        batches = sorted({b for sweep in sweeps for b in sweep}) or None
     plans, skipped = [], []
     for hw in hws:
         try:
-            p = planner.plan(cfg, hw, dtype=dtype, kv_dtype=kv_dtype, context=args.context,
-                             prompt_len=args.prompt_len, batch=args.batch, batches=batches,
-                             gpu_memory_utilization=args.gpu_memory_utilization,
-                             block_size=args.block_size)  # fmt: skip
+            plans.append(planner.plan(cfg, hw, batches=batches, **options))
         except ValueError as e:
             if len(hws) == 1:
                 raise
             skipped.append(f"{hw.name}: {e}")
-            continue
-        plans.append(p)
     if not plans:
         raise ValueError(f"no GPU can run this: {'; '.join(skipped)}")
-    if batches is None and len(plans) > 1:  # align the sweeps so the table lines up
-        union = sorted({s.batch for p in plans for s in p.sweep})
-        realigned = []
-        for p in plans:
-            q = planner.plan(cfg, p.hardware, dtype=dtype, kv_dtype=kv_dtype, context=args.context,
-                             prompt_len=args.prompt_len, batch=args.batch, batches=union,
-                             gpu_memory_utilization=args.gpu_memory_utilization,
-                             block_size=args.block_size)  # fmt: skip
-            realigned.append(q)
-        plans = realigned
     if args.chart:
         chart_plans(plans, args.chart)
     if args.json:

@@ -11,9 +11,15 @@ import math
 import operator
 from dataclasses import dataclass, field
 
+from iterserve.errors import RequestError
+
 # Below this temperature sampling is indistinguishable from greedy, and dividing logits by it
 # overflows float32; such requests are decoded greedily (as vLLM does).
 GREEDY_TEMPERATURE = 1e-5
+# The sampler works in float32, where a temperature or penalty near 0 or near the float limits turns
+# logits into inf/nan and fails the whole batch's step: these bound what is accepted.
+MAX_TEMPERATURE = 100.0
+MIN_TOP_P = 1e-8
 
 # Stop strings are matched against the generated text after every step, and the text that could
 # still become a stop string is held back by a scan whose cost grows with the square of each
@@ -26,12 +32,11 @@ MAX_STOP_CHARS = 1024  # all stop strings together
 MAX_STOP_TOKEN_IDS = 1024
 
 
-class SamplingParamsError(ValueError):
+class SamplingParamsError(RequestError):
     """An invalid SamplingParams field; ``param`` names it, so a server can point the client at it."""
 
     def __init__(self, param: str, message: str) -> None:
-        super().__init__(message)
-        self.param = param
+        super().__init__(message, param)
 
 
 def _as_int(name: str, value: object) -> int:
@@ -82,8 +87,9 @@ class SamplingParams:
             (0 < self.top_p <= 1, "top_p", f"top_p must be in (0, 1], got {self.top_p}"),
             (self.top_k >= 0, "top_k", f"top_k must be -1 (disabled) or >= 1, got {self.top_k}"),
             (0 <= self.min_p <= 1, "min_p", f"min_p must be in [0, 1], got {self.min_p}"),
-            (self.temperature <= 100, "temperature", f"temperature must be <= 100, got {self.temperature}"),
-            (1e-8 <= self.top_p, "top_p", f"top_p must be >= 1e-8, got {self.top_p}"),
+            (self.temperature <= MAX_TEMPERATURE, "temperature",
+             f"temperature must be <= {MAX_TEMPERATURE:g}, got {self.temperature}"),
+            (MIN_TOP_P <= self.top_p, "top_p", f"top_p must be >= {MIN_TOP_P}, got {self.top_p}"),
             (0.01 <= self.repetition_penalty <= 100, "repetition_penalty",
              f"repetition_penalty must be in [0.01, 100], got {self.repetition_penalty}"),
             (-2 <= self.presence_penalty <= 2, "presence_penalty",

@@ -1,9 +1,7 @@
 """Tokenizers for the models we serve, built from a GGUF file or a Hugging Face folder.
 
 The backend is always a Hugging Face ``tokenizers.Tokenizer``; transformers is not needed at run
-time. A GGUF stores only a vocabulary, merges and special-token ids, so we rebuild the same
-pipeline transformers' GGUF conversion builds from them: token ids must match what the model was
-trained on, and the tests hold us to transformers' output.
+time. A GGUF's vocabulary becomes that pipeline in :mod:`iterserve.gguf_tokenizer`.
 
 Chat templates are rendered with jinja2 the way transformers renders them, and
 `IncrementalDetokenizer` turns a stream of generated ids into text deltas for streaming responses.
@@ -17,20 +15,20 @@ from collections.abc import Iterable, Mapping, Sequence
 from datetime import datetime
 from functools import cached_property, lru_cache
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal, overload
 
 import gguf
 import jinja2
 import jinja2.ext
 from jinja2.sandbox import ImmutableSandboxedEnvironment
-from tokenizers import AddedToken, Regex, decoders, models, pre_tokenizers, processors
+from tokenizers import AddedToken
 from tokenizers import Tokenizer as BackendTokenizer
+from tokenizers.decoders import DecodeStream
+
+from iterserve.gguf_tokenizer import gguf_vocabulary
+from iterserve.models.gguf_file import open_gguf
 
 _NAMED_SPECIAL_TOKENS = ("bos_token", "eos_token", "unk_token", "pad_token")
-
-# llama.cpp token_type values (gguf.TokenType).
-_CONTROL = 3
-_USER_DEFINED = 4
 
 # Special tokens that end a turn or a document. llama.cpp stops on these (its "EOG" set) even when
 # the file names another token as eos; chat models emit them interchangeably.
@@ -38,48 +36,6 @@ _END_OF_GENERATION_TEXTS = frozenset({
     "<|endoftext|>", "<|im_end|>", "<|eot_id|>", "<|eom_id|>", "<|end_of_text|>", "<|end|>",
     "<end_of_turn>", "<EOT>", "<end_of_utterance>", "<|return|>", "<|call|>",
 })
-
-# How text is split before byte-level BPE, by `tokenizer.ggml.pre`. A vocabulary's merges were
-# learned on pieces cut this way; any other `pre` gets GPT-2's split (the ByteLevel default).
-# Same table as transformers' GGUF conversion.
-_LLAMA3_SPLIT = (
-    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}"
-    r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
-)
-_QWEN2_SPLIT = (
-    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}"
-    r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
-)
-_QWEN35_SPLIT = (
-    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?[\p{L}\p{M}]+|\p{N}"
-    r"| ?[^\s\p{L}\p{M}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
-)
-_TEKKEN_SPLIT = (
-    r"[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]*[\p{Ll}\p{Lm}\p{Lo}\p{M}]+"
-    r"|[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]+[\p{Ll}\p{Lm}\p{Lo}\p{M}]*"
-    r"|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n/]*|\s*[\r\n]+|\s+(?!\S)|\s+"
-)
-_GPT4O_SPLIT = (
-    r"[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]*[\p{Ll}\p{Lm}\p{Lo}\p{M}]+(?i:'s|'t|'re|'ve|'m|'ll|'d)?"
-    r"|[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]+[\p{Ll}\p{Lm}\p{Lo}\p{M}]*(?i:'s|'t|'re|'ve|'m|'ll|'d)?"
-    r"|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n/]*|\s*[\r\n]+|\s+(?!\S)|\s+"
-)
-_GGUF_PRE_TOKENIZER_SPLITS = {
-    **dict.fromkeys(
-        ("llama3", "llama-v3", "llama-bpe", "falcon3", "falcon-h1", "pixtral", "midm-2.0", "lfm2",
-         "jina-v5-nano", "dbrx", "smaug-bpe"),
-        _LLAMA3_SPLIT,
-    ),
-    **dict.fromkeys(("qwen2", "deepseek-r1-qwen", "kormo", "f2llmv2", "megrez"), _QWEN2_SPLIT),
-    "qwen35": _QWEN35_SPLIT,
-    "tekken": _TEKKEN_SPLIT,
-    **dict.fromkeys(("gpt-4o", "llama4", "kanana2", "talkie", "minimax-m2"), _GPT4O_SPLIT),
-}
-
-# SentencePiece vocabularies whose GGUF needs a pipeline other than Llama's; transformers has
-# per-architecture builders for these that we do not replicate.
-_UNSUPPORTED_SENTENCEPIECE_ARCHS = frozenset({"gemma", "gemma2", "gemma3", "phi3"})
-
 
 class Tokenizer:
     """Text <-> token ids for one model, plus its special tokens and chat template.
@@ -132,55 +88,15 @@ class Tokenizer:
         if isinstance(source, gguf.GGUFReader):
             reader, name = source, str(getattr(source.data, "filename", None) or "GGUF file")
         else:
-            reader, name = _open_gguf(source), os.fspath(source)
-
-        def field(key: str) -> Any:
-            f = reader.fields.get(key)
-            return None if f is None else f.contents()
-
-        tokens: list[str] | None = field("tokenizer.ggml.tokens")
-        if not tokens:
-            raise ValueError(f"{name} has no tokenizer vocabulary (tokenizer.ggml.tokens)")
-        kind = field("tokenizer.ggml.model")
-        token_types: list[int] = field("tokenizer.ggml.token_type") or []
-        merges = field("tokenizer.ggml.merges")
-        add_bos = field("tokenizer.ggml.add_bos_token")
-        if kind == "gpt2":
-            backend = _byte_level_backend(tokens, merges or [], field("tokenizer.ggml.pre"))
-        elif kind == "llama":
-            arch = field("general.architecture")
-            if arch in _UNSUPPORTED_SENTENCEPIECE_ARCHS:
-                raise ValueError(f"{name}: the SentencePiece tokenizer of architecture {arch!r} is not supported")
-            scores = field("tokenizer.ggml.scores")
-            if merges is None and scores is None:
-                raise ValueError(f"{name}: a 'llama' tokenizer needs tokenizer.ggml.merges or tokenizer.ggml.scores")
-            backend = _sentencepiece_backend(tokens, merges, scores)
-            # Older files have no flag; llama.cpp adds BOS to a SentencePiece vocabulary unless told not to.
-            add_bos = True if add_bos is None else add_bos
-        else:
-            raise ValueError(
-                f"{name}: unsupported tokenizer model {kind!r} (tokenizer.ggml.model); supported: 'gpt2', 'llama'"
-            )
-        _add_gguf_added_tokens(backend, tokens, token_types, byte_level=kind == "gpt2")
-
-        ids = {
-            "bos_token": field("tokenizer.ggml.bos_token_id"),
-            "eos_token": field("tokenizer.ggml.eos_token_id"),
-            "unk_token": field("tokenizer.ggml.unknown_token_id"),
-            "pad_token": field("tokenizer.ggml.padding_token_id"),
-        }
-        texts = {k: tokens[i] if i is not None and 0 <= i < len(tokens) else None for k, i in ids.items()}
-        _mark_named_special_tokens(backend, texts.values())
-        _set_bos_eos_processor(backend, texts["bos_token"], ids["bos_token"], bool(add_bos),
-                               texts["eos_token"], ids["eos_token"], bool(field("tokenizer.ggml.add_eos_token")))
-        template = field("tokenizer.chat_template")
-        extra_eos = [field(k) for k in ("tokenizer.ggml.eot_token_id", "tokenizer.ggml.eom_token_id")]
+            reader, name = open_gguf(source), os.fspath(source)
+        vocab = gguf_vocabulary(reader, name)
+        _mark_named_special_tokens(vocab.backend, vocab.special_tokens.values())
         return cls(
-            backend,
-            special_tokens=texts,
-            special_token_ids=ids,
-            chat_templates={"default": template} if template else None,
-            extra_eos_token_ids=[i for i in extra_eos if i is not None],
+            vocab.backend,
+            special_tokens=vocab.special_tokens,
+            special_token_ids=vocab.special_token_ids,
+            chat_templates={"default": vocab.chat_template} if vocab.chat_template else None,
+            extra_eos_token_ids=vocab.extra_eos_token_ids,
         )
 
     @classmethod
@@ -311,6 +227,18 @@ class Tokenizer:
 
     # -- chat -----------------------------------------------------------------------------------
 
+    @overload
+    def apply_chat_template(
+        self, messages: Sequence[Mapping[str, Any]], add_generation_prompt: bool = ...,
+        tokenize: Literal[False] = ..., tools: Sequence[Mapping[str, Any]] | None = ..., **kwargs: Any,
+    ) -> str: ...
+
+    @overload
+    def apply_chat_template(
+        self, messages: Sequence[Mapping[str, Any]], add_generation_prompt: bool = ..., *,
+        tokenize: Literal[True], tools: Sequence[Mapping[str, Any]] | None = ..., **kwargs: Any,
+    ) -> list[int]: ...
+
     def apply_chat_template(
         self,
         messages: Sequence[Mapping[str, Any]],
@@ -356,42 +284,41 @@ class IncrementalDetokenizer:
     """Turns generated ids, fed a few at a time, into text deltas for streaming.
 
     Decoding token by token is wrong for byte-level and byte-fallback vocabularies: one character
-    can span several tokens, and decoders strip or merge across token boundaries. So we decode a
-    short window (``prefix`` tokens already emitted, for context, plus the unread ones) and emit what
-    it adds beyond the prefix's text, holding back while it ends in U+FFFD (an incomplete character).
-    The window is dropped as soon as text is emitted, so each step costs O(window), not O(output).
-    The deltas, followed by `flush()`, concatenate to ``decode(all_ids)`` exactly.
+    can span several tokens, and decoders strip or merge across token boundaries. ``tokenizers``'
+    :class:`~tokenizers.decoders.DecodeStream` does it right in a short window of context and holds
+    back an incomplete character; what it still holds at the end (a character that never
+    completed) comes out of :meth:`flush` as U+FFFD. The deltas, followed by ``flush()``,
+    concatenate to ``decode(all_ids)`` exactly.
     """
 
     def __init__(self, tokenizer: Tokenizer, skip_special_tokens: bool = True) -> None:
         self._tokenizer = tokenizer
         self._skip = tokenizer.special_token_ids if skip_special_tokens else frozenset()
-        self._window: list[int] = []  # ids from prefix_offset on
-        self._read_offset = 0  # index in _window of the first id not yet turned into text
-        self._prefix_text = ""  # decode(_window[:_read_offset])
+        self._stream = DecodeStream(skip_special_tokens=False)  # skipped ids never reach it
+        self._emitted: list[int] = []  # the ids of the last delta: context for flush()
+        self._pending: list[int] = []  # ids fed since then, not yet text
 
     def feed(self, ids: int | Iterable[int]) -> str:
         """Add ids; return the text they complete ("" while a character is still partial)."""
-        new = [ids] if isinstance(ids, int) else list(ids)
-        self._window.extend(i for i in new if i not in self._skip)
-        if len(self._window) == self._read_offset:
-            return ""
-        text = self._tokenizer.decode(self._window, skip_special_tokens=False)
-        if len(text) <= len(self._prefix_text) or text.endswith("\ufffd"):
-            return ""
-        return self._advance(text)
+        deltas = []
+        for token_id in [ids] if isinstance(ids, int) else ids:
+            if token_id in self._skip:
+                continue
+            self._pending.append(token_id)
+            delta = self._stream.step(self._tokenizer.backend, token_id)
+            if delta is not None:
+                deltas.append(delta)
+                self._emitted, self._pending = self._pending, []
+        return "".join(deltas)
 
     def flush(self) -> str:
         """Emit whatever is held back (e.g. a U+FFFD that never completed); call once at the end."""
-        if len(self._window) == self._read_offset:
+        if not self._pending:
             return ""
-        return self._advance(self._tokenizer.decode(self._window, skip_special_tokens=False))
-
-    def _advance(self, text: str) -> str:
-        delta = text[len(self._prefix_text):]
-        self._window = self._window[self._read_offset:]
-        self._read_offset = len(self._window)
-        self._prefix_text = self._tokenizer.decode(self._window, skip_special_tokens=False)
+        decode = self._tokenizer.decode
+        delta = decode(self._emitted + self._pending, skip_special_tokens=False)
+        delta = delta[len(decode(self._emitted, skip_special_tokens=False)):]
+        self._emitted, self._pending = self._emitted + self._pending, []
         return delta
 
 
@@ -426,107 +353,6 @@ def _has_byte_level(pre_tokenizer: Mapping[str, Any] | None) -> bool:
     return pre_tokenizer.get("type") == "ByteLevel"
 
 
-def _open_gguf(path: str | os.PathLike[str]) -> gguf.GGUFReader:
-    """Open a GGUF, turning gguf's assorted parse errors into one that names the file."""
-    try:
-        return gguf.GGUFReader(path)
-    except OSError:
-        raise
-    except Exception as exc:  # ValueError, numpy reshape or struct errors on damaged files
-        raise ValueError(f"cannot read GGUF file {os.fspath(path)!r}: it is corrupt or truncated ({exc})") from exc
-
-
-def _byte_level_backend(tokens: list[str], merges: list[str], pre: str | None) -> BackendTokenizer:
-    """GPT-2 style byte-level BPE, as transformers builds it from a GGUF.
-
-    A vocabulary entry is normally spelled in the byte alphabet; one that is not (a raw added token)
-    is respelled byte by byte so that BPE can reach it.
-    """
-    alphabet = set(pre_tokenizers.ByteLevel.alphabet())
-    to_bytes_alphabet = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
-
-    def spell(token: str) -> str:
-        if set(token) <= alphabet:
-            return token
-        return "".join(piece for piece, _ in to_bytes_alphabet.pre_tokenize_str(token))
-
-    vocab = {spell(token): index for index, token in enumerate(tokens)}
-    backend = BackendTokenizer(models.BPE(
-        vocab=vocab, merges=[tuple(m.split(" ")) for m in merges], dropout=None,
-        continuing_subword_prefix="", end_of_word_suffix="", fuse_unk=False,
-    ))
-    split = _GGUF_PRE_TOKENIZER_SPLITS.get(pre or "")
-    if split is None:
-        backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    else:
-        backend.pre_tokenizer = pre_tokenizers.Sequence([
-            pre_tokenizers.Split(Regex(split), behavior="isolated"),
-            pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
-        ])
-    backend.decoder = decoders.ByteLevel()
-    return backend
-
-
-def _sentencepiece_backend(
-    tokens: list[str], merges: list[str] | None, scores: list[float] | None
-) -> BackendTokenizer:
-    """Llama/Mistral SentencePiece vocabulary as BPE with byte fallback, as transformers builds it."""
-    vocab = {token: index for index, token in enumerate(tokens)}
-    if merges is not None:
-        merge_pairs = [tuple(m.split(" ")) for m in merges]
-    else:
-        merge_pairs = _merges_from_scores(vocab, dict(zip(tokens, scores or ())))
-    backend = BackendTokenizer(models.BPE(
-        vocab=vocab, merges=merge_pairs, fuse_unk=True, byte_fallback=True, dropout=None,
-    ))
-    backend.pre_tokenizer = pre_tokenizers.Metaspace(replacement="\u2581", prepend_scheme="first", split=False)
-    backend.decoder = decoders.Sequence([
-        decoders.Replace("\u2581", " "), decoders.ByteFallback(), decoders.Fuse(), decoders.Strip(" ", 1, 0),
-    ])
-    return backend
-
-
-def _merges_from_scores(vocab: dict[str, int], scores: dict[str, float]) -> list[tuple[str, str]]:
-    """BPE merges implied by a SentencePiece vocabulary: every split of a piece into two pieces,
-    best-scored piece first (the order transformers derives them in)."""
-    merges: list[tuple[str, str, float]] = []
-    for piece, score in scores.items():
-        local = [
-            (piece[:i], piece[i:], score) for i in range(1, len(piece))
-            if piece[:i] in vocab and piece[i:] in vocab
-        ]
-        local.sort(key=lambda m: (vocab[m[0]], vocab[m[1]]))
-        merges.extend(local)
-    merges.sort(key=lambda m: (m[2], len(m[0]), len(m[1])), reverse=True)
-    return [(left, right) for left, right, _ in merges]
-
-
-def _add_gguf_added_tokens(
-    backend: BackendTokenizer, tokens: list[str], token_types: list[int], *, byte_level: bool
-) -> None:
-    """Control tokens become special added tokens, user-defined ones plain added tokens, so both
-    are matched whole in text instead of being cut into pieces.
-
-    In a byte-level vocabulary a control token spelled outside the byte alphabet is a llama.cpp
-    mislabel; adding it would grow the vocabulary past the model's, so it is skipped.
-    """
-    alphabet = set(pre_tokenizers.ByteLevel.alphabet()) if byte_level else None
-    control = [
-        AddedToken(token, normalized=False, special=True)
-        for token, kind in zip(tokens, token_types)
-        if kind == _CONTROL and (alphabet is None or set(token) <= alphabet)
-    ]
-    if control:
-        backend.add_special_tokens(control)
-    user_defined = [
-        AddedToken(token, normalized=False, special=False)
-        for token, kind in zip(tokens, token_types)
-        if kind == _USER_DEFINED and backend.token_to_id(token) is not None
-    ]
-    if user_defined:
-        backend.add_tokens(user_defined)
-
-
 def _add_declared_tokens(backend: BackendTokenizer, declared: Mapping[str, Mapping[str, Any]]) -> None:
     """Add tokenizer_config's added_tokens_decoder entries that tokenizer.json lacks, with their
     flags, when each lands on the id it declares (an entry that would not is inconsistent; skip it)."""
@@ -558,20 +384,6 @@ def _mark_named_special_tokens(backend: BackendTokenizer, texts: Iterable[str | 
             added.add(text)
     if missing:
         backend.add_special_tokens(missing)
-
-
-def _set_bos_eos_processor(
-    backend: BackendTokenizer,
-    bos: str | None, bos_id: int | None, add_bos: bool,
-    eos: str | None, eos_id: int | None, add_eos: bool,
-) -> None:
-    """Install the post-processor that adds BOS/EOS on encode, shaped like transformers' own."""
-    add_bos = add_bos and bos is not None and bos_id is not None
-    add_eos = add_eos and eos is not None and eos_id is not None
-    single = f"{(bos + ':0 ') if add_bos else ''}$A:0{(' ' + eos + ':0') if add_eos else ''}"
-    pair = f"{single}{(' ' + bos + ':1') if add_bos else ''} $B:1{(' ' + eos + ':1') if add_eos else ''}"
-    special = ([(bos, bos_id)] if add_bos else []) + ([(eos, eos_id)] if add_eos else [])
-    backend.post_processor = processors.TemplateProcessing(single=single, pair=pair, special_tokens=special)
 
 
 def _read_json(path: Path) -> dict[str, Any]:
@@ -616,7 +428,9 @@ def _normalize_messages(messages: Any) -> list[dict[str, Any]]:
     normalized = []
     for index, message in enumerate(messages):
         if not isinstance(message, Mapping):
-            raise ValueError(f"messages[{index}] must be a dict with 'role' and 'content', got {type(message).__name__}")
+            raise ValueError(
+                f"messages[{index}] must be a dict with 'role' and 'content', got {type(message).__name__}"
+            )
         role = message.get("role")
         if not isinstance(role, str) or not role:
             raise ValueError(f"messages[{index}] needs a non-empty string 'role'")
@@ -640,7 +454,8 @@ def _normalize_messages(messages: Any) -> list[dict[str, Any]]:
 def _text_part(part: Any, index: int) -> str:
     if not isinstance(part, Mapping) or part.get("type") != "text" or not isinstance(part.get("text"), str):
         raise ValueError(
-            f"messages[{index}]['content'] has an unsupported part {part!r}; only {{'type': 'text', 'text': str}} parts are accepted"
+            f"messages[{index}]['content'] has an unsupported part {part!r}; "
+            "only {'type': 'text', 'text': str} parts are accepted"
         )
     return part["text"]
 

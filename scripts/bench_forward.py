@@ -15,6 +15,7 @@ as with ITERSERVE_CPU_KERNELS=0).
 from __future__ import annotations
 
 import argparse
+import functools
 import statistics
 import time
 
@@ -22,12 +23,11 @@ import torch
 import torch.nn.functional as F
 
 from iterserve import kernels
+from iterserve.allocator import tune_allocator
 from iterserve.attention import AttentionMetadata
-from iterserve.engine.model_runner import keep_freed_memory_in_process
+from iterserve.dtypes import canonical_dtype
 from iterserve.models.loader import load_model
 from iterserve.planner import decode_cost, prefill_cost
-
-PLANNER_DTYPE = {"float32": "fp32", "bfloat16": "bf16", "float16": "fp16"}
 
 
 def median_time(fn, repeats: int) -> float:
@@ -82,7 +82,7 @@ def main() -> None:
     args = ap.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
-    keep_freed_memory_in_process()
+    tune_allocator()
     batches = [int(b) for b in args.batches.split(",")]
     chunks = [int(c) for c in args.prefill.split(",")]
     block = 16
@@ -101,7 +101,7 @@ def main() -> None:
         blocks_per_seq = -(-(args.context + 1) // block)
         num_blocks = max(max(batches) * blocks_per_seq, -(-max(chunks) // block))
         caches = model.allocate_kv_cache(num_blocks, block)
-        pdt = PLANNER_DTYPE[dtype]
+        pdt = canonical_dtype(dtype)
 
         def report(label: str, medians: dict[str, float], tokens: int, cost) -> None:
             for path, seconds in medians.items():
@@ -119,7 +119,7 @@ def main() -> None:
             ids = torch.randint(100, cfg.vocab_size, (b,))
             pos = torch.full((b,), args.context)
             rows = torch.arange(b)
-            t = interleaved_medians(lambda: model(ids, pos, caches, meta, rows), paths, args.repeats)
+            t = interleaved_medians(functools.partial(model, ids, pos, caches, meta, rows), paths, args.repeats)
             report(f"decode B={b}", t, b, decode_cost(cfg, b, args.context, pdt))
         for n in chunks:
             meta = AttentionMetadata.build(block_size=block, block_tables=[list(range(-(-n // block)))],
@@ -127,7 +127,7 @@ def main() -> None:
             ids = torch.randint(100, cfg.vocab_size, (n,))
             pos = torch.arange(n)
             last = torch.tensor([n - 1])
-            t = interleaved_medians(lambda: model(ids, pos, caches, meta, last), paths, args.repeats)
+            t = interleaved_medians(functools.partial(model, ids, pos, caches, meta, last), paths, args.repeats)
             report(f"prefill N={n}", t, n, prefill_cost(cfg, n, 1, pdt))
         del caches, loaded, model
 

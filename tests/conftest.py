@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+from pathlib import Path
 
 import pytest
 import torch
@@ -21,6 +22,20 @@ CHAT_PROMPTS = [
                                  "number is the largest and why that is so."}],
 ]
 NUM_REFERENCE_TOKENS = 24
+MODEL_FIXTURES = {"smollm", "hf_smollm", "chat_prompt_ids", "hf_greedy"}
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Mark what a test needs, so a run can pick: ``server`` for tests/server, ``model`` for tests that
+    load the real SmolLM2-135M (through the fixtures below, or a server serving it)."""
+    server_dir = Path(__file__).parent / "server"
+    for item in items:
+        fixtures = set(getattr(item, "fixturenames", ()))
+        in_server = server_dir in Path(str(item.path)).parents
+        if in_server:
+            item.add_marker(pytest.mark.server)
+        if fixtures & MODEL_FIXTURES or (in_server and "server" in fixtures):
+            item.add_marker(pytest.mark.model)
 
 
 @pytest.fixture(scope="session")
@@ -47,7 +62,8 @@ def hf_smollm():
 @pytest.fixture(scope="session")
 def chat_prompt_ids(hf_smollm) -> list[list[int]]:
     _, tok = hf_smollm
-    return [tok.apply_chat_template(c, add_generation_prompt=True, tokenize=True, return_dict=False) for c in CHAT_PROMPTS]
+    return [tok.apply_chat_template(c, add_generation_prompt=True, tokenize=True, return_dict=False)
+            for c in CHAT_PROMPTS]
 
 
 @pytest.fixture(scope="session")

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 
 from iterserve.attention import AttentionMetadata, KVCache, paged_attention
 
@@ -29,7 +28,8 @@ def run_steps(lengths, chunks, window=None, seed=0):
     """Feed sequences through paged attention in the given per-step chunk sizes; compare each
     produced row with the dense reference."""
     g = torch.Generator().manual_seed(seed)
-    seqs = [(torch.randn(n, H, D, generator=g), torch.randn(n, KVH, D, generator=g), torch.randn(n, KVH, D, generator=g))
+    seqs = [(torch.randn(n, H, D, generator=g), torch.randn(n, KVH, D, generator=g),
+             torch.randn(n, KVH, D, generator=g))
             for n in lengths]
     cache = KVCache.allocate(64, BS, KVH, D, torch.float32, "cpu")
     # scattered, non-contiguous block tables
@@ -47,7 +47,9 @@ def run_steps(lengths, chunks, window=None, seed=0):
         qs, ks, vs = [], [], []
         for s in order:
             a, b = done[s], done[s] + step_chunks[s]
-            qs.append(seqs[s][0][a:b]); ks.append(seqs[s][1][a:b]); vs.append(seqs[s][2][a:b])
+            qs.append(seqs[s][0][a:b])
+            ks.append(seqs[s][1][a:b])
+            vs.append(seqs[s][2][a:b])
         meta = AttentionMetadata.build(block_size=BS, block_tables=[tables[s] for s in order],
                                        num_cached=[done[s] for s in order],
                                        query_lens=[step_chunks[s] for s in order], sliding_window=window)
@@ -58,7 +60,7 @@ def run_steps(lengths, chunks, window=None, seed=0):
             got[s][done[s]:done[s] + n] = out[row:row + n]
             row += n
             done[s] += n
-    for s, n in enumerate(lengths):
+    for s in range(len(lengths)):
         ref = dense_reference(*seqs[s], window=window)
         torch.testing.assert_close(got[s], ref, atol=1e-5, rtol=1e-5)
 

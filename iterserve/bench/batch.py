@@ -6,7 +6,7 @@ tokens each: a *decode step* (one new token per sequence) and a *prefill* (all `
 prompt tokens of every sequence in one pass). The cache holds zeros, which cost the same to read
 as real keys and values. Every shape is run once untimed, then the median of ``repeats`` is kept.
 
-The knee is :func:`iterserve.planner.measured_knee` on the decode step times: the first batch
+The knee is :func:`iterserve.bench.knee.measured_knee` on the decode step times: the first batch
 ``B_i`` whose step time grew at least ``(B_i / B_{i-1}) ** elasticity``-fold from the previous
 batch. Decode throughput is ``B / t``, so at the knee the larger batch bought at most
 ``(B_i / B_{i-1}) ** (1 - elasticity)`` times the throughput: with the default elasticity 0.5,
@@ -14,7 +14,7 @@ a doubling gave less than 41% more tokens/s while every sequence waited at least
 per token.
 
 A step over more sequences never does less work, so its time cannot fall as the batch grows; a
-sweep where it does (by more than :data:`NOISE_TOLERANCE`) measured the machine's other load, not
+sweep where it does (by more than :data:`iterserve.bench.knee.NOISE_TOLERANCE`) measured the machine's other load, not
 the model, and no knee is called on it: the sweep says so and asks for a rerun.
 """
 
@@ -22,43 +22,21 @@ from __future__ import annotations
 
 import statistics
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Callable
 
 import numpy as np
 import torch
 from tqdm.auto import tqdm
 
+from iterserve.bench.knee import DEFAULT_ELASTICITY, read_knee
 from iterserve.bench.workloads import random_tokens
-from iterserve.engine.llm_engine import parse_size
 from iterserve.engine.model_runner import ModelRunner
 from iterserve.engine.scheduler import ScheduledSeq
 from iterserve.engine.sequence import RequestMetrics, Sequence
 from iterserve.models.loader import LoadedModel
-from iterserve.planner import measured_knee
 from iterserve.sampling_params import SamplingParams
-
-DEFAULT_ELASTICITY = 0.5
-# a larger batch's step may come out this much faster than a smaller one's before the sweep counts as noise
-NOISE_TOLERANCE = 0.1
-
-
-def non_monotone_steps(batches: list[int], times: list[float], tolerance: float = NOISE_TOLERANCE) -> list[int]:
-    """The batches whose step time fell more than ``tolerance`` below the previous (smaller) batch's."""
-    pairs = sorted(zip(batches, times))
-    return [b1 for (_, t0), (b1, t1) in zip(pairs, pairs[1:]) if t1 < t0 * (1 - tolerance)]
-
-
-def read_knee(batches: list[int], times: list[float], elasticity: float = DEFAULT_ELASTICITY,
-              tolerance: float = NOISE_TOLERANCE) -> tuple[int | None, str | None]:  # fmt: skip
-    """``(knee, None)`` on a sweep whose step time grows with the batch, ``(None, why)`` on one that
-    does not: a knee read off noise would be a guess."""
-    falls = non_monotone_steps(batches, times, tolerance)
-    if falls:
-        where = ", ".join(f"B={b}" for b in falls)
-        return None, (f"not called: the step time fell as the batch grew (at {where}), so the sweep measured "
-                      "other load on the machine; rerun it with more --repeats on a quieter machine")  # fmt: skip
-    return measured_knee(batches, times, elasticity), None
+from iterserve.units import parse_size
 
 
 class StepTimer:
@@ -134,7 +112,7 @@ def median_time(measure: Callable[[int, int], float], batch: int, context: int, 
 
 
 def default_batch_sizes(loaded: LoadedModel, context: int, kv_cache_memory: str | int, max_batch: int,
-                        block_size: int = 16) -> list[int]:  # fmt: skip
+                        block_size: int = 16) -> list[int]:
     """Powers of two up to ``max_batch`` whose sequences' KV cache fits in ``kv_cache_memory``."""
     tokens = -(-(context + 1) // block_size) * block_size
     per_seq = tokens * loaded.config.kv_bytes_per_token(loaded.model.dtype.itemsize)

@@ -10,13 +10,18 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import matplotlib
+from matplotlib.backends.backend_agg import FigureCanvasAgg
+from matplotlib.figure import Figure
+from matplotlib.patches import Patch
 
-matplotlib.use("Agg")
-import matplotlib.pyplot as plt  # noqa: E402
-from matplotlib.patches import Patch  # noqa: E402
+from iterserve.bench.knee import measured_knee
 
-from iterserve.planner import measured_knee  # noqa: E402
+
+def subplots(*grid: int, figsize: tuple[float, float], **kwargs: Any) -> tuple[Figure, Any]:
+    """A figure on its own Agg canvas (charts are PNG files): no pyplot state, no global backend."""
+    fig = Figure(figsize=figsize)
+    FigureCanvasAgg(fig)
+    return fig, fig.subplots(*grid, **kwargs)
 
 
 @dataclass
@@ -32,7 +37,7 @@ class Series:
 
 def throughput_latency_chart(series: list[Series], path: str | Path, *, xlabel: str, ylabel: str, title: str) -> None:
     """Latency against throughput, one labelled point per sweep step, the knee circled."""
-    fig, ax = plt.subplots(figsize=(7, 4.5))
+    fig, ax = subplots(figsize=(7, 4.5))
     for s in series:
         (line,) = ax.plot(s.throughput, s.latency, marker="o", label=s.label)
         for x, y, text in zip(s.throughput, s.latency, s.point_labels):
@@ -45,7 +50,6 @@ def throughput_latency_chart(series: list[Series], path: str | Path, *, xlabel: 
     ax.legend(fontsize=8)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
-    plt.close(fig)
 
 
 # -- serve results --------------------------------------------------------------------------------
@@ -75,12 +79,12 @@ def load_axis(runs: list[dict[str, Any]]) -> tuple[str, list[tuple[float, dict[s
     if by_rate:
         return "request rate (req/s)", sorted(by_rate, key=lambda p: p[0])
     return "max concurrency", sorted(((float(r["max_concurrency"]), r) for r in runs if r.get("max_concurrency")),
-                                     key=lambda p: p[0])  # fmt: skip
+                                     key=lambda p: p[0])
 
 
 def latency_vs_load_chart(results: list[dict[str, Any]], path: str | Path, percentiles: list[str]) -> None:
     """TTFT and TPOT (median and each percentile) against load, one colour per result."""
-    fig, axes = plt.subplots(1, 2, figsize=(11, 4.5))
+    fig, axes = subplots(1, 2, figsize=(11, 4.5))
     styles = ["-", "--", ":", "-."]
     xlabel = "load"
     for k, result in enumerate(results):
@@ -99,7 +103,6 @@ def latency_vs_load_chart(results: list[dict[str, Any]], path: str | Path, perce
         ax.legend(fontsize=7)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
-    plt.close(fig)
 
 
 def percentiles_in(runs: list[dict[str, Any]]) -> list[str]:
@@ -118,7 +121,7 @@ def serve_charts(results: list[dict[str, Any]], prefix: Path) -> list[Path]:
     """``<prefix>_throughput.png`` (median TPOT against output tokens/s) and, when some run has a
     finite rate or a concurrency cap to plot against, ``<prefix>_latency.png`` (TTFT and TPOT
     against load); returns the paths written. On a concurrency sweep the knee is marked:
-    :func:`~iterserve.planner.measured_knee` of median TPOT over the concurrency caps, the same
+    :func:`~iterserve.bench.knee.measured_knee` of median TPOT over the concurrency caps, the same
     rule ``bench batch`` applies to decode steps over batch sizes."""
     latency_path = prefix.with_name(f"{prefix.name}_latency.png")
     throughput_path = prefix.with_name(f"{prefix.name}_throughput.png")
@@ -133,9 +136,9 @@ def serve_charts(results: list[dict[str, Any]], prefix: Path) -> list[Path]:
         series.append(Series(
             result["label"], [run["output_throughput"] for run in runs], [run["median_tpot_ms"] for run in runs],
             [run_label(run) for run in runs], knee,
-        ))  # fmt: skip
+        ))
     throughput_latency_chart(series, throughput_path, xlabel="output throughput (tokens/s)",
-                             ylabel="median TPOT (ms)", title="throughput against latency")  # fmt: skip
+                             ylabel="median TPOT (ms)", title="throughput against latency")
     if not any(points for _, points in axes):
         return [throughput_path]
     latency_vs_load_chart(results, latency_path, percentiles_in([run for r in results for run in r["runs"]]))
@@ -149,7 +152,8 @@ PHASE_COLORS = {"queue": "#d0d0d0", "prefill": "#f28e2b", "decode": "#4e79a7"}
 
 def read_trace(path: str | Path) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
     """The step and request records of an engine step trace (JSON lines)."""
-    steps, requests = [], []
+    steps: list[dict[str, Any]] = []
+    requests: list[dict[str, Any]] = []
     with open(path) as f:
         for line in f:
             record = json.loads(line)
@@ -192,7 +196,7 @@ def _draw_rows(ax: Any, steps: list[dict[str, Any]], requests: list[dict[str, An
         t0 = min([r["arrival_time"] for r in requests] + [s["start"] for s in steps[:1]])
         spans = sequence_spans(steps)
         queued = {r["request_id"]: (r["arrival_time"] - t0, r["first_scheduled_time"] - r["arrival_time"])
-                  for r in requests}  # fmt: skip
+                  for r in requests}
     for y, r in enumerate(requests):
         ax.broken_barh([queued[r["request_id"]]], (y - 0.4, 0.8), facecolors=PHASE_COLORS["queue"])
         for phase in ("prefill", "decode"):
@@ -224,8 +228,8 @@ def timeline_chart(
     n = len(traces)
     loaded = {label: _scheduled_requests(trace) for label, trace in traces.items()}
     top_blocks = max(s["kv_blocks_used"] for steps, _ in loaded.values() for s in steps)
-    fig, axes = plt.subplots(2, n, figsize=(6.5 * n, 6.5), sharex=True, sharey="row", squeeze=False,
-                             gridspec_kw={"height_ratios": [3, 1]})  # fmt: skip
+    fig, axes = subplots(2, n, figsize=(6.5 * n, 6.5), sharex=True, sharey="row", squeeze=False,
+                             gridspec_kw={"height_ratios": [3, 1]})
     for k, (label, (steps, requests)) in enumerate(loaded.items()):
         ax, occ = axes[0][k], axes[1][k]
         _draw_rows(ax, steps, requests, x)
@@ -233,7 +237,7 @@ def timeline_chart(
         out_tokens = sum(r["num_output_tokens"] for r in requests)
         occupancy = f", slot occupancy {sum(running) / len(running) / max_num_seqs:.0%}" if max_num_seqs else ""
         ax.set(title=f"{label}: {len(steps)} steps, {out_tokens / max(len(steps), 1):.2f} tokens out per step"
-                     f"{occupancy}", ylabel="request (by arrival)")  # fmt: skip
+                     f"{occupancy}", ylabel="request (by arrival)")
         ax.title.set_fontsize(9)
         if x == "steps":
             xs = [s["step"] - 1 for s in steps]
@@ -242,7 +246,7 @@ def timeline_chart(
             t0 = min([r["arrival_time"] for r in requests] + [s["start"] for s in steps[:1]])
             xs, widths = [s["start"] - t0 for s in steps], [s["duration"] for s in steps]
         occ.bar(xs, running, width=widths, align="edge", color=PHASE_COLORS["decode"], linewidth=0,
-                label="running sequences")  # fmt: skip
+                label="running sequences")
         if max_num_seqs:
             occ.axhline(max_num_seqs, color="black", linestyle="--", linewidth=0.8, label="max_num_seqs")
         blocks = occ.twinx()
@@ -256,10 +260,9 @@ def timeline_chart(
     fig.legend(handles=[Patch(color=c, label=p) for p, c in PHASE_COLORS.items()], loc="upper right", ncols=3)
     if x == "time" and busy:
         fig.suptitle("wall time on a busy machine: stalls of the machine show as long spans", x=0.02, ha="left",
-                     fontsize=9)  # fmt: skip
+                     fontsize=9)
     fig.tight_layout(rect=(0, 0, 1, 0.95))
     fig.savefig(path, dpi=110)
-    plt.close(fig)
 
 
 def joins_chart(trace: str | Path, path: str | Path, *, max_num_seqs: int | None = None) -> int:
@@ -267,7 +270,7 @@ def joins_chart(trace: str | Path, path: str | Path, *, max_num_seqs: int | None
     the requests whose prefill joins them; above, each request's spans. Returns how many requests
     joined a batch that was already decoding."""
     steps, requests = _scheduled_requests(trace)
-    fig, (ax, bars) = plt.subplots(2, 1, figsize=(9, 6.5), sharex=True, gridspec_kw={"height_ratios": [3, 2]})
+    fig, (ax, bars) = subplots(2, 1, figsize=(9, 6.5), sharex=True, gridspec_kw={"height_ratios": [3, 2]})
     _draw_rows(ax, steps, requests, "steps")
     ax.invert_yaxis()
     xs = [s["step"] - 1 for s in steps]
@@ -280,18 +283,17 @@ def joins_chart(trace: str | Path, path: str | Path, *, max_num_seqs: int | None
         joining.append(len(new))
         decoding.append(len(s["seqs"]) - len(new))
     bars.bar(xs, decoding, width=1.0, align="edge", color=PHASE_COLORS["decode"], linewidth=0,
-             label="already in the batch")  # fmt: skip
+             label="already in the batch")
     bars.bar(xs, joining, width=1.0, align="edge", bottom=decoding, color=PHASE_COLORS["prefill"], linewidth=0,
-             label="joining at this step (prefill)")  # fmt: skip
+             label="joining at this step (prefill)")
     if max_num_seqs:
         bars.axhline(max_num_seqs, color="black", linestyle="--", linewidth=0.8, label="max_num_seqs")
     ax.set(title=f"{joined} of {len(requests)} requests joined a batch that was already decoding",
-           ylabel="request (by arrival)")  # fmt: skip
+           ylabel="request (by arrival)")
     bars.set(xlabel="engine step", ylabel="sequences in the step")
     bars.legend(fontsize=8, loc="upper right")
     fig.tight_layout()
     fig.savefig(path, dpi=110)
-    plt.close(fig)
     return joined
 
 
@@ -310,11 +312,11 @@ def throughput_summary_chart(result: dict[str, Any], path: str | Path) -> None:
     and median end-to-end latency (medians, min-max over the repeats as error bars)."""
     runs = result["runs"]
     labels = [r["mode"] for r in runs]
-    fig, axes = plt.subplots(1, 3, figsize=(12, 3.8))
+    fig, axes = subplots(1, 3, figsize=(12, 3.8))
     axes[0].bar(labels, [r["output_tokens_per_step"] for r in runs], color="#59a14f")
     axes[0].set(title="output tokens per engine step\n(a count: the same on any machine)")
     _with_spread(axes[1], labels, [r["output_throughput"] for r in runs], [r["output_throughput_runs"] for r in runs],
-                 "#4e79a7")  # fmt: skip
+                 "#4e79a7")
     runs_text = f"median, min-max of {result['repeats']} runs" if result["repeats"] > 1 else "one run"
     axes[1].set(title=f"output tokens/s\n({runs_text})")
     e2el = [[x["median_e2el_ms"] for x in r["latency_runs"] or []] for r in runs]
@@ -326,26 +328,24 @@ def throughput_summary_chart(result: dict[str, Any], path: str | Path) -> None:
         fig.suptitle("measured on a busy machine: wall-clock panels are noisy", fontsize=9, x=0.02, ha="left")
     fig.tight_layout(rect=(0, 0, 1, 0.95))
     fig.savefig(path, dpi=110)
-    plt.close(fig)
 
 
 def prompt_sweep_chart(points: list[Any], path: str | Path, *, busy: bool = False) -> None:
     """TTFT and TPOT against prompt length (medians, min-max as error bars), from a prompt-length sweep."""
     xs = [p.prompt_len for p in points]
-    fig, axes = plt.subplots(1, 2, figsize=(10, 3.8), sharex=True)
+    fig, axes = subplots(1, 2, figsize=(10, 3.8), sharex=True)
     for ax, key, title, color in ((axes[0], "ttft", "time to first token (prefill)", "#f28e2b"),
-                                  (axes[1], "tpot", "time per output token (decode)", "#4e79a7")):  # fmt: skip
+                                  (axes[1], "tpot", "time per output token (decode)", "#4e79a7")):
         med = [getattr(p, f"{key}_ms") for p in points]
         runs = [getattr(p, f"{key}_ms_runs") for p in points]
         ax.errorbar(xs, med, yerr=[[m - min(r) for m, r in zip(med, runs)], [max(r) - m for m, r in zip(med, runs)]],
-                    marker="o", color=color, capsize=3)  # fmt: skip
+                    marker="o", color=color, capsize=3)
         ax.set(title=title, xlabel="prompt tokens", ylabel="ms", ylim=(0, None))
         ax.grid(alpha=0.3)
     if busy:
         fig.suptitle("measured on a busy machine: spreads are wide", fontsize=9, x=0.02, ha="left")
     fig.tight_layout(rect=(0, 0, 1, 0.95))
     fig.savefig(path, dpi=110)
-    plt.close(fig)
 
 
 def request_steps_chart(point: Any, path: str | Path, *, busy: bool = False) -> None:
@@ -355,7 +355,7 @@ def request_steps_chart(point: Any, path: str | Path, *, busy: bool = False) -> 
     """
     steps = range(1, len(point.step_tokens) + 1)
     colors = ["#f28e2b"] + ["#4e79a7"] * (len(point.step_tokens) - 1)
-    fig, (top, bottom) = plt.subplots(2, 1, figsize=(8, 5), sharex=True)
+    fig, (top, bottom) = subplots(2, 1, figsize=(8, 5), sharex=True)
     top.bar(steps, point.step_tokens, color=colors)
     top.set(ylabel="tokens in the pass (log)", yscale="log", ylim=(0.5, None),
             title=f"one request, prompt {point.prompt_len} tokens: one prefill pass, then one pass per token")
@@ -368,4 +368,3 @@ def request_steps_chart(point: Any, path: str | Path, *, busy: bool = False) -> 
         fig.suptitle("measured on a busy machine: step times are noisy", fontsize=9, x=0.02, ha="left")
     fig.tight_layout(rect=(0, 0, 1, 0.96))
     fig.savefig(path, dpi=110)
-    plt.close(fig)

@@ -7,37 +7,19 @@ import json
 import math
 import statistics
 import tempfile
+from collections.abc import Sequence
 from dataclasses import asdict
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any
 
 from iterserve.bench.metrics import DEFAULT_PERCENTILES, parse_goodput, parse_percentiles, percentile_key
 from iterserve.bench.serve import LoadPoint
 from iterserve.bench.workloads import DATASETS, LengthDist, WorkloadSpec
+from iterserve.tables import render_table
 
 # bench throughput's batch cap: the default 64 requests then span several static batches, which is
 # where static and continuous batching differ (with every request in one batch they would not)
 BENCH_MAX_NUM_SEQS = 16
-
-
-def format_table(headers: Sequence[str], rows: Sequence[Sequence[Any]]) -> str:
-    """Plain text columns: numbers right-aligned, everything else left-aligned."""
-
-    def cell(v: Any) -> str:
-        if v is None:
-            return "-"
-        if isinstance(v, float):
-            return f"{v:,.2f}" if abs(v) < 1e5 else f"{v:,.0f}"
-        return str(v)
-
-    cells = [[cell(v) for v in row] for row in rows]
-    widths = [max([len(h), *(len(r[i]) for r in cells)]) for i, h in enumerate(headers)]
-    numeric = [all(isinstance(row[i], (int, float)) or row[i] is None for row in rows) for i in range(len(headers))]
-
-    def line(values: Sequence[str]) -> str:
-        return "  ".join(v.rjust(w) if num else v.ljust(w) for v, w, num in zip(values, widths, numeric)).rstrip()
-
-    return "\n".join([line(headers), line(["-" * w for w in widths]), *(line(r) for r in cells)])
 
 
 def _write_json(path: str, result: dict[str, Any]) -> None:
@@ -69,12 +51,12 @@ def add_workload_args(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("workload")
     g.add_argument("--dataset", choices=DATASETS, default=d.dataset,
                    help="random: random token ids; text: sentences of a built-in corpus; jsonl or sharegpt: "
-                        "a file named by --dataset-path")  # fmt: skip
+                        "a file named by --dataset-path")
     g.add_argument("--dataset-path", default=None, help="JSONL of {prompt|messages[, output_len]}, or ShareGPT JSON")
     g.add_argument("--num-prompts", type=int, default=d.num_prompts)
     g.add_argument("--input-len", default=d.input_len,
                    help="prompt length distribution: fixed:N, uniform:LOW:HIGH, normal:MEAN:STD:MAX, "
-                        "lognormal:MEDIAN:SIGMA:MAX or pareto:MIN:ALPHA:MAX (default %(default)s)")  # fmt: skip
+                        "lognormal:MEDIAN:SIGMA:MAX or pareto:MIN:ALPHA:MAX (default %(default)s)")
     g.add_argument("--output-len", default=d.output_len, help="output length distribution (default %(default)s)")
     g.add_argument("--shared-prefix-len", type=int, default=d.shared_prefix_len,
                    help="tokens of one shared system prompt in front of every synthetic prompt")
@@ -108,13 +90,13 @@ def throughput_report(result: dict[str, Any]) -> str:
     """The ``bench throughput`` tables: counts first (the same on any machine), then wall-clock
     medians with their spread over the repeats, then the ratios and any busy-machine warning."""
     runs = result["runs"]
-    counts = format_table(
+    counts = render_table(
         ["mode", "steps", "out tok/step", "peak running", "mean running", "slot occupancy", "peak KV blocks",
          "mean KV blocks", "joined running batch", "preempted"],
         [[r["mode"], r["num_steps"], r["output_tokens_per_step"], r["peak_running"], r["mean_running"],
           f"{r['slot_occupancy']:.0%}", r["peak_kv_blocks"], r["mean_kv_blocks"], r["joined_running_batch"],
           r["num_preemptions"]] for r in runs],
-    )  # fmt: skip
+    )
 
     def lat(r: dict[str, Any], key: str) -> float | None:
         return (r["latency"] or {}).get(key)
@@ -123,25 +105,25 @@ def throughput_report(result: dict[str, Any]) -> str:
         return _spread([run[key] for run in r["latency_runs"]]) if r["latency_runs"] else "-"
 
     n = result["repeats"]
-    clock = format_table(
+    clock = render_table(
         ["mode", "out tok/s", "min-max", "req/s", "median TTFT ms", "min-max", "median TPOT ms", "min-max",
          "median E2EL ms"],
         [[r["mode"], r["output_throughput"], _spread(r["output_throughput_runs"]), r["request_throughput"],
           lat(r, "median_ttft_ms"), lat_spread(r, "median_ttft_ms"), lat(r, "median_tpot_ms"),
           lat_spread(r, "median_tpot_ms"), lat(r, "median_e2el_ms")] for r in runs],
-    )  # fmt: skip
+    )
     cap = result.get("max_tokens_cap")
     lines = [
         f"{result['num_requests']} requests, max_num_seqs {result['engine']['max_num_seqs']}"
         + (f", max_tokens {cap} with an emulated end at each drawn length" if cap else ""),
         "counts (machine-independent)", counts, "",
         f"wall clock: median of {n} run{'s' if n > 1 else ''}" + (", min-max over the runs" if n > 1 else ""), clock,
-    ]  # fmt: skip
+    ]
     if "continuous_over_static" in result:
         ratios = result["continuous_over_static_runs"]
         spread = f" (runs: {', '.join(f'{x:.2f}' for x in ratios)})" if len(ratios) > 1 else ""
         lines.append(f"continuous / static: {result['continuous_over_static_per_step']:.2f}x output tokens per step; "
-                     f"{result['continuous_over_static']:.2f}x output tokens/s{spread}")  # fmt: skip
+                     f"{result['continuous_over_static']:.2f}x output tokens/s{spread}")
     if result.get("busy_warning"):
         lines.append(result["busy_warning"])
     return "\n".join(lines)
@@ -149,15 +131,15 @@ def throughput_report(result: dict[str, Any]) -> str:
 
 # timeline panel titles, in panel order: the batching and how KV blocks are allocated
 TIMELINE_LABELS = {"static": "static, paged KV", "continuous": "continuous, paged KV",
-                   "reserved": "continuous, reserved KV"}  # fmt: skip
+                   "reserved": "continuous, reserved KV"}
 
 
 def _cmd_throughput(args: argparse.Namespace) -> int:
     from iterserve.bench.charts import joins_chart, timeline_chart
+    from iterserve.bench.progress import load_model_with_status
     from iterserve.bench.throughput import ENGINE_MODES, HF_MODE, run_throughput
     from iterserve.bench.workloads import make_workload
     from iterserve.cli import engine_config_from_args
-    from iterserve.bench.progress import load_model_with_status
 
     if args.step_trace:
         raise ValueError("bench throughput writes one step trace per mode: use --trace-dir instead of --step-trace")
@@ -171,7 +153,7 @@ def _cmd_throughput(args: argparse.Namespace) -> int:
         trace_dir = args.trace_dir or (tmp if args.timeline or args.joins else None)
         result = run_throughput(loaded, config, requests, modes, temperature=args.temperature, trace_dir=trace_dir,
                                 max_tokens_cap=args.max_tokens_cap, repeats=args.repeats, percentiles=percentiles,
-                                use_tqdm=not args.disable_tqdm)  # fmt: skip
+                                use_tqdm=not args.disable_tqdm)
         result["workload"] = asdict(spec)
         traces = {r["mode"]: r["step_trace"] for r in result["runs"] if r["mode"] in ENGINE_MODES}
         if args.timeline:
@@ -179,7 +161,7 @@ def _cmd_throughput(args: argparse.Namespace) -> int:
                 raise ValueError("--timeline draws the engine's modes; include continuous, static or reserved")
             order = sorted(traces, key=list(TIMELINE_LABELS).index)
             timeline_chart({TIMELINE_LABELS[m]: traces[m] for m in order}, args.timeline, x=args.timeline_x,
-                           max_num_seqs=config.max_num_seqs, busy=bool(result["busy_warning"]))  # fmt: skip
+                           max_num_seqs=config.max_num_seqs, busy=bool(result["busy_warning"]))
             print(f"timeline written to {args.timeline}")
         if args.joins:
             if "continuous" not in traces:
@@ -221,21 +203,22 @@ def _serve_table(result: dict[str, Any]) -> str:
     goodput = result["goodput"] is not None
     headers = ["rate", "concurrency", "done", "failed", "req/s", "out tok/s", "total tok/s",
                *(["goodput req/s"] if goodput else []), "median TTFT", f"p{p} TTFT", "median TPOT", f"p{p} TPOT",
-               "median ITL", "median E2EL"]  # fmt: skip
+               "median ITL", "median E2EL"]
     rows = [
         [str(r["request_rate"]), r["max_concurrency"], r["completed"], r["failed"], r["request_throughput"],
          r["output_throughput"], r["total_token_throughput"], *([r["request_goodput"]] if goodput else []),
          r["median_ttft_ms"], r[f"p{p}_ttft_ms"], r["median_tpot_ms"], r[f"p{p}_tpot_ms"], r["median_itl_ms"],
          r["median_e2el_ms"]]
         for r in result["runs"]
-    ]  # fmt: skip
-    return format_table(headers, rows) + "\n(latencies in ms)"
+    ]
+    return render_table(headers, rows) + "\n(latencies in ms)"
 
 
 def _cmd_serve(args: argparse.Namespace) -> int:
     from iterserve.bench.charts import serve_charts
     from iterserve.bench.serve import ServeConfig, run_serve
-    from iterserve.bench.workloads import load_tokenizer, make_workload
+    from iterserve.bench.workloads import make_workload
+    from iterserve.models.loader import load_tokenizer
 
     spec = workload_spec_from_args(args)
     percentiles = parse_percentiles(args.percentiles)
@@ -250,7 +233,7 @@ def _cmd_serve(args: argparse.Namespace) -> int:
     )
     result = run_serve(cfg, requests, tokenizer, points, burstiness=args.burstiness, workload=spec,
                        tokenizer_id=None if tokenizer is None else args.tokenizer, label=args.label,
-                       percentiles=percentiles, goodput=goodput, use_tqdm=not args.disable_tqdm)  # fmt: skip
+                       percentiles=percentiles, goodput=goodput, use_tqdm=not args.disable_tqdm)
     print(f"{result['label']}: model {result['model_id']} at {cfg.base_url}{cfg.endpoint}")
     print(_serve_table(result))
     if args.output_json:
@@ -267,7 +250,7 @@ def _decode_bandwidth_line(loaded: Any, context: int, decode_s: float, device: s
     """Batch-1 decode as a memory stream: the bytes one step must read (every matmul weight and the
     sequence's KV cache) over its time, beside this machine's measured bandwidth."""
     from iterserve import planner
-    from iterserve.hardware import measure_bandwidth
+    from iterserve.bench.microbench import measure_bandwidth
 
     dtype = loaded.model.dtype.itemsize
     read = planner.matmul_parameters(loaded.config) * dtype + context * loaded.config.kv_bytes_per_token(dtype)
@@ -275,13 +258,13 @@ def _decode_bandwidth_line(loaded: Any, context: int, decode_s: float, device: s
     peak = max(measured["copy"], measured["read"])
     return (f"batch-1 decode reads {read / 1e6:,.3g} MB (weights + KV cache) per step in {decode_s * 1000:,.2f} ms: "
             f"{read / decode_s / 1e9:,.3g} GB/s achieved, {read / decode_s / peak:.0%} of the {peak / 1e9:,.1f} GB/s "
-            "this machine's memory copy/read benchmark reached")  # fmt: skip
+            "this machine's memory copy/read benchmark reached")
 
 
 def _cmd_batch(args: argparse.Namespace) -> int:
     from iterserve.bench.batch import default_batch_sizes, sweep_batches
-    from iterserve.bench.machine import MachineMonitor
     from iterserve.bench.charts import Series, throughput_latency_chart
+    from iterserve.bench.machine import MachineMonitor
     from iterserve.bench.progress import load_model_with_status
 
     loaded = load_model_with_status(args.model, args.dtype, args.device)
@@ -296,22 +279,22 @@ def _cmd_batch(args: argparse.Namespace) -> int:
     monitor.sample()
     sweep = sweep_batches(loaded, batches, args.context, repeats=args.repeats, block_size=args.block_size,
                           prefill=not args.no_prefill, elasticity=args.elasticity,
-                          use_tqdm=not args.disable_tqdm)  # fmt: skip
+                          use_tqdm=not args.disable_tqdm)
     monitor.sample()
     warning = monitor.check.warning()
     print(f"{sweep.model} ({sweep.dtype}, {sweep.device}), context {sweep.context}, median of {sweep.repeats}")
-    print(format_table(
+    print(render_table(
         ["batch", "decode step ms", "decode tok/s", "ms per token", "prefill ms", "prefill tok/s"],
         [[p.batch_size, p.decode_s * 1000, p.decode_tokens_per_s, p.ms_per_token,
           None if p.prefill_s is None else p.prefill_s * 1000, p.prefill_tokens_per_s] for p in sweep.points],
-    ))  # fmt: skip
+    ))
     knee = sweep.knee_batch_size
     if sweep.knee_refused:
         print(f"knee: {sweep.knee_refused}")
     else:
         print(f"knee: batch {knee}" if knee is not None else "knee: none within the sweep",
               f"(first batch whose decode step grew >= (B/B_prev)^{sweep.elasticity:g}; "
-              f"a doubling there adds < {sweep.max_gain_at_knee:.0%} tokens/s)")  # fmt: skip
+              f"a doubling there adds < {sweep.max_gain_at_knee:.0%} tokens/s)")
         if knee is not None:
             print(f"reading: below batch {knee} a step costs about the same whatever the batch, so a larger batch "
                   "is nearly free throughput; from it on, latency per token grows about as fast as throughput")
@@ -329,11 +312,11 @@ def _cmd_batch(args: argparse.Namespace) -> int:
                     sizes.index(knee) if knee is not None else None)],
             chart, xlabel="decode throughput (tokens/s)", ylabel="decode step = time per output token (ms)",
             title=f"decode batch sweep at context {sweep.context} ({sweep.device})",
-        )  # fmt: skip
+        )
         print(f"chart written to {chart}")
     if args.output_json:
         result = {"benchmark": "batch", **asdict(sweep), "max_gain_at_knee": sweep.max_gain_at_knee,
-                  "machine": monitor.check.to_dict(), "busy_warning": warning}  # fmt: skip
+                  "machine": monitor.check.to_dict(), "busy_warning": warning}
         _write_json(args.output_json, result)
     return 0
 
@@ -341,9 +324,9 @@ def _cmd_batch(args: argparse.Namespace) -> int:
 def _cmd_ttft(args: argparse.Namespace) -> int:
     from iterserve.bench.charts import prompt_sweep_chart, request_steps_chart
     from iterserve.bench.machine import MachineMonitor
+    from iterserve.bench.progress import load_model_with_status
     from iterserve.bench.prompt_sweep import sweep_prompt_lengths
     from iterserve.cli import engine_config_from_args
-    from iterserve.bench.progress import load_model_with_status
 
     values = _float_list(args.prompt_lens, "--prompt-lens")
     if not all(v == int(v) for v in values):
@@ -356,14 +339,14 @@ def _cmd_ttft(args: argparse.Namespace) -> int:
     monitor.sample()
     warning = monitor.check.warning()
     print(f"{loaded.name}: one request at a time, {args.output_len} output tokens, median of {args.repeats}")
-    print(format_table(
+    print(render_table(
         ["prompt tokens", "steps per request", "tokens in first step", "TTFT ms", "min-max", "TPOT ms", "min-max"],
         [[p.prompt_len, p.steps_per_request, p.first_step_tokens, p.ttft_ms, _spread(p.ttft_ms_runs), p.tpot_ms,
           _spread(p.tpot_ms_runs)] for p in points],
-    ))  # fmt: skip
+    ))
     first, last = points[0], points[-1]
     print(f"prompt {first.prompt_len} -> {last.prompt_len} tokens: TTFT x{last.ttft_ms / first.ttft_ms:.1f}, "
-          f"TPOT x{last.tpot_ms / first.tpot_ms:.1f}")  # fmt: skip
+          f"TPOT x{last.tpot_ms / first.tpot_ms:.1f}")
     if warning:
         print(warning)
     if args.chart:
@@ -377,7 +360,7 @@ def _cmd_ttft(args: argparse.Namespace) -> int:
     if args.output_json:
         _write_json(args.output_json, {"benchmark": "ttft", "model": loaded.name, "output_len": args.output_len,
                                        "repeats": args.repeats, "machine": monitor.check.to_dict(),
-                                       "busy_warning": warning, "points": [asdict(p) for p in points]})  # fmt: skip
+                                       "busy_warning": warning, "points": [asdict(p) for p in points]})
     return 0
 
 
@@ -447,7 +430,7 @@ def add_bench_parser(subparsers: argparse._SubParsersAction) -> None:
     sv.add_argument("--api-key", default=None)
     sv.add_argument("--tokenizer", default=DEFAULT_MODEL,
                     help="model whose tokenizer builds prompts and counts tokens: an embedded name, .gguf or "
-                         "folder; 'none' for none (default %(default)s)")  # fmt: skip
+                         "folder; 'none' for none (default %(default)s)")
     sv.add_argument("--prompt-format", choices=["text", "ids"], default="text",
                     help="send token-id prompts as decoded text (portable) or as ids (vLLM) (default %(default)s)")
     add_workload_args(sv)

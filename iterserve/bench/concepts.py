@@ -11,12 +11,12 @@ from __future__ import annotations
 import argparse
 import shlex
 import sys
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable, Sequence
 
 SMALL_MODEL = ("random:llama-3-8b?num_layers=1&vocab_size=1024&hidden_size=64&intermediate_size=128&num_heads=4"
-               "&num_kv_heads=2&head_dim=16")  # fmt: skip
+               "&num_kv_heads=2&head_dim=16")
 
 
 @dataclass(frozen=True)

@@ -11,8 +11,8 @@ from __future__ import annotations
 
 import os
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Callable
 
 import torch
 
@@ -80,7 +80,7 @@ class MachineCheck:
         if not self.busy:
             return None
         return ("warning: the machine was busy (" + "; ".join(self.reasons) + "): wall-clock figures are noisy, "
-                "step counts are not")  # fmt: skip
+                "step counts are not")
 
     def to_dict(self) -> dict[str, object]:
         return {

@@ -6,8 +6,9 @@ model wrap the call; on a terminal the spinner shows what is happening, elsewher
 
 from __future__ import annotations
 
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from typing import Any, Callable, Iterator
+from typing import Any
 
 from rich.console import Console
 

@@ -75,5 +75,5 @@ def sweep_prompt_lengths(
                 prompt_len=n, steps_per_request=len(last), first_step_tokens=step_tokens[0],
                 ttft_ms=statistics.median(ttft), tpot_ms=statistics.median(tpot), ttft_ms_runs=ttft, tpot_ms_runs=tpot,
                 step_tokens=step_tokens, step_ms=[s["duration"] * 1000 for s in last],
-            ))  # fmt: skip
+            ))
     return points

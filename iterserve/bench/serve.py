@@ -22,7 +22,7 @@ import numpy as np
 from tqdm.auto import tqdm
 
 from iterserve.bench.metrics import DEFAULT_PERCENTILES, RequestResult, compute_metrics
-from iterserve.bench.workloads import Request, WorkloadSpec
+from iterserve.bench.workloads import Request, WorkloadSpec, is_token_ids
 from iterserve.tokenizer import Tokenizer
 
 COMPLETIONS = "/v1/completions"
@@ -65,16 +65,15 @@ def request_payload(
 ) -> dict[str, Any]:
     """The JSON body for one request; token-id prompts become text unless ``prompt_format`` is ids."""
     prompt = r.prompt
-    is_ids = isinstance(prompt, list) and bool(prompt) and isinstance(prompt[0], int)
     is_messages = isinstance(prompt, list) and bool(prompt) and isinstance(prompt[0], dict)
-    if is_ids and (cfg.prompt_format == "text" or cfg.chat):
+    if prompt and is_token_ids(prompt) and (cfg.prompt_format == "text" or cfg.chat):
         if tokenizer is None:
             raise ValueError(
                 "sending token-id prompts as text needs a tokenizer; pass --tokenizer or --prompt-format ids"
             )
         prompt = tokenizer.decode(prompt)
     body: dict[str, Any] = {"model": model, "max_tokens": max_tokens, "temperature": cfg.temperature, "stream": True,
-                            "stream_options": {"include_usage": True}}  # fmt: skip
+                            "stream_options": {"include_usage": True}}
     if cfg.ignore_eos:
         body["ignore_eos"] = True
     if cfg.chat:
@@ -192,7 +191,7 @@ async def _run_once(
     async def one(i: int) -> RequestResult:
         await asyncio.sleep(max(0.0, start + offsets[i] - time.perf_counter()))
         send = send_request(client, cfg.endpoint, bodies[i], requests[i].prompt_len, cfg.chat, tokenizer, headers,
-                            start)  # fmt: skip
+                            start)
         if gate is None:
             result = await send
         else:
@@ -224,7 +223,7 @@ async def _bench(
         first = requests[0]
         body = request_payload(first, cfg, model, tokenizer, min(2, first.output_len))
         check = await send_request(client, cfg.endpoint, body, first.prompt_len, cfg.chat, tokenizer, _headers(cfg),
-                                   time.perf_counter())  # fmt: skip
+                                   time.perf_counter())
         if not check.success:
             raise ValueError(f"test request to {cfg.base_url}{cfg.endpoint} failed: {check.error}")
         runs = []
@@ -233,7 +232,7 @@ async def _bench(
             if point.max_concurrency:
                 label += f", concurrency {point.max_concurrency}"
             results, duration = await _run_once(client, cfg, model, requests, tokenizer, point.request_rate, burstiness,
-                                                point.max_concurrency, seed, use_tqdm, label)  # fmt: skip
+                                                point.max_concurrency, seed, use_tqdm, label)
             run: dict[str, Any] = {
                 "request_rate": "inf" if math.isinf(point.request_rate) else point.request_rate,
                 "burstiness": burstiness,
@@ -266,7 +265,7 @@ def run_serve(
         raise ValueError("bench serve needs at least one request and one load point")
     seed = workload.seed if workload is not None else 0
     model, runs = asyncio.run(_bench(cfg, requests, tokenizer, points, burstiness, seed,
-                                     percentiles or list(DEFAULT_PERCENTILES), goodput, use_tqdm))  # fmt: skip
+                                     percentiles or list(DEFAULT_PERCENTILES), goodput, use_tqdm))
     return {
         "benchmark": "serve",
         "label": label or cfg.base_url,

@@ -34,9 +34,9 @@ import torch
 from iterserve.bench.charts import read_trace
 from iterserve.bench.machine import MachineMonitor
 from iterserve.bench.metrics import DEFAULT_PERCENTILES, RequestResult, compute_metrics
-from iterserve.bench.workloads import Request
+from iterserve.bench.workloads import Request, is_token_ids
 from iterserve.engine.llm_engine import EngineConfig, LLMEngine
-from iterserve.models.loader import LoadedModel, embedded_model_path
+from iterserve.models.loader import LoadedModel, resolve_model
 from iterserve.outputs import RequestOutput
 from iterserve.sampling_params import SamplingParams
 from iterserve.tokenizer import Tokenizer
@@ -132,7 +132,7 @@ class ThroughputRun:
 
 
 def _make_run(mode: str, n_req: int, n_in: int, n_out: int, counts: StepCounts, timed: list[Timed],
-              step_trace: str | None) -> ThroughputRun:  # fmt: skip
+              step_trace: str | None) -> ThroughputRun:
     elapsed = [t.elapsed_s for t in timed]
     median = statistics.median(elapsed)
     latencies = [t.latency for t in timed if t.latency is not None]
@@ -148,9 +148,9 @@ def _make_run(mode: str, n_req: int, n_in: int, n_out: int, counts: StepCounts, 
 
 def token_prompts(requests: list[Request], tokenizer: Tokenizer | None) -> list[list[int]]:
     """Every prompt as the token ids the engine would run (chat messages through the chat template)."""
-    out = []
+    out: list[list[int]] = []
     for r in requests:
-        if isinstance(r.prompt, list) and all(isinstance(t, int) for t in r.prompt):
+        if is_token_ids(r.prompt):
             out.append(list(r.prompt))
         elif tokenizer is None:
             raise ValueError("this workload has text prompts but the model has no tokenizer")
@@ -168,7 +168,7 @@ def fit_to_context(
     keep = [i for i, p in enumerate(prompts) if len(p) + max_tokens(requests[i], max_tokens_cap) <= max_model_len]
     if len(keep) < len(requests):
         logger.warning("skipping %d of %d requests longer than max_model_len=%d",
-                       len(requests) - len(keep), len(requests), max_model_len)  # fmt: skip
+                       len(requests) - len(keep), len(requests), max_model_len)
     if not keep:
         raise ValueError(f"no request of the workload fits max_model_len={max_model_len}")
     return [dataclasses.replace(requests[i], prompt_len=len(prompts[i])) for i in keep], [prompts[i] for i in keep]
@@ -210,7 +210,7 @@ def drive(
 
     arrival = time.perf_counter()
     ids = [engine.add_request(p, sp, request_id=str(i), arrival_time=arrival)
-           for i, (p, sp) in enumerate(zip(prompts, params))]  # fmt: skip
+           for i, (p, sp) in enumerate(zip(prompts, params))]
     target = {rid: r.output_len for rid, r in zip(ids, requests)}
     final: dict[str, RequestOutput] = {}
     with tqdm(total=len(ids), desc=desc, disable=not use_tqdm, unit="req") as bar:
@@ -243,7 +243,7 @@ def run_engine_mode(
     cfg = _engine_config(config, batching=batching, kv_allocation=kv_allocation, step_trace=step_trace)
     engine = LLMEngine(cfg, loaded)
     params = [SamplingParams(max_tokens=max_tokens(r, max_tokens_cap), ignore_eos=True, temperature=temperature,
-                             seed=config.seed + i) for i, r in enumerate(requests)]  # fmt: skip
+                             seed=config.seed + i) for i, r in enumerate(requests)]
     start = time.perf_counter()
     try:
         outputs = drive(engine, requests, prompts, params, use_tqdm=use_tqdm, desc=mode)
@@ -256,7 +256,8 @@ def run_engine_mode(
     return counts, Timed(elapsed, _latency_summary(results, elapsed, percentiles or list(DEFAULT_PERCENTILES))), n_out
 
 
-def _load_hf_model(name: str, dtype: torch.dtype, device: torch.device):
+def _load_hf_model(name: str, dtype: torch.dtype, device: torch.device) -> Any:
+    """transformers' model for ``name`` (its class depends on the checkpoint, hence Any)."""
     try:
         import transformers
     except ImportError:
@@ -264,14 +265,13 @@ def _load_hf_model(name: str, dtype: torch.dtype, device: torch.device):
             "--hf-baseline runs transformers' generate, and transformers is not installed; "
             "install it with: pip install 'iterserve[test]'"
         ) from None
-    try:
-        path = embedded_model_path(name.lower())
-    except KeyError:
-        path = Path(name).expanduser()
-    if path.is_file():
-        model = transformers.AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=dtype)
-    elif path.is_dir():
-        model = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=dtype)
+    source = resolve_model(name)
+    model: Any
+    if source.kind == "gguf" and source.path is not None:
+        model = transformers.AutoModelForCausalLM.from_pretrained(source.path.parent, gguf_file=source.path.name,
+                                                                  dtype=dtype)
+    elif source.kind == "folder" and source.path is not None:
+        model = transformers.AutoModelForCausalLM.from_pretrained(source.path, dtype=dtype)
     else:
         raise ValueError(
             f"--hf-baseline needs a model transformers can load (embedded, .gguf or a folder), not {name!r}"
@@ -307,7 +307,7 @@ def run_hf_static(
             mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in batch], device=device)
             sampling = {"do_sample": True, "temperature": temperature} if temperature > 0 else {"do_sample": False}
             model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=max_new, min_new_tokens=max_new,
-                           pad_token_id=pad, **sampling)  # fmt: skip
+                           pad_token_id=pad, **sampling)
             steps += max_new
             bar.update(len(batch))
     elapsed = time.perf_counter() - start
@@ -359,7 +359,7 @@ def run_throughput(
     vocab = loaded.config.vocab_size
     warm_prompts = [[(7 * i + 101) % vocab for i in range(n)] for n in (17, 40)]
     drive(warm, [Request(p, len(p), 4) for p in warm_prompts], warm_prompts,
-          [SamplingParams(max_tokens=4, ignore_eos=True, temperature=0)] * 2, use_tqdm=False)  # fmt: skip
+          [SamplingParams(max_tokens=4, ignore_eos=True, temperature=0)] * 2, use_tqdm=False)
     requests, prompts = fit_to_context(requests, prompts, warm.max_model_len, max_tokens_cap)
     del warm
     monitor = monitor or MachineMonitor()
@@ -374,14 +374,14 @@ def run_throughput(
             for mode in modes:
                 if mode == HF_MODE:
                     run = run_hf_static(loaded, requests, prompts, config.max_num_seqs, temperature=temperature,
-                                        use_tqdm=use_tqdm)  # fmt: skip
+                                        use_tqdm=use_tqdm)
                     first.setdefault(mode, run)
                     timed[mode].append(Timed(run.elapsed_s))
                     continue
                 trace = traces / (f"{mode}.jsonl" if rep == 0 else f"{mode}.{rep}.jsonl")
                 c, t, n_out = run_engine_mode(loaded, config, mode, requests, prompts, temperature=temperature,
                                               step_trace=str(trace), max_tokens_cap=max_tokens_cap,
-                                              percentiles=percentiles, use_tqdm=use_tqdm)  # fmt: skip
+                                              percentiles=percentiles, use_tqdm=use_tqdm)
                 counts.setdefault(mode, (c, n_out))
                 timed[mode].append(t)
             monitor.sample()
@@ -394,8 +394,8 @@ def run_throughput(
             runs.append(_make_run(mode, len(requests), n_in, base.total_output_tokens, hf_counts, timed[mode], None))
         else:
             c, n_out = counts[mode]
-            trace = str(Path(trace_dir) / f"{mode}.jsonl") if trace_dir is not None else None
-            runs.append(_make_run(mode, len(requests), n_in, n_out, c, timed[mode], trace))
+            trace_file = str(Path(trace_dir) / f"{mode}.jsonl") if trace_dir is not None else None
+            runs.append(_make_run(mode, len(requests), n_in, n_out, c, timed[mode], trace_file))
     by_mode = {r.mode: r for r in runs}
     check = monitor.check
     result: dict[str, Any] = {
@@ -412,9 +412,9 @@ def run_throughput(
         "runs": [dataclasses.asdict(r) for r in runs],
     }
     if "continuous" in by_mode and "static" in by_mode:
-        c, s = by_mode["continuous"], by_mode["static"]
-        result["continuous_over_static"] = c.output_throughput / s.output_throughput
-        result["continuous_over_static_runs"] = [a / b for a, b in zip(c.output_throughput_runs,
-                                                                        s.output_throughput_runs)]  # fmt: skip
-        result["continuous_over_static_per_step"] = c.output_tokens_per_step / s.output_tokens_per_step
+        cont, stat = by_mode["continuous"], by_mode["static"]
+        result["continuous_over_static"] = cont.output_throughput / stat.output_throughput
+        result["continuous_over_static_runs"] = [a / b for a, b in zip(cont.output_throughput_runs,
+                                                                        stat.output_throughput_runs)]
+        result["continuous_over_static_per_step"] = cont.output_tokens_per_step / stat.output_tokens_per_step
     return result

@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+from typing_extensions import TypeIs
 
 from iterserve.tokenizer import Tokenizer
 
@@ -218,8 +219,13 @@ def synthetic_workload(
 # -- datasets -------------------------------------------------------------------------------------
 
 
+def is_token_ids(prompt: Prompt) -> TypeIs[list[int]]:
+    """Whether a workload prompt is token ids (else text or chat messages)."""
+    return isinstance(prompt, list) and all(isinstance(t, int) for t in prompt)
+
+
 def _prompt_len(prompt: Prompt, tokenizer: Tokenizer | None, where: str) -> int:
-    if isinstance(prompt, list) and all(isinstance(t, int) for t in prompt):
+    if is_token_ids(prompt):
         return len(prompt)
     if tokenizer is None:
         raise ValueError(f"{where}: text prompts need a tokenizer to count their tokens")
@@ -233,7 +239,7 @@ def _is_messages(value: Any) -> bool:
         isinstance(value, list) and bool(value)
         and all(isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str)
                 for m in value)
-    )  # fmt: skip
+    )
 
 
 def load_jsonl(path: str | Path, tokenizer: Tokenizer | None, default_output_len: int = 128) -> list[Request]:
@@ -336,18 +342,3 @@ def make_workload(
     return sample_requests(loaded, spec.num_prompts, spec.seed)
 
 
-def load_tokenizer(name: str) -> Tokenizer:
-    """A tokenizer alone (no weights): an embedded model's, a .gguf file's or a Hugging Face folder's."""
-    from iterserve.models.loader import embedded_model_path
-
-    try:
-        path = embedded_model_path(name.lower())
-    except KeyError:
-        path = Path(name).expanduser()
-    if path.is_file():
-        return Tokenizer.from_gguf(path)
-    if path.is_dir():
-        return Tokenizer.from_pretrained_dir(path)
-    raise ValueError(
-        f"cannot load a tokenizer for {name!r}: not an embedded model name, a .gguf file or a Hugging Face folder"
-    )

@@ -133,6 +133,7 @@ class BlockManager:
                 del self.free_queue[block.block_id]
             block.ref_count += 1
             seq.block_table.append(block.block_id)
+            assert block.hash is not None  # a prefix-cache hit is a hashed block
             seq.block_hashes.append(block.hash)
         if hits:
             seq.num_hashed_blocks = len(hits)

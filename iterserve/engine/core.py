@@ -14,7 +14,6 @@ from __future__ import annotations
 import json
 import logging
 import os
-import re
 import time
 from collections import deque
 from dataclasses import asdict, dataclass, field
@@ -28,31 +27,17 @@ from iterserve.engine.messages import EngineCoreOutput, EngineCoreOutputs, Engin
 from iterserve.engine.model_runner import ModelRunner
 from iterserve.engine.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
 from iterserve.engine.sequence import RequestMetrics, Sequence
+from iterserve.errors import RequestError
 from iterserve.models.loader import DEFAULT_MODEL, LoadedModel, load_model
 from iterserve.sampling_params import SamplingParams
 from iterserve.tokenizer import Tokenizer
+from iterserve.units import parse_size
 
 logger = logging.getLogger(__name__)
 
 # Test hook: a step that schedules a request whose prompt contains this token id raises before the
 # forward pass, as a fault in the model would. Read once when the core is built.
 FAULT_TOKEN_ENV = "ITERSERVE_TEST_FAULT_TOKEN"
-
-_SIZE = re.compile(r"^\s*([\d.]+)\s*([KMGT]i?B?|B)?\s*$", re.IGNORECASE)
-
-
-def parse_size(value: str | int) -> int:
-    """'2GiB', '512MiB', '1.5GB', 1048576 -> bytes."""
-    if isinstance(value, int):
-        return value
-    m = _SIZE.match(value)
-    if not m:
-        raise ValueError(f"cannot parse memory size {value!r}; use e.g. '2GiB' or '512MiB'")
-    num, unit = float(m.group(1)), (m.group(2) or "B").upper()
-    powers = {"K": 1, "M": 2, "G": 3, "T": 4}
-    base = 1024 if "I" in unit or unit in ("K", "M", "G", "T") else 1000
-    return int(num * (base ** powers.get(unit[0], 0)))
-
 
 @dataclass
 class EngineConfig:
@@ -108,21 +93,30 @@ class Capacity:
         return cls(per_token, num_blocks, bs, capacity, max_len, capacity // max_len)
 
 
-def check_prompt(token_ids: list[int], params: SamplingParams, vocab_size: int, max_model_len: int) -> int:
-    """Validate a tokenized request; returns its max_tokens resolved against max_model_len."""
+def check_prompt_ids(token_ids: list[int], vocab_size: int, max_model_len: int) -> None:
+    """A prompt's ids: not empty, leaving room for one generated token, each in the vocabulary
+    (the length first: it is cheap, and a huge list is refused before it is walked)."""
+    n = len(token_ids)
+    if not n:
+        raise RequestError("prompt is empty", "prompt")
+    if n >= max_model_len:
+        raise RequestError(f"prompt has {n} tokens but max_model_len is {max_model_len}: no room for a generated "
+                           "token", "prompt", "context_length_exceeded")
     bad = [t for t in token_ids if not isinstance(t, int) or not 0 <= t < vocab_size]
     if bad:
-        raise ValueError(f"prompt token ids must be integers in [0, {vocab_size}); got {bad[:5]}")
-    if not token_ids:
-        raise ValueError("prompt is empty")
+        raise RequestError(f"prompt token ids must be integers in [0, {vocab_size}); got {bad[:5]}", "prompt")
+
+
+def check_prompt(token_ids: list[int], params: SamplingParams, vocab_size: int, max_model_len: int) -> int:
+    """Validate a tokenized request (the one home of these checks, for the server too); returns its
+    max_tokens resolved against max_model_len. Raises :class:`RequestError`."""
+    check_prompt_ids(token_ids, vocab_size, max_model_len)
     n = len(token_ids)
-    if n >= max_model_len:
-        raise ValueError(f"prompt has {n} tokens but max_model_len is {max_model_len}: no room for a generated token")
     max_tokens = params.max_tokens if params.max_tokens is not None else max_model_len - n
     if n + max_tokens > max_model_len:
-        raise ValueError(
+        raise RequestError(
             f"prompt ({n} tokens) + max_tokens ({max_tokens}) = {n + max_tokens} exceeds "
-            f"max_model_len ({max_model_len})"
+            f"max_model_len ({max_model_len})", "max_tokens", "context_length_exceeded",
         )
     return max_tokens
 

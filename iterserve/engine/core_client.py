@@ -32,8 +32,16 @@ import zmq.asyncio
 from iterserve.config import ModelConfig
 from iterserve.engine.core import Capacity, EngineConfig, EngineCore, check_prompt
 from iterserve.engine.messages import (
-    AbortRequests, EngineCoreEvent, EngineCoreInput, EngineCoreOutput, EngineCoreOutputs, EngineCoreRequest,
-    EngineFailed, EngineReady, SchedulerStats, Shutdown,
+    AbortRequests,
+    EngineCoreEvent,
+    EngineCoreInput,
+    EngineCoreOutput,
+    EngineCoreOutputs,
+    EngineCoreRequest,
+    EngineFailed,
+    EngineReady,
+    SchedulerStats,
+    Shutdown,
 )
 from iterserve.engine.output_processor import OutputProcessor, RequestOutputKind
 from iterserve.models.loader import load_model_info
@@ -268,7 +276,7 @@ class EngineCoreClient:
         self._accepting = False
         try:
             await asyncio.wait_for(self._idle.wait(), timeout)
-        except asyncio.TimeoutError:
+        except TimeoutError:
             logger.warning("ending %d requests still running after %.1f s", len(self._streams), timeout)
         self._fail_all(EngineDeadError("the server is shutting down"))
 
@@ -315,15 +323,15 @@ class EngineCoreClient:
 
     def add_request(self, request_id: str, prompt: list[int], params: SamplingParams, arrival_time: float,
                     stream: bool = True) -> RequestStream:
-        """Send a request to the core; raises EngineDeadError, QueueFullError or ValueError at once."""
+        """Send a request to the core; raises EngineDeadError, RequestError, QueueFullError or ValueError at once."""
         if not self.is_running:
             raise EngineDeadError(str(self.error) if self.error else "the engine is not running")
+        check_prompt(prompt, params, self.model_config.vocab_size, self.max_model_len)  # bad input first
         waiting = self.num_waiting
         if waiting >= self.max_waiting:
             raise QueueFullError(f"{waiting} requests are already waiting (limit {self.max_waiting})")
         if request_id in self._streams:
             raise ValueError(f"request id {request_id!r} is already in use")
-        check_prompt(prompt, params, self.model_config.vocab_size, self.max_model_len)
         kind = RequestOutputKind.DELTA if stream else RequestOutputKind.FINAL_ONLY
         self._output_processor.add_request(request_id, None, prompt, params, arrival_time, kind)
         handle = RequestStream(request_id, self.abort)

@@ -8,11 +8,6 @@ token was computed in this step.
 
 from __future__ import annotations
 
-import ctypes
-import ctypes.util
-import functools
-import logging
-
 import torch
 
 from iterserve.attention import AttentionMetadata, KVCache
@@ -21,36 +16,10 @@ from iterserve.models.llama import LlamaModel
 from iterserve.sampler import Sampler, SampleResult, SamplingRow
 
 
-logger = logging.getLogger(__name__)
-
-
-@functools.cache
-def keep_freed_memory_in_process() -> bool:
-    """Stop glibc from returning large freed buffers to the OS.
-
-    A step allocates the same large activations and gathered K/V every time; by default glibc
-    serves them with fresh mmaps and unmaps them on free, so every step pays page faults for tens of
-    megabytes (measured: a 256-sequence decode step took twice as long). Keeping the heap makes the
-    allocations reuse warm pages, the effect TCMalloc has for other CPU inference servers.
-    """
-    libc_name = ctypes.util.find_library("c")
-    if not libc_name:
-        return False
-    try:
-        libc = ctypes.CDLL(libc_name)
-        m_trim_threshold, m_mmap_max = -1, -4
-        return bool(libc.mallopt(m_mmap_max, 0)) and bool(libc.mallopt(m_trim_threshold, 1 << 30))
-    except (OSError, AttributeError):  # not glibc
-        logger.debug("mallopt unavailable; CPU steps will pay page faults on large buffers")
-        return False
-
-
 class ModelRunner:
     def __init__(self, model: LlamaModel, num_blocks: int, block_size: int, seed: int = 0) -> None:
         self.model = model
         self.device = model.device
-        if self.device.type == "cpu":
-            keep_freed_memory_in_process()
         self.block_size = block_size
         self.kv_caches: list[KVCache] = model.allocate_kv_cache(num_blocks, block_size)
         self.sampler = Sampler(torch.Generator(device=self.device).manual_seed(seed))

@@ -95,7 +95,9 @@ class Scheduler:
         return bool(self.waiting or self.running)
 
     def _reserve(self, seq: Sequence) -> int:
-        return seq.num_tokens + seq.max_tokens - len(seq.output_token_ids) if self.config.kv_allocation == "reserved" else 0
+        if self.config.kv_allocation != "reserved":
+            return 0
+        return seq.num_tokens + seq.max_tokens - len(seq.output_token_ids)
 
     def _preempt(self, seq: Sequence, out: SchedulerOutput) -> None:
         self.running.remove(seq)

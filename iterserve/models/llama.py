@@ -33,10 +33,11 @@ class RMSNorm(nn.Module):
     def forward(
         self, x: torch.Tensor, residual: torch.Tensor | None = None
     ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
-        if kernels.enabled_for(x):
+        ops = kernels.ops_for(x)
+        if ops is not None:
             if residual is None:
-                return kernels.ops.rms_norm(x, self.weight, self.eps)
-            kernels.ops.fused_add_rms_norm(x, residual, self.weight, self.eps)  # in place on both
+                return ops.rms_norm(x, self.weight, self.eps)
+            ops.fused_add_rms_norm(x, residual, self.weight, self.eps)  # in place on both
             return x, residual
         if residual is not None:
             residual = x = x + residual
@@ -74,6 +75,9 @@ def rope_inv_freq(config: ModelConfig) -> torch.Tensor:
 
 class RotaryEmbedding(nn.Module):
     """Precomputed cos/sin tables indexed by absolute position (rotate-half convention)."""
+
+    cos: torch.Tensor
+    sin: torch.Tensor
 
     def __init__(self, config: ModelConfig) -> None:
         super().__init__()
@@ -116,10 +120,11 @@ class Attention(nn.Module):
         q = q.view(n, self.num_heads, self.head_dim)
         k = k.view(n, self.num_kv_heads, self.head_dim)
         v = v.view(n, self.num_kv_heads, self.head_dim)
-        if self.q_norm is not None:
+        if self.q_norm is not None and self.k_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
-        if kernels.enabled_for(q):
-            kernels.ops.rope_(q, k, cos[:, 0], sin[:, 0])  # in place, one pass per row
+        ops = kernels.ops_for(q)
+        if ops is not None:
+            ops.rope_(q, k, cos[:, 0], sin[:, 0])  # in place, one pass per row
         else:
             q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         out = paged_attention(q, k, v, cache, meta, self.scale)
@@ -135,8 +140,9 @@ class MLP(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate_up = self.gate_up_proj(x)
-        if kernels.enabled_for(gate_up):
-            return self.down_proj(kernels.ops.silu_and_mul(gate_up))
+        ops = kernels.ops_for(gate_up)
+        if ops is not None:
+            return self.down_proj(ops.silu_and_mul(gate_up))
         gate, up = gate_up.split(self.intermediate_size, dim=-1)
         return self.down_proj(F.silu(gate) * up)
 
@@ -207,6 +213,7 @@ class LlamaModel(nn.Module):
         residual = None
         for layer, cache in zip(self.layers, kv_caches):
             x, residual = layer(x, residual, cos, sin, cache, meta)
+        assert residual is not None  # every layer returns it
         if logits_indices is not None:
             x, residual = x[logits_indices], residual[logits_indices]
         x, _ = self.norm(x, residual)

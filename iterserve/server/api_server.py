@@ -25,7 +25,7 @@ import time
 import uuid
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
-from typing import Any
+from typing import Any, cast
 
 import uvicorn
 from fastapi import FastAPI, Request
@@ -38,18 +38,43 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from iterserve import __version__
-from iterserve.engine.core import EngineConfig
+from iterserve.engine.core import EngineConfig, check_prompt_ids
 from iterserve.engine.core_client import (
-    EngineCoreClient, EngineDeadError, QueueFullError, RequestFailedError, RequestStream,
+    EngineCoreClient,
+    EngineDeadError,
+    QueueFullError,
+    RequestFailedError,
+    RequestStream,
 )
+from iterserve.errors import RequestError
 from iterserve.outputs import CompletionOutput, RequestOutput
 from iterserve.sampling_params import SamplingParams
 from iterserve.server.metrics import ServerMetrics
 from iterserve.server.protocol import (
-    APIError, AssistantMessage, ChatChoice, ChatCompletionChunk, ChatCompletionRequest, ChatCompletionResponse,
-    ChatLogprobs, ChatStreamChoice, CompletionChoice, CompletionLogprobs, CompletionRequest, CompletionResponse,
-    DeltaMessage, DetokenizeRequest, DetokenizeResponse, ModelCard, ModelList, PromptTokensDetails, TokenizeRequest,
-    TokenizeResponse, TokenLogprob, TopLogprob, Usage, bad_request,
+    APIError,
+    AssistantMessage,
+    ChatChoice,
+    ChatCompletionChunk,
+    ChatCompletionRequest,
+    ChatCompletionResponse,
+    ChatLogprobs,
+    ChatStreamChoice,
+    CompletionChoice,
+    CompletionLogprobs,
+    CompletionRequest,
+    CompletionResponse,
+    DeltaMessage,
+    DetokenizeRequest,
+    DetokenizeResponse,
+    ModelCard,
+    ModelList,
+    PromptTokensDetails,
+    TokenizeRequest,
+    TokenizeResponse,
+    TokenLogprob,
+    TopLogprob,
+    Usage,
+    bad_request,
 )
 from iterserve.tokenizer import Tokenizer
 
@@ -225,19 +250,6 @@ class OpenAIServing:
             raise bad_request(f"model {self.model_name!r} has no tokenizer; send the prompt as token ids")
         return self.engine.tokenizer
 
-    def _check_length(self, num_prompt: int, max_tokens: int | None, prompt_param: str) -> None:
-        limit = self.engine.max_model_len
-        if num_prompt == 0:
-            raise bad_request("the prompt is empty", prompt_param)
-        if num_prompt >= limit:
-            raise bad_request(f"the prompt has {num_prompt} tokens but max_model_len is {limit}: no room to generate",
-                              prompt_param, "context_length_exceeded")
-        if max_tokens is not None and num_prompt + max_tokens > limit:
-            raise bad_request(
-                f"prompt ({num_prompt} tokens) + max_tokens ({max_tokens}) = {num_prompt + max_tokens} exceeds "
-                f"max_model_len ({limit})", "max_tokens", "context_length_exceeded",
-            )
-
     def _refuse_unfittable(self, tokenizer: Tokenizer, text: str, max_tokens: int, param: str) -> None:
         """Refuse text that must make more than ``max_tokens`` tokens, judged without tokenizing it
         (tokenizing megabytes takes seconds, and such a prompt cannot fit anyway)."""
@@ -277,13 +289,17 @@ class OpenAIServing:
 
         return await asyncio.to_thread(render_and_encode)
 
-    async def _submit(self, request_id: str, prompt: list[int], params: SamplingParams, stream: bool) -> RequestStream:
-        """Send the request to the engine: deltas when streaming, one final output otherwise."""
+    async def _submit(self, request_id: str, prompt: list[int], params: SamplingParams, stream: bool,
+                      prompt_param: str = "prompt") -> RequestStream:
+        """Send the request to the engine: deltas when streaming, one final output otherwise. The
+        engine validates the prompt against its context; ``prompt_param`` is the field that carried it."""
         try:
             return self.engine.add_request(request_id, prompt, params, time.perf_counter(), stream)
         except QueueFullError as e:
             raise APIError(429, f"the server is at capacity: {e}; retry later", type="rate_limit_error",
                            code="rate_limit_exceeded", headers={"Retry-After": str(RETRY_AFTER_S)}) from e
+        except RequestError as e:
+            raise _request_error(e, prompt_param) from e
         except ValueError as e:
             raise bad_request(str(e)) from e
 
@@ -352,10 +368,11 @@ class OpenAIServing:
             prompt = prompt[0]
         if isinstance(prompt, str):
             return await self._encode(prompt, "prompt", self.engine.max_model_len - 1), prompt
-        self._check_length(len(prompt), None, "prompt")  # before walking a list that may be huge
-        vocab = self.engine.model_config.vocab_size
-        if any(not 0 <= t < vocab for t in prompt):
-            raise bad_request(f"prompt token ids must be in [0, {vocab})", "prompt")
+        prompt = cast(list[int], prompt)  # a one-element batch was unwrapped above
+        try:  # before the ids are decoded for echo
+            check_prompt_ids(prompt, self.engine.model_config.vocab_size, self.engine.max_model_len)
+        except RequestError as e:
+            raise _request_error(e) from e
         tokenizer = self.engine.tokenizer
         return list(prompt), tokenizer.decode(prompt, skip_special_tokens=False) if echo and tokenizer else ""
 
@@ -364,7 +381,6 @@ class OpenAIServing:
         body.check_supported()
         params = body.sampling_params(body.max_tokens, body.logprobs)
         prompt_ids, prompt_text = await self._completion_prompt(body.prompt, body.echo)
-        self._check_length(len(prompt_ids), body.max_tokens, "prompt")
         request_id = f"cmpl-{uuid.uuid4().hex}"
         stream = await self._submit(request_id, prompt_ids, params, bool(body.stream))
         echo = prompt_text if body.echo else ""
@@ -418,9 +434,8 @@ class OpenAIServing:
         params = body.sampling_params(max_tokens, body.requested_logprobs)
         prompt_ids = await self._encode_chat(body.message_dicts(), body.add_generation_prompt,
                                              self.engine.max_model_len - 1)
-        self._check_length(len(prompt_ids), max_tokens, "messages")
         request_id = f"chatcmpl-{uuid.uuid4().hex}"
-        stream = await self._submit(request_id, prompt_ids, params, bool(body.stream))
+        stream = await self._submit(request_id, prompt_ids, params, bool(body.stream), prompt_param="messages")
         if body.stream:
             return self._streaming(self._chat_events(stream, body), stream)
         final = await self._final_output(stream, request)
@@ -514,6 +529,12 @@ class OpenAIServing:
 # -- errors -----------------------------------------------------------------------------------------
 
 
+def _request_error(error: RequestError, prompt_param: str = "prompt") -> APIError:
+    """A request the engine refused, as a 400 naming the field (the prompt under the name the client used)."""
+    param = prompt_param if error.param == "prompt" else error.param
+    return bad_request(str(error), param, error.code)
+
+
 def _engine_error(error: EngineDeadError | RequestFailedError) -> APIError:
     """503 while the engine is gone or stopping; 500 for a failed step (its traceback is only logged)."""
     if isinstance(error, RequestFailedError):
@@ -562,7 +583,8 @@ async def _on_http_error(request: Request, exc: Exception) -> Response:
     assert isinstance(exc, StarletteHTTPException)
     message = f"no route for {request.method} {request.url.path}" if exc.status_code == 404 else str(exc.detail)
     kind = "invalid_request_error" if exc.status_code < 500 else "server_error"
-    return _error_response(APIError(exc.status_code, message, type=kind, headers=exc.headers))
+    headers = dict(exc.headers) if exc.headers is not None else None
+    return _error_response(APIError(exc.status_code, message, type=kind, headers=headers))
 
 
 async def _on_internal_error(request: Request, exc: Exception) -> Response:

@@ -8,20 +8,12 @@ from __future__ import annotations
 
 import json
 import time
-from typing import Annotated, Any, Literal, TypeVar, Union
+from typing import Annotated, Any, Literal, TypeVar
 
 from pydantic import BaseModel, ConfigDict, Discriminator, Field, Strict, Tag, field_validator, model_serializer
 
-from iterserve.sampling_params import SamplingParams, SamplingParamsError
+from iterserve.sampling_params import MIN_TOP_P, SamplingParams, SamplingParamsError
 
-# Sampler limits. The sampler works in float32, where a temperature or penalty near 0 or near the
-# float limits turns logits into inf/nan and fails the whole batch's step, so such values are
-# either mapped to what they mean (a near-zero temperature is greedy, as in vLLM; a near-zero
-# top_p keeps only the top token) or refused.
-GREEDY_TEMPERATURE = 1e-5
-MAX_TEMPERATURE = 100.0
-MIN_TOP_P = 1e-8
-REPETITION_PENALTY_RANGE = (1e-2, 1e2)
 COMPLETION_DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
 
 
@@ -98,7 +90,8 @@ def _prompt_kind(value: Any) -> str | None:
         return "text"
     if not isinstance(value, list):
         return None
-    return {str: "texts", list: "id_lists"}.get(type(value[0]), "ids") if value else "ids"
+    first = value[0] if value else None
+    return "texts" if isinstance(first, str) else "id_lists" if isinstance(first, list) else "ids"
 
 
 T = TypeVar("T")
@@ -108,8 +101,8 @@ Int = Annotated[int, Strict()]
 # million-element list takes pydantic (and FastAPI after it) tens of seconds on the event loop.
 ListOf = Annotated[list[T], Field(fail_fast=True)]
 Prompt = Annotated[
-    Union[Annotated[str, Tag("text")], Annotated[ListOf[Int], Tag("ids")], Annotated[ListOf[str], Tag("texts")],
-          Annotated[ListOf[ListOf[Int]], Tag("id_lists")]],
+    Annotated[str, Tag("text")] | Annotated[ListOf[Int], Tag("ids")] | Annotated[ListOf[str], Tag("texts")]
+    | Annotated[ListOf[ListOf[Int]], Tag("id_lists")],
     Discriminator(_prompt_kind, custom_error_type="prompt_type",
                   custom_error_message="must be a string, a list of token ids, or a list of either"),
 ]
@@ -179,25 +172,19 @@ class _SamplingRequest(_Request):
         return self.stream_options is not None and self.stream_options.include_usage
 
     def sampling_params(self, max_tokens: int | None, logprobs: int | None) -> SamplingParams:
-        """Build SamplingParams; invalid values become a 400 naming the parameter where known."""
+        """Build SamplingParams, which checks every limit; an invalid value becomes a 400 naming it. A
+        top_p between 0 and SamplingParams' minimum keeps only the top token, as it means."""
         temperature = 1.0 if self.temperature is None else self.temperature
-        if temperature > MAX_TEMPERATURE:
-            raise bad_request(f"temperature must be in [0, {MAX_TEMPERATURE:g}], got {temperature}", "temperature")
-        if 0 < temperature < GREEDY_TEMPERATURE:
-            temperature = 0.0
         top_p = 1.0 if self.top_p is None else self.top_p
         if 0 < top_p < MIN_TOP_P:
             top_p = MIN_TOP_P
-        low, high = REPETITION_PENALTY_RANGE
-        if not low <= self.repetition_penalty <= high:
-            message = f"repetition_penalty must be in [{low:g}, {high:g}], got {self.repetition_penalty}"
-            raise bad_request(message, "repetition_penalty")
+        stop = [self.stop] if isinstance(self.stop, str) else self.stop or []
         try:
             return SamplingParams(
                 temperature=temperature, top_p=top_p, top_k=self.top_k, min_p=self.min_p,
                 repetition_penalty=self.repetition_penalty, presence_penalty=self.presence_penalty,
                 frequency_penalty=self.frequency_penalty, seed=self.seed, max_tokens=max_tokens,
-                min_tokens=self.min_tokens, stop=self.stop or [], stop_token_ids=self.stop_token_ids or [],
+                min_tokens=self.min_tokens, stop=stop, stop_token_ids=self.stop_token_ids or [],
                 ignore_eos=self.ignore_eos, logprobs=logprobs, skip_special_tokens=self.skip_special_tokens,
             )
         except SamplingParamsError as e:

@@ -6,16 +6,15 @@ import json
 
 import pytest
 
-from iterserve import planner
-from iterserve.bench.batch import (
-    BatchSweep, StepTimer, decode_step_timer, default_batch_sizes, non_monotone_steps, read_knee, sweep_batches,
-)
+from iterserve.bench.batch import BatchSweep, StepTimer, decode_step_timer, default_batch_sizes, sweep_batches
+from iterserve.bench.knee import measured_knee, non_monotone_steps, read_knee
+from iterserve.bench.validate import default_decode_timer
 from iterserve.cli import main
 from iterserve.models.loader import load_model
 
 TINY = "random:smollm2-135m?num_layers=2"
 NO_TOKENIZER = ("random:llama-3-8b?num_layers=1&vocab_size=1024&hidden_size=64&intermediate_size=128&num_heads=4"
-                "&num_kv_heads=2&head_dim=16")  # fmt: skip
+                "&num_kv_heads=2&head_dim=16")
 
 
 @pytest.fixture(scope="module")
@@ -53,7 +52,7 @@ def test_sweep_points_and_knee_definition(loaded):
         assert p.decode_tokens_per_s == pytest.approx(p.batch_size / p.decode_s)
         assert p.ms_per_token == pytest.approx(p.decode_s * 1000 / p.batch_size)
         assert p.prefill_tokens_per_s == pytest.approx(p.batch_size * 32 / p.prefill_s)
-    assert sweep.knee_batch_size == planner.measured_knee([1, 2, 4], [p.decode_s for p in sweep.points], 0.5)
+    assert sweep.knee_batch_size == measured_knee([1, 2, 4], [p.decode_s for p in sweep.points], 0.5)
     assert sweep.max_gain_at_knee == pytest.approx(2**0.5 - 1)
     decode_only = sweep_batches(loaded, [1], context=16, repeats=1, prefill=False, use_tqdm=False)
     assert decode_only.points[0].prefill_s is None
@@ -70,7 +69,7 @@ def test_default_batch_sizes_stop_where_the_kv_cache_is_full(loaded):
 
 
 def test_planner_default_timer_times_the_engine_step():
-    timer = planner.default_decode_timer(NO_TOKENIZER, "fp32")
+    timer = default_decode_timer(NO_TOKENIZER, "fp32")
     assert timer(2, 32) > 0
     assert decode_step_timer(load_model(NO_TOKENIZER, "float32", "cpu"))(1, 8) > 0
 
@@ -79,7 +78,7 @@ def test_cli_prints_table_and_writes_json_and_chart(loaded, monkeypatch, tmp_pat
     monkeypatch.setattr("iterserve.models.loader.load_model", lambda *a, **k: loaded)
     out = tmp_path / "batch.json"
     rc = main(["bench", "batch", "--model", TINY, "--batch-sizes", "1,2,4", "--context", "16", "--repeats", "1",
-               "--output-json", str(out), "--disable-tqdm"])  # fmt: skip
+               "--output-json", str(out), "--disable-tqdm"])
     assert rc == 0
     text = capsys.readouterr().out
     assert "decode tok/s" in text and "knee:" in text and "batch-1 decode reads" in text
@@ -94,7 +93,7 @@ def test_cli_prints_table_and_writes_json_and_chart(loaded, monkeypatch, tmp_pat
 def test_no_knee_is_called_on_a_non_monotone_sweep():
     # what a loaded machine gave: batch 8 stalled for 2 s, batch 16 took 27 ms
     batches, noisy = [1, 2, 4, 8, 16, 32], [0.020, 0.021, 0.022, 2.136, 0.027, 0.060]
-    assert planner.measured_knee(batches, noisy) == 8  # the bare rule would call the stall a knee
+    assert measured_knee(batches, noisy) == 8  # the bare rule would call the stall a knee
     assert non_monotone_steps(batches, noisy) == [16]
     knee, why = read_knee(batches, noisy)
     assert knee is None and "B=16" in why and "rerun" in why

@@ -17,8 +17,9 @@ from iterserve.models.loader import load_model
 
 def counts_rows(text: str) -> dict[str, list[str]]:
     """mode -> cells of the counts table printed after the command line."""
-    table = text.split("counts (machine-independent)\n", 1)[1].split("\n\n", 1)[0].splitlines()[2:]
-    return {row.split()[0]: row.split() for row in table}
+    table = text.split("counts (machine-independent)\n", 1)[1].split("\n\n", 1)[0].splitlines()
+    rows = [[cell.strip() for cell in line.strip().strip("│").split("│")] for line in table if line.startswith("│")]
+    return {row[0]: row for row in rows}
 
 
 def test_small_configuration_prints_the_documented_counts(tmp_path, capsys):

@@ -8,7 +8,12 @@ import numpy as np
 import pytest
 
 from iterserve.bench.metrics import (
-    RequestResult, compute_metrics, is_good, parse_goodput, parse_percentiles, percentile_key,
+    RequestResult,
+    compute_metrics,
+    is_good,
+    parse_goodput,
+    parse_percentiles,
+    percentile_key,
 )
 from iterserve.bench.serve import arrival_offsets
 

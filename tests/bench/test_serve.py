@@ -55,7 +55,7 @@ def asked_output_lens() -> list[int]:
 def test_concurrency_sweep_writes_vllm_fields_and_charts(server_url, asked_output_lens, tmp_path, capsys):
     out = tmp_path / "serve.json"
     rc = main(["bench", "serve", "--base-url", server_url, *SMALL, "--sweep-concurrency", "1,4", "--goodput",
-               "ttft:60000", "tpot:60000", "--percentiles", "50,99", "--output-json", str(out)])  # fmt: skip
+               "ttft:60000", "tpot:60000", "--percentiles", "50,99", "--output-json", str(out)])
     assert rc == 0
     table = capsys.readouterr().out
     assert "model tiny" in table and "goodput req/s" in table
@@ -89,9 +89,9 @@ def test_concurrency_sweep_writes_vllm_fields_and_charts(server_url, asked_outpu
 def test_chat_endpoint_and_token_id_prompts(server_url, asked_output_lens, tmp_path):
     chat, ids = tmp_path / "chat.json", tmp_path / "ids.json"
     assert main(["bench", "serve", "--base-url", server_url, *SMALL, "--endpoint", "/v1/chat/completions",
-                 "--dataset", "text", "--request-rate", "50", "--output-json", str(chat)]) == 0  # fmt: skip
+                 "--dataset", "text", "--request-rate", "50", "--output-json", str(chat)]) == 0
     assert main(["bench", "serve", "--base-url", server_url, *SMALL, "--prompt-format", "ids", "--model", "tiny",
-                 "--output-json", str(ids)]) == 0  # fmt: skip
+                 "--output-json", str(ids)]) == 0
     for path in (chat, ids):
         run = json.loads(path.read_text())["runs"][0]
         assert run["completed"] == 6 and run["failed"] == 0
@@ -126,11 +126,11 @@ def test_plot_overlays_vllm_results_and_refuses_other_files(tmp_path, capsys):
     fields = {"median_ttft_ms": 50.0, "p99_ttft_ms": 80.0, "median_tpot_ms": 12.0, "p99_tpot_ms": 15.0}
     for rate in (1, 2):  # what `vllm bench serve --save-result` writes: one run per file
         vllm = {"backend": "vllm", "request_rate": rate, "burstiness": 1.0, "max_concurrency": None,
-                "request_throughput": rate * 0.9, "output_throughput": rate * 100.0, **fields}  # fmt: skip
+                "request_throughput": rate * 0.9, "output_throughput": rate * 100.0, **fields}
         (tmp_path / f"vllm-{rate}.json").write_text(json.dumps(vllm))
     prefix = tmp_path / "cmp"
     assert main(["bench", "plot", str(tmp_path / "vllm-1.json"), str(tmp_path / "vllm-2.json"),
-                 "--output-prefix", str(prefix)]) == 0  # fmt: skip
+                 "--output-prefix", str(prefix)]) == 0
     assert (tmp_path / "cmp_latency.png").is_file() and (tmp_path / "cmp_throughput.png").is_file()
     (tmp_path / "other.json").write_text(json.dumps({"benchmark": "batch", "points": []}))
     assert main(["bench", "plot", str(tmp_path / "other.json")]) == 2

@@ -7,8 +7,8 @@ import json
 import sys
 
 import pytest
-import transformers
 import torch
+import transformers
 
 from iterserve.bench.charts import joins_chart, read_trace, sequence_spans, timeline_chart
 from iterserve.bench.cli import throughput_report
@@ -87,7 +87,7 @@ def test_cli_writes_json_table_and_timeline(loaded, monkeypatch, tmp_path, capsy
     rc = main(["--log-level", "WARNING", "bench", "throughput", "--model", TINY, "--dtype", "float32",
                "--num-kv-blocks", "64", "--max-num-seqs", "2", "--num-prompts", "5", "--input-len", "uniform:4:16",
                "--output-len", "lognormal:6:1:20", "--modes", "continuous,static,reserved", "--timeline", str(timeline),
-               "--output-json", str(out), "--disable-tqdm"])  # fmt: skip
+               "--output-json", str(out), "--disable-tqdm"])
     assert rc == 0
     text = capsys.readouterr().out
     assert "continuous / static:" in text and "out tok/step" in text
@@ -114,7 +114,7 @@ def test_prompts_that_do_not_fit_are_skipped(loaded):
 def test_hf_baseline_runs_padded_batches_to_their_longest_output(tmp_path):
     cfg = transformers.LlamaConfig(vocab_size=300, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
                                    num_attention_heads=4, num_key_value_heads=2,
-                                   max_position_embeddings=128)  # fmt: skip
+                                   max_position_embeddings=128)
     torch.manual_seed(0)
     transformers.LlamaForCausalLM(cfg).save_pretrained(tmp_path)
     tiny = load_model(str(tmp_path), dtype="float32", device="cpu")
@@ -137,13 +137,13 @@ def quiet_monitor() -> MachineMonitor:
 def test_repeats_keep_every_runs_wall_clock_and_one_set_of_counts(loaded, workload):
     config = EngineConfig(model=TINY, dtype="float32", device="cpu", num_kv_blocks=128, max_num_seqs=MAX_SEQS)
     result = run_throughput(loaded, config, workload[:6], ["continuous", "static"], repeats=3, use_tqdm=False,
-                            monitor=quiet_monitor())  # fmt: skip
+                            monitor=quiet_monitor())
     assert result["repeats"] == 3 and len(result["continuous_over_static_runs"]) == 3
     for run in result["runs"]:
         assert run["repeats"] == 3 and len(run["elapsed_s_runs"]) == len(run["latency_runs"]) == 3
         assert run["elapsed_s"] == pytest.approx(sorted(run["elapsed_s_runs"])[1])  # the median of three
         assert run["output_throughput_runs"] == pytest.approx([run["total_output_tokens"] / e
-                                                               for e in run["elapsed_s_runs"]])  # fmt: skip
+                                                               for e in run["elapsed_s_runs"]])
         ttfts = sorted(r["median_ttft_ms"] for r in run["latency_runs"])
         assert run["latency"]["median_ttft_ms"] == pytest.approx(ttfts[1])
     assert result["busy_warning"] is None and result["machine"]["busy"] is False
@@ -169,7 +169,7 @@ def test_emulated_end_of_sequence_reserves_the_cap_but_pages_what_is_used(loaded
     config = EngineConfig(model=TINY, dtype="float32", device="cpu", num_kv_blocks=64, block_size=16, max_num_seqs=2)
     request = Request([101 + i for i in range(20)], 20, 60)
     result = run_throughput(loaded, config, [request], ["continuous", "reserved"], max_tokens_cap=512,
-                            trace_dir=str(tmp_path), use_tqdm=False, monitor=quiet_monitor())  # fmt: skip
+                            trace_dir=str(tmp_path), use_tqdm=False, monitor=quiet_monitor())
     runs = {r["mode"]: r for r in result["runs"]}
     for run in runs.values():
         assert run["total_output_tokens"] == 60
@@ -185,7 +185,7 @@ def test_paged_allocation_fits_more_sequences_than_reserved_under_a_cap(loaded):
     config = EngineConfig(model=TINY, dtype="float32", device="cpu", num_kv_blocks=40, block_size=16, max_num_seqs=8)
     reqs = [Request([101 + i] * 16, 16, 8) for i in range(8)]
     result = run_throughput(loaded, config, reqs, ["continuous", "reserved"], max_tokens_cap=128, use_tqdm=False,
-                            monitor=quiet_monitor())  # fmt: skip
+                            monitor=quiet_monitor())
     runs = {r["mode"]: r for r in result["runs"]}
     assert runs["continuous"]["peak_running"] == 8
     assert runs["reserved"]["peak_running"] == 40 // -(-(16 + 128) // 16)  # 4 reservations of 9 blocks

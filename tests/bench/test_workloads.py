@@ -8,9 +8,16 @@ import numpy as np
 import pytest
 
 from iterserve.bench.workloads import (
-    FIRST_RANDOM_TOKEN_ID, LengthDist, Request, WorkloadSpec, load_jsonl, load_sharegpt, load_tokenizer,
-    make_workload, sample_requests,
+    FIRST_RANDOM_TOKEN_ID,
+    LengthDist,
+    Request,
+    WorkloadSpec,
+    load_jsonl,
+    load_sharegpt,
+    make_workload,
+    sample_requests,
 )
+from iterserve.models.loader import load_tokenizer
 
 VOCAB = 1000
 
@@ -33,7 +40,7 @@ def test_same_seed_same_workload_other_seed_other_workload(tokenizer):
     "spec, low, high",
     [("fixed:7", 7, 7), ("uniform:32:256", 32, 256), ("normal:100:50:180", 1, 180),
      ("lognormal:64:1:384", 1, 384), ("pareto:16:1.1:384", 16, 384)],
-)  # fmt: skip
+)
 def test_length_distributions_stay_in_bounds(spec, low, high):
     d = LengthDist.parse(spec)
     x = np.array(d.sample(np.random.default_rng(0), 5000))
@@ -98,7 +105,7 @@ def test_jsonl_prompts_messages_and_lengths(tmp_path, tokenizer):
         "",
         json.dumps({"prompt": [101, 102, 103], "max_tokens": 5}),
         json.dumps({"messages": [{"role": "user", "content": "Name a colour."}]}),
-    ])  # fmt: skip
+    ])
     reqs = load_jsonl(path, tokenizer, default_output_len=99)
     assert [r.output_len for r in reqs] == [12, 5, 99]
     assert reqs[0].prompt_len == len(tokenizer.encode("Hello there, how are you?", add_special_tokens=False))
@@ -113,7 +120,7 @@ def test_jsonl_prompts_messages_and_lengths(tmp_path, tokenizer):
      ('{"prompt": "hi", "output_len": 0}', "output_len/max_tokens must be a positive integer"),
      ('{"prompt": "hi", "max_tokens": "ten"}', "output_len/max_tokens must be a positive integer"),
      ('{"messages": [{"role": "user"}]}', "'messages' must be")],
-)  # fmt: skip
+)
 def test_jsonl_errors_name_the_file_and_line(tmp_path, tokenizer, bad_line, message):
     path = write_lines(tmp_path / "bad.jsonl", ['{"prompt": "ok"}', "", bad_line])
     with pytest.raises(ValueError, match=rf"bad\.jsonl:3: {message}"):
@@ -138,7 +145,7 @@ def test_sharegpt_uses_the_human_prompt_and_the_gpt_reply_length(tmp_path, token
         sharegpt_entry(("human", "What is the capital of France?"), ("gpt", reply)),
         sharegpt_entry(("gpt", "orphan reply")),  # no human turn before it: skipped
         sharegpt_entry(("system", "be brief"), ("human", "Say hi."), ("gpt", "Hi!"), ("human", "again")),
-    ]))  # fmt: skip
+    ]))
     reqs = load_sharegpt(path, tokenizer)
     assert [r.prompt for r in reqs] == ["What is the capital of France?", "Say hi."]
     assert reqs[0].output_len == len(tokenizer.encode(reply, add_special_tokens=False))
@@ -151,7 +158,7 @@ def test_sharegpt_uses_the_human_prompt_and_the_gpt_reply_length(tmp_path, token
       r"entry 1: expected an object with a 'conversations'"),
      ([{"conversations": [{"from": "human", "value": 3}]}], r"entry 0, turn 0"),
      ([sharegpt_entry(("gpt", "x"))], "no conversation has a human turn")],
-)  # fmt: skip
+)
 def test_sharegpt_errors_name_the_entry(tmp_path, tokenizer, data, message):
     path = tmp_path / "sg.json"
     path.write_text(json.dumps(data))

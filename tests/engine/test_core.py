@@ -5,10 +5,11 @@ from __future__ import annotations
 
 import pytest
 
-from iterserve.engine.core import FAULT_TOKEN_ENV, EngineConfig, EngineCore
+from iterserve.engine.core import FAULT_TOKEN_ENV, EngineConfig, EngineCore, check_prompt
 from iterserve.engine.messages import EngineCoreRequest
+from iterserve.errors import RequestError
 from iterserve.models.loader import load_model
-from iterserve.sampling_params import SamplingParams
+from iterserve.sampling_params import SamplingParams, SamplingParamsError
 
 FAULT_TOKEN = 4242
 
@@ -71,3 +72,21 @@ def test_bad_requests_are_refused_and_queue_nothing(tiny_loaded):
     assert list(c.requests) == ["ok"] and c.num_waiting == 1
     assert c.step().outputs[0].finish_reason == "length"
     c.block_manager.check_no_leaks()
+
+
+def test_refusals_carry_the_field_and_the_openai_code():
+    """What the server turns into its 400 body, with no message parsing."""
+    cases = [
+        ([], {}, "prompt", None),
+        (list(range(1, 200)), {}, "prompt", "context_length_exceeded"),
+        ([1, 10**9], {}, "prompt", None),
+        ([1, 2], {"max_tokens": 500}, "max_tokens", "context_length_exceeded"),
+    ]
+    for prompt, params, param, code in cases:
+        with pytest.raises(RequestError) as info:
+            check_prompt(prompt, SamplingParams(**params), vocab_size=1000, max_model_len=128)
+        assert (info.value.param, info.value.code) == (param, code)
+    with pytest.raises(RequestError) as info:
+        SamplingParams(top_p=0)
+    assert isinstance(info.value, SamplingParamsError) and info.value.param == "top_p"
+    assert check_prompt([1, 2], SamplingParams(max_tokens=None), vocab_size=1000, max_model_len=128) == 126

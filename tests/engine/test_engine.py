@@ -12,7 +12,6 @@ import torch
 from iterserve import LLM, SamplingParams
 from iterserve.engine.llm_engine import EngineConfig, LLMEngine
 from iterserve.models.loader import load_model
-
 from tests.conftest import NUM_REFERENCE_TOKENS
 
 GREEDY = SamplingParams(temperature=0, max_tokens=NUM_REFERENCE_TOKENS)

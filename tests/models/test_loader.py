@@ -9,9 +9,16 @@ import torch
 import transformers
 
 from iterserve.attention import AttentionMetadata
-from iterserve.config import PRESETS, parse_dtype
-from iterserve.models.loader import embedded_model_path, load_model, parse_random_name
-
+from iterserve.config import PRESETS, ModelConfig, parse_dtype
+from iterserve.models.loader import (
+    ModelSource,
+    embedded_model_path,
+    load_model,
+    load_model_info,
+    load_tokenizer,
+    parse_random_name,
+    resolve_model,
+)
 from tests.conftest import NUM_REFERENCE_TOKENS
 
 
@@ -115,6 +122,22 @@ def test_random_weights_are_seeded():
 def test_unknown_model_name():
     with pytest.raises(ValueError, match="unknown model 'no-such-model'"):
         load_model("no-such-model")
+
+
+def test_one_resolver_for_weights_config_and_tokenizer(tmp_path):
+    embedded = embedded_model_path()
+    assert resolve_model("SmolLM2-135M") == ModelSource("smollm2-135m", "gguf", embedded)
+    assert resolve_model(str(embedded)).kind == "gguf" and resolve_model("random:qwen3-0.6b").kind == "random"
+    assert resolve_model(str(tmp_path)) == ModelSource(str(tmp_path), "folder", tmp_path)
+    for load in (load_model, load_model_info, load_tokenizer):
+        with pytest.raises(ValueError, match="unknown model 'no-such-model'"):
+            load("no-such-model")
+    (tmp_path / "config.json").write_text(json.dumps(PRESETS["qwen3-0.6b"].to_hf_config()))
+    assert load_model_info(str(tmp_path)) == (ModelConfig.from_hf_config(PRESETS["qwen3-0.6b"].to_hf_config(),
+                                                                         name=tmp_path.name), None)
+    with pytest.raises(ValueError, match="has no tokenizer"):
+        load_tokenizer(str(tmp_path))
+    assert load_tokenizer("random:smollm2-135m").vocab_size == PRESETS["smollm2-135m"].vocab_size
 
 
 def test_unknown_preset():

@@ -7,7 +7,6 @@ from __future__ import annotations
 import asyncio
 import json
 import math
-import time
 
 import httpx
 import openai
@@ -17,7 +16,6 @@ from hypothesis import strategies as st
 
 import iterserve
 from iterserve import SamplingParams
-
 from tests.server.conftest import API_KEY, MAX_MODEL_LEN, MODEL, ServerThread, aborted, metric_samples, wait_until_idle
 
 AUTH = {"Authorization": f"Bearer {API_KEY}"}

@@ -22,7 +22,6 @@ import pytest
 
 from iterserve.engine.core import FAULT_TOKEN_ENV, EngineConfig
 from iterserve.server import build_app
-
 from tests.server.conftest import MODEL, TINY_MODEL, ServerThread
 from tests.server.test_api import metric_samples, sse_events, wait_until_idle
 

@@ -5,6 +5,7 @@ context. Each gets a 4xx with an OpenAI error body quickly, and the server keeps
 
 from __future__ import annotations
 
+import functools
 import json
 import threading
 import time
@@ -16,7 +17,6 @@ import pytest
 from iterserve.engine.core import EngineConfig
 from iterserve.sampling_params import MAX_STOP_CHARS, MAX_STOP_STRINGS
 from iterserve.server import build_app
-
 from tests.server.conftest import API_KEY, MAX_MODEL_LEN, MODEL, ServerThread, metric_samples, wait_until_idle
 
 AUTH = {"Authorization": f"Bearer {API_KEY}"}
@@ -185,7 +185,7 @@ def test_16_mb_body_is_refused_with_413_while_health_answers(server):
 
     with http(server.url, **JSON) as c:
         for content in (body, chunks()):
-            r, worst = while_probing_health(server.url, lambda: c.post("/v1/completions", content=content))
+            r, worst = while_probing_health(server.url, functools.partial(c.post, "/v1/completions", content=content))
             error = assert_error(r, 413, code="request_too_large")
             assert str(8 * MiB) in error["message"]
             assert worst < 1.0

@@ -1,0 +1,17 @@
+"""Errors a request can cause, typed so that each layer reports them without parsing messages."""
+
+from __future__ import annotations
+
+
+class RequestError(ValueError):
+    """A request the engine refuses before queuing it.
+
+    ``param`` names the offending request field (``"prompt"``, ``"max_tokens"``, ``"top_p"``, ...)
+    and ``code`` is the OpenAI error code where one applies (``"context_length_exceeded"``), so the
+    server answers 400 with both and offline callers can tell what to fix.
+    """
+
+    def __init__(self, message: str, param: str | None = None, code: str | None = None) -> None:
+        super().__init__(message)
+        self.param = param
+        self.code = code

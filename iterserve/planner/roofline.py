@@ -1,0 +1,392 @@
+"""Roofline arithmetic for serving a decoder on an accelerator: pure arithmetic, no torch.
+
+For a model's shapes (a :class:`~iterserve.config.ModelConfig`) and an accelerator (an
+:class:`~iterserve.planner.hardware.Accelerator`, from the datasheet table or measured), it answers:
+
+* how many bytes the weights take and how many KV-cache tokens / sequences fit beside them;
+* the arithmetic intensity (FLOPs per byte moved) of a decode step at batch ``B`` and context
+  ``C``, and of a prefill of ``N`` tokens, and whether each is compute- or memory-bound;
+* the *knee*: the smallest decode batch at which intensity reaches the hardware's ops:byte;
+* roofline times, ``time = max(FLOPs / peak FLOP/s, bytes / bandwidth)``, for prefill (TTFT) and
+  decode steps (TPOT, tokens/s) over a sweep of batch sizes.
+
+Counting conventions (``docs/planning.md`` has the derivation and a worked example):
+
+* Matmul weights are the linear layers plus the LM head (``V x h``); norm weights and biases are
+  elementwise and left out of FLOPs and streamed bytes but counted in the memory footprint.
+  The token embedding is a gather (a few rows per step); it is not streamed unless it doubles
+  as the LM head (tied embeddings).
+* A decode step of ``B`` sequences at context ``C`` does ``B * (2 * P_mm + 4 * L * H * d * C)``
+  FLOPs and reads ``P_mm * w + B * C * kv`` bytes (``w`` bytes per weight, ``kv`` KV bytes per
+  token, so grouped-query attention reads fewer bytes).
+* A prefill of ``N`` tokens runs the layers on all ``N`` tokens but the LM head on the last one,
+  and causal attention costs ``2 * L * H * d * N * (N + 1)`` FLOPs; it reads the weights once and
+  writes ``N * kv`` bytes of KV.
+
+Models are taken as shapes only (``ModelConfig`` is imported for type checking alone), so this
+module runs wherever the standard library does.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass, field
+from typing import TYPE_CHECKING, Any
+
+from iterserve.dtypes import canonical_dtype, dtype_bytes
+from iterserve.planner.hardware import Accelerator, GiB
+
+if TYPE_CHECKING:
+    from iterserve.config import ModelConfig
+
+DEFAULT_GPU_MEMORY_UTILIZATION = 0.9
+DEFAULT_BLOCK_SIZE = 16
+DEFAULT_CONTEXT = 4096
+DEFAULT_BATCHES = (1, 2, 4, 8, 16, 32, 64, 128, 256)
+
+
+def model_label(cfg: ModelConfig) -> str:
+    return cfg.name or cfg.architecture
+
+
+def layer_matmul_parameters(cfg: ModelConfig) -> int:
+    """Weights of the linear layers in all decoder layers (q, k, v, o, gate, up, down)."""
+    h = cfg.hidden_size
+    per_layer = h * cfg.q_size + 2 * h * cfg.kv_size + cfg.q_size * h + 3 * h * cfg.intermediate_size
+    return cfg.num_layers * per_layer
+
+
+def matmul_parameters(cfg: ModelConfig) -> int:
+    """Weights that take part in a matmul for every token: the layers plus the LM head."""
+    return layer_matmul_parameters(cfg) + cfg.vocab_size * cfg.hidden_size
+
+
+def weight_bytes(cfg: ModelConfig, dtype: str = "bf16") -> int:
+    """Memory the weights occupy (every parameter, tied embeddings once)."""
+    return cfg.num_parameters() * dtype_bytes(dtype)
+
+
+def streamed_weight_bytes(cfg: ModelConfig, dtype: str = "bf16") -> int:
+    """Weight bytes a forward step reads from memory: the matmul weights."""
+    return matmul_parameters(cfg) * dtype_bytes(dtype)
+
+
+def kv_bytes_per_token(cfg: ModelConfig, kv_dtype: str = "bf16") -> int:
+    """layers x 2 (K and V) x KV heads x head_dim x bytes."""
+    return cfg.kv_bytes_per_token(dtype_bytes(kv_dtype))
+
+
+def attention_flops_per_token(cfg: ModelConfig, context: int) -> int:
+    """Q.K^T and P.V for one query attending ``context`` keys in every layer: 4 L H d C."""
+    return 4 * cfg.num_layers * cfg.num_heads * cfg.head_dim * context
+
+
+@dataclass(frozen=True)
+class Cost:
+    flops: float
+    bytes: float
+
+    @property
+    def intensity(self) -> float:
+        return self.flops / self.bytes
+
+
+def check_positive(value: int, what: str) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ValueError(f"{what} must be a positive integer, got {value!r}")
+    return value
+
+
+def check_context(cfg: ModelConfig, context: int, what: str = "context length") -> int:
+    check_positive(context, what)
+    if context > cfg.max_position_embeddings:
+        raise ValueError(
+            f"{what} {context} exceeds the model's max_position_embeddings "
+            f"({cfg.max_position_embeddings}) for {model_label(cfg)}"
+        )
+    return context
+
+
+def decode_cost(
+    cfg: ModelConfig, batch: int, context: int, dtype: str = "bf16", kv_dtype: str | None = None
+) -> Cost:
+    """One decode step: ``batch`` sequences each attending ``context`` cached tokens."""
+    check_positive(batch, "batch size")
+    check_context(cfg, context)
+    kv = kv_bytes_per_token(cfg, kv_dtype or dtype)
+    flops = batch * (2 * matmul_parameters(cfg) + attention_flops_per_token(cfg, context))
+    return Cost(flops=flops, bytes=streamed_weight_bytes(cfg, dtype) + batch * context * kv)
+
+
+def prefill_cost(
+    cfg: ModelConfig,
+    prompt_len: int,
+    batch: int = 1,
+    dtype: str = "bf16",
+    kv_dtype: str | None = None,
+) -> Cost:
+    """Prefill of ``batch`` prompts of ``prompt_len`` tokens in one step (causal attention)."""
+    check_positive(batch, "batch size")
+    check_context(cfg, prompt_len, "prompt length")
+    n = prompt_len
+    attn = 2 * cfg.num_layers * cfg.num_heads * cfg.head_dim * n * (n + 1)
+    per_seq = 2 * layer_matmul_parameters(cfg) * n + 2 * cfg.vocab_size * cfg.hidden_size + attn
+    kv = kv_bytes_per_token(cfg, kv_dtype or dtype)
+    return Cost(flops=batch * per_seq, bytes=streamed_weight_bytes(cfg, dtype) + batch * n * kv)
+
+
+@dataclass(frozen=True)
+class RooflinePoint:
+    flops: float
+    bytes: float
+    intensity: float
+    compute_s: float
+    memory_s: float
+    time_s: float
+    bound: str  # "compute" or "memory"
+
+
+def roofline(cost: Cost, hw: Accelerator, dtype: str = "bf16") -> RooflinePoint:
+    """time = max(FLOPs / peak, bytes / bandwidth); compute-bound when the first term wins."""
+    compute_s = cost.flops / hw.peak_flops(dtype)
+    memory_s = cost.bytes / hw.bandwidth
+    return RooflinePoint(
+        flops=cost.flops,
+        bytes=cost.bytes,
+        intensity=cost.intensity,
+        compute_s=compute_s,
+        memory_s=memory_s,
+        time_s=max(compute_s, memory_s),
+        bound="compute" if compute_s >= memory_s else "memory",
+    )
+
+
+def decode_knee(
+    cfg: ModelConfig, hw: Accelerator, context: int, dtype: str = "bf16", kv_dtype: str | None = None
+) -> int | None:
+    """Smallest batch whose decode step is compute-bound at ``context``; None if none is.
+
+    Intensity ``B f / (W + B k)`` rises with ``B`` towards ``f / k`` (``f`` FLOPs and ``k`` KV
+    bytes per sequence, ``W`` weight bytes), so the knee is ``ceil(R W / (f - R k))`` for
+    ops:byte ``R`` when ``f > R k``; otherwise KV reads keep decode memory-bound at any batch.
+    """
+    ratio = hw.ops_per_byte(dtype)
+    k = context * kv_bytes_per_token(cfg, kv_dtype or dtype)
+    f = 2 * matmul_parameters(cfg) + attention_flops_per_token(cfg, context)
+    denom = f - ratio * k
+    if denom <= 0:
+        return None
+    b = max(1, math.ceil(ratio * streamed_weight_bytes(cfg, dtype) / denom))
+
+    def compute_bound(batch: int) -> bool:
+        return roofline(decode_cost(cfg, batch, context, dtype, kv_dtype), hw, dtype).bound == "compute"
+
+    # the closed form can be off by one in floating point; settle it with the same predicate
+    while b > 1 and compute_bound(b - 1):
+        b -= 1
+    while not compute_bound(b):
+        b += 1
+    return b
+
+
+@dataclass(frozen=True)
+class Capacity:
+    memory_bytes: int
+    usable_bytes: int  # memory x gpu_memory_utilization
+    weight_bytes: int
+    kv_budget_bytes: int
+    kv_bytes_per_token: int
+    block_size: int
+    kv_blocks: int
+    kv_tokens: int
+    context: int
+    max_seqs: int  # sequences of `context` tokens that fit at once
+
+
+def kv_capacity(
+    cfg: ModelConfig,
+    hw: Accelerator,
+    context: int,
+    dtype: str = "bf16",
+    kv_dtype: str | None = None,
+    gpu_memory_utilization: float = DEFAULT_GPU_MEMORY_UTILIZATION,
+    block_size: int = DEFAULT_BLOCK_SIZE,
+) -> Capacity:
+    """KV memory left after the weights, in tokens and in sequences of ``context`` tokens.
+
+    Memory is handed out in blocks of ``block_size`` tokens, so a sequence holds
+    ``ceil(context / block_size)`` blocks. Activation workspace is not subtracted.
+    """
+    if not 0 < gpu_memory_utilization <= 1:
+        raise ValueError(f"gpu memory utilization must be in (0, 1], got {gpu_memory_utilization!r}")
+    check_positive(block_size, "block size")
+    check_context(cfg, context)
+    usable = int(hw.memory_bytes * gpu_memory_utilization)
+    weights = weight_bytes(cfg, dtype)
+    if weights >= usable:
+        raise ValueError(
+            f"{model_label(cfg)} weights need {weights / GiB:.1f} GiB in {canonical_dtype(dtype)} "
+            f"but {hw.name} offers {hw.memory_bytes / GiB:.1f} GiB x {gpu_memory_utilization:g} = "
+            f"{usable / GiB:.1f} GiB; the weights do not fit"
+        )
+    kv = kv_bytes_per_token(cfg, kv_dtype or dtype)
+    budget = usable - weights
+    blocks = budget // (kv * block_size)
+    per_seq_blocks = -(-context // block_size)
+    return Capacity(
+        memory_bytes=hw.memory_bytes,
+        usable_bytes=usable,
+        weight_bytes=weights,
+        kv_budget_bytes=budget,
+        kv_bytes_per_token=kv,
+        block_size=block_size,
+        kv_blocks=blocks,
+        kv_tokens=blocks * block_size,
+        context=context,
+        max_seqs=blocks // per_seq_blocks,
+    )
+
+
+# -- the plan -------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class SweepPoint:
+    batch: int
+    decode: RooflinePoint
+    tokens_per_s: float
+    ttft_s: float  # prefill of `batch` prompts together
+    fits: bool  # batch <= max concurrent sequences at the plan's context
+
+
+@dataclass
+class Plan:
+    model: str
+    hardware: Accelerator
+    dtype: str
+    kv_dtype: str
+    context: int
+    prompt_len: int
+    batch: int
+    gpu_memory_utilization: float
+    num_parameters: int
+    matmul_parameters: int
+    weight_bytes: int
+    streamed_weight_bytes: int
+    kv_bytes_per_token: int
+    peak_flops: float
+    bandwidth: float
+    ops_per_byte: float
+    capacity: Capacity
+    knee_batch: int | None  # at `context`
+    knee_batch_no_kv: int | None  # the weights-only limit (context -> 0)
+    decode_intensity_limit: float  # intensity as batch -> infinity: per-sequence FLOPs / KV bytes
+    prefill: RooflinePoint  # one prompt of prompt_len tokens
+    decode: RooflinePoint  # at `batch`
+    ttft_s: float
+    tpot_s: float
+    tokens_per_s: float
+    sweep: list[SweepPoint] = field(default_factory=list)
+    knee_point: SweepPoint | None = None  # the sweep quantities at knee_batch
+
+    @property
+    def knee_reachable(self) -> bool:
+        return self.knee_batch is not None and self.knee_batch <= self.capacity.max_seqs
+
+    def to_dict(self) -> dict[str, Any]:
+        d = asdict(self)
+        d["hardware"] = self.hardware.to_dict()
+        d["knee_reachable"] = self.knee_reachable
+        d["batch_fits"] = self.batch <= self.capacity.max_seqs
+        return d
+
+
+def default_batches(
+    cfg: ModelConfig, hw: Accelerator, context: int, dtype: str = "bf16", kv_dtype: str | None = None
+) -> list[int]:
+    """The decode sweep a plan draws by default: powers of two up to 256, or to twice the knee."""
+    knee = decode_knee(cfg, hw, context, dtype, kv_dtype)
+    top = min(max(DEFAULT_BATCHES[-1], 2 * knee if knee else 0), 8192)
+    return [2**i for i in range(int(math.log2(top)) + 1)]
+
+
+def build_plan(
+    cfg: ModelConfig,
+    hw: Accelerator,
+    *,
+    dtype: str = "bf16",
+    kv_dtype: str | None = None,
+    context: int | None = None,
+    prompt_len: int | None = None,
+    batch: int = 1,
+    batches: Sequence[int] | None = None,
+    gpu_memory_utilization: float = DEFAULT_GPU_MEMORY_UTILIZATION,
+    block_size: int = DEFAULT_BLOCK_SIZE,
+) -> Plan:
+    """Every planner answer for one model on one accelerator.
+
+    ``context`` (default ``min(4096, max_position_embeddings)``) is the per-sequence context
+    used for KV capacity and decode steps; ``prompt_len`` (default ``context``) is the prompt
+    prefilled for TTFT; ``batch`` is the batch for the headline TTFT/TPOT; ``batches`` the
+    decode sweep (default :func:`default_batches`).
+    """
+    dtype = canonical_dtype(dtype)
+    kv_dtype = canonical_dtype(kv_dtype or dtype)
+    if context is None:
+        context = min(DEFAULT_CONTEXT, cfg.max_position_embeddings)
+    check_context(cfg, context)
+    prompt_len = context if prompt_len is None else prompt_len
+    check_context(cfg, prompt_len, "prompt length")
+    check_positive(batch, "batch size")
+    peak = hw.peak_flops(dtype)
+    capacity = kv_capacity(cfg, hw, context, dtype, kv_dtype, gpu_memory_utilization, block_size)
+    knee = decode_knee(cfg, hw, context, dtype, kv_dtype)
+
+    # weights-only knee: R W / f with f = 2 P_mm, the classic "batch ~ ops:byte x bytes/2" rule
+    ratio = hw.ops_per_byte(dtype)
+    knee_no_kv = max(1, math.ceil(ratio * streamed_weight_bytes(cfg, dtype) / (2 * matmul_parameters(cfg))))
+    per_seq_flops = 2 * matmul_parameters(cfg) + attention_flops_per_token(cfg, context)
+    limit = per_seq_flops / (context * kv_bytes_per_token(cfg, kv_dtype))
+
+    if batches is None:
+        batches = default_batches(cfg, hw, context, dtype, kv_dtype)
+    batches = sorted({check_positive(b, "batch size") for b in batches} | {batch})
+
+    def point(b: int) -> SweepPoint:
+        dec = roofline(decode_cost(cfg, b, context, dtype, kv_dtype), hw, dtype)
+        pre = roofline(prefill_cost(cfg, prompt_len, b, dtype, kv_dtype), hw, dtype)
+        return SweepPoint(b, dec, b / dec.time_s, pre.time_s, b <= capacity.max_seqs)
+
+    sweep = [point(b) for b in batches]
+    knee_point = point(knee) if knee is not None else None
+    at_batch = next(p for p in sweep if p.batch == batch)
+    return Plan(
+        model=model_label(cfg),
+        hardware=hw,
+        dtype=dtype,
+        kv_dtype=kv_dtype,
+        context=context,
+        prompt_len=prompt_len,
+        batch=batch,
+        gpu_memory_utilization=gpu_memory_utilization,
+        num_parameters=cfg.num_parameters(),
+        matmul_parameters=matmul_parameters(cfg),
+        weight_bytes=weight_bytes(cfg, dtype),
+        streamed_weight_bytes=streamed_weight_bytes(cfg, dtype),
+        kv_bytes_per_token=kv_bytes_per_token(cfg, kv_dtype),
+        peak_flops=peak,
+        bandwidth=hw.bandwidth,
+        ops_per_byte=ratio,
+        capacity=capacity,
+        knee_batch=knee,
+        knee_batch_no_kv=knee_no_kv,
+        decode_intensity_limit=limit,
+        prefill=roofline(prefill_cost(cfg, prompt_len, 1, dtype, kv_dtype), hw, dtype),
+        decode=at_batch.decode,
+        ttft_s=at_batch.ttft_s,
+        tpot_s=at_batch.decode.time_s,
+        tokens_per_s=at_batch.tokens_per_s,
+        sweep=sweep,
+        knee_point=knee_point,
+    )
