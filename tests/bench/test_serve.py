@@ -13,6 +13,7 @@ import uvicorn
 
 from iterserve.bench.workloads import WorkloadSpec, make_workload
 from iterserve.cli import main
+from iterserve.config import ServerConfig
 from iterserve.engine.core import EngineConfig
 from iterserve.server.api_server import build_app
 
@@ -28,7 +29,7 @@ def free_port() -> int:
 @pytest.fixture(scope="module")
 def server_url():
     config = EngineConfig(model=TINY, dtype="float32", device="cpu", num_kv_blocks=256, max_num_seqs=8)
-    app = build_app(config, served_model_name="tiny", api_key=None, max_waiting=64)
+    app = build_app(config, ServerConfig(served_model_name="tiny", max_waiting=64))
     port = free_port()
     server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
     thread = threading.Thread(target=server.run, daemon=True)

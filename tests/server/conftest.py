@@ -14,6 +14,7 @@ from fastapi import FastAPI
 from prometheus_client.parser import text_string_to_metric_families
 
 from iterserve import LLM
+from iterserve.config import ServerConfig
 from iterserve.engine.core import EngineConfig
 from iterserve.engine.core_client import EngineCoreClient
 from iterserve.server import build_app
@@ -99,6 +100,6 @@ def reference(smollm) -> LLM:
 
 @pytest.fixture(scope="session")
 def server(engine_config) -> Iterator[ServerThread]:
-    app = build_app(engine_config, served_model_name=MODEL, api_key=API_KEY, max_waiting=256)
+    app = build_app(engine_config, ServerConfig(served_model_name=MODEL, api_key=API_KEY, max_waiting=256))
     with ServerThread(app) as running:
         yield running

@@ -20,6 +20,7 @@ from contextlib import contextmanager
 import httpx
 import pytest
 
+from iterserve.config import ServerConfig
 from iterserve.engine.core import FAULT_TOKEN_ENV, EngineConfig
 from iterserve.server import build_app
 
@@ -43,7 +44,7 @@ def completion(url: str, **body) -> httpx.Response:
 
 def test_a_failed_step_fails_only_its_requests(monkeypatch):
     monkeypatch.setenv(FAULT_TOKEN_ENV, str(FAULT_TOKEN))  # read by the core process when it starts
-    app = build_app(tiny_config(), served_model_name=MODEL, api_key=None, max_waiting=8)
+    app = build_app(tiny_config(), ServerConfig(served_model_name=MODEL, max_waiting=8))
     with ServerThread(app) as s:
         r = completion(s.url, prompt=[1, 2, FAULT_TOKEN], max_tokens=4)
         assert r.status_code == 500, r.text
@@ -64,7 +65,7 @@ def test_a_failed_step_fails_only_its_requests(monkeypatch):
 
 
 def test_killed_core_fails_in_flight_requests_and_health():
-    app = build_app(tiny_config(), served_model_name=MODEL, api_key=None, max_waiting=8)
+    app = build_app(tiny_config(), ServerConfig(served_model_name=MODEL, max_waiting=8))
     with ServerThread(app) as s:
         body = {"prompt": [1, 2, 3], "max_tokens": 250, "ignore_eos": True, "stream": True}
         with httpx.stream("POST", f"{s.url}/v1/completions", json=body, timeout=60) as r:
@@ -193,7 +194,7 @@ def test_killed_core_makes_the_server_exit_non_zero():
 
 
 def test_burst_admits_running_plus_waiting_and_refuses_the_rest():
-    app = build_app(tiny_config(max_num_seqs=4), served_model_name=MODEL, api_key=None, max_waiting=4)
+    app = build_app(tiny_config(max_num_seqs=4), ServerConfig(served_model_name=MODEL, max_waiting=4))
     # long enough that the first four still run when the burst has arrived, even on a fast machine
     body = {"model": MODEL, "prompt": [1, 2, 3], "max_tokens": 64, "ignore_eos": True}
 
@@ -227,8 +228,8 @@ def rss_mb() -> float:
 
 @pytest.mark.slow
 def test_slow_readers_do_not_grow_server_memory():
-    app = build_app(tiny_config(num_kv_blocks=512, max_model_len=1024), served_model_name=MODEL, api_key=None,
-                    max_waiting=64)
+    app = build_app(tiny_config(num_kv_blocks=512, max_model_len=1024),
+                    ServerConfig(served_model_name=MODEL, max_waiting=64))
     body = json.dumps({"model": MODEL, "prompt": [5, 6, 7], "max_tokens": SLOW_TOKENS, "ignore_eos": True,
                        "logprobs": 20, "stream": True}).encode()
     with ServerThread(app) as s:
