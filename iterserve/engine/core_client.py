@@ -138,6 +138,8 @@ class EngineObserver(Protocol):
 
     def record_stats(self, stats: SchedulerStats, num_waiting: int) -> None: ...
 
+    def record_admitted(self, max_tokens: int) -> None: ...
+
     def record_finished(self, output: RequestOutput) -> None: ...
 
     def record_finish_reason(self, reason: str) -> None: ...
@@ -323,7 +325,9 @@ class EngineCoreClient:
             raise QueueFullError(f"{waiting} requests are already waiting (limit {self.max_waiting})")
         if request_id in self._streams:
             raise ValueError(f"request id {request_id!r} is already in use")
-        check_prompt(prompt, params, self.model_config.vocab_size, self.max_model_len)
+        max_tokens = check_prompt(prompt, params, self.model_config.vocab_size, self.max_model_len)
+        if self.observer is not None:
+            self.observer.record_admitted(max_tokens)
         kind = RequestOutputKind.DELTA if stream else RequestOutputKind.FINAL_ONLY
         self._output_processor.add_request(request_id, None, prompt, params, arrival_time, kind)
         handle = RequestStream(request_id, self.abort)

@@ -576,8 +576,9 @@ def build_app(config: EngineConfig, server: ServerConfig | None = None) -> FastA
     """
     server = server or ServerConfig()
     served_model_name, api_key = server.model_name(config), server.api_key
-    metrics = ServerMetrics(served_model_name)
-    engine = EngineCoreClient(config, max_waiting=server.max_waiting, observer=metrics, log_level=server.log_level)
+    engine = EngineCoreClient(config, max_waiting=server.max_waiting, log_level=server.log_level)
+    metrics = ServerMetrics(served_model_name, engine.capacity.max_model_len)
+    engine.observer = metrics
     serving = OpenAIServing(engine, metrics, served_model_name)
 
     @asynccontextmanager

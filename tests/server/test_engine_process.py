@@ -58,7 +58,7 @@ def test_a_failed_step_fails_only_its_requests(monkeypatch):
         assert ok.status_code == 200 and ok.json()["usage"]["completion_tokens"] == 4
         assert httpx.get(f"{s.url}/health").status_code == 200
         wait_until_idle(s)  # the failed requests' blocks were freed
-        assert metric_samples(s)[("iterserve:request_success_total", (("finished_reason", "error"),))] == 2
+        assert metric_samples(s)[("vllm:request_success_total", (("finished_reason", "error"),))] == 2
 
 
 # -- a dead core --------------------------------------------------------------------------------------
@@ -245,7 +245,7 @@ def test_slow_readers_do_not_grow_server_memory():
                          b"Content-Length: %d\r\n\r\n%s" % (len(body), body))
             socks.append(sock)
         deadline = time.monotonic() + 900
-        while metric_samples(s)[("iterserve:generation_tokens_total", ())] < 8 + SLOW_READERS * SLOW_TOKENS:
+        while metric_samples(s)[("vllm:generation_tokens_total", ())] < 8 + SLOW_READERS * SLOW_TOKENS:
             assert time.monotonic() < deadline, "generation did not finish"
             time.sleep(0.2)
         grown = rss_mb() - before

@@ -98,7 +98,7 @@ def open_server() -> Iterator[ServerThread]:
 
 def prompt_tokens(server: ServerThread) -> float:
     """Prompt tokens the engine has computed: it moves only when a generation ran."""
-    return metric_samples(server)[("iterserve:prompt_tokens_total", ())]
+    return metric_samples(server)[("vllm:prompt_tokens_total", ())]
 
 # -- invalid Unicode, non-integers, malformed lists ------------------------------------------------
 
