@@ -4,60 +4,34 @@ from __future__ import annotations
 
 import argparse
 import logging
-import os
 import sys
 import time
 
 from iterserve.allocator import tune_allocator
-from iterserve.engine.llm_engine import EngineConfig
-from iterserve.models.loader import DEFAULT_MODEL
-
-
-def add_engine_args(p: argparse.ArgumentParser) -> None:
-    """Engine options shared by every command that runs the model."""
-    d = EngineConfig()
-    g = p.add_argument_group("engine")
-    g.add_argument("--model", default=DEFAULT_MODEL,
-                   help="embedded model name, .gguf file, Hugging Face folder, or random:<preset>")
-    g.add_argument("--dtype", default=d.dtype,
-                   help="auto (bfloat16 where the hardware computes in it, else float32), float32, bfloat16 or float16")
-    g.add_argument("--device", default=None, help="cpu or cuda (default: cuda when available)")
-    g.add_argument("--block-size", type=int, default=d.block_size)
-    g.add_argument("--max-model-len", type=int, default=None)
-    g.add_argument("--max-num-seqs", type=int, default=d.max_num_seqs)
-    g.add_argument("--max-num-batched-tokens", type=int, default=d.max_num_batched_tokens)
-    g.add_argument("--no-prefix-caching", action="store_true", help="disable prefix caching")
-    g.add_argument("--kv-cache-memory", default=d.kv_cache_memory, help="KV pool size, e.g. 2GiB")
-    g.add_argument("--num-kv-blocks", type=int, default=None, help="KV pool size in blocks (overrides memory)")
-    g.add_argument("--batching", choices=["continuous", "static"], default=d.batching)
-    g.add_argument("--kv-allocation", choices=["paged", "reserved"], default=d.kv_allocation)
-    g.add_argument("--seed", type=int, default=d.seed)
-    g.add_argument("--step-trace", default=None, help="write a JSON-lines step trace to this file")
-
-
-def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
-    return EngineConfig(
-        model=args.model, dtype=args.dtype, device=args.device, block_size=args.block_size,
-        max_model_len=args.max_model_len, max_num_seqs=args.max_num_seqs,
-        max_num_batched_tokens=args.max_num_batched_tokens, enable_prefix_caching=not args.no_prefix_caching,
-        kv_cache_memory=args.kv_cache_memory, num_kv_blocks=args.num_kv_blocks, batching=args.batching,
-        kv_allocation=args.kv_allocation, seed=args.seed, step_trace=args.step_trace,
-    )
+from iterserve.config import (
+    DEFAULT_MODEL,
+    LOG_LEVELS,
+    EngineConfig,
+    HelpFormatter,
+    ServerConfig,
+    add_config_args,
+    config_from_args,
+)
 
 
 def add_sampling_args(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("sampling")
-    g.add_argument("--max-tokens", type=int, default=128)
-    g.add_argument("--temperature", type=float, default=0.0)
-    g.add_argument("--top-p", type=float, default=1.0)
-    g.add_argument("--top-k", type=int, default=0)
-    g.add_argument("--min-p", type=float, default=0.0)
-    g.add_argument("--repetition-penalty", type=float, default=1.0)
-    g.add_argument("--presence-penalty", type=float, default=0.0)
-    g.add_argument("--frequency-penalty", type=float, default=0.0)
+    g.add_argument("--max-tokens", type=int, default=128, help="tokens to generate at most")
+    g.add_argument("--temperature", type=float, default=0.0, help="0 is greedy")
+    g.add_argument("--top-p", type=float, default=1.0, help="sample from the smallest set of tokens this likely")
+    g.add_argument("--top-k", type=int, default=0, help="sample from the k likeliest tokens (0: all)")
+    g.add_argument("--min-p", type=float, default=0.0, help="drop tokens less likely than this times the likeliest")
+    g.add_argument("--repetition-penalty", type=float, default=1.0, help="divide the logits of tokens already seen")
+    g.add_argument("--presence-penalty", type=float, default=0.0, help="subtract from tokens already generated")
+    g.add_argument("--frequency-penalty", type=float, default=0.0, help="subtract per earlier occurrence")
     g.add_argument("--sampling-seed", type=int, default=None, help="per-request sampling seed")
     g.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
-    g.add_argument("--ignore-eos", action="store_true")
+    g.add_argument("--ignore-eos", action="store_true", help="keep generating past the end-of-sequence token")
 
 
 def _cmd_generate(args: argparse.Namespace) -> int:
@@ -70,7 +44,7 @@ def _cmd_generate(args: argparse.Namespace) -> int:
         frequency_penalty=args.frequency_penalty, seed=args.sampling_seed, stop=args.stop,
         ignore_eos=args.ignore_eos,
     )
-    engine = LLMEngine(engine_config_from_args(args))
+    engine = LLMEngine(config_from_args(EngineConfig, args))
     prompt: str | list[int] = args.prompt
     if args.chat:
         if engine.tokenizer is None:
@@ -103,35 +77,34 @@ def _cmd_generate(args: argparse.Namespace) -> int:
 def _cmd_serve(args: argparse.Namespace) -> int:
     from iterserve.server import run_server
 
-    return run_server(args)
+    if args.model_tag is not None and args.model is not None and args.model_tag != args.model:
+        raise ValueError(f"the model is given twice and differs: {args.model_tag!r} and --model {args.model!r}")
+    model = args.model_tag or args.model or DEFAULT_MODEL
+    return run_server(config_from_args(EngineConfig, args, model=model), config_from_args(ServerConfig, args))
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="iterserve", description=__doc__)
-    parser.add_argument("--log-level", default="INFO")
+    parser = argparse.ArgumentParser(prog="iterserve", description=__doc__, formatter_class=HelpFormatter)
+    parser.add_argument("--log-level", type=str.upper, choices=LOG_LEVELS, default="INFO",
+                        help="least severe log messages shown")
     sub = parser.add_subparsers(dest="command", required=True)
 
     gen = sub.add_parser("generate", help="generate text for one prompt")
-    gen.add_argument("prompt")
+    gen.add_argument("prompt", help="the prompt text")
     gen.add_argument("--chat", action="store_true", help="wrap the prompt in the model's chat template")
     gen.add_argument("--stream", action="store_true", help="print text as it is generated")
-    add_engine_args(gen)
+    add_config_args(gen.add_argument_group("engine"), EngineConfig)
     add_sampling_args(gen)
     gen.set_defaults(func=_cmd_generate)
 
     serve = sub.add_parser("serve", help="serve an OpenAI-compatible HTTP API")
-    serve.add_argument("--host", default="127.0.0.1", help="address to bind (loopback unless told otherwise)")
-    serve.add_argument("--port", type=int, default=8000)
-    serve.add_argument("--api-key", default=os.environ.get("ITERSERVE_API_KEY"),
-                       help="require 'Authorization: Bearer KEY' (default: $ITERSERVE_API_KEY)")
-    serve.add_argument("--max-waiting", type=int, default=256,
-                       help="requests allowed to wait for the batch; more are refused with 429")
-    serve.add_argument("--served-model-name", default=None, help="model name clients use (default: --model)")
-    serve.add_argument("--max-request-body-bytes", type=int, default=8 * 1024 * 1024,
-                       help="request bodies larger than this are refused with 413 (default: 8 MiB)")
-    serve.add_argument("--shutdown-timeout", type=float, default=5.0,
-                       help="seconds running requests may take to finish after SIGTERM before they are ended")
-    add_engine_args(serve)
+    serve.add_argument("model_tag", nargs="?", metavar="MODEL", default=None,
+                       help=f"the model to serve, as --model takes it (default: {DEFAULT_MODEL})")
+    add_config_args(serve.add_argument_group("server"), ServerConfig)
+    add_config_args(serve.add_argument_group("engine"), EngineConfig)
+    # --model stays for scripts that use it; unset, so that a positional MODEL can be told apart
+    model = next(a for a in serve._actions if a.dest == "model")
+    model.default, model.help = None, f"{model.help} (default: {DEFAULT_MODEL})"
     serve.set_defaults(func=_cmd_serve)
 
     from iterserve.planner_cli import add_plan_parser
@@ -141,13 +114,23 @@ def build_parser() -> argparse.ArgumentParser:
     from iterserve.bench.cli import add_bench_parser
 
     add_bench_parser(sub)
+    _show_defaults(parser)
     return parser
+
+
+def _show_defaults(parser: argparse.ArgumentParser) -> None:
+    """Every (sub)command's help lists each option's default, whoever built its parser."""
+    parser.formatter_class = HelpFormatter
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            for child in action.choices.values():
+                _show_defaults(child)
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
-    logging.basicConfig(level=args.log_level.upper(), format="%(levelname)s %(name)s: %(message)s")
+    logging.basicConfig(level=args.log_level, format="%(levelname)s %(name)s: %(message)s")
     logging.getLogger("httpx").setLevel(logging.WARNING)  # one line per request drowns bench serve's output
     tune_allocator()  # a launcher setting, for this process and the engine core it starts
     try:

@@ -1,20 +1,30 @@
-"""Model architecture configs: one dataclass for every Llama-family decoder we run.
+"""Every setting in one place: the model's architecture, the engine, the scheduler and the server.
 
-A config can come from a Hugging Face ``config.json``, from GGUF metadata, or from a preset
-(the real shapes of well-known models, used with random weights and by the capacity planner).
+``ModelConfig`` describes a Llama-family decoder; it comes from a Hugging Face ``config.json``, from
+GGUF metadata, or from a preset (the real shapes of well-known models, used with random weights and
+by the capacity planner). ``EngineConfig``, ``SchedulerConfig`` and ``ServerConfig`` are frozen and
+validated once, when built; their fields' metadata carries the help text the command line shows, so
+a new setting is one new field (:func:`add_config_args` turns fields into flags).
 """
 
 from __future__ import annotations
 
+import argparse
 import dataclasses
 import json
+import os
+import types
+import typing
 from dataclasses import dataclass, field
 from importlib import resources
-from typing import Any
+from typing import Any, Literal
 
 import torch
 
 from iterserve.dtypes import canonical_dtype, torch_dtype
+
+# The embedded model every command and ``LLM()`` runs when given none (resolved by models/loader.py).
+DEFAULT_MODEL = "smollm2-135m"
 
 SUPPORTED_ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3")
 
@@ -233,3 +243,185 @@ def get_preset(name: str) -> ModelConfig:
     if key not in PRESETS:
         raise ValueError(f"unknown model preset {name!r}; known presets: {', '.join(PRESETS)}")
     return PRESETS[key].replace()
+
+
+# -- engine, scheduler and server settings ------------------------------------------------------------
+
+Dtype = Literal["auto", "float32", "bfloat16", "float16"]
+Batching = Literal["continuous", "static"]
+KVAllocation = Literal["paged", "reserved"]
+LogLevel = Literal["DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL"]
+LOG_LEVELS: tuple[str, ...] = typing.get_args(LogLevel)
+
+
+def _opt(default: Any, text: str, **cli: Any) -> Any:
+    """A field with its command-line help (and optional flag settings: ``flag``, ``env``, ``cli=False``)."""
+    return field(default=default, metadata={"help": text, **cli})
+
+
+def _same_as(cls: Any, name: str) -> Any:
+    """A field declared like ``cls``'s field ``name`` (one home for its default and help)."""
+    f = cls.__dataclass_fields__[name]
+    return field(default=f.default, metadata=f.metadata)
+
+
+def _canonical_dtype(name: str) -> str:
+    """'fp32', 'bf16', 'half', ... -> the canonical name; 'auto' stays (resolved when the model loads)."""
+    if str(name).lower() == "auto":
+        return "auto"
+    return str(parse_dtype(name)).removeprefix("torch.")
+
+
+def _check_positive(obj: Any, *names: str, allow_none: bool = False) -> None:
+    for name in names:
+        value = getattr(obj, name)
+        if value is None and allow_none:
+            continue
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
+
+
+def _check_choice(obj: Any, name: str, kind: Any) -> None:
+    choices = typing.get_args(kind)
+    if getattr(obj, name) not in choices:
+        raise ValueError(f"{name} must be one of {', '.join(map(repr, choices))}, got {getattr(obj, name)!r}")
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    """What the scheduler may put in one step, and how it admits and holds requests."""
+
+    max_num_seqs: int = _opt(256, "most sequences in one step's batch")
+    max_num_batched_tokens: int = _opt(2048, "most tokens (prefill chunks + decodes) computed in one step")
+    batching: Batching = _opt("continuous", "continuous: requests join and leave at every step; static: a new "
+                                            "batch starts only when the previous one has finished")
+    kv_allocation: KVAllocation = _opt("paged", "paged: KV blocks as tokens arrive; reserved: blocks for "
+                                                "prompt + max_tokens held from admission")
+    max_model_len: int | None = _opt(None, "a sequence reaching this many tokens finishes with 'length'", cli=False)
+
+    def __post_init__(self) -> None:
+        _check_positive(self, "max_num_seqs", "max_num_batched_tokens")
+        _check_positive(self, "max_model_len", allow_none=True)
+        _check_choice(self, "batching", Batching)
+        _check_choice(self, "kv_allocation", KVAllocation)
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    """One engine: the model, its precision and device, the KV pool and the scheduler's limits."""
+
+    model: str = _opt(DEFAULT_MODEL, "embedded model name, .gguf file, Hugging Face folder, or random:<preset>")
+    dtype: Dtype = _opt("auto", "weights and KV cache precision; auto is bfloat16 where the hardware computes in "
+                                "it, else float32")
+    device: str | None = _opt(None, "cpu, cuda or cuda:N (default: cuda when available)")
+    block_size: int = _opt(16, "tokens per KV cache block")
+    max_model_len: int | None = _opt(None, "longest prompt + output (default: the model's context, capped by "
+                                           "what the KV pool holds)")
+    max_num_seqs: int = _same_as(SchedulerConfig, "max_num_seqs")
+    max_num_batched_tokens: int = _same_as(SchedulerConfig, "max_num_batched_tokens")
+    enable_prefix_caching: bool = _opt(True, "reuse the KV blocks of prompt prefixes seen before",
+                                       flag="--prefix-caching")
+    kv_cache_memory: str | int = _opt("2GiB", "KV pool size, e.g. 2GiB or 512MiB")
+    num_kv_blocks: int | None = _opt(None, "KV pool size in blocks (overrides --kv-cache-memory)")
+    batching: Batching = _same_as(SchedulerConfig, "batching")
+    kv_allocation: KVAllocation = _same_as(SchedulerConfig, "kv_allocation")
+    seed: int = _opt(0, "seed of random weights and of sampling without a per-request seed")
+    step_trace: str | None = _opt(None, "write a JSON-lines trace of every step and request to this file")
+    step_history: int = _opt(0, "keep the last N steps' StepStats in memory (benchmarks, tests)", cli=False)
+
+    def __post_init__(self) -> None:
+        # aliases (fp32, bf16, half) are accepted and stored under their one canonical name
+        object.__setattr__(self, "dtype", _canonical_dtype(self.dtype))
+        _check_positive(self, "block_size")
+        _check_positive(self, "max_model_len", "num_kv_blocks", allow_none=True)
+        if not isinstance(self.step_history, int) or self.step_history < 0:
+            raise ValueError(f"step_history must be an integer >= 0, got {self.step_history!r}")
+        self.scheduler_config(self.max_model_len)  # the scheduler's fields are checked where they are defined
+
+    def scheduler_config(self, max_model_len: int | None) -> SchedulerConfig:
+        """The scheduler's share of this config, with max_model_len resolved against the KV pool."""
+        return SchedulerConfig(self.max_num_seqs, self.max_num_batched_tokens, self.batching, self.kv_allocation,
+                               max_model_len)
+
+
+@dataclass(frozen=True)
+class ServerConfig:
+    """The HTTP side of ``iterserve serve``: where it listens, whom it lets in, and its limits."""
+
+    host: str = _opt("127.0.0.1", "address to bind (loopback unless told otherwise)")
+    port: int = _opt(8000, "port to listen on")
+    api_key: str | None = _opt(None, "require 'Authorization: Bearer KEY' on every route but /health, /metrics and "
+                                     "/version (default: $ITERSERVE_API_KEY)", env="ITERSERVE_API_KEY")
+    served_model_name: str | None = _opt(None, "model name clients use (default: the --model value)")
+    max_waiting: int = _opt(256, "requests allowed to wait for the batch; more are refused with 429")
+    # Room for a 128k-token prompt several times over, however the JSON spells it (a token id takes
+    # about 7 bytes, a non-ASCII character escaped as \uXXXX 6). FastAPI parses JSON on the event loop:
+    # the worst case this allows, 8 MiB of token ids, held it for 0.7 s on a busy two-core machine.
+    max_request_body_bytes: int = _opt(8 * 1024 * 1024, "request bodies larger than this are refused with 413")
+    shutdown_timeout: float = _opt(5.0, "seconds running requests may take to finish after SIGTERM before they "
+                                        "are ended")
+    log_level: LogLevel = _opt("INFO", "log level of the server and its engine core", cli=False)
+
+    def __post_init__(self) -> None:
+        _check_positive(self, "max_waiting", "max_request_body_bytes")
+        if not isinstance(self.port, int) or not 0 <= self.port <= 65535:
+            raise ValueError(f"port must be in [0, 65535], got {self.port!r}")
+        if self.shutdown_timeout < 0:
+            raise ValueError(f"shutdown_timeout must be >= 0, got {self.shutdown_timeout!r}")
+        object.__setattr__(self, "log_level", str(self.log_level).upper())
+        _check_choice(self, "log_level", LogLevel)
+
+    def model_name(self, engine: EngineConfig) -> str:
+        """The name clients ask for: ``served_model_name``, else the engine's model."""
+        return self.served_model_name or engine.model
+
+
+# -- command-line flags from fields -------------------------------------------------------------------
+
+
+class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
+    """Shows every option's default, unless its help already says what the default is."""
+
+    def _get_help_string(self, action: argparse.Action) -> str | None:
+        if action.help and "default:" in action.help:
+            return action.help
+        return super()._get_help_string(action)
+
+
+def _flag_type(hint: Any) -> tuple[Any, tuple[str, ...] | None]:
+    """argparse ``type`` and ``choices`` of a field's type hint (``int | None`` -> int)."""
+    args = [a for a in typing.get_args(hint) if a is not type(None)]
+    if typing.get_origin(hint) is Literal:
+        return str, tuple(typing.get_args(hint))
+    if typing.get_origin(hint) in (typing.Union, types.UnionType):
+        if all(typing.get_origin(a) is Literal for a in args):
+            return str, tuple(v for a in args for v in typing.get_args(a))
+        return (args[0] if len(args) == 1 else str), None
+    return hint, None
+
+
+def add_config_args(parser: argparse.ArgumentParser | argparse._ArgumentGroup, cls: type,
+                    include: tuple[str, ...] | None = None) -> None:
+    """One flag per field of the dataclass ``cls`` (``max_num_seqs`` -> ``--max-num-seqs``), with the
+    field's default and help; booleans get ``--x/--no-x``. ``include`` picks a subset of fields."""
+    hints = typing.get_type_hints(cls)
+    for f in dataclasses.fields(cls):
+        if f.metadata.get("cli", True) is False or (include is not None and f.name not in include):
+            continue
+        flag = f.metadata.get("flag", "--" + f.name.replace("_", "-"))
+        default = f.default
+        if "env" in f.metadata:
+            default = os.environ.get(f.metadata["env"], default)
+        if hints[f.name] is bool:
+            parser.add_argument(flag, dest=f.name, action=argparse.BooleanOptionalAction, default=default,
+                                help=f.metadata["help"])
+            continue
+        kind, choices = _flag_type(hints[f.name])
+        parser.add_argument(flag, dest=f.name, type=kind, choices=choices, default=default, help=f.metadata["help"])
+
+
+def config_from_args(cls: type, args: argparse.Namespace, **overrides: Any) -> Any:
+    """Build ``cls`` from the parsed flags that :func:`add_config_args` added (fields without a flag keep
+    their defaults unless given in ``overrides``)."""
+    given = {f.name: getattr(args, f.name) for f in dataclasses.fields(cls) if hasattr(args, f.name)}
+    return cls(**{**given, **overrides})

@@ -15,6 +15,7 @@ from typing import Any
 from iterserve.bench.metrics import DEFAULT_PERCENTILES, parse_goodput, parse_percentiles, percentile_key
 from iterserve.bench.serve import LoadPoint
 from iterserve.bench.workloads import DATASETS, LengthDist, WorkloadSpec
+from iterserve.config import DEFAULT_MODEL, EngineConfig, add_config_args, config_from_args
 from iterserve.tables import render_table
 
 # bench throughput's batch cap: the default 64 requests then span several static batches, which is
@@ -53,7 +54,7 @@ def add_workload_args(p: argparse.ArgumentParser) -> None:
                    help="random: random token ids; text: sentences of a built-in corpus; jsonl or sharegpt: "
                         "a file named by --dataset-path")
     g.add_argument("--dataset-path", default=None, help="JSONL of {prompt|messages[, output_len]}, or ShareGPT JSON")
-    g.add_argument("--num-prompts", type=int, default=d.num_prompts)
+    g.add_argument("--num-prompts", type=int, default=d.num_prompts, help="requests in the workload")
     g.add_argument("--input-len", default=d.input_len,
                    help="prompt length distribution: fixed:N, uniform:LOW:HIGH, normal:MEAN:STD:MAX, "
                         "lognormal:MEDIAN:SIGMA:MAX or pareto:MIN:ALPHA:MAX (default %(default)s)")
@@ -62,7 +63,7 @@ def add_workload_args(p: argparse.ArgumentParser) -> None:
                    help="tokens of one shared system prompt in front of every synthetic prompt")
     g.add_argument("--dataset-output-len", type=int, default=d.dataset_output_len,
                    help="output length of JSONL records that give none")
-    g.add_argument("--workload-seed", type=int, default=d.seed)
+    g.add_argument("--workload-seed", type=int, default=d.seed, help="seed of the drawn prompts and lengths")
 
 
 def workload_spec_from_args(args: argparse.Namespace) -> WorkloadSpec:
@@ -139,14 +140,13 @@ def _cmd_throughput(args: argparse.Namespace) -> int:
     from iterserve.bench.progress import load_model_with_status
     from iterserve.bench.throughput import ENGINE_MODES, HF_MODE, run_throughput
     from iterserve.bench.workloads import make_workload
-    from iterserve.cli import engine_config_from_args
 
     if args.step_trace:
         raise ValueError("bench throughput writes one step trace per mode: use --trace-dir instead of --step-trace")
     spec = workload_spec_from_args(args)
     modes = [m for m in args.modes.split(",") if m] + ([HF_MODE] if args.hf_baseline else [])
     percentiles = parse_percentiles(args.percentiles)
-    config = engine_config_from_args(args)
+    config = config_from_args(EngineConfig, args)
     loaded = load_model_with_status(config.model, config.dtype, config.device, config.seed)
     requests = make_workload(spec, tokenizer=loaded.tokenizer, vocab_size=loaded.config.vocab_size)
     with tempfile.TemporaryDirectory() as tmp:
@@ -326,12 +326,11 @@ def _cmd_ttft(args: argparse.Namespace) -> int:
     from iterserve.bench.machine import MachineMonitor
     from iterserve.bench.progress import load_model_with_status
     from iterserve.bench.prompt_sweep import sweep_prompt_lengths
-    from iterserve.cli import engine_config_from_args
 
     values = _float_list(args.prompt_lens, "--prompt-lens")
     if not all(v == int(v) for v in values):
         raise ValueError(f"--prompt-lens takes whole numbers, got {args.prompt_lens!r}")
-    config = engine_config_from_args(args)
+    config = config_from_args(EngineConfig, args)
     loaded = load_model_with_status(config.model, config.dtype, config.device, config.seed)
     monitor = MachineMonitor()
     monitor.sample()
@@ -387,26 +386,22 @@ def _cmd_plot(args: argparse.Namespace) -> int:
 
 def add_bench_parser(subparsers: argparse._SubParsersAction) -> None:
     """Register ``iterserve bench`` and its subcommands."""
-    from iterserve.cli import add_engine_args
-    from iterserve.engine.llm_engine import EngineConfig
-    from iterserve.models.loader import DEFAULT_MODEL
-
     bench = subparsers.add_parser("bench", help="benchmark the engine or any OpenAI-compatible server")
     sub = bench.add_subparsers(dest="bench_command", required=True)
     pct = "latency percentiles to report, comma-separated (default %(default)s)"
     default_pct = ",".join(percentile_key(p) for p in DEFAULT_PERCENTILES)
 
     tp = sub.add_parser("throughput", help="offline: one workload through continuous and static batching in-process")
-    add_engine_args(tp)
+    add_config_args(tp.add_argument_group("engine"), EngineConfig)
     tp.set_defaults(max_num_seqs=BENCH_MAX_NUM_SEQS)
     add_workload_args(tp)
     tp.add_argument("--modes", default="continuous,static",
                     help="comma-separated: continuous, static, reserved (default %(default)s)")
     tp.add_argument("--hf-baseline", action="store_true",
                     help="also run transformers' generate on padded batches of --max-num-seqs (needs transformers)")
-    tp.add_argument("--temperature", type=float, default=0.0)
+    tp.add_argument("--temperature", type=float, default=0.0, help="sampling temperature of every request")
     tp.add_argument("--percentiles", default=default_pct, help=pct)
-    tp.add_argument("--output-json", default=None)
+    tp.add_argument("--output-json", default=None, help="write the result as JSON to this file")
     tp.add_argument("--trace-dir", default=None, help="keep each mode's step trace as <dir>/<mode>.jsonl")
     tp.add_argument("--timeline", default=None,
                     help="PNG of every sequence's spans, one panel per engine mode, slot occupancy under each")
@@ -420,14 +415,14 @@ def add_bench_parser(subparsers: argparse._SubParsersAction) -> None:
     tp.add_argument("--max-tokens-cap", type=int, default=None,
                     help="every request asks for this many tokens and ends at its drawn output length (an "
                          "emulated end-of-sequence), so reserved allocation holds blocks for the cap")
-    tp.add_argument("--disable-tqdm", action="store_true")
+    tp.add_argument("--disable-tqdm", action="store_true", help="no progress bar")
     tp.set_defaults(func=_cmd_throughput)
 
     sv = sub.add_parser("serve", help="online: load an OpenAI-compatible server and measure TTFT, TPOT, ITL")
     sv.add_argument("--base-url", required=True, help="server root, e.g. http://127.0.0.1:8000")
     sv.add_argument("--endpoint", default="/v1/completions", help="/v1/completions or /v1/chat/completions")
     sv.add_argument("--model", default=None, help="model name to request (default: the first of GET /v1/models)")
-    sv.add_argument("--api-key", default=None)
+    sv.add_argument("--api-key", default=None, help="sent as 'Authorization: Bearer KEY'")
     sv.add_argument("--tokenizer", default=DEFAULT_MODEL,
                     help="model whose tokenizer builds prompts and counts tokens: an embedded name, .gguf or "
                          "folder; 'none' for none (default %(default)s)")
@@ -439,7 +434,7 @@ def add_bench_parser(subparsers: argparse._SubParsersAction) -> None:
     sv.add_argument("--max-concurrency", type=int, default=None, help="cap on requests in flight")
     sv.add_argument("--sweep-rates", default=None, help="run once per request rate, e.g. 1,2,4")
     sv.add_argument("--sweep-concurrency", default=None, help="run once per concurrency cap, e.g. 1,4,16")
-    sv.add_argument("--temperature", type=float, default=0.0)
+    sv.add_argument("--temperature", type=float, default=0.0, help="sampling temperature of every request")
     sv.add_argument("--no-ignore-eos", action="store_true", help="let requests stop at EOS (default: ignore it)")
     sv.add_argument("--percentiles", default=default_pct, help=pct)
     sv.add_argument("--goodput", nargs="+", default=None, metavar="METRIC:MS",
@@ -448,15 +443,12 @@ def add_bench_parser(subparsers: argparse._SubParsersAction) -> None:
     sv.add_argument("--output-json", default=None, help="result JSON; charts are written beside it")
     sv.add_argument("--connect-timeout", type=float, default=3.0, help="seconds to wait for a connection")
     sv.add_argument("--timeout", type=float, default=600.0, help="seconds to wait for each streamed chunk")
-    sv.add_argument("--disable-tqdm", action="store_true")
+    sv.add_argument("--disable-tqdm", action="store_true", help="no progress bar")
     sv.set_defaults(func=_cmd_serve)
 
     bt = sub.add_parser("batch", help="decode and prefill step latency against batch size, and the knee")
     d = EngineConfig()
-    bt.add_argument("--model", default=DEFAULT_MODEL)
-    bt.add_argument("--dtype", default=d.dtype)
-    bt.add_argument("--device", default=None)
-    bt.add_argument("--block-size", type=int, default=d.block_size)
+    add_config_args(bt.add_argument_group("engine"), EngineConfig, include=("model", "dtype", "device", "block_size"))
     bt.add_argument("--context", type=int, default=256, help="tokens each sequence holds (default %(default)s)")
     bt.add_argument("--batch-sizes", default=None, help="comma-separated (default: 1, 2, 4, ... up to what fits)")
     bound = "bounds the default sweep (default %(default)s)"
@@ -466,20 +458,20 @@ def add_bench_parser(subparsers: argparse._SubParsersAction) -> None:
     bt.add_argument("--elasticity", type=float, default=0.5,
                     help="knee: first batch whose step time grows >= (B/B_prev)^elasticity (default %(default)s)")
     bt.add_argument("--no-prefill", action="store_true", help="time decode steps only")
-    bt.add_argument("--output-json", default=None)
+    bt.add_argument("--output-json", default=None, help="write the result as JSON to this file")
     bt.add_argument("--chart", default=None, help="PNG path (default: beside --output-json)")
-    bt.add_argument("--disable-tqdm", action="store_true")
+    bt.add_argument("--disable-tqdm", action="store_true", help="no progress bar")
     bt.set_defaults(func=_cmd_batch)
 
     tt = sub.add_parser("ttft", help="TTFT and TPOT of lone requests against prompt length (prefill vs decode)")
-    add_engine_args(tt)
+    add_config_args(tt.add_argument_group("engine"), EngineConfig)
     tt.add_argument("--prompt-lens", default="32,128,256,512", help="comma-separated (default %(default)s)")
     tt.add_argument("--output-len", type=int, default=16, help="tokens each request generates (default %(default)s)")
     tt.add_argument("--repeats", type=int, default=3, help="timed requests per prompt length (default %(default)s)")
     tt.add_argument("--chart", default=None, help="PNG of TTFT and TPOT against prompt length")
     tt.add_argument("--steps-chart", default=None,
                     help="PNG of the longest prompt's request step by step: tokens per pass and step time")
-    tt.add_argument("--output-json", default=None)
+    tt.add_argument("--output-json", default=None, help="write the result as JSON to this file")
     tt.set_defaults(func=_cmd_ttft)
 
     pl = sub.add_parser("plot", help="overlay bench serve (or vllm bench serve) results in charts")

@@ -266,7 +266,7 @@ def run_serve(
     seed = workload.seed if workload is not None else 0
     model, runs = asyncio.run(_bench(cfg, requests, tokenizer, points, burstiness, seed,
                                      percentiles or list(DEFAULT_PERCENTILES), goodput, use_tqdm))
-    return {
+    result = {
         "benchmark": "serve",
         "label": label or cfg.base_url,
         "date": datetime.now().strftime("%Y%m%d-%H%M%S"),
@@ -279,3 +279,9 @@ def run_serve(
         "workload": asdict(workload) if workload is not None else None,
         "runs": runs,
     }
+    if len(runs) == 1:
+        # what `vllm bench serve --save-result` writes: one run's figures at the top level, so tools that
+        # read vLLM's result files read ours (endpoint_type is vLLM's newer name of backend)
+        kind = "openai-chat" if cfg.chat else "openai"
+        result |= {"backend": kind, "endpoint_type": kind, **runs[0]}
+    return result

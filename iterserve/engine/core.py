@@ -21,14 +21,14 @@ from typing import IO
 
 import torch
 
-from iterserve.config import ModelConfig, parse_dtype
+from iterserve.config import EngineConfig, ModelConfig, parse_dtype
 from iterserve.engine.block_manager import BlockManager
 from iterserve.engine.messages import EngineCoreOutput, EngineCoreOutputs, EngineCoreRequest, SchedulerStats
 from iterserve.engine.model_runner import ModelRunner
-from iterserve.engine.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
+from iterserve.engine.scheduler import Scheduler, SchedulerOutput
 from iterserve.engine.sequence import RequestMetrics, Sequence
 from iterserve.errors import RequestError
-from iterserve.models.loader import DEFAULT_MODEL, LoadedModel, load_model
+from iterserve.models.loader import LoadedModel, load_model
 from iterserve.sampling_params import SamplingParams
 from iterserve.tokenizer import Tokenizer
 from iterserve.units import parse_size
@@ -39,23 +39,6 @@ logger = logging.getLogger(__name__)
 # forward pass, as a fault in the model would. Read once when the core is built.
 FAULT_TOKEN_ENV = "ITERSERVE_TEST_FAULT_TOKEN"
 
-@dataclass
-class EngineConfig:
-    model: str = DEFAULT_MODEL
-    dtype: str = "auto"  # bfloat16 where the hardware has it, else float32
-    device: str | None = None
-    block_size: int = 16
-    max_model_len: int | None = None
-    max_num_seqs: int = 256
-    max_num_batched_tokens: int = 2048
-    enable_prefix_caching: bool = True
-    kv_cache_memory: str | int = "2GiB"
-    num_kv_blocks: int | None = None  # overrides kv_cache_memory
-    batching: str = "continuous"
-    kv_allocation: str = "paged"
-    seed: int = 0
-    step_trace: str | None = None  # JSON-lines file of per-step and per-request records
-    step_history: int = 0  # keep the last N steps' StepStats in memory (benchmarks, tests); 0 keeps none
 
 
 @dataclass(frozen=True)
@@ -73,8 +56,6 @@ class Capacity:
     def of(cls, config: EngineConfig, model_config: ModelConfig, dtype_bytes: int | None = None) -> Capacity:
         """Raises ValueError when the pool cannot hold one block or one max_model_len sequence."""
         bs = config.block_size
-        if bs < 1:
-            raise ValueError(f"block_size must be >= 1, got {bs}")
         per_token = model_config.kv_bytes_per_token(dtype_bytes or parse_dtype(config.dtype).itemsize)
         num_blocks = config.num_kv_blocks or parse_size(config.kv_cache_memory) // (bs * per_token)
         if num_blocks < 1:
@@ -161,11 +142,7 @@ class EngineCore:
         self.max_model_len = self.capacity.max_model_len
         bs, num_blocks = config.block_size, self.capacity.num_blocks
         self.block_manager = BlockManager(num_blocks, bs, config.enable_prefix_caching)
-        self.scheduler = Scheduler(
-            SchedulerConfig(config.max_num_seqs, config.max_num_batched_tokens, config.batching, config.kv_allocation,
-                            self.max_model_len),
-            self.block_manager,
-        )
+        self.scheduler = Scheduler(config.scheduler_config(self.max_model_len), self.block_manager)
         self.runner = ModelRunner(model, num_blocks, bs, config.seed)
         self.requests: dict[str, Sequence] = {}
         self.num_requests_received = 0

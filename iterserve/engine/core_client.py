@@ -146,6 +146,8 @@ class EngineObserver(Protocol):
 
     def record_stats(self, stats: SchedulerStats, num_waiting: int) -> None: ...
 
+    def record_admitted(self, max_tokens: int) -> None: ...
+
     def record_finished(self, output: RequestOutput) -> None: ...
 
     def record_finish_reason(self, reason: str) -> None: ...
@@ -326,12 +328,14 @@ class EngineCoreClient:
         """Send a request to the core; raises EngineDeadError, RequestError, QueueFullError or ValueError at once."""
         if not self.is_running:
             raise EngineDeadError(str(self.error) if self.error else "the engine is not running")
-        check_prompt(prompt, params, self.model_config.vocab_size, self.max_model_len)  # bad input first
+        max_tokens = check_prompt(prompt, params, self.model_config.vocab_size, self.max_model_len)  # bad input first
         waiting = self.num_waiting
         if waiting >= self.max_waiting:
             raise QueueFullError(f"{waiting} requests are already waiting (limit {self.max_waiting})")
         if request_id in self._streams:
             raise ValueError(f"request id {request_id!r} is already in use")
+        if self.observer is not None:
+            self.observer.record_admitted(max_tokens)
         kind = RequestOutputKind.DELTA if stream else RequestOutputKind.FINAL_ONLY
         self._output_processor.add_request(request_id, None, prompt, params, arrival_time, kind)
         handle = RequestStream(request_id, self.abort)

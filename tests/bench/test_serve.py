@@ -13,6 +13,7 @@ import uvicorn
 
 from iterserve.bench.workloads import WorkloadSpec, make_workload
 from iterserve.cli import main
+from iterserve.config import ServerConfig
 from iterserve.engine.core import EngineConfig
 from iterserve.server.api_server import build_app
 
@@ -28,7 +29,7 @@ def free_port() -> int:
 @pytest.fixture(scope="module")
 def server_url():
     config = EngineConfig(model=TINY, dtype="float32", device="cpu", num_kv_blocks=256, max_num_seqs=8)
-    app = build_app(config, served_model_name="tiny", api_key=None, max_waiting=64)
+    app = build_app(config, ServerConfig(served_model_name="tiny", max_waiting=64))
     port = free_port()
     server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
     thread = threading.Thread(target=server.run, daemon=True)
@@ -97,6 +98,33 @@ def test_chat_endpoint_and_token_id_prompts(server_url, asked_output_lens, tmp_p
         assert run["completed"] == 6 and run["failed"] == 0
         assert run["output_lens"] == asked_output_lens
     assert json.loads(chat.read_text())["runs"][0]["request_rate"] == 50.0
+
+
+# the fields `vllm bench serve --save-result` writes at the top level of its result file
+VLLM_RESULT_FIELDS = (
+    "date", "backend", "endpoint_type", "label", "model_id", "tokenizer_id", "num_prompts", "request_rate",
+    "burstiness", "max_concurrency", "duration", "completed", "total_input_tokens", "total_output_tokens",
+    "request_throughput", "request_goodput", "output_throughput", "total_token_throughput", "input_lens",
+    "output_lens", "ttfts", "itls", "errors",
+    *(f"{stat}_{m}_ms" for m in ("ttft", "tpot", "itl", "e2el") for stat in ("mean", "median", "std", "p99")),
+)
+
+
+def test_a_single_run_also_writes_vllms_flat_result(server_url, tmp_path):
+    one, sweep = tmp_path / "one.json", tmp_path / "sweep.json"
+    assert main(["bench", "serve", "--base-url", server_url, *SMALL, "--max-concurrency", "2",
+                 "--output-json", str(one)]) == 0  # fmt: skip
+    data = json.loads(one.read_text())
+    assert [k for k in VLLM_RESULT_FIELDS if k not in data] == []
+    run = data["runs"][0]
+    assert {k: data[k] for k in run} == run  # the flat figures are the one run's
+    assert data["backend"] == data["endpoint_type"] == "openai" and data["completed"] == 6
+    assert data["max_concurrency"] == 2 and data["request_rate"] == "inf"
+    assert data["output_throughput"] == pytest.approx(data["total_output_tokens"] / data["duration"])
+    # several runs have no one set of figures to put at the top level
+    assert main(["bench", "serve", "--base-url", server_url, *SMALL, "--sweep-concurrency", "1,2",
+                 "--output-json", str(sweep)]) == 0  # fmt: skip
+    assert "output_throughput" not in json.loads(sweep.read_text())
 
 
 def test_server_errors_fail_fast_with_a_clear_message(server_url, capsys):

@@ -5,8 +5,9 @@ from __future__ import annotations
 
 import pytest
 
+from iterserve.config import SchedulerConfig
 from iterserve.engine.block_manager import BlockManager
-from iterserve.engine.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
+from iterserve.engine.scheduler import Scheduler, SchedulerOutput
 from iterserve.engine.sequence import RequestMetrics, Sequence, SequenceStatus
 from iterserve.sampler import SampleResult
 from iterserve.sampling_params import SamplingParams

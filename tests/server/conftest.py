@@ -14,6 +14,7 @@ from fastapi import FastAPI
 from prometheus_client.parser import text_string_to_metric_families
 
 from iterserve import LLM
+from iterserve.config import ServerConfig
 from iterserve.engine.core import EngineConfig
 from iterserve.engine.core_client import EngineCoreClient
 from iterserve.server import build_app
@@ -54,17 +55,17 @@ class ServerThread:
 
 
 def metric_samples(server: ServerThread) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
-    """/metrics as {(sample name, sorted labels without model_name): value}."""
+    """/metrics as {(sample name, sorted labels without model_name and engine): value}."""
     text = httpx.get(f"{server.url}/metrics").text
     return {
-        (s.name, tuple(sorted((k, v) for k, v in s.labels.items() if k != "model_name"))): s.value
+        (s.name, tuple(sorted((k, v) for k, v in s.labels.items() if k not in ("model_name", "engine")))): s.value
         for family in text_string_to_metric_families(text)
         for s in family.samples
     }
 
 
 def aborted(server: ServerThread) -> float:
-    return metric_samples(server)[("iterserve:request_success_total", (("finished_reason", "abort"),))]
+    return metric_samples(server)[("vllm:request_success_total", (("finished_reason", "abort"),))]
 
 
 def wait_until_idle(server: ServerThread, timeout: float = 10.0) -> float:
@@ -72,8 +73,8 @@ def wait_until_idle(server: ServerThread, timeout: float = 10.0) -> float:
     start = time.monotonic()
     while True:
         m = metric_samples(server)
-        busy = {k: m[(k, ())] for k in ("iterserve:num_requests_running", "iterserve:num_requests_waiting",
-                                        "iterserve:kv_cache_usage_perc")}
+        busy = {k: m[(k, ())] for k in ("vllm:num_requests_running", "vllm:num_requests_waiting",
+                                        "vllm:kv_cache_usage_perc")}
         if not any(busy.values()):
             return time.monotonic() - start
         assert time.monotonic() - start < timeout, f"the engine is still busy: {busy}"
@@ -99,6 +100,6 @@ def reference(smollm) -> LLM:
 
 @pytest.fixture(scope="session")
 def server(engine_config) -> Iterator[ServerThread]:
-    app = build_app(engine_config, served_model_name=MODEL, api_key=API_KEY, max_waiting=256)
+    app = build_app(engine_config, ServerConfig(served_model_name=MODEL, api_key=API_KEY, max_waiting=256))
     with ServerThread(app) as running:
         yield running

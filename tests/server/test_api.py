@@ -153,13 +153,13 @@ def test_concurrent_streams_batch_and_match_running_alone(server, reference, tra
     steps = [r for r in records if r["type"] == "step"]
     assert max(s["num_decode_seqs"] for s in steps) >= 8, "requests from different connections were not batched"
     m = metric_samples(server)
-    finished = sum(v for (name, labels), v in m.items() if name == "iterserve:request_success_total"
+    finished = sum(v for (name, labels), v in m.items() if name == "vllm:request_success_total"
                    and labels[0][1] in ("stop", "length"))
     assert finished >= 32
-    assert m[("iterserve:time_to_first_token_seconds_count", ())] >= 32
-    assert m[("iterserve:generation_tokens_total", ())] >= 32
-    assert m[("iterserve:num_requests_running", ())] == 0
-    assert m[("iterserve:kv_cache_usage_perc", ())] == 0
+    assert m[("vllm:time_to_first_token_seconds_count", ())] >= 32
+    assert m[("vllm:generation_tokens_total", ())] >= 32
+    assert m[("vllm:num_requests_running", ())] == 0
+    assert m[("vllm:kv_cache_usage_perc", ())] == 0
 
 
 def test_stream_disconnect_aborts_and_frees_blocks(server):
@@ -169,7 +169,7 @@ def test_stream_disconnect_aborts_and_frees_blocks(server):
         assert r.status_code == 200
         lines = r.iter_lines()
         assert sum(line.startswith("data: ") for line in (next(lines), next(lines), next(lines))) >= 2
-        assert metric_samples(server)[("iterserve:num_requests_running", ())] == 1
+        assert metric_samples(server)[("vllm:num_requests_running", ())] == 1
     # leaving the block closes the connection with the generation far from done
     assert wait_until_idle(server, timeout=5.0) < 5.0
     assert aborted(server) == before + 1

@@ -20,6 +20,7 @@ from contextlib import contextmanager
 import httpx
 import pytest
 
+from iterserve.config import ServerConfig
 from iterserve.engine.core import FAULT_TOKEN_ENV, EngineConfig
 from iterserve.server import build_app
 from tests.server.conftest import MODEL, TINY_MODEL, ServerThread
@@ -42,7 +43,7 @@ def completion(url: str, **body) -> httpx.Response:
 
 def test_a_failed_step_fails_only_its_requests(monkeypatch):
     monkeypatch.setenv(FAULT_TOKEN_ENV, str(FAULT_TOKEN))  # read by the core process when it starts
-    app = build_app(tiny_config(), served_model_name=MODEL, api_key=None, max_waiting=8)
+    app = build_app(tiny_config(), ServerConfig(served_model_name=MODEL, max_waiting=8))
     with ServerThread(app) as s:
         r = completion(s.url, prompt=[1, 2, FAULT_TOKEN], max_tokens=4)
         assert r.status_code == 500, r.text
@@ -56,14 +57,14 @@ def test_a_failed_step_fails_only_its_requests(monkeypatch):
         assert ok.status_code == 200 and ok.json()["usage"]["completion_tokens"] == 4
         assert httpx.get(f"{s.url}/health").status_code == 200
         wait_until_idle(s)  # the failed requests' blocks were freed
-        assert metric_samples(s)[("iterserve:request_success_total", (("finished_reason", "error"),))] == 2
+        assert metric_samples(s)[("vllm:request_success_total", (("finished_reason", "error"),))] == 2
 
 
 # -- a dead core --------------------------------------------------------------------------------------
 
 
 def test_killed_core_fails_in_flight_requests_and_health():
-    app = build_app(tiny_config(), served_model_name=MODEL, api_key=None, max_waiting=8)
+    app = build_app(tiny_config(), ServerConfig(served_model_name=MODEL, max_waiting=8))
     with ServerThread(app) as s:
         body = {"prompt": [1, 2, 3], "max_tokens": 250, "ignore_eos": True, "stream": True}
         with httpx.stream("POST", f"{s.url}/v1/completions", json=body, timeout=60) as r:
@@ -192,7 +193,7 @@ def test_killed_core_makes_the_server_exit_non_zero():
 
 
 def test_burst_admits_running_plus_waiting_and_refuses_the_rest():
-    app = build_app(tiny_config(max_num_seqs=4), served_model_name=MODEL, api_key=None, max_waiting=4)
+    app = build_app(tiny_config(max_num_seqs=4), ServerConfig(served_model_name=MODEL, max_waiting=4))
     # long enough that the first four still run when the burst has arrived, even on a fast machine
     body = {"model": MODEL, "prompt": [1, 2, 3], "max_tokens": 64, "ignore_eos": True}
 
@@ -230,7 +231,7 @@ def rss_mb() -> float:
 @pytest.mark.slow
 def test_slow_readers_do_not_grow_server_memory():
     app = build_app(tiny_config(num_kv_blocks=1024, max_model_len=1024, max_num_seqs=128),
-                    served_model_name=MODEL, api_key=None, max_waiting=128)
+                    ServerConfig(served_model_name=MODEL, max_waiting=128))
     body = json.dumps({"model": MODEL, "prompt": [5, 6, 7], "max_tokens": SLOW_TOKENS, "ignore_eos": True,
                        "logprobs": 20, "stream": True}).encode()
     with ServerThread(app) as s:
@@ -246,7 +247,7 @@ def test_slow_readers_do_not_grow_server_memory():
                          b"Content-Length: %d\r\n\r\n%s" % (len(body), body))
             socks.append(sock)
         deadline = time.monotonic() + 900
-        while metric_samples(s)[("iterserve:generation_tokens_total", ())] < 8 + SLOW_READERS * SLOW_TOKENS:
+        while metric_samples(s)[("vllm:generation_tokens_total", ())] < 8 + SLOW_READERS * SLOW_TOKENS:
             assert time.monotonic() < deadline, "generation did not finish"
             time.sleep(0.2)
         grown = rss_mb() - before

@@ -14,6 +14,7 @@ from collections.abc import Callable, Iterator
 import httpx
 import pytest
 
+from iterserve.config import ServerConfig
 from iterserve.engine.core import EngineConfig
 from iterserve.sampling_params import MAX_STOP_CHARS, MAX_STOP_STRINGS
 from iterserve.server import build_app
@@ -89,15 +90,15 @@ def while_probing_health(url: str, action: Callable[[], httpx.Response]) -> tupl
 @pytest.fixture(scope="module")
 def open_server() -> Iterator[ServerThread]:
     """A server without an API key (as on a developer's machine) and with a small body limit."""
-    app = build_app(EngineConfig(dtype="float32", num_kv_blocks=32, max_model_len=128), served_model_name=MODEL,
-                    api_key=None, max_waiting=8, max_request_body_bytes=OPEN_SERVER_BODY_LIMIT)
+    app = build_app(EngineConfig(dtype="float32", num_kv_blocks=32, max_model_len=128),
+                    ServerConfig(served_model_name=MODEL, max_waiting=8, max_request_body_bytes=OPEN_SERVER_BODY_LIMIT))
     with ServerThread(app) as s:
         yield s
 
 
 def prompt_tokens(server: ServerThread) -> float:
     """Prompt tokens the engine has computed: it moves only when a generation ran."""
-    return metric_samples(server)[("iterserve:prompt_tokens_total", ())]
+    return metric_samples(server)[("vllm:prompt_tokens_total", ())]
 
 # -- invalid Unicode, non-integers, malformed lists ------------------------------------------------
 
