@@ -1,4 +1,4 @@
-"""The ``iterserve`` command: generate, serve, bench and plan."""
+"""The ``iterserve`` command: generate, serve, bench, plan and simulate."""
 
 from __future__ import annotations
 
@@ -139,6 +139,10 @@ def build_parser() -> argparse.ArgumentParser:
     from iterserve.bench.cli import add_bench_parser
 
     add_bench_parser(sub)
+
+    from iterserve.simulate.cli import add_simulate_parser
+
+    add_simulate_parser(sub)
     return parser
 
 
