@@ -146,9 +146,11 @@ class TimedStep:
 
 
 def steps_from_trace(path: str | Path) -> list[TimedStep]:
-    """Timed steps of an engine step trace (JSON lines, ``--step-trace``). The trace names each
-    scheduled sequence's phase and token count; its context is rebuilt by summing those counts per
-    request, starting again when a preempted request is recomputed (a prefill after decodes)."""
+    """Timed steps of an engine step trace (JSON lines, ``--step-trace``). The step's context is the
+    trace's ``total_context``; traces written before it was recorded get it rebuilt by summing each
+    request's scheduled tokens, starting again when a request prefills after decoding (a recompute
+    after preemption). That rebuild misses prefix-cache hits and recomputes of sequences preempted
+    before their first decode."""
     computed: dict[str, int] = {}
     decoded: set[str] = set()
     steps = []
@@ -172,6 +174,7 @@ def steps_from_trace(path: str | Path) -> list[TimedStep]:
                     decode += 1
                 computed[rid] = computed.get(rid, 0) + n
                 context += computed[rid]
+            context = record.get("total_context", context)
             steps.append(TimedStep(StepShape(prefill, decode, context), float(record["duration"])))
     if not steps:
         raise ValueError(f"{path}: no step records (write a trace with --step-trace or bench throughput --trace-dir)")

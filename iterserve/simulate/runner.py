@@ -139,14 +139,12 @@ class _Run:
         while self.pending or sched.has_unfinished():
             self._send(now)
             if not sched.has_unfinished():
-                now = max(now, self.offsets[self.pending[0]])
+                if self.pending:
+                    now = max(now, self.offsets[self.pending[0]])
                 continue
             out = sched.schedule()
-            if out.is_empty:
-                seq = sched.waiting[0]
-                raise ValueError(f"request {seq.request_id} ({seq.num_tokens} tokens) cannot be scheduled: the KV "
-                                 f"pool of {self.cfg.num_kv_blocks} blocks x {self.cfg.block_size} tokens is too "
-                                 "small for it")  # fmt: skip
+            if out.is_empty:  # cannot happen while max_model_len fits the pool; never spin on it
+                raise RuntimeError(f"the scheduler scheduled nothing with {len(sched.waiting)} requests waiting")
             start = now
             for s in out.scheduled:
                 if s.seq.metrics.first_scheduled_time is None:
@@ -198,7 +196,7 @@ class _Run:
             "num_prefill_tokens": shape.prefill_tokens, "num_decode_tokens": shape.decode_seqs,
             "num_prefill_seqs": shape.prefill_seqs, "num_decode_seqs": shape.decode_seqs,
             "kv_blocks_used": self.block_manager.num_used_blocks, "prefix_hit_tokens": out.prefix_hit_tokens,
-            "num_preemptions": len(out.preempted),
+            "num_preemptions": len(out.preempted), "total_context": shape.total_context,
             "seqs": [(s.seq.request_id, "prefill" if s.is_prefill else "decode", s.num_tokens) for s in out.scheduled],
         }  # fmt: skip
         self.trace.write(json.dumps(record) + "\n")  # type: ignore[union-attr]
@@ -213,6 +211,8 @@ def simulate_point(
         raise ValueError("a simulation needs at least one request")
     run = _Run(requests, point, burstiness, seed, cost, cfg, trace)
     duration = run.run()
+    if not any(r.success for r in run.results):
+        raise ValueError(f"no request of the workload could run: {run.results[0].error}")
     return run.results, duration, run.stats
 
 
