@@ -56,6 +56,7 @@ def _add_run_parser(sub: Any) -> None:
     o.add_argument("--goodput", nargs="+", default=None, metavar="METRIC:MS")
     o.add_argument("--label", default=None)
     o.add_argument("--output-json", default=None, help="result JSON (bench serve's shape); charts beside it")
+    o.add_argument("--no-charts", action="store_true", help="write the JSON without its charts")
     o.add_argument("--step-trace", default=None, help="JSON-lines step trace of the simulated steps")
     p.set_defaults(func=_cmd_run)
 
@@ -150,7 +151,7 @@ def _cmd_run(args: argparse.Namespace) -> int:
     print(_serve_table(result))
     if args.output_json:
         _write_json(args.output_json, result)
-        for chart in serve_charts([result], _sibling(args.output_json, "")):
+        for chart in [] if args.no_charts else serve_charts([result], _sibling(args.output_json, "")):
             print(f"chart written to {chart}")
     return 0
 

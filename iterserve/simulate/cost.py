@@ -146,38 +146,50 @@ class TimedStep:
 
 
 def steps_from_trace(path: str | Path) -> list[TimedStep]:
-    """Timed steps of an engine step trace (JSON lines, ``--step-trace``). The step's context is the
-    trace's ``total_context``; traces written before it was recorded get it rebuilt by summing each
-    request's scheduled tokens, starting again when a request prefills after decoding (a recompute
-    after preemption). That rebuild misses prefix-cache hits and recomputes of sequences preempted
-    before their first decode."""
+    """Timed steps of an engine step trace (JSON lines, ``--step-trace``).
+
+    A step's time is its period: from its start to the next step's start while the engine stayed
+    busy (requests running or waiting after it), so the loop's own work between forward passes
+    (output processing, a server's streaming) is charged to the steps, as the simulated clock needs;
+    the step's own ``duration`` before an idle gap. The step's context is the trace's
+    ``total_context``; traces written before it was recorded get it rebuilt by summing each request's
+    scheduled tokens, starting again when a request prefills after decoding (a recompute after
+    preemption). That rebuild misses prefix-cache hits and recomputes of sequences preempted before
+    their first decode."""
     computed: dict[str, int] = {}
     decoded: set[str] = set()
-    steps = []
+    records = []
     with open(path) as f:
         for lineno, line in enumerate(f, 1):
             try:
                 record = json.loads(line)
             except json.JSONDecodeError as e:
                 raise ValueError(f"{path}:{lineno}: not valid JSON ({e.msg})") from None
-            if record.get("type") != "step":
-                continue
-            prefill = decode = context = 0
-            for rid, phase, n in record["seqs"]:
-                if phase == "prefill":
-                    if rid in decoded:
-                        decoded.discard(rid)
-                        computed[rid] = 0
-                    prefill += n
-                else:
-                    decoded.add(rid)
-                    decode += 1
-                computed[rid] = computed.get(rid, 0) + n
-                context += computed[rid]
-            context = record.get("total_context", context)
-            steps.append(TimedStep(StepShape(prefill, decode, context), float(record["duration"])))
-    if not steps:
+            if record.get("type") == "step":
+                records.append(record)
+    if not records:
         raise ValueError(f"{path}: no step records (write a trace with --step-trace or bench throughput --trace-dir)")
+    steps = []
+    for k, record in enumerate(records):
+        prefill = decode = context = 0
+        for rid, phase, n in record["seqs"]:
+            if phase == "prefill":
+                if rid in decoded:
+                    decoded.discard(rid)
+                    computed[rid] = 0
+                prefill += n
+            else:
+                decoded.add(rid)
+                decode += 1
+            computed[rid] = computed.get(rid, 0) + n
+            context += computed[rid]
+        context = record.get("total_context", context)
+        seconds = float(record["duration"])
+        nxt = records[k + 1] if k + 1 < len(records) else None
+        busy = record.get("num_running", 0) or record.get("num_waiting", 0)
+        if nxt is not None and busy and "start" in record and nxt["start"] > record["start"]:
+            seconds = max(seconds, nxt["start"] - record["start"])
+        steps.append(TimedStep(StepShape(prefill, decode, context), seconds))
     return steps
 
 

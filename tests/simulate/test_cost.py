@@ -80,6 +80,18 @@ def test_profile_round_trip(tmp_path):
         LinearCost.load(tmp_path / "bad.json")
 
 
+def test_a_busy_engines_step_lasts_until_the_next_one_starts(tmp_path):
+    steps = [
+        {"type": "step", "start": 10.0, "duration": 0.1, "num_running": 1, "num_waiting": 0, "seqs": [["a", "prefill", 4]]},
+        {"type": "step", "start": 10.15, "duration": 0.1, "num_running": 0, "num_waiting": 0, "seqs": [["a", "decode", 1]]},
+        {"type": "step", "start": 20.0, "duration": 0.2, "num_running": 1, "num_waiting": 0, "seqs": [["b", "prefill", 4]]},
+    ]  # fmt: skip
+    path = tmp_path / "trace.jsonl"
+    path.write_text("".join(json.dumps(s) + "\n" for s in steps))
+    # busy after step 1: the 0.05 s between forward passes counts; idle after step 2: its duration; last: duration
+    assert [s.seconds for s in steps_from_trace(path)] == pytest.approx([0.15, 0.1, 0.2])
+
+
 def test_trace_contexts_are_rebuilt_and_restart_after_a_preemption(tmp_path):
     steps = [
         {"type": "step", "duration": 0.1, "seqs": [["a", "prefill", 5], ["b", "prefill", 3]]},
