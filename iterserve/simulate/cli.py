@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import math
 from pathlib import Path
 from typing import Any
@@ -137,14 +138,10 @@ def _cmd_run(args: argparse.Namespace) -> int:
     cfg = sim_config_from_args(args, terms)
     tokenizer = load_tokenizer(args.tokenizer) if args.tokenizer else None
     requests = make_workload(spec, tokenizer=tokenizer, vocab_size=terms.vocab_size)
-    trace = open(args.step_trace, "w") if args.step_trace else None
-    try:
+    with open(args.step_trace, "w") if args.step_trace else contextlib.nullcontext() as trace:
         result = run_simulation(requests, points, cost, cfg, burstiness=args.burstiness, workload=spec,
                                 model_id=terms.model_name, label=args.label, percentiles=percentiles,
                                 goodput=goodput, trace=trace)  # fmt: skip
-    finally:
-        if trace is not None:
-            trace.close()
     c = cost.describe()
     print(f"{result['label']}: {terms.model_name}, cost model {c['kind']}, KV pool {cfg.num_kv_blocks} blocks x "
           f"{cfg.block_size} tokens, {cfg.batching} batching, {cfg.kv_allocation} KV")  # fmt: skip

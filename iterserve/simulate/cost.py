@@ -13,9 +13,10 @@ attend, ...). Three models turn a shape into seconds:
 from __future__ import annotations
 
 import json
+from collections.abc import Iterable
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Any, Iterable, Protocol
+from typing import Any, Protocol
 
 import numpy as np
 
@@ -88,7 +89,8 @@ class RooflineCost:
 
     def memory_s(self, shape: StepShape) -> float:
         t = self.terms
-        return (t.streamed_weight_bytes + t.kv_bytes_per_token * shape.total_context) / t.bandwidth  # type: ignore[operator]
+        kv = t.kv_bytes_per_token * shape.total_context
+        return (t.streamed_weight_bytes + kv) / t.bandwidth  # type: ignore[operator]
 
     def step_time(self, shape: StepShape) -> float:
         return max(self.compute_s(shape), self.memory_s(shape)) + self.overhead_s
@@ -112,8 +114,8 @@ class LinearCost:
     mean_abs_rel_error: float | None = None  # of the fit on its own steps
 
     def step_time(self, shape: StepShape) -> float:
-        return (self.intercept_s + self.per_prefill_token_s * shape.prefill_tokens
-                + self.per_decode_seq_s * shape.decode_seqs + self.per_context_token_s * shape.total_context)  # fmt: skip
+        work = self.per_prefill_token_s * shape.prefill_tokens + self.per_decode_seq_s * shape.decode_seqs
+        return self.intercept_s + work + self.per_context_token_s * shape.total_context
 
     def describe(self) -> dict[str, Any]:
         return {"kind": "linear", **asdict(self)}

@@ -43,14 +43,15 @@ def planner_terms(
 
     cfg = planner.load_model_config(model)
     layer = planner.layer_matmul_parameters(cfg)
-    terms = dict(
-        model_name=cfg.name or str(model), vocab_size=cfg.vocab_size,
-        max_position_embeddings=cfg.max_position_embeddings,
-        kv_bytes_per_token=planner.kv_bytes_per_token(cfg, dtype), layer_matmul_params=layer,
-        lm_head_params=planner.matmul_parameters(cfg) - layer,
-        streamed_weight_bytes=planner.streamed_weight_bytes(cfg, dtype),
-        attention_flops_per_pair=planner.attention_flops_per_token(cfg, 1), weight_bytes=planner.weight_bytes(cfg, dtype),
-    )  # fmt: skip
+    terms = {
+        "model_name": cfg.name or str(model), "vocab_size": cfg.vocab_size,
+        "max_position_embeddings": cfg.max_position_embeddings,
+        "kv_bytes_per_token": planner.kv_bytes_per_token(cfg, dtype), "layer_matmul_params": layer,
+        "lm_head_params": planner.matmul_parameters(cfg) - layer,
+        "streamed_weight_bytes": planner.streamed_weight_bytes(cfg, dtype),
+        "attention_flops_per_pair": planner.attention_flops_per_token(cfg, 1),
+        "weight_bytes": planner.weight_bytes(cfg, dtype),
+    }
     if gpu is None and flops is None and bandwidth is None and memory is None:
         return PlannerTerms(**terms)
     f = parse_flops(flops) if flops is not None else None

@@ -13,7 +13,14 @@ from iterserve import planner
 from iterserve.bench.serve import LoadPoint
 from iterserve.bench.workloads import WorkloadSpec, make_workload
 from iterserve.simulate.cost import (
-    ConstantCost, LinearCost, RooflineCost, StepShape, TimedStep, fit_linear, steps_from_batch, steps_from_trace,
+    ConstantCost,
+    LinearCost,
+    RooflineCost,
+    StepShape,
+    TimedStep,
+    fit_linear,
+    steps_from_batch,
+    steps_from_trace,
 )  # fmt: skip
 from iterserve.simulate.planning import planner_terms
 from iterserve.simulate.runner import SimConfig, simulate_point
@@ -82,9 +89,9 @@ def test_profile_round_trip(tmp_path):
 
 def test_a_busy_engines_step_lasts_until_the_next_one_starts(tmp_path):
     steps = [
-        {"type": "step", "start": 10.0, "duration": 0.1, "num_running": 1, "num_waiting": 0, "seqs": [["a", "prefill", 4]]},
-        {"type": "step", "start": 10.15, "duration": 0.1, "num_running": 0, "num_waiting": 0, "seqs": [["a", "decode", 1]]},
-        {"type": "step", "start": 20.0, "duration": 0.2, "num_running": 1, "num_waiting": 0, "seqs": [["b", "prefill", 4]]},
+        {"type": "step", "start": 10.0, "duration": 0.1, "num_running": 1, "seqs": [["a", "prefill", 4]]},
+        {"type": "step", "start": 10.15, "duration": 0.1, "num_running": 0, "seqs": [["a", "decode", 1]]},
+        {"type": "step", "start": 20.0, "duration": 0.2, "num_running": 1, "seqs": [["b", "prefill", 4]]},
     ]  # fmt: skip
     path = tmp_path / "trace.jsonl"
     path.write_text("".join(json.dumps(s) + "\n" for s in steps))
@@ -110,9 +117,11 @@ def test_trace_contexts_are_rebuilt_and_restart_after_a_preemption(tmp_path):
 
 def test_batch_sweep_steps(tmp_path):
     path = tmp_path / "batch.json"
-    path.write_text(json.dumps({"benchmark": "batch", "context": 100, "points": [
-        {"batch_size": 2, "decode_s": 0.01, "prefill_s": 0.05}, {"batch_size": 4, "decode_s": 0.012, "prefill_s": None}]}))
-    got = [(s.shape.prefill_tokens, s.shape.decode_seqs, s.shape.total_context, s.seconds) for s in steps_from_batch(path)]
+    points = [{"batch_size": 2, "decode_s": 0.01, "prefill_s": 0.05},
+              {"batch_size": 4, "decode_s": 0.012, "prefill_s": None}]
+    path.write_text(json.dumps({"benchmark": "batch", "context": 100, "points": points}))
+    got = [(s.shape.prefill_tokens, s.shape.decode_seqs, s.shape.total_context, s.seconds)
+           for s in steps_from_batch(path)]
     assert got == [(0, 2, 202, 0.01), (200, 0, 200, 0.05), (0, 4, 404, 0.012)]
 
 

@@ -92,7 +92,7 @@ def workload(n: int = 48, seed: int = 0) -> list[Request]:
 
 def test_static_batching_finishes_later_and_waits_longer_than_continuous():
     reqs = workload()
-    base = dict(num_kv_blocks=512, block_size=16, max_num_seqs=8)
+    base = {"num_kv_blocks": 512, "block_size": 16, "max_num_seqs": 8}
     cont = simulate_point(reqs, ALL_AT_ONCE, ConstantCost(0.01), SimConfig(**base, batching="continuous"))
     stat = simulate_point(reqs, ALL_AT_ONCE, ConstantCost(0.01), SimConfig(**base, batching="static"))
     (c_res, c_dur, c_stats), (s_res, s_dur, s_stats) = cont, stat
@@ -106,8 +106,9 @@ def test_static_batching_finishes_later_and_waits_longer_than_continuous():
 
 def test_reserved_kv_admits_fewer_sequences_than_paged_on_a_small_pool():
     reqs = workload()
-    base = dict(num_kv_blocks=24, block_size=16, max_num_seqs=16, max_model_len=128)
-    _, p_dur, p_stats = simulate_point(reqs, ALL_AT_ONCE, ConstantCost(0.01), SimConfig(**base, kv_allocation="paged"))
+    base = {"num_kv_blocks": 24, "block_size": 16, "max_num_seqs": 16, "max_model_len": 128}
+    _, p_dur, p_stats = simulate_point(reqs, ALL_AT_ONCE, ConstantCost(0.01),
+                                       SimConfig(**base, kv_allocation="paged"))  # fmt: skip
     _, r_dur, r_stats = simulate_point(reqs, ALL_AT_ONCE, ConstantCost(0.01),
                                        SimConfig(**base, kv_allocation="reserved"))  # fmt: skip
     assert r_stats.mean_batch < p_stats.mean_batch
