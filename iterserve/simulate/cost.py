@@ -214,7 +214,8 @@ def steps_from_batch(path: str | Path) -> list[TimedStep]:
 def fit_linear(steps: Iterable[TimedStep], source: str = "") -> LinearCost:
     """Least squares of step time on (1, prefill tokens, decode sequences, total context), relative
     to each step's time so short decode steps weigh as much as long prefills. A coefficient that
-    comes out negative (no step costs less for more work) is fixed at zero and the rest refitted."""
+    comes out negative (no step costs less for more work, and none takes negative time) is fixed at
+    zero and the rest refitted."""
     steps = list(steps)
     x = np.array([[1.0, s.shape.prefill_tokens, s.shape.decode_seqs, s.shape.total_context] for s in steps])
     y = np.array([s.seconds for s in steps])
@@ -226,10 +227,12 @@ def fit_linear(steps: Iterable[TimedStep], source: str = "") -> LinearCost:
     while True:
         w = 1.0 / y
         coef_active, *_ = np.linalg.lstsq(x[:, active] * w[:, None], y * w, rcond=None)
-        negative = [j for j, c in zip(active, coef_active) if c < 0 and j != 0]
+        negative = [j for j, c in zip(active, coef_active) if c < 0]
         if not negative:
             break
         active = [j for j in active if j not in negative]
+        if not active:
+            raise ValueError("the step times fall as the work grows: no calibration fits them")
     coef = np.zeros(4)
     coef[active] = coef_active
     err = float(np.mean(np.abs(x @ coef - y) / y))

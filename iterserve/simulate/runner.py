@@ -120,7 +120,7 @@ class _Run:
             r, res = self.requests[i], self.results[i]
             sent = max(self.offsets[i], self.freed_at)
             res.start_time = sent
-            if r.prompt_len < 1 or r.output_len < 1 or r.prompt_len + r.output_len > self.cfg.model_len:
+            if r.prompt_len + r.output_len > self.cfg.model_len:
                 res.error = (f"prompt ({r.prompt_len} tokens) + max_tokens ({r.output_len}) exceeds max_model_len "
                              f"({self.cfg.model_len})")  # fmt: skip
                 continue  # refused at once, as the server answers 400: it never holds a slot

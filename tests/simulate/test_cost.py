@@ -73,6 +73,11 @@ def test_fit_linear_recovers_known_coefficients_and_clips_negative_ones():
     # times that fall with context: the context term would come out negative, so it is fixed at zero
     falling = [TimedStep(s, 0.01 + 1e-4 * s.decode_seqs - 1e-8 * s.total_context) for s in shapes]
     assert fit_linear(falling).per_context_token_s == 0.0
+    # steps whose time grows faster than linearly would want a negative intercept: a step never takes < 0 s
+    steep = [TimedStep(s, 1e-4 * s.decode_seqs**2) for s in shapes]
+    fit = fit_linear(steep)
+    assert fit.intercept_s == 0.0 and fit.per_decode_seq_s > 0
+    assert all(fit.step_time(StepShape(0, 1, c)) > 0 for c in (1, 100))
     with pytest.raises(ValueError, match="at least 4"):
         fit_linear(falling[:3])
 
