@@ -1,4 +1,4 @@
-"""The ``iterserve`` command: generate, serve, bench and plan."""
+"""The ``iterserve`` command: generate, serve, bench, plan and simulate."""
 
 from __future__ import annotations
 
@@ -114,6 +114,10 @@ def build_parser() -> argparse.ArgumentParser:
     from iterserve.bench.cli import add_bench_parser
 
     add_bench_parser(sub)
+
+    from iterserve.simulate.cli import add_simulate_parser
+
+    add_simulate_parser(sub)
     _show_defaults(parser)
     return parser
 

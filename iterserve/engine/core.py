@@ -129,6 +129,7 @@ class StepStats:
     kv_blocks_used: int
     prefix_hit_tokens: int
     num_preemptions: int
+    total_context: int  # KV tokens the scheduled sequences hold after the step (what attention read)
     seqs: list[tuple[str, str, int]] = field(default_factory=list)  # (request id, prefill|decode, tokens)
 
 
@@ -300,6 +301,7 @@ class EngineCore:
             num_prefill_seqs=len(prefill), num_decode_seqs=len(sched.scheduled) - len(prefill),
             kv_blocks_used=self.block_manager.num_used_blocks, prefix_hit_tokens=sched.prefix_hit_tokens,
             num_preemptions=len(sched.preempted),
+            total_context=sum(s.seq.num_computed_tokens for s in sched.scheduled),
             seqs=[(s.seq.request_id, "prefill" if s.is_prefill else "decode", s.num_tokens) for s in sched.scheduled],
         )
         if self.step_history.maxlen:

@@ -90,3 +90,18 @@ def test_refusals_carry_the_field_and_the_openai_code():
         SamplingParams(top_p=0)
     assert isinstance(info.value, SamplingParamsError) and info.value.param == "top_p"
     assert check_prompt([1, 2], SamplingParams(max_tokens=None), vocab_size=1000, max_model_len=128) == 126
+
+
+def test_step_stats_count_the_kv_context_prefix_hits_included(tiny_loaded):
+    """``total_context`` is what a step's attention read; a step-time calibration fits against it."""
+    c = core(tiny_loaded, max_num_batched_tokens=8, step_history=32)
+    prompt = list(range(1, 20))
+    c.add_request(request("a", prompt, max_tokens=5))
+    while c.has_unfinished_requests():
+        c.step()
+    # prefill chunks of 8 up to 19 tokens, then one decode token per step
+    assert [s.total_context for s in c.step_history] == [8, 16, 19, 20, 21, 22, 23]
+    c.add_request(request("b", prompt, max_tokens=1))
+    c.step()
+    last = c.step_history[-1]
+    assert last.prefix_hit_tokens == 16 and last.num_prefill_tokens == 3 and last.total_context == 19

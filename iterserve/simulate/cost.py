@@ -1,0 +1,240 @@
+"""Cost models: how long one engine step takes, from what the scheduler put in it.
+
+A step is summarised as a :class:`StepShape` (prefill tokens, decode sequences, the context they
+attend, ...). Three models turn a shape into seconds:
+
+* :class:`ConstantCost`: every step takes the same time (tests, hand calculations);
+* :class:`RooflineCost`: ``max(FLOPs / peak, bytes / bandwidth) + overhead`` for a model on an
+  accelerator, counted as the planner counts a decode step and a prefill;
+* :class:`LinearCost`: ``a + b * prefill_tokens + c * decode_seqs + d * total_context``, fitted by
+  least squares to steps timed on this machine (:func:`fit_linear`), saved as a JSON profile.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterable
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any, Protocol
+
+import numpy as np
+
+from iterserve.simulate.planning import PlannerTerms
+
+PROFILE_KIND = "iterserve-step-profile"
+FEATURES = ("prefill_tokens", "decode_seqs", "total_context")
+
+
+@dataclass(frozen=True)
+class StepShape:
+    """What one step computes. ``total_context`` sums every scheduled sequence's tokens in the KV
+    cache after the step (what attention reads); ``attention_pairs`` sums, over the step's new
+    tokens, how many keys each attends (causal within a prefill chunk)."""
+
+    prefill_tokens: int
+    decode_seqs: int
+    total_context: int
+    attention_pairs: int = 0
+    prefill_seqs: int = 0
+    sampling_seqs: int = 0  # sequences whose last token ran: the LM head runs for these
+
+    @property
+    def tokens(self) -> int:
+        return self.prefill_tokens + self.decode_seqs
+
+
+class CostModel(Protocol):
+    def step_time(self, shape: StepShape) -> float: ...
+
+    def describe(self) -> dict[str, Any]: ...
+
+
+@dataclass(frozen=True)
+class ConstantCost:
+    seconds: float
+
+    def __post_init__(self) -> None:
+        if not self.seconds > 0:
+            raise ValueError(f"a constant step time must be positive, got {self.seconds}")
+
+    def step_time(self, shape: StepShape) -> float:
+        return self.seconds
+
+    def describe(self) -> dict[str, Any]:
+        return {"kind": "constant", "step_time_s": self.seconds}
+
+
+@dataclass(frozen=True)
+class RooflineCost:
+    """The planner's roofline applied to a whole mixed step (decodes and prefill chunks together):
+    FLOPs are the linear layers on every token, the LM head on every sampled one and attention on
+    every (query, key) pair; bytes are the matmul weights once plus every scheduled sequence's KV
+    cache. Compute and memory do not overlap with the overhead, which covers scheduling and launch."""
+
+    terms: PlannerTerms
+    overhead_s: float = 0.0
+
+    def __post_init__(self) -> None:
+        if self.terms.peak_flops is None or self.terms.bandwidth is None:
+            raise ValueError("a roofline cost model needs an accelerator (--gpu, or --flops and --bandwidth)")
+        if self.overhead_s < 0:
+            raise ValueError(f"the per-step overhead must be >= 0, got {self.overhead_s}")
+
+    def compute_s(self, shape: StepShape) -> float:
+        t = self.terms
+        flops = (2 * t.layer_matmul_params * shape.tokens + 2 * t.lm_head_params * shape.sampling_seqs
+                 + t.attention_flops_per_pair * shape.attention_pairs)
+        return flops / t.peak_flops  # type: ignore[operator]
+
+    def memory_s(self, shape: StepShape) -> float:
+        t = self.terms
+        kv = t.kv_bytes_per_token * shape.total_context
+        return (t.streamed_weight_bytes + kv) / t.bandwidth  # type: ignore[operator]
+
+    def step_time(self, shape: StepShape) -> float:
+        return max(self.compute_s(shape), self.memory_s(shape)) + self.overhead_s
+
+    def describe(self) -> dict[str, Any]:
+        t = self.terms
+        return {"kind": "roofline", "model": t.model_name, "accelerator": t.accelerator, "peak_flops": t.peak_flops,
+                "bandwidth": t.bandwidth, "overhead_s": self.overhead_s}
+
+
+@dataclass(frozen=True)
+class LinearCost:
+    """``intercept_s + sum(coefficient * feature)`` over :data:`FEATURES`; a calibrated profile."""
+
+    intercept_s: float
+    per_prefill_token_s: float
+    per_decode_seq_s: float
+    per_context_token_s: float
+    source: str = ""
+    num_steps: int = 0
+    mean_abs_rel_error: float | None = None  # of the fit on its own steps
+
+    def step_time(self, shape: StepShape) -> float:
+        work = self.per_prefill_token_s * shape.prefill_tokens + self.per_decode_seq_s * shape.decode_seqs
+        return self.intercept_s + work + self.per_context_token_s * shape.total_context
+
+    def describe(self) -> dict[str, Any]:
+        return {"kind": "linear", **asdict(self)}
+
+    def save(self, path: str | Path) -> None:
+        Path(path).parent.mkdir(parents=True, exist_ok=True)
+        Path(path).write_text(json.dumps({"kind": PROFILE_KIND, **asdict(self)}, indent=2) + "\n")
+
+    @classmethod
+    def load(cls, path: str | Path) -> LinearCost:
+        try:
+            data = json.loads(Path(path).read_text())
+        except json.JSONDecodeError as e:
+            raise ValueError(f"{path}: not valid JSON ({e.msg})") from None
+        if not isinstance(data, dict) or data.pop("kind", None) != PROFILE_KIND:
+            raise ValueError(f"{path}: not a step profile (write one with 'iterserve simulate calibrate')")
+        try:
+            return cls(**data)
+        except TypeError as e:
+            raise ValueError(f"{path}: malformed step profile ({e})") from None
+
+
+# -- calibration ----------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class TimedStep:
+    shape: StepShape
+    seconds: float
+
+
+def steps_from_trace(path: str | Path) -> list[TimedStep]:
+    """Timed steps of an engine step trace (JSON lines, ``--step-trace``).
+
+    A step's time is its period: from its start to the next step's start while the engine stayed
+    busy (requests running or waiting after it), so the loop's own work between forward passes
+    (output processing, a server's streaming) is charged to the steps, as the simulated clock needs;
+    the step's own ``duration`` before an idle gap. The step's context is the trace's
+    ``total_context``; traces written before it was recorded get it rebuilt by summing each request's
+    scheduled tokens, starting again when a request prefills after decoding (a recompute after
+    preemption). That rebuild misses prefix-cache hits and recomputes of sequences preempted before
+    their first decode."""
+    computed: dict[str, int] = {}
+    decoded: set[str] = set()
+    records = []
+    with open(path) as f:
+        for lineno, line in enumerate(f, 1):
+            try:
+                record = json.loads(line)
+            except json.JSONDecodeError as e:
+                raise ValueError(f"{path}:{lineno}: not valid JSON ({e.msg})") from None
+            if record.get("type") == "step":
+                records.append(record)
+    if not records:
+        raise ValueError(f"{path}: no step records (write a trace with --step-trace or bench throughput --trace-dir)")
+    steps = []
+    for k, record in enumerate(records):
+        prefill = decode = context = 0
+        for rid, phase, n in record["seqs"]:
+            if phase == "prefill":
+                if rid in decoded:
+                    decoded.discard(rid)
+                    computed[rid] = 0
+                prefill += n
+            else:
+                decoded.add(rid)
+                decode += 1
+            computed[rid] = computed.get(rid, 0) + n
+            context += computed[rid]
+        context = record.get("total_context", context)
+        seconds = float(record["duration"])
+        nxt = records[k + 1] if k + 1 < len(records) else None
+        busy = record.get("num_running", 0) or record.get("num_waiting", 0)
+        if nxt is not None and busy and "start" in record and nxt["start"] > record["start"]:
+            seconds = max(seconds, nxt["start"] - record["start"])
+        steps.append(TimedStep(StepShape(prefill, decode, context), seconds))
+    return steps
+
+
+def steps_from_batch(path: str | Path) -> list[TimedStep]:
+    """Timed steps of a ``bench batch --output-json`` sweep: a decode step of ``B`` sequences at
+    context ``C`` and a prefill of ``B`` prompts of ``C`` tokens per point."""
+    data = json.loads(Path(path).read_text())
+    if not isinstance(data, dict) or data.get("benchmark") != "batch":
+        raise ValueError(f"{path}: not a bench batch result")
+    c = int(data["context"])
+    steps = []
+    for p in data["points"]:
+        b = int(p["batch_size"])
+        steps.append(TimedStep(StepShape(0, b, b * (c + 1)), float(p["decode_s"])))
+        if p.get("prefill_s"):
+            steps.append(TimedStep(StepShape(b * c, 0, b * c), float(p["prefill_s"])))
+    return steps
+
+
+def fit_linear(steps: Iterable[TimedStep], source: str = "") -> LinearCost:
+    """Least squares of step time on (1, prefill tokens, decode sequences, total context), relative
+    to each step's time so short decode steps weigh as much as long prefills. A coefficient that
+    comes out negative (no step costs less for more work, and none takes negative time) is fixed at
+    zero and the rest refitted."""
+    steps = list(steps)
+    x = np.array([[1.0, s.shape.prefill_tokens, s.shape.decode_seqs, s.shape.total_context] for s in steps])
+    y = np.array([s.seconds for s in steps])
+    if len(steps) < 4:
+        raise ValueError(f"calibration needs at least 4 timed steps, got {len(steps)}")
+    if not np.all(y > 0):
+        raise ValueError("calibration steps must have positive durations")
+    active = [j for j in range(4) if np.any(x[:, j] != 0)]
+    while True:
+        w = 1.0 / y
+        coef_active, *_ = np.linalg.lstsq(x[:, active] * w[:, None], y * w, rcond=None)
+        negative = [j for j, c in zip(active, coef_active) if c < 0]
+        if not negative:
+            break
+        active = [j for j in active if j not in negative]
+        if not active:
+            raise ValueError("the step times fall as the work grows: no calibration fits them")
+    coef = np.zeros(4)
+    coef[active] = coef_active
+    err = float(np.mean(np.abs(x @ coef - y) / y))
+    return LinearCost(float(coef[0]), float(coef[1]), float(coef[2]), float(coef[3]), source=source,
+                      num_steps=len(steps), mean_abs_rel_error=err)

@@ -1,0 +1,85 @@
+#!/usr/bin/env bash
+# Calibrated simulation against the real server on this machine (the embedded model):
+#   1. calibration: serve with a step trace, drive it with bench serve on a workload of another seed
+#      (a concurrency sweep, so the trace spans small and large batches), fit a step profile to it;
+#   2. measurement: a fresh server, bench serve at three request rates and over a concurrency sweep;
+#   3. simulation: the same workloads, load points and engine settings, step times from the profile;
+#   4. a table (real, simulated, error) of output tok/s, median TTFT and median TPOT, and bench plot
+#      overlays of each sweep, into OUT_DIR.
+#
+#   scripts/compare_simulation.sh OUT_DIR
+#
+# Needs a quiet machine: the server's step times are the model. Knobs (environment): PYTHON,
+# PORT (8300), RATES (0.5,1,2), CONCURRENCY (1,2,4,8,16), NUM_PROMPTS (64), MAX_NUM_SEQS (16),
+# NUM_KV_BLOCKS (2048), DTYPE (float32), WORKLOAD (bench workload flags).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+out=$1
+py=${PYTHON:-python}
+port=${PORT:-8300}
+rates=${RATES:-0.5,1,2}
+conc=${CONCURRENCY:-1,2,4,8,16}
+engine=(--max-num-seqs "${MAX_NUM_SEQS:-16}" --num-kv-blocks "${NUM_KV_BLOCKS:-2048}" --dtype "${DTYPE:-float32}")
+read -r -a workload <<<"${WORKLOAD:---input-len uniform:32:256 --output-len lognormal:64:1:256}"
+workload+=(--num-prompts "${NUM_PROMPTS:-64}")
+bench=(--base-url "http://127.0.0.1:$port" --prompt-format ids --disable-tqdm "${workload[@]}")
+mkdir -p "$out"
+
+serve() {  # trace-file-or-empty; starts the server in the background, sets $server
+  local trace=()
+  [ -n "$1" ] && trace=(--step-trace "$1")
+  "$py" -m iterserve.cli serve --port "$port" "${engine[@]}" "${trace[@]}" >"$out/server.log" 2>&1 &
+  server=$!
+  for _ in $(seq 600); do
+    curl -sf "http://127.0.0.1:$port/health" >/dev/null && return 0
+    kill -0 "$server" 2>/dev/null || { echo "server exited; see $out/server.log" >&2; return 1; }
+    sleep 0.5
+  done
+  echo "server not ready after 300 s" >&2; return 1
+}
+stop() { kill -TERM "$server"; wait "$server" || true; }
+
+echo "== calibration" >&2
+serve "$out/calibration_trace.jsonl"
+"$py" -m iterserve.cli bench serve "${bench[@]}" --workload-seed 1 --sweep-concurrency "$conc" \
+    --label calibration --output-json "$out/calibration_serve.json" >/dev/null
+stop
+"$py" -m iterserve.cli simulate calibrate --trace "$out/calibration_trace.jsonl" -o "$out/profile.json"
+
+echo "== measurement" >&2
+serve ""
+"$py" -m iterserve.cli bench serve "${bench[@]}" --sweep-rates "$rates" --label real --output-json "$out/real_rates.json"
+"$py" -m iterserve.cli bench serve "${bench[@]}" --sweep-concurrency "$conc" --label real \
+    --output-json "$out/real_concurrency.json"
+stop
+
+echo "== simulation" >&2
+sim=(--model smollm2-135m --profile "$out/profile.json" --max-num-seqs "${MAX_NUM_SEQS:-16}"
+     --num-kv-blocks "${NUM_KV_BLOCKS:-2048}" "${workload[@]}")
+"$py" -m iterserve.cli simulate run "${sim[@]}" --sweep-rates "$rates" --label simulated \
+    --output-json "$out/sim_rates.json" --no-charts
+"$py" -m iterserve.cli simulate run "${sim[@]}" --sweep-concurrency "$conc" --label simulated \
+    --output-json "$out/sim_concurrency.json" --no-charts
+
+for sweep in rates concurrency; do
+  "$py" -m iterserve.cli bench plot "$out/real_$sweep.json" "$out/sim_$sweep.json" --output-prefix "$out/compare_$sweep"
+done
+"$py" - "$out" <<'PYEOF' | tee "$out/compare_table.md"
+import json, sys
+from pathlib import Path
+out = Path(sys.argv[1])
+print("| load | metric | real | simulated | error |")
+print("|---|---|---:|---:|---:|")
+worst = 0.0
+for sweep in ("rates", "concurrency"):
+    real = json.loads((out / f"real_{sweep}.json").read_text())["runs"]
+    sim = json.loads((out / f"sim_{sweep}.json").read_text())["runs"]
+    for r, s in zip(real, sim):
+        load = f"{r['request_rate']} req/s" if sweep == "rates" else f"concurrency {r['max_concurrency']}"
+        for key, name in (("output_throughput", "output tok/s"), ("median_ttft_ms", "median TTFT ms"),
+                          ("median_tpot_ms", "median TPOT ms")):
+            err = (s[key] - r[key]) / r[key]
+            worst = max(worst, abs(err))
+            print(f"| {load} | {name} | {r[key]:,.1f} | {s[key]:,.1f} | {err:+.0%} |")
+print(f"\nlargest error: {worst:.0%}")
+PYEOF

@@ -1,0 +1,130 @@
+"""The simulator on the engine's real scheduler: hand-computed timings under a constant step time,
+the concurrency cap, and the scheduler's policies changing the result the way they should."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+
+from iterserve.bench.metrics import compute_metrics
+from iterserve.bench.serve import LoadPoint, arrival_offsets
+from iterserve.bench.workloads import Request, WorkloadSpec, make_workload
+from iterserve.simulate.cost import ConstantCost
+from iterserve.simulate.runner import SimConfig, run_simulation, simulate_point
+
+ALL_AT_ONCE = LoadPoint(math.inf)
+
+
+def req(prompt: list[int], output_len: int) -> Request:
+    return Request(prompt, len(prompt), output_len)
+
+
+def test_constant_step_time_reproduces_hand_computed_chunked_prefill():
+    # Budget 5 tokens a step, 0.1 s a step, both requests sent at t=0.
+    # step 1: A prefills 4 tokens and samples (TTFT 0.1); B prefills 1 of its 6.
+    # step 2: A decodes (token 2 at 0.2); B prefills 4 more.
+    # step 3: A decodes (token 3 at 0.3, done: output 3); B prefills its last token and samples (TTFT 0.3).
+    # step 4: B decodes (token 2 at 0.4, done: output 2).
+    a, b = req([101, 102, 103, 104], 3), req([201, 202, 203, 204, 205, 206], 2)
+    cfg = SimConfig(num_kv_blocks=16, block_size=4, max_num_batched_tokens=5)
+    results, duration, stats = simulate_point([a, b], ALL_AT_ONCE, ConstantCost(0.1), cfg)
+    assert [r.success for r in results] == [True, True]
+    assert [r.output_len for r in results] == [3, 2]
+    assert [r.ttft for r in results] == pytest.approx([0.1, 0.3])
+    assert results[0].itl == pytest.approx([0.1, 0.1])
+    assert results[1].itl == pytest.approx([0.1])
+    assert [r.tpot for r in results] == pytest.approx([0.1, 0.1])
+    assert [r.latency for r in results] == pytest.approx([0.3, 0.4])
+    assert duration == pytest.approx(0.4)
+    assert stats.num_steps == 4
+    m = compute_metrics(results, duration)
+    assert m["output_throughput"] == pytest.approx(5 / 0.4)
+    assert m["median_ttft_ms"] == pytest.approx(200.0)
+
+
+def test_concurrency_cap_sends_the_next_request_when_a_slot_frees():
+    # One slot: B waits for A (2 steps), is sent at 0.2 and measures its TTFT from then.
+    reqs = [req([101, 102, 103, 104], 2), req([201, 202, 203, 204], 2)]
+    cfg = SimConfig(num_kv_blocks=16, block_size=4)
+    results, duration, _ = simulate_point(reqs, LoadPoint(math.inf, 1), ConstantCost(0.1), cfg)
+    assert [r.start_time for r in results] == pytest.approx([0.0, 0.2])
+    assert [r.ttft for r in results] == pytest.approx([0.1, 0.1])
+    assert [r.latency for r in results] == pytest.approx([0.2, 0.2])
+    assert duration == pytest.approx(0.4)
+
+
+def test_poisson_arrivals_are_bench_serves_and_an_idle_engine_waits_for_the_next():
+    reqs = [req([100 + i, 200 + i], 1) for i in range(5)]
+    cfg = SimConfig(num_kv_blocks=64, block_size=4)
+    point = LoadPoint(0.5)  # gaps of about 2 s against 0.01 s steps: every request runs alone
+    results, duration, stats = simulate_point(reqs, point, ConstantCost(0.01), cfg, seed=3)
+    offsets = arrival_offsets(5, 0.5, 1.0, 3)
+    assert [r.start_time for r in results] == pytest.approx(offsets)
+    assert [r.ttft for r in results] == pytest.approx([0.01] * 5)  # the clock jumps to each arrival
+    assert duration == pytest.approx(offsets[-1] + 0.01)
+    assert stats.num_steps == 5
+
+
+def test_a_request_longer_than_the_model_fails_alone():
+    reqs = [req([101, 102], 2), req(list(range(100, 140)), 30), req([103, 104], 2)]
+    cfg = SimConfig(num_kv_blocks=16, block_size=4, max_model_len=32)
+    results, _, _ = simulate_point(reqs, ALL_AT_ONCE, ConstantCost(0.1), cfg)
+    assert [r.success for r in results] == [True, False, True]
+    assert "exceeds max_model_len (32)" in results[1].error
+
+
+def test_a_workload_none_of_which_fits_is_a_clear_error():
+    with pytest.raises(ValueError, match="no request of the workload could run: .*exceeds max_model_len"):
+        simulate_point([req([101, 102, 103, 104, 105], 3)], ALL_AT_ONCE, ConstantCost(0.1),
+                       SimConfig(num_kv_blocks=1, block_size=4))
+
+
+def test_max_model_len_larger_than_the_pool_is_refused():
+    with pytest.raises(ValueError, match="needs more KV cache than the pool holds"):
+        SimConfig(num_kv_blocks=2, block_size=4, max_model_len=9)
+
+
+def workload(n: int = 48, seed: int = 0) -> list[Request]:
+    spec = WorkloadSpec(num_prompts=n, input_len="uniform:16:64", output_len="uniform:4:64", seed=seed)
+    return make_workload(spec, tokenizer=None, vocab_size=1000)
+
+
+def test_static_batching_finishes_later_and_waits_longer_than_continuous():
+    reqs = workload()
+    base = {"num_kv_blocks": 512, "block_size": 16, "max_num_seqs": 8}
+    cont = simulate_point(reqs, ALL_AT_ONCE, ConstantCost(0.01), SimConfig(**base, batching="continuous"))
+    stat = simulate_point(reqs, ALL_AT_ONCE, ConstantCost(0.01), SimConfig(**base, batching="static"))
+    (c_res, c_dur, c_stats), (s_res, s_dur, s_stats) = cont, stat
+    assert all(r.success for r in c_res + s_res)
+    assert sum(r.output_len for r in c_res) == sum(r.output_len for r in s_res)
+    assert s_stats.num_steps > c_stats.num_steps  # a static batch idles its finished slots
+    assert s_dur > c_dur
+    assert s_stats.mean_batch < c_stats.mean_batch
+    assert compute_metrics(s_res, s_dur)["mean_ttft_ms"] > compute_metrics(c_res, c_dur)["mean_ttft_ms"]
+
+
+def test_reserved_kv_admits_fewer_sequences_than_paged_on_a_small_pool():
+    reqs = workload()
+    base = {"num_kv_blocks": 24, "block_size": 16, "max_num_seqs": 16, "max_model_len": 128}
+    _, p_dur, p_stats = simulate_point(reqs, ALL_AT_ONCE, ConstantCost(0.01),
+                                       SimConfig(**base, kv_allocation="paged"))
+    _, r_dur, r_stats = simulate_point(reqs, ALL_AT_ONCE, ConstantCost(0.01),
+                                       SimConfig(**base, kv_allocation="reserved"))
+    assert r_stats.mean_batch < p_stats.mean_batch
+    assert r_dur > p_dur
+    assert r_stats.num_preemptions == 0  # reserving the whole output up front never runs out mid-sequence
+
+
+def test_run_simulation_has_bench_serves_shape():
+    reqs = workload(8)
+    cfg = SimConfig(num_kv_blocks=128, block_size=16)
+    result = run_simulation(reqs, [LoadPoint(4.0), LoadPoint(math.inf, 2)], ConstantCost(0.01), cfg,
+                            workload=WorkloadSpec(num_prompts=8), model_id="m")
+    assert result["benchmark"] == "serve" and result["simulated"] is True
+    assert [r["request_rate"] for r in result["runs"]] == [4.0, "inf"]
+    assert [r["max_concurrency"] for r in result["runs"]] == [None, 2]
+    expected = set(compute_metrics([], 1.0)) | {"request_rate", "burstiness", "max_concurrency", "num_prompts"}
+    assert expected <= set(result["runs"][0])
+    assert result["runs"][0]["completed"] == 8
+    assert result["simulation"]["cost_model"] == {"kind": "constant", "step_time_s": 0.01}
