@@ -323,7 +323,7 @@ class EngineCoreClient:
             raise QueueFullError(f"{waiting} requests are already waiting (limit {self.max_waiting})")
         if request_id in self._streams:
             raise ValueError(f"request id {request_id!r} is already in use")
-        check_prompt(prompt, params, self.model_config.vocab_size, self.max_model_len)
+        check_prompt(prompt, params, self.model_config.vocab_size, self.max_model_len, self.config.max_num_seqs)
         kind = RequestOutputKind.DELTA if stream else RequestOutputKind.FINAL_ONLY
         self._output_processor.add_request(request_id, None, prompt, params, arrival_time, kind)
         handle = RequestStream(request_id, self.abort)
