@@ -90,6 +90,18 @@ def test_best_of_keeps_the_n_with_the_highest_cumulative_logprob(smollm):
     assert best[0].logprobs is None  # not asked for: only used for the ranking
 
 
+def test_a_forked_group_in_a_tiny_pool_is_preempted_and_frees_every_block(smollm):
+    # 4 blocks of 16 tokens; each of the three sequences needs 3 of them by the end
+    llm = LLM(loaded=smollm, num_kv_blocks=4, block_size=16, max_model_len=64)
+    expected = llm.generate(PROMPT, SamplingParams(temperature=0, max_tokens=24, ignore_eos=True))[0]
+    out = llm.generate(PROMPT, SamplingParams(n=3, temperature=0, max_tokens=24, ignore_eos=True))[0]
+    assert llm.engine.num_preemptions > 0
+    assert [c.token_ids for c in out.outputs] == [expected.outputs[0].token_ids] * 3
+    llm.engine.block_manager.check_no_leaks()
+    assert llm.engine.block_manager.num_free_blocks == 4
+
+
+@pytest.mark.slow  # constant preemption and recompute: minutes on two busy cores
 def test_forked_groups_under_preemption_free_every_block(smollm, chat_prompt_ids, hf_greedy):
     # 10 blocks of 16 tokens for three requests of three sequences each: constant preemption
     llm = LLM(loaded=smollm, num_kv_blocks=10, block_size=16, max_model_len=160)
