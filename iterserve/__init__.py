@@ -1,10 +1,12 @@
 """iterserve: an LLM serving engine built on iteration-level batching over a paged KV cache."""
 
 from iterserve.engine.llm_engine import EngineConfig, LLMEngine
+from iterserve.inputs import TextPrompt, TokensPrompt
 from iterserve.llm import LLM
-from iterserve.outputs import CompletionOutput, RequestOutput
+from iterserve.outputs import CompletionOutput, Logprob, RequestOutput
 from iterserve.sampling_params import SamplingParams
 
 __version__ = "0.1.0"
 
-__all__ = ["LLM", "LLMEngine", "EngineConfig", "SamplingParams", "RequestOutput", "CompletionOutput", "__version__"]
+__all__ = ["LLM", "LLMEngine", "EngineConfig", "SamplingParams", "RequestOutput", "CompletionOutput", "Logprob",
+           "TextPrompt", "TokensPrompt", "__version__"]

@@ -1,20 +1,86 @@
-"""Offline inference with vLLM's interface: ``LLM(model=...).generate(prompts, params)``."""
+"""Offline inference with vLLM's interface: ``LLM(model=...).generate(prompts, params)``.
+
+Prompts come in vLLM's shapes: a string, a list of token ids, ``{"prompt": str}`` (TextPrompt),
+``{"prompt_token_ids": [...]}`` (TokensPrompt), or a list of any of them. vLLM's constructor
+options that mean something here are mapped onto :class:`EngineConfig`; those that do not are
+accepted with a one-line warning, so a vLLM script runs unchanged apart from its import.
+"""
 
 from __future__ import annotations
 
 import dataclasses
+import logging
+from collections.abc import Mapping
 from collections.abc import Sequence as Seq
 from typing import Any, cast
 
+import torch
 from tqdm.auto import tqdm
 
+from iterserve.bench.microbench import available_memory_bytes
 from iterserve.engine.llm_engine import EngineConfig, LLMEngine
 from iterserve.engine.output_processor import RequestOutputKind
-from iterserve.models.loader import DEFAULT_MODEL, LoadedModel
+from iterserve.inputs import PromptType
+from iterserve.models.loader import DEFAULT_MODEL, LoadedModel, load_model
 from iterserve.outputs import RequestOutput
 from iterserve.sampling_params import SamplingParams
+from iterserve.tokenizer import Tokenizer
 
-Prompt = str | list[int]
+logger = logging.getLogger(__name__)
+
+# vLLM options with no effect on this engine: accepted, with a warning that says so.
+IGNORED_VLLM_OPTIONS = frozenset({
+    "enforce_eager", "trust_remote_code", "tokenizer_mode", "skip_tokenizer_init", "revision", "tokenizer_revision",
+    "swap_space", "cpu_offload_gb", "max_seq_len_to_capture", "disable_custom_all_reduce", "disable_log_stats",
+    "disable_async_output_proc", "enable_chunked_prefill", "distributed_executor_backend", "load_format",
+    "download_dir", "hf_token", "compilation_config", "max_logprobs", "task", "worker_cls", "tokenizer",
+})
+# vLLM options accepted only at the value this engine implements; any other value is an error.
+FIXED_VLLM_OPTIONS: dict[str, Any] = {
+    "tensor_parallel_size": 1, "pipeline_parallel_size": 1, "quantization": None, "kv_cache_dtype": "auto",
+}
+
+
+def _engine_kwargs(kwargs: dict[str, Any]) -> dict[str, Any]:
+    """Split vLLM's keyword arguments into EngineConfig fields; warn about or refuse the rest."""
+    fields = {f.name for f in dataclasses.fields(EngineConfig)}
+    engine: dict[str, Any] = {}
+    for name, value in kwargs.items():
+        if name in fields:
+            engine[name] = value
+        elif name in FIXED_VLLM_OPTIONS:
+            if value != FIXED_VLLM_OPTIONS[name]:
+                raise ValueError(f"{name}={value!r} is not supported: this engine runs "
+                                 f"{name}={FIXED_VLLM_OPTIONS[name]!r} only")
+            logger.warning("LLM option %s=%r has no effect here (it is the only mode)", name, value)
+        elif name in IGNORED_VLLM_OPTIONS:
+            logger.warning("LLM option %s=%r has no effect here; ignored", name, value)
+        elif name != "gpu_memory_utilization":
+            raise TypeError(f"unknown LLM option: {name}")
+    return engine
+
+
+def parse_prompt(prompt: PromptType) -> str | list[int]:
+    """One prompt in any of vLLM's single-prompt shapes -> text or token ids."""
+    if isinstance(prompt, Mapping):
+        extra = sorted(set(prompt) - {"prompt", "prompt_token_ids"})
+        if extra:
+            raise ValueError(f"unsupported prompt field(s) {', '.join(extra)}; use 'prompt' or 'prompt_token_ids'")
+        fields = cast(dict[str, Any], prompt)
+        if "prompt_token_ids" in fields:
+            return list(fields["prompt_token_ids"])
+        if "prompt" in fields:
+            return fields["prompt"]
+        raise ValueError("a prompt dict needs 'prompt' (TextPrompt) or 'prompt_token_ids' (TokensPrompt)")
+    if isinstance(prompt, str):
+        return prompt
+    return list(prompt)
+
+
+def _is_single(prompts: Any) -> bool:
+    return isinstance(prompts, (str, Mapping)) or (
+        isinstance(prompts, (list, tuple)) and bool(prompts) and isinstance(prompts[0], int)
+    )
 
 
 class LLM:
@@ -22,74 +88,94 @@ class LLM:
 
     Keyword arguments are :class:`EngineConfig` fields (``dtype``, ``block_size``,
     ``max_model_len``, ``max_num_seqs``, ``max_num_batched_tokens``, ``enable_prefix_caching``,
-    ``kv_cache_memory`` or ``num_kv_blocks``, ``batching``, ``kv_allocation``, ``seed``, ...).
+    ``kv_cache_memory`` or ``num_kv_blocks``, ``batching``, ``kv_allocation``, ``seed``, ...), or
+    vLLM's options: ``gpu_memory_utilization`` sizes the KV cache as that fraction of the memory
+    free once the weights are loaded (device memory on a GPU, available RAM on a CPU).
     Pass ``loaded=`` to share already-loaded weights between engines.
     """
 
     def __init__(self, model: str = DEFAULT_MODEL, *, loaded: LoadedModel | None = None, **kwargs: Any) -> None:
-        fields = {f.name for f in dataclasses.fields(EngineConfig)}
-        unknown = sorted(set(kwargs) - fields)
-        if unknown:
-            raise TypeError(f"unknown LLM option(s): {', '.join(unknown)}")
-        self.engine = LLMEngine(EngineConfig(model=model, **kwargs), loaded)
+        engine_kwargs = _engine_kwargs(kwargs)
+        fraction = kwargs.get("gpu_memory_utilization")
+        if fraction is not None:
+            if "kv_cache_memory" in kwargs or "num_kv_blocks" in kwargs:
+                raise ValueError("give gpu_memory_utilization or kv_cache_memory/num_kv_blocks, not both")
+            if not 0 < fraction <= 1:
+                raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {fraction}")
+            config = EngineConfig(model=model, **engine_kwargs)
+            loaded = loaded or load_model(config.model, config.dtype, config.device, config.seed)
+            engine_kwargs["kv_cache_memory"] = int(fraction * _free_memory(loaded.model.device))
+        self.llm_engine = LLMEngine(EngineConfig(model=model, **engine_kwargs), loaded)
 
     @property
-    def tokenizer(self):
-        return self.engine.tokenizer
+    def engine(self) -> LLMEngine:
+        return self.llm_engine
+
+    @property
+    def tokenizer(self) -> Tokenizer | None:
+        return self.llm_engine.tokenizer
+
+    def get_tokenizer(self) -> Tokenizer:
+        if self.llm_engine.tokenizer is None:
+            raise ValueError("this model has no tokenizer; pass prompts as token ids")
+        return self.llm_engine.tokenizer
 
     def generate(
         self,
-        prompts: Prompt | Seq[Prompt],
+        prompts: PromptType | Seq[PromptType],
         sampling_params: SamplingParams | Seq[SamplingParams] | None = None,
-        use_tqdm: bool = False,
+        use_tqdm: bool = True,
     ) -> list[RequestOutput]:
         """Generate for every prompt; outputs come back in prompt order."""
-        if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
-            prompts = [cast(Prompt, prompts)]  # a single prompt, as text or token ids
-        prompts = list(cast(Seq[Prompt], prompts))
+        batch = [prompts] if _is_single(prompts) else list(cast(Seq[PromptType], prompts))
+        parsed = [parse_prompt(cast(PromptType, p)) for p in batch]
         if sampling_params is None or isinstance(sampling_params, SamplingParams):
-            params = [sampling_params or SamplingParams()] * len(prompts)
+            params = [sampling_params or SamplingParams()] * len(parsed)
         else:
             params = list(sampling_params)
-            if len(params) != len(prompts):
-                raise ValueError(f"got {len(params)} SamplingParams for {len(prompts)} prompts")
+            if len(params) != len(parsed):
+                raise ValueError(f"got {len(params)} SamplingParams for {len(parsed)} prompts")
         # Validate everything before queueing anything, so a bad prompt leaves the engine untouched.
         ids = []
         try:
-            for prompt, p in zip(prompts, params):
-                ids.append(self.engine.add_request(prompt, p, output_kind=RequestOutputKind.FINAL_ONLY))
+            for prompt, p in zip(parsed, params):
+                ids.append(self.llm_engine.add_request(prompt, p, output_kind=RequestOutputKind.FINAL_ONLY))
         except ValueError:
             for rid in ids:
-                self.engine.abort_request(rid)
+                self.llm_engine.abort_request(rid)
             raise
         return self._run(ids, use_tqdm)
 
     def chat(
         self,
-        conversations: list[dict[str, Any]] | Seq[list[dict[str, Any]]],
+        messages: list[dict[str, Any]] | Seq[list[dict[str, Any]]],
         sampling_params: SamplingParams | Seq[SamplingParams] | None = None,
-        use_tqdm: bool = False,
+        use_tqdm: bool = True,
         add_generation_prompt: bool = True,
     ) -> list[RequestOutput]:
         """Apply the model's chat template to each conversation, then generate."""
-        if self.tokenizer is None:
-            raise ValueError("this model has no tokenizer, so it has no chat template")
-        if conversations and isinstance(conversations[0], dict):
-            conversations = [cast(list[dict[str, Any]], conversations)]
+        tokenizer = self.get_tokenizer()
+        conversations = cast(list[list[dict[str, Any]]],
+                             [messages] if messages and isinstance(messages[0], dict) else list(messages))
         prompts = [
-            self.tokenizer.encode(
-                self.tokenizer.apply_chat_template(c, add_generation_prompt=add_generation_prompt),
-                add_special_tokens=False,
-            )
+            tokenizer.encode(tokenizer.apply_chat_template(c, add_generation_prompt=add_generation_prompt),
+                             add_special_tokens=False)
             for c in conversations
         ]
         return self.generate(prompts, sampling_params, use_tqdm)
 
     def _run(self, ids: list[str], use_tqdm: bool) -> list[RequestOutput]:
         final: dict[str, RequestOutput] = {}
-        with tqdm(total=len(ids), desc="generate", disable=not use_tqdm, unit="req") as bar:
-            while self.engine.has_unfinished_requests():
-                for out in self.engine.step():  # final outputs only
+        with tqdm(total=len(ids), desc="Processed prompts", disable=not use_tqdm, unit="req") as bar:
+            while self.llm_engine.has_unfinished_requests():
+                for out in self.llm_engine.step():  # final outputs only
                     final[out.request_id] = out
                     bar.update(1)
         return [final[i] for i in ids]
+
+
+def _free_memory(device: torch.device) -> int:
+    """Bytes free for the KV cache on ``device`` now."""
+    if device.type == "cuda":
+        return torch.cuda.mem_get_info(device)[0]
+    return available_memory_bytes()

@@ -8,15 +8,30 @@ from iterserve.engine.sequence import RequestMetrics
 
 
 @dataclass
+class Logprob:
+    """One token's log-probability, as vLLM returns it: ``rank`` 1 is the most likely token."""
+
+    logprob: float
+    rank: int | None = None
+    decoded_token: str | None = None
+
+
+# Per token: token id -> Logprob, holding the chosen token and the requested top alternatives.
+SampleLogprobs = list[dict[int, Logprob]]
+PromptLogprobs = list[dict[int, Logprob] | None]  # the first prompt token has none
+
+
+@dataclass
 class CompletionOutput:
     index: int
     text: str
     token_ids: list[int]
     finish_reason: str | None = None  # "stop", "length", "abort" or "error"
     stop_reason: str | int | None = None  # the stop string or stop token that ended it
-    logprobs: list[dict[int, float]] | None = None
+    logprobs: SampleLogprobs | None = None
     delta_text: str = ""  # text released in this step (never past a stop string)
     delta_token_ids: list[int] = field(default_factory=list)
+    cumulative_logprob: float | None = None  # set when logprobs were asked for (or best_of ranked by it)
 
     @property
     def finished(self) -> bool:
@@ -32,15 +47,22 @@ class RequestOutput:
     finished: bool
     metrics: RequestMetrics
     num_cached_tokens: int = 0
+    prompt_logprobs: PromptLogprobs | None = None
 
     def add(self, later: RequestOutput) -> None:
         """Merge a later delta output of the same request into this unread one (a slow consumer's backlog)."""
-        mine, theirs = self.outputs[0], later.outputs[0]
-        mine.text += theirs.text
-        mine.delta_text = mine.text
-        mine.token_ids.extend(theirs.token_ids)
-        mine.delta_token_ids = mine.token_ids
-        if mine.logprobs is not None:
-            mine.logprobs.extend(theirs.logprobs or [])
-        mine.finish_reason, mine.stop_reason = theirs.finish_reason, theirs.stop_reason
+        for theirs in later.outputs:
+            mine = next((c for c in self.outputs if c.index == theirs.index), None)
+            if mine is None:
+                self.outputs.append(theirs)
+                continue
+            mine.text += theirs.text
+            mine.delta_text = mine.text
+            mine.token_ids.extend(theirs.token_ids)
+            mine.delta_token_ids = mine.token_ids
+            if mine.logprobs is not None:
+                mine.logprobs.extend(theirs.logprobs or [])
+            mine.finish_reason, mine.stop_reason = theirs.finish_reason, theirs.stop_reason
+            mine.cumulative_logprob = theirs.cumulative_logprob
+        self.prompt_logprobs = self.prompt_logprobs or later.prompt_logprobs
         self.finished = later.finished

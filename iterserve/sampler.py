@@ -1,17 +1,19 @@
 """Turn one step's logits into next tokens, row by row with each request's own parameters.
 
-Order of operations follows vLLM: penalties and ``min_tokens`` act on the raw logits, then
+Order of operations follows vLLM: logit_bias, penalties and ``min_tokens`` act on the raw logits, then
 greedy rows take the argmax, the rest are scaled by temperature, truncated by top-k, top-p and
 min-p, and sampled. A request with a seed draws from its own generator, so its output does not
-depend on which other requests share the batch.
+depend on which other requests share the batch. Logprobs are those of the raw logits (vLLM's
+default), each with its rank in the vocabulary.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
+from iterserve.engine.sequence import TokenLogprobs
 from iterserve.sampling_params import SamplingParams
 
 
@@ -29,7 +31,34 @@ class SamplingRow:
 @dataclass
 class SampleResult:
     token_ids: list[int]
-    logprobs: list[dict[int, float] | None]  # sampled token's logprob plus the top-N alternatives
+    logprobs: list[TokenLogprobs | None]  # sampled token's logprob plus the top-N alternatives
+    # scheduled index -> (index of the first prompt token covered, its logprobs and those after it)
+    prompt_logprobs: dict[int, tuple[int, list[TokenLogprobs]]] = field(default_factory=dict)
+
+
+def token_logprobs(logprobs: torch.Tensor, tokens: list[int], num_top: int) -> list[TokenLogprobs]:
+    """For each row of log-probabilities: the chosen token's (logprob, rank) plus the ``num_top`` most likely."""
+    chosen = logprobs.gather(1, torch.tensor(tokens, device=logprobs.device).unsqueeze(1))
+    ranks = ((logprobs > chosen).sum(dim=1) + 1).tolist()
+    chosen_values = chosen.squeeze(1).tolist()
+    top = torch.topk(logprobs, num_top, dim=1) if num_top else None
+    entries = []
+    for i, token in enumerate(tokens):
+        entry = {token: (chosen_values[i], ranks[i])}
+        if top is not None:
+            for rank, (v, t) in enumerate(zip(top.values[i].tolist(), top.indices[i].tolist()), start=1):
+                entry.setdefault(t, (v, rank))
+        entries.append(entry)
+    return entries
+
+
+def apply_logit_bias(logits: torch.Tensor, rows: list[SamplingRow]) -> None:
+    """OpenAI's logit_bias: add each request's biases to its raw logits, in place."""
+    for i, row in enumerate(rows):
+        if row.params.logit_bias:
+            ids = torch.tensor(list(row.params.logit_bias), dtype=torch.long, device=logits.device)
+            bias = torch.tensor(list(row.params.logit_bias.values()), dtype=logits.dtype, device=logits.device)
+            logits[i, ids] += bias
 
 
 def apply_penalties(logits: torch.Tensor, rows: list[SamplingRow]) -> None:
@@ -94,8 +123,9 @@ class Sampler:
 
     def __call__(self, logits: torch.Tensor, rows: list[SamplingRow]) -> SampleResult:
         logits = logits.float()
-        want_logprobs = any(r.params.logprobs is not None for r in rows)
+        want_logprobs = any(r.params.needs_logprobs for r in rows)
         raw_logprobs = torch.log_softmax(logits, dim=-1) if want_logprobs else None
+        apply_logit_bias(logits, rows)
         apply_penalties(logits, rows)
         for i, row in enumerate(rows):
             if len(row.output_token_ids) < row.params.min_tokens and row.stop_ids:
@@ -106,16 +136,9 @@ class Sampler:
             if not row.params.greedy:
                 probs = _truncate(logits[i], row.params)
                 tokens[i] = _draw(probs, row.generator or self.generator)
-        logprobs: list[dict[int, float] | None] = [None] * len(rows)
+        logprobs: list[TokenLogprobs | None] = [None] * len(rows)
         if raw_logprobs is not None:
             for i, row in enumerate(rows):
-                n = row.params.logprobs
-                if n is None:
-                    continue
-                entry = {tokens[i]: raw_logprobs[i, tokens[i]].item()}
-                if n:
-                    top = torch.topk(raw_logprobs[i], n)
-                    for v, t in zip(top.values.tolist(), top.indices.tolist()):
-                        entry.setdefault(t, v)
-                logprobs[i] = entry
+                if row.params.needs_logprobs:
+                    logprobs[i] = token_logprobs(raw_logprobs[i:i + 1], [tokens[i]], row.params.logprobs or 0)[0]
         return SampleResult(tokens, logprobs)

@@ -30,6 +30,10 @@ MAX_STOP_STRINGS = 64
 MAX_STOP_CHARS = 1024  # all stop strings together
 # Stop token ids are masked out of the logits on every step until min_tokens is reached.
 MAX_STOP_TOKEN_IDS = 1024
+# logit_bias is applied to every row that has one on every step; OpenAI allows 300 entries.
+MAX_LOGIT_BIAS = 300
+# n and best_of sequences share one prompt and one batch; the scheduler also caps them at max_num_seqs.
+MAX_N = 128
 
 
 class SamplingParamsError(RequestError):
@@ -72,7 +76,10 @@ class SamplingParams:
     stop_token_ids: list[int] = field(default_factory=list)
     ignore_eos: bool = False
     logprobs: int | None = None  # number of top alternatives to return with each sampled token
+    prompt_logprobs: int | None = None  # top alternatives to return with each prompt token (computed in prefill)
     skip_special_tokens: bool = True
+    best_of: int | None = None  # generate this many, return the n with the highest cumulative logprob
+    logit_bias: dict[int, float] | None = None  # added to the raw logits of these token ids
 
     def __post_init__(self) -> None:
         self._check_types()
@@ -82,7 +89,9 @@ class SamplingParams:
             self.temperature = 0.0
         stop_chars = sum(map(len, self.stop))
         checks = [
-            (self.n == 1, "n", f"n must be 1, got {self.n}"),
+            (1 <= self.n <= MAX_N, "n", f"n must be in [1, {MAX_N}], got {self.n}"),
+            (self.best_of is None or self.n <= self.best_of <= MAX_N, "best_of",
+             f"best_of must be in [n, {MAX_N}] (n={self.n}), got {self.best_of}"),
             (self.temperature >= 0, "temperature", f"temperature must be >= 0, got {self.temperature}"),
             (0 < self.top_p <= 1, "top_p", f"top_p must be in (0, 1], got {self.top_p}"),
             (self.top_k >= 0, "top_k", f"top_k must be -1 (disabled) or >= 1, got {self.top_k}"),
@@ -103,6 +112,8 @@ class SamplingParams:
              f"min_tokens ({self.min_tokens}) must not exceed max_tokens ({self.max_tokens})"),
             (self.logprobs is None or 0 <= self.logprobs <= 20, "logprobs",
              f"logprobs must be in [0, 20], got {self.logprobs}"),
+            (self.prompt_logprobs is None or 0 <= self.prompt_logprobs <= 20, "prompt_logprobs",
+             f"prompt_logprobs must be in [0, 20], got {self.prompt_logprobs}"),
             (all(self.stop), "stop", "stop must be a list of non-empty strings"),
             (stop_chars <= MAX_STOP_CHARS, "stop",
              f"stop strings have {stop_chars} characters in all; at most {MAX_STOP_CHARS} are allowed"),
@@ -133,15 +144,49 @@ class SamplingParams:
         self.stop_token_ids = [_as_int("stop_token_ids", t) for t in self.stop_token_ids]
         for name in ("n", "top_k", "min_tokens"):
             setattr(self, name, _as_int(name, getattr(self, name)))
-        for name in ("seed", "max_tokens", "logprobs"):
+        for name in ("seed", "max_tokens", "logprobs", "prompt_logprobs", "best_of"):
             value = getattr(self, name)
             if value is not None:
                 setattr(self, name, _as_int(name, value))
+        self._check_logit_bias()
         floats = ("temperature", "top_p", "min_p", "repetition_penalty", "presence_penalty", "frequency_penalty")
         for name in floats:
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
                 raise SamplingParamsError(name, f"{name} must be a finite number, got {value!r}")
+
+    def _check_logit_bias(self) -> None:
+        """``{token id: bias}`` with ids as ints (OpenAI sends them as strings) and biases in [-100, 100]."""
+        if self.logit_bias is None:
+            return
+        if not isinstance(self.logit_bias, dict):
+            raise SamplingParamsError("logit_bias", "logit_bias must be a mapping of token ids to biases")
+        if len(self.logit_bias) > MAX_LOGIT_BIAS:
+            raise SamplingParamsError("logit_bias", f"logit_bias has {len(self.logit_bias)} entries; at most "
+                                                    f"{MAX_LOGIT_BIAS} are allowed")
+        bias: dict[int, float] = {}
+        for key, value in self.logit_bias.items():
+            try:
+                token = int(key) if isinstance(key, str) else _as_int("logit_bias", key)
+            except ValueError:
+                raise SamplingParamsError("logit_bias", f"logit_bias keys must be token ids, got {key!r}") from None
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not -100 <= value <= 100:
+                raise SamplingParamsError("logit_bias", f"logit_bias values must be numbers in [-100, 100], got "
+                                                        f"{value!r} for token {key!r}")
+            if token < 0:
+                raise SamplingParamsError("logit_bias", f"logit_bias token ids must be >= 0, got {token}")
+            bias[token] = float(value)
+        self.logit_bias = bias or None
+
+    @property
+    def num_seqs(self) -> int:
+        """Sequences generated for the request: best_of if set, else n."""
+        return self.best_of or self.n
+
+    @property
+    def needs_logprobs(self) -> bool:
+        """The sampled tokens' logprobs are computed: asked for, or needed to rank best_of candidates."""
+        return self.logprobs is not None or self.num_seqs > self.n
 
     @property
     def greedy(self) -> bool:

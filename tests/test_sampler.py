@@ -71,7 +71,8 @@ def test_logprobs_are_raw_log_softmax():
     res = sample(logits, [row(temperature=0, logprobs=2, repetition_penalty=1.5, output=[2])])
     ref = torch.log_softmax(torch.tensor(logits[0]), -1)
     lp = res.logprobs[0]
-    assert set(lp) >= {1, 2} and lp[2] == pytest.approx(ref[2].item())
+    assert set(lp) >= {1, 2} and lp[2][0] == pytest.approx(ref[2].item())
+    assert {t: rank for t, (_, rank) in lp.items()} == {2: 1, 1: 2}  # (logprob, rank in the vocabulary)
 
 
 def test_draws_follow_the_distribution_and_never_pick_zero_mass():
@@ -83,3 +84,11 @@ def test_draws_follow_the_distribution_and_never_pick_zero_mass():
     freq = [picks.count(i) / len(picks) for i in range(4)]
     assert freq[1] == 0
     assert all(abs(f - p) < 0.03 for f, p in zip(freq, probs))
+
+
+def test_logit_bias_acts_on_raw_logits_per_row():
+    logits = [[1.0, 2.0, 3.0]] * 2
+    res = sample(logits, [row(temperature=0, logit_bias={2: -100}, logprobs=0), row(temperature=0)])
+    assert res.token_ids == [1, 2]  # only the biased row loses its top token
+    assert res.logprobs[0][1] == (pytest.approx(torch.log_softmax(torch.tensor(logits[0]), -1)[1].item()), 2)
+    assert draws([0.0, 0.0, 0.0], temperature=1.0, logit_bias={0: 100}) == {0}

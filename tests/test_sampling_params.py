@@ -25,7 +25,15 @@ from iterserve.sampling_params import MAX_STOP_CHARS, MAX_STOP_STRINGS, Sampling
         ({"logprobs": 21}, "logprobs"),
         ({"stop": [""]}, "stop"),
         ({"stop_token_ids": [-1]}, "stop_token_ids"),
-        ({"n": 2}, "n"),
+        ({"n": 0}, "n"),
+        ({"n": 1000}, "n"),
+        ({"n": 3, "best_of": 2}, "best_of"),
+        ({"prompt_logprobs": 21}, "prompt_logprobs"),
+        ({"logit_bias": {5: 101}}, "logit_bias"),
+        ({"logit_bias": {"five": 1}}, "logit_bias"),
+        ({"logit_bias": {-1: 1}}, "logit_bias"),
+        ({"logit_bias": {5: float("nan")}}, "logit_bias"),
+        ({"logit_bias": {i: 1 for i in range(301)}}, "logit_bias"),
     ],
 )
 def test_invalid_values_raise(kwargs, field):
@@ -37,6 +45,13 @@ def test_invalid_values_raise(kwargs, field):
 def test_normalisation():
     p = SamplingParams(stop="###", top_k=-1, temperature=0)
     assert p.stop == ["###"] and p.top_k == 0 and p.greedy and not p.has_penalties
+
+
+def test_logit_bias_keys_become_token_ids_and_best_of_needs_logprobs():
+    p = SamplingParams(logit_bias={"42": -100, 7: 2.5}, n=2, best_of=3)
+    assert p.logit_bias == {42: -100.0, 7: 2.5}
+    assert p.num_seqs == 3 and p.needs_logprobs
+    assert not SamplingParams(n=3).needs_logprobs and SamplingParams(n=3).num_seqs == 3
 
 
 @pytest.mark.parametrize(

@@ -6,6 +6,10 @@ parent's hash, so equal hashes mean equal whole prefixes; a later sequence with 
 reuses those blocks instead of recomputing them (a hit is confirmed against the stored tokens).
 Freed blocks keep their cached content and stay findable until the free queue hands them out
 again, least recently used first.
+
+A forked sequence (n > 1) shares its parent's whole block table; the first time either writes
+into a shared, partly filled block, :meth:`BlockManager.allocate` gives the writer a private copy
+(copy-on-write) and queues the (source, destination) pair for the model runner to copy.
 """
 
 from __future__ import annotations
@@ -37,6 +41,7 @@ class BlockManager:
     blocks: list[Block] = field(init=False)
     free_queue: OrderedDict[int, None] = field(init=False)  # LRU order: evict from the front
     cached: dict[int, Block] = field(init=False)  # chain hash -> block
+    pending_copies: list[tuple[int, int]] = field(init=False)  # (src, dst) KV copies the next step must do
 
     def __post_init__(self) -> None:
         if self.num_blocks < 1 or self.block_size < 1:
@@ -44,6 +49,7 @@ class BlockManager:
         self.blocks = [Block(i) for i in range(self.num_blocks)]
         self.free_queue = OrderedDict((i, None) for i in range(self.num_blocks))
         self.cached = {}
+        self.pending_copies = []
 
     # -- accounting -----------------------------------------------------------------------------
 
@@ -68,8 +74,8 @@ class BlockManager:
     def find_cached_prefix(self, seq: Sequence) -> list[Block]:
         """Full cached blocks matching the start of the sequence's tokens, leaving at least one token
         to compute (the last token must run through the model to produce logits)."""
-        if not self.enable_prefix_caching:
-            return []
+        if not self.enable_prefix_caching or seq.params.prompt_logprobs is not None:
+            return []  # prompt logprobs need every prompt position to run through the model
         hits: list[Block] = []
         parent: int | None = None
         if seq.block_table:
@@ -126,8 +132,15 @@ class BlockManager:
         target = max(computed + num_new_tokens, reserve_tokens)
         need = self.blocks_needed(target) - len(seq.block_table) - len(hits)
         reusable_free = sum(1 for b in hits if b.ref_count == 0)
-        if need > len(self.free_queue) - reusable_free:
+        shared = self._shared_write_block(seq) if num_new_tokens else None
+        if need + (shared is not None) > len(self.free_queue) - reusable_free:
             return False
+        if shared is not None:  # copy-on-write: the next token lands in a block a sibling also holds
+            i = computed // self.block_size
+            copy = self._take_free_block()
+            self.blocks[shared].ref_count -= 1
+            seq.block_table[i] = copy.block_id
+            self.pending_copies.append((shared, copy.block_id))
         for block in hits:
             if block.ref_count == 0:
                 del self.free_queue[block.block_id]
@@ -140,6 +153,26 @@ class BlockManager:
         for _ in range(max(0, need)):
             seq.block_table.append(self._take_free_block().block_id)
         return True
+
+    def _shared_write_block(self, seq: Sequence) -> int | None:
+        """The block the sequence's next computed token goes into, if another sequence holds it too."""
+        i = seq.num_computed_tokens // self.block_size
+        if i < len(seq.block_table) and self.blocks[seq.block_table[i]].ref_count > 1:
+            return seq.block_table[i]
+        return None
+
+    def fork(self, parent: Sequence, child: Sequence) -> None:
+        """Give ``child`` the parent's blocks (shared by reference count, copied on first write)."""
+        for block_id in parent.block_table:
+            self.blocks[block_id].ref_count += 1
+        child.block_table = list(parent.block_table)
+        child.block_hashes = list(parent.block_hashes)
+        child.num_hashed_blocks = parent.num_hashed_blocks
+
+    def take_copies(self) -> list[tuple[int, int]]:
+        """The copy-on-write pairs queued since the last call, for the next forward pass."""
+        copies, self.pending_copies = self.pending_copies, []
+        return copies
 
     def commit(self, seq: Sequence) -> None:
         """After a step computed tokens of ``seq``: publish newly filled blocks to the prefix cache."""

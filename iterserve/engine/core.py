@@ -29,7 +29,7 @@ from iterserve.engine.scheduler import Scheduler, SchedulerOutput
 from iterserve.engine.sequence import RequestMetrics, Sequence
 from iterserve.errors import RequestError
 from iterserve.models.loader import LoadedModel, load_model
-from iterserve.sampling_params import SamplingParams
+from iterserve.sampling_params import SamplingParams, SamplingParamsError
 from iterserve.tokenizer import Tokenizer
 from iterserve.units import parse_size
 
@@ -88,10 +88,17 @@ def check_prompt_ids(token_ids: list[int], vocab_size: int, max_model_len: int) 
         raise RequestError(f"prompt token ids must be integers in [0, {vocab_size}); got {bad[:5]}", "prompt")
 
 
-def check_prompt(token_ids: list[int], params: SamplingParams, vocab_size: int, max_model_len: int) -> int:
+def check_prompt(token_ids: list[int], params: SamplingParams, vocab_size: int, max_model_len: int,
+                 max_num_seqs: int | None = None) -> int:
     """Validate a tokenized request (the one home of these checks, for the server too); returns its
     max_tokens resolved against max_model_len. Raises :class:`RequestError`."""
     check_prompt_ids(token_ids, vocab_size, max_model_len)
+    outside = [t for t in params.logit_bias or {} if t >= vocab_size]
+    if outside:
+        raise SamplingParamsError("logit_bias", f"logit_bias token ids must be in [0, {vocab_size}); got {outside[:5]}")
+    if max_num_seqs is not None and params.num_seqs > max_num_seqs:
+        raise SamplingParamsError("n", f"n/best_of ({params.num_seqs}) exceeds max_num_seqs ({max_num_seqs}): "
+                                       "the sequences could never run together")
     n = len(token_ids)
     max_tokens = params.max_tokens if params.max_tokens is not None else max_model_len - n
     if n + max_tokens > max_model_len:
@@ -175,23 +182,39 @@ class EngineCore:
         if rid in self.requests:
             raise ValueError(f"request id {rid!r} is already in use")
         ids = request.prompt_token_ids
-        max_tokens = check_prompt(ids, params, self.model_config.vocab_size, self.max_model_len)
-        seq = Sequence(
-            request_id=rid, prompt=None, prompt_token_ids=list(ids), params=params, max_tokens=max_tokens,
-            metrics=RequestMetrics(arrival_time=request.arrival_time, num_prompt_tokens=len(ids)),
-            stop_ids=stop_token_ids(params, self.model_config, self.loaded.tokenizer),
-            generator=None if params.seed is None else torch.Generator(self.runner.device).manual_seed(params.seed),
-        )
+        max_tokens = check_prompt(ids, params, self.model_config.vocab_size, self.max_model_len,
+                                  self.config.max_num_seqs)
+        stop_ids = stop_token_ids(params, self.model_config, self.loaded.tokenizer)
+        group = [
+            Sequence(
+                request_id=rid, prompt=None, prompt_token_ids=list(ids), params=params, max_tokens=max_tokens,
+                metrics=RequestMetrics(arrival_time=request.arrival_time, num_prompt_tokens=len(ids)),
+                stop_ids=stop_ids, index=index, generator=self._generator(params.seed, index),
+            )
+            for index in range(params.num_seqs)
+        ]
+        seq = group[0]
+        seq.forks, seq.group = group[1:], group
         self.requests[rid] = seq
         self.scheduler.add(seq)
+
+    def _generator(self, seed: int | None, index: int) -> torch.Generator | None:
+        """A seeded request's own generator; sequence ``index`` of an n > 1 request gets one derived
+        from (seed, index), so each is reproducible and they differ."""
+        if seed is None:
+            return None
+        derived = seed if index == 0 else hash((seed, index)) % 2**63  # ints and tuples hash stably
+        return torch.Generator(self.runner.device).manual_seed(derived % 2**64)
 
     def abort_request(self, request_id: str) -> bool:
         """Stop a request wherever it is and free its blocks; False if it is unknown or done."""
         seq = self.requests.pop(request_id, None)
         if seq is None:
             return False
-        self.scheduler.finish(seq, "abort")
-        seq.metrics.finished_time = time.perf_counter()
+        for member in seq.group:
+            if not member.is_finished:
+                self.scheduler.finish(member, "abort")
+                member.metrics.finished_time = time.perf_counter()
         self._trace_request(seq)
         return True
 
@@ -221,7 +244,7 @@ class EngineCore:
                 s.seq.metrics.num_cached_tokens = s.seq.num_cached_tokens
         try:
             self._inject_fault(sched)
-            _, result = self.runner.execute(sched.scheduled)
+            _, result = self.runner.execute(sched.scheduled, sched.block_copies)
             update = self.scheduler.update_from_output(sched, result)
         except Exception:  # noqa: BLE001 - a fault fails this step's requests, never the core
             logger.exception("step %d failed; failing its %d requests", self.num_steps + 1, len(sched.scheduled))
@@ -244,11 +267,14 @@ class EngineCore:
         if m.first_token_time is None:
             m.first_token_time = now
         self.num_generation_tokens += 1
+        first = m.num_output_tokens == 1
         return EngineCoreOutput(
-            request_id=seq.request_id, new_token_ids=[seq.output_token_ids[-1]], timestamp=now,
+            request_id=seq.request_id, new_token_ids=[seq.output_token_ids[-1]], timestamp=now, index=seq.index,
             new_logprobs=[seq.output_logprobs[-1]] if seq.params.logprobs is not None else None,
+            cumulative_logprob=seq.cumulative_logprob if seq.params.needs_logprobs else None,
+            prompt_logprobs=seq.prompt_logprobs if first and seq.index == 0 and seq.prompt_logprobs else None,
             finish_reason=seq.finish_reason, stop_reason=seq.stop_reason if isinstance(seq.stop_reason, int) else None,
-            first_scheduled_time=m.first_scheduled_time if m.num_output_tokens == 1 else None,
+            first_scheduled_time=m.first_scheduled_time if first else None,
             num_cached_tokens=seq.num_cached_tokens, num_preemptions=m.num_preemptions,
         )
 
@@ -257,19 +283,28 @@ class EngineCore:
             raise RuntimeError(f"injected fault: a scheduled prompt holds token {self._fault_token}")
 
     def _fail(self, sched: SchedulerOutput, now: float) -> list[EngineCoreOutput]:
+        """Fail every request this step scheduled, all of its sequences."""
         outputs = []
-        for s in sched.scheduled:
-            seq = s.seq
-            self.scheduler.finish(seq, "error")
-            self._retire(seq, now)
-            outputs.append(EngineCoreOutput(seq.request_id, [], now, finish_reason="error",
-                                            first_scheduled_time=seq.metrics.first_scheduled_time))
+        parents = {s.seq.request_id: self.requests.get(s.seq.request_id) for s in sched.scheduled}
+        for parent in parents.values():
+            if parent is None:
+                continue
+            for seq in parent.group:
+                if seq.is_finished:
+                    continue
+                self.scheduler.finish(seq, "error")
+                self._retire(seq, now)
+                outputs.append(EngineCoreOutput(seq.request_id, [], now, index=seq.index, finish_reason="error",
+                                                first_scheduled_time=seq.metrics.first_scheduled_time))
         return outputs
 
     def _retire(self, seq: Sequence, now: float) -> None:
+        """A finished sequence; the request leaves once all its sequences have."""
         seq.metrics.finished_time = now
-        self.requests.pop(seq.request_id, None)
-        self._trace_request(seq)
+        parent = self.requests.get(seq.request_id)
+        if parent is not None and all(member.is_finished for member in parent.group):
+            del self.requests[seq.request_id]
+            self._trace_request(parent)
 
     # -- statistics -----------------------------------------------------------------------------
 

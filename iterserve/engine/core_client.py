@@ -328,7 +328,8 @@ class EngineCoreClient:
         """Send a request to the core; raises EngineDeadError, RequestError, QueueFullError or ValueError at once."""
         if not self.is_running:
             raise EngineDeadError(str(self.error) if self.error else "the engine is not running")
-        max_tokens = check_prompt(prompt, params, self.model_config.vocab_size, self.max_model_len)  # bad input first
+        max_tokens = check_prompt(prompt, params, self.model_config.vocab_size, self.max_model_len,
+                                  self.config.max_num_seqs)  # bad input first
         waiting = self.num_waiting
         if waiting >= self.max_waiting:
             raise QueueFullError(f"{waiting} requests are already waiting (limit {self.max_waiting})")

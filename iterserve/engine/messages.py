@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import msgspec
 
+from iterserve.engine.sequence import TokenLogprobs
 from iterserve.sampling_params import SamplingParams
 
 
@@ -37,12 +38,15 @@ class EngineCoreOutput(msgspec.Struct, array_like=True, omit_defaults=True):
     request_id: str
     new_token_ids: list[int]
     timestamp: float  # when the step's tokens were sampled (time.perf_counter, shared across processes)
-    new_logprobs: list[dict[int, float]] | None = None
+    new_logprobs: list[TokenLogprobs] | None = None
     finish_reason: str | None = None  # stop, length or error (aborts are not reported back)
     stop_reason: int | None = None  # the stop token id that ended it
     first_scheduled_time: float | None = None
     num_cached_tokens: int = 0
     num_preemptions: int = 0
+    index: int = 0  # which of the request's n (or best_of) sequences advanced
+    cumulative_logprob: float | None = None
+    prompt_logprobs: list[TokenLogprobs | None] | None = None  # with the request's first token
 
 
 class SchedulerStats(msgspec.Struct, array_like=True):

@@ -11,9 +11,9 @@ from __future__ import annotations
 import torch
 
 from iterserve.attention import AttentionMetadata, KVCache
-from iterserve.engine.scheduler import ScheduledSeq
+from iterserve.engine.scheduler import ScheduledSeq, sampling_seqs
 from iterserve.models.llama import LlamaModel
-from iterserve.sampler import Sampler, SampleResult, SamplingRow
+from iterserve.sampler import Sampler, SampleResult, SamplingRow, token_logprobs
 
 
 class ModelRunner:
@@ -25,24 +25,40 @@ class ModelRunner:
         self.sampler = Sampler(torch.Generator(device=self.device).manual_seed(seed))
 
     @torch.inference_mode()
-    def execute(self, scheduled: list[ScheduledSeq]) -> tuple[list[ScheduledSeq], SampleResult]:
-        """Run one step. Returns the sequences that produced a token (in order) and the samples."""
+    def execute(self, scheduled: list[ScheduledSeq],
+                block_copies: list[tuple[int, int]] | None = None) -> tuple[list[ScheduledSeq], SampleResult]:
+        """Run one step. Returns the sequences that produced a token (in order) and the samples.
+
+        ``block_copies`` (copy-on-write of blocks shared by forked sequences) are done first. A
+        sequence that forks now is followed in the samples by its children, each drawing from the
+        same logits row. Prompt positions of requests that asked for prompt logprobs get logits too.
+        """
+        self.copy_blocks(block_copies or [])
         input_ids: list[int] = []
         positions: list[int] = []
-        logits_rows: list[int] = []
+        logits_rows: list[int] = []  # sampling rows first, then prompt-logprob rows
         sampled: list[ScheduledSeq] = []
-        for s in scheduled:
+        prompt_spans: list[tuple[int, int, int, int]] = []  # (scheduled index, first row, first token, count)
+        for k, s in enumerate(scheduled):
             seq, start = s.seq, s.seq.num_computed_tokens
             end = start + s.num_tokens
             n_prompt = len(seq.prompt_token_ids)
+            first_row = len(input_ids)
             if start >= n_prompt:
                 input_ids.extend(seq.output_token_ids[start - n_prompt:end - n_prompt])
             else:
                 input_ids.extend((seq.prompt_token_ids + seq.output_token_ids)[start:end])
             positions.extend(range(start, end))
             if end == seq.num_tokens:
-                logits_rows.append(len(input_ids) - 1)
+                logits_rows.extend([len(input_ids) - 1] * (1 + len(seq.forks)))
                 sampled.append(s)
+            if seq.params.prompt_logprobs is not None and seq.index == 0 and start < n_prompt - 1 \
+                    and len(seq.prompt_logprobs) < n_prompt:  # not again when recomputed after preemption
+                # position j predicts prompt token j + 1
+                prompt_spans.append((k, first_row, start + 1, min(end, n_prompt - 1) - start))
+        num_sampling = len(logits_rows)
+        for _, first_row, _, count in prompt_spans:
+            logits_rows.extend(range(first_row, first_row + count))
         meta = AttentionMetadata.build(
             block_size=self.block_size,
             block_tables=[s.seq.block_table for s in scheduled],
@@ -60,8 +76,25 @@ class ModelRunner:
             torch.tensor(logits_rows, dtype=torch.long, device=dev),
         )
         rows = [
-            SamplingRow(s.seq.params, s.seq.prompt_token_ids, s.seq.output_token_ids, s.seq.stop_ids, s.seq.generator)
-            for s in sampled
+            SamplingRow(seq.params, seq.prompt_token_ids, seq.output_token_ids, seq.stop_ids, seq.generator)
+            for seq in sampling_seqs(scheduled)
         ]
-        result = self.sampler(logits, rows) if rows else SampleResult([], [])
+        result = self.sampler(logits[:num_sampling], rows) if rows else SampleResult([], [])
+        offset = num_sampling
+        for k, _, first_token, count in prompt_spans:
+            seq = scheduled[k].seq
+            logprobs = torch.log_softmax(logits[offset:offset + count].float(), dim=-1)
+            tokens = seq.prompt_token_ids[first_token:first_token + count]
+            result.prompt_logprobs[k] = (first_token, token_logprobs(logprobs, tokens, seq.params.prompt_logprobs or 0))
+            offset += count
         return sampled, result
+
+    def copy_blocks(self, copies: list[tuple[int, int]]) -> None:
+        """Copy whole KV blocks, every layer: a forked sequence's private copy of a shared block."""
+        if not copies:
+            return
+        src = torch.tensor([c[0] for c in copies], dtype=torch.long, device=self.device)
+        dst = torch.tensor([c[1] for c in copies], dtype=torch.long, device=self.device)
+        for cache in self.kv_caches:
+            cache.k[dst] = cache.k[src]
+            cache.v[dst] = cache.v[src]

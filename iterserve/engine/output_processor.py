@@ -5,6 +5,9 @@ core. Each request keeps its detokenizer and its text; stop strings are found he
 that hits one is returned for the core to abort. What a consumer gets depends on its output kind:
 ``DELTA`` (streaming) carries only what is new, ``FINAL_ONLY`` one cumulative output at the end,
 ``CUMULATIVE`` everything so far at every step (the token lists are the request's own, not copies).
+A request with n (or best_of) above 1 keeps one such state per sequence: a DELTA output carries
+the one sequence that advanced, under its ``index``; a finished best_of request keeps the n with
+the highest cumulative logprob.
 """
 
 from __future__ import annotations
@@ -13,8 +16,8 @@ import enum
 from dataclasses import dataclass, field
 
 from iterserve.engine.messages import EngineCoreOutput
-from iterserve.engine.sequence import RequestMetrics
-from iterserve.outputs import CompletionOutput, RequestOutput
+from iterserve.engine.sequence import RequestMetrics, TokenLogprobs
+from iterserve.outputs import CompletionOutput, Logprob, PromptLogprobs, RequestOutput, SampleLogprobs
 from iterserve.sampling_params import SamplingParams
 from iterserve.tokenizer import IncrementalDetokenizer, Tokenizer
 
@@ -26,23 +29,40 @@ class RequestOutputKind(enum.Enum):
 
 
 @dataclass
+class SeqState:
+    """One of a request's n (or best_of) sequences: its detokenizer, its text and how much was released."""
+
+    index: int
+    detokenizer: IncrementalDetokenizer | None
+    token_ids: list[int] = field(default_factory=list)  # kept unless the kind is DELTA
+    logprobs: SampleLogprobs | None = None
+    text: str = ""
+    sent: int = 0  # characters of text already released
+    num_output_tokens: int = 0
+    num_preemptions: int = 0
+    cumulative_logprob: float | None = None
+    finish_reason: str | None = None
+    stop_reason: str | int | None = None
+    core_finished: bool = False  # the core has ended it too (a stop string ends it here first)
+
+
+@dataclass
 class RequestState:
-    """One request's output-side state: detokenizer, the text so far and how much was released."""
+    """One request's output-side state: its sequences and the request-level facts."""
 
     request_id: str
     prompt: str | None
     prompt_token_ids: list[int]
     params: SamplingParams
     kind: RequestOutputKind
-    detokenizer: IncrementalDetokenizer | None
     metrics: RequestMetrics
-    token_ids: list[int] = field(default_factory=list)  # kept unless the kind is DELTA
-    logprobs: list[dict[int, float]] | None = None
-    text: str = ""
-    sent: int = 0  # characters of text already released
+    seqs: list[SeqState]
+    prompt_logprobs: PromptLogprobs | None = None
     num_cached_tokens: int = 0
-    finish_reason: str | None = None
-    stop_reason: str | int | None = None
+
+    @property
+    def finished(self) -> bool:
+        return all(s.finish_reason is not None for s in self.seqs)
 
 
 @dataclass
@@ -58,11 +78,15 @@ class OutputProcessor:
 
     def add_request(self, request_id: str, prompt: str | None, prompt_token_ids: list[int], params: SamplingParams,
                     arrival_time: float, kind: RequestOutputKind) -> None:
-        detok = self.tokenizer.detokenizer(params.skip_special_tokens) if self.tokenizer is not None else None
+        keep_logprobs = params.logprobs is not None and kind is not RequestOutputKind.DELTA
+        seqs = [
+            SeqState(i, self.tokenizer.detokenizer(params.skip_special_tokens) if self.tokenizer is not None else None,
+                     logprobs=[] if keep_logprobs else None)
+            for i in range(params.num_seqs)
+        ]
         self.states[request_id] = RequestState(
-            request_id, prompt, prompt_token_ids, params, kind, detok,
-            RequestMetrics(arrival_time=arrival_time, num_prompt_tokens=len(prompt_token_ids)),
-            logprobs=[] if params.logprobs is not None and kind is not RequestOutputKind.DELTA else None,
+            request_id, prompt, prompt_token_ids, params, kind,
+            RequestMetrics(arrival_time=arrival_time, num_prompt_tokens=len(prompt_token_ids)), seqs,
         )
 
     def abort(self, request_id: str) -> bool:
@@ -75,87 +99,121 @@ class OutputProcessor:
         result = ProcessedOutputs()
         for o in outputs:
             state = self.states.get(o.request_id)
-            if state is None:  # aborted, or ended by a stop string while the core ran on
+            if state is None or o.index >= len(state.seqs):  # aborted, or ended by a stop string
                 continue
-            out = self._process(state, o)
-            if state.finish_reason is not None:
+            seq = state.seqs[o.index]
+            if seq.finish_reason is not None:  # ended here by a stop string while the core ran on
+                seq.core_finished = seq.core_finished or o.finish_reason is not None
+                continue
+            out = self._process(state, seq, o)
+            if state.finished:
                 del self.states[o.request_id]
-                if o.finish_reason is None:
+                if not all(s.core_finished for s in state.seqs):
                     result.to_abort.append(o.request_id)
             if out is not None:
                 result.outputs.append(out)
         return result
 
-    def _process(self, state: RequestState, o: EngineCoreOutput) -> RequestOutput | None:
+    def _decode_logprobs(self, entry: TokenLogprobs) -> dict[int, Logprob]:
+        decode = self.tokenizer.decode if self.tokenizer is not None else None
+        return {t: Logprob(lp, rank, decode([t]) if decode else None) for t, (lp, rank) in entry.items()}
+
+    def _process(self, state: RequestState, seq: SeqState, o: EngineCoreOutput) -> RequestOutput | None:
         m = state.metrics
-        if o.first_scheduled_time is not None:
+        if o.first_scheduled_time is not None and m.first_scheduled_time is None:
             m.first_scheduled_time = o.first_scheduled_time
         n = len(o.new_token_ids)
         if n:
             m.first_token_time = m.first_token_time or o.timestamp
             m.token_times.extend([o.timestamp] * n)
             m.num_output_tokens += n
-        m.num_cached_tokens = state.num_cached_tokens = o.num_cached_tokens
-        m.num_preemptions = o.num_preemptions
-        delta_ids, delta_logprobs = o.new_token_ids, o.new_logprobs
+            seq.num_output_tokens += n
+        if o.index == 0:  # the sequence that was admitted; the others fork off it
+            m.num_cached_tokens = state.num_cached_tokens = o.num_cached_tokens
+        seq.num_preemptions = o.num_preemptions
+        m.num_preemptions = sum(s.num_preemptions for s in state.seqs)
+        if o.prompt_logprobs is not None:
+            state.prompt_logprobs = [None if e is None else self._decode_logprobs(e) for e in o.prompt_logprobs]
+        if o.cumulative_logprob is not None:
+            seq.cumulative_logprob = o.cumulative_logprob
+        delta_ids = o.new_token_ids
+        delta_logprobs = [self._decode_logprobs(e) for e in o.new_logprobs] if o.new_logprobs else None
         if state.kind is not RequestOutputKind.DELTA:
-            state.token_ids.extend(delta_ids)
-            if state.logprobs is not None and delta_logprobs:
-                state.logprobs.extend(delta_logprobs)
-        state.finish_reason, state.stop_reason = o.finish_reason, o.stop_reason
-        if state.detokenizer is not None:
+            seq.token_ids.extend(delta_ids)
+            if seq.logprobs is not None and delta_logprobs:
+                seq.logprobs.extend(delta_logprobs)
+        seq.finish_reason, seq.stop_reason = o.finish_reason, o.stop_reason
+        seq.core_finished = o.finish_reason is not None
+        if o.finish_reason == "error":  # a failure fails the whole request
+            for s in state.seqs:
+                if s.finish_reason is None:
+                    s.finish_reason, s.core_finished = "error", True
+        if seq.detokenizer is not None:
             # a stop token ends the request but adds no text
             text_ids = delta_ids[:-1] if o.finish_reason == "stop" else delta_ids
-            state.text += "".join(state.detokenizer.feed(t) for t in text_ids)
+            seq.text += "".join(seq.detokenizer.feed(t) for t in text_ids)
             if o.finish_reason is not None:
-                state.text += state.detokenizer.flush()
+                seq.text += seq.detokenizer.flush()
             if o.finish_reason in (None, "length"):
-                self._check_stop_strings(state)
-        if state.finish_reason is not None:
+                self._check_stop_strings(state.params, seq)
+        if state.finished:
             m.finished_time = o.timestamp
-        return self._output(state, delta_ids, delta_logprobs)
+        return self._output(state, seq, delta_ids, delta_logprobs)
 
-    def _check_stop_strings(self, state: RequestState) -> None:
-        stops = state.params.stop
-        if not stops or state.metrics.num_output_tokens < state.params.min_tokens:
+    def _check_stop_strings(self, params: SamplingParams, seq: SeqState) -> None:
+        stops = params.stop
+        if not stops or seq.num_output_tokens < params.min_tokens:
             return
-        search_from = max(0, state.sent - max(map(len, stops)))
+        search_from = max(0, seq.sent - max(map(len, stops)))
         best: tuple[int, str] | None = None
         for s in stops:
-            i = state.text.find(s, search_from)
+            i = seq.text.find(s, search_from)
             if i != -1 and (best is None or i < best[0]):
                 best = (i, s)
         if best is not None:
-            state.text = state.text[: best[0]]
-            state.finish_reason, state.stop_reason = "stop", best[1]
+            seq.text = seq.text[: best[0]]
+            seq.finish_reason, seq.stop_reason = "stop", best[1]
 
-    def _releasable(self, state: RequestState) -> int:
+    def _releasable(self, params: SamplingParams, seq: SeqState) -> int:
         """How much text may be released: hold back a tail that could still become a stop string."""
-        text = state.text
-        if state.finish_reason is not None or not state.params.stop:
+        text = seq.text
+        if seq.finish_reason is not None or not params.stop:
             return len(text)
         hold = 0
-        for s in state.params.stop:
+        for s in params.stop:
             for k in range(min(len(s) - 1, len(text)), hold, -1):
                 if text.endswith(s[:k]):
                     hold = k
                     break
         return len(text) - hold
 
-    def _output(self, state: RequestState, delta_ids: list[int],
-                delta_logprobs: list[dict[int, float]] | None) -> RequestOutput | None:
-        finished = state.finish_reason is not None
+    def _completion(self, state: RequestState, seq: SeqState, index: int) -> CompletionOutput:
+        """The cumulative output of one sequence; its delta fields hold what this call releases."""
+        upto = max(seq.sent, self._releasable(state.params, seq))
+        delta_text = seq.text[seq.sent:upto]
+        seq.sent = upto
+        return CompletionOutput(index, seq.text[:upto], seq.token_ids, seq.finish_reason, seq.stop_reason,
+                                seq.logprobs, delta_text, [], seq.cumulative_logprob)
+
+    def _output(self, state: RequestState, seq: SeqState, delta_ids: list[int],
+                delta_logprobs: SampleLogprobs | None) -> RequestOutput | None:
+        finished = state.finished
         if state.kind is RequestOutputKind.FINAL_ONLY and not finished:
             return None
-        upto = max(state.sent, self._releasable(state))
-        delta_text = state.text[state.sent:upto]
-        state.sent = upto
         if state.kind is RequestOutputKind.DELTA:
+            upto = max(seq.sent, self._releasable(state.params, seq))
+            delta_text = seq.text[seq.sent:upto]
+            seq.sent = upto
             logprobs = (delta_logprobs or []) if state.params.logprobs is not None else None
-            completion = CompletionOutput(0, delta_text, delta_ids, state.finish_reason, state.stop_reason, logprobs,
-                                          delta_text, delta_ids)
+            completions = [CompletionOutput(seq.index, delta_text, delta_ids, seq.finish_reason, seq.stop_reason,
+                                            logprobs, delta_text, delta_ids, seq.cumulative_logprob)]
         else:
-            completion = CompletionOutput(0, state.text[:upto], state.token_ids, state.finish_reason,
-                                          state.stop_reason, state.logprobs, delta_text, delta_ids)
-        return RequestOutput(state.request_id, state.prompt, state.prompt_token_ids, [completion], finished,
-                             state.metrics, state.num_cached_tokens)
+            seqs = state.seqs
+            if finished and len(seqs) > state.params.n:  # best_of: the n most likely, best first
+                seqs = sorted(seqs, key=lambda s: s.cumulative_logprob or 0.0, reverse=True)[:state.params.n]
+            completions = [self._completion(state, s, i if finished else s.index) for i, s in enumerate(seqs)]
+            for c, s in zip(completions, seqs):
+                if s is seq:
+                    c.delta_token_ids = delta_ids
+        return RequestOutput(state.request_id, state.prompt, state.prompt_token_ids, completions, finished,
+                             state.metrics, state.num_cached_tokens, state.prompt_logprobs)

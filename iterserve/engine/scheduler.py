@@ -46,6 +46,7 @@ class SchedulerOutput:
     preempted: list[Sequence] = field(default_factory=list)
     prefix_hit_tokens: int = 0  # prompt tokens served from the prefix cache at admission
     prefix_query_tokens: int = 0  # tokens of the sequences admitted (the hit rate's denominator)
+    block_copies: list[tuple[int, int]] = field(default_factory=list)  # copy-on-write (src, dst) before the step
 
     @property
     def num_tokens(self) -> int:
@@ -54,6 +55,17 @@ class SchedulerOutput:
     @property
     def is_empty(self) -> bool:
         return not self.scheduled
+
+
+def sampling_seqs(scheduled: list[ScheduledSeq]) -> list[Sequence]:
+    """The sequences that get a token this step, in order: each one that computed its last token,
+    followed by the children it forks now (they sample from the same logits)."""
+    seqs: list[Sequence] = []
+    for s in scheduled:
+        if s.samples:
+            seqs.append(s.seq)
+            seqs.extend(s.seq.forks)
+    return seqs
 
 
 @dataclass
@@ -124,6 +136,8 @@ class Scheduler:
             seq = self.waiting[0]
             if static and seq.request_id not in self.static_batch:
                 break
+            if len(self.running) + 1 + len(seq.forks) > self.config.max_num_seqs:
+                break  # the group's children join the batch when it samples its first token
             hits = bm.find_cached_prefix(seq)
             num_computed = len(hits) * bm.block_size
             num_new = min(seq.num_tokens - num_computed, budget)
@@ -142,29 +156,49 @@ class Scheduler:
             budget -= num_new
 
         out.scheduled = decodes + prefills
+        out.block_copies = bm.take_copies()
         return out
 
     def update_from_output(self, out: SchedulerOutput, result: SampleResult) -> SchedulerUpdate:
         """Apply a step's results: ``result`` holds one sample per scheduled sequence that computed its
         last token, in scheduled order. Finished sequences are freed and returned."""
         update = SchedulerUpdate()
-        sampling = [s for s in out.scheduled if s.samples]
+        sampling = sampling_seqs(out.scheduled)
         if len(sampling) != len(result.token_ids):
             raise ValueError(f"{len(result.token_ids)} samples for {len(sampling)} sampling sequences")
-        for s in out.scheduled:
-            s.seq.num_computed_tokens += s.num_tokens
-            self.block_manager.commit(s.seq)
-        for s, token, logprobs in zip(sampling, result.token_ids, result.logprobs):
-            seq = s.seq
+        for i, s in enumerate(out.scheduled):
+            seq, samples = s.seq, s.samples  # before its progress moves
+            first, entries = result.prompt_logprobs.get(i, (1, []))
+            if entries and not seq.prompt_logprobs:
+                seq.prompt_logprobs.append(None)  # the first prompt token has no context to predict it
+            for k, entry in enumerate(entries):
+                if first + k == len(seq.prompt_logprobs):  # a recompute after preemption adds nothing twice
+                    seq.prompt_logprobs.append(entry)
+            seq.num_computed_tokens += s.num_tokens
+            self.block_manager.commit(seq)
+            if samples and seq.forks:
+                self._fork(seq)
+        for seq, token, logprobs in zip(sampling, result.token_ids, result.logprobs):
             seq.output_token_ids.append(token)
             if logprobs is not None:
                 seq.output_logprobs.append(logprobs)
+                seq.cumulative_logprob += logprobs[token][0]
             update.sampled.append(seq)
             reason = self._stop_reason(seq, token)
             if reason is not None:
                 self.finish(seq, reason)
                 update.finished.append(seq)
         return update
+
+    def _fork(self, parent: Sequence) -> None:
+        """The parent's prompt is computed: its children join the batch holding the same blocks."""
+        for child in parent.forks:
+            child.num_computed_tokens = parent.num_computed_tokens
+            self.block_manager.fork(parent, child)
+            child.metrics.first_scheduled_time = parent.metrics.first_scheduled_time
+            child.status = SequenceStatus.RUNNING
+            self.running.append(child)
+        parent.forks = []
 
     def _stop_reason(self, seq: Sequence, token: int) -> str | None:
         """Token-level stops: a stop or EOS token (once min_tokens are out), max_tokens, max_model_len."""

@@ -9,6 +9,9 @@ import torch
 
 from iterserve.sampling_params import SamplingParams
 
+# One token's logprobs: token id -> (logprob, rank in the vocabulary, 1 = most likely).
+TokenLogprobs = dict[int, tuple[float, int]]
+
 
 class SequenceStatus(enum.Enum):
     WAITING = "waiting"
@@ -65,11 +68,14 @@ class RequestMetrics:
         }
 
 
-@dataclass
+@dataclass(eq=False)  # identity: the sequences of one request share most of their fields
 class Sequence:
     """One request's mutable state. ``num_computed_tokens`` of ``token_ids`` have K/V in the cache.
 
     Progress (computed tokens, output tokens, status, finish) is written only by the scheduler.
+    A request with n or best_of above 1 is a group: the parent (``index`` 0) prefills the prompt,
+    and when it samples its first token the ``forks`` waiting on it join the batch sharing its
+    blocks, each sampling its own first token from the same logits.
     """
 
     request_id: str
@@ -82,7 +88,12 @@ class Sequence:
     generator: torch.Generator | None = None
     status: SequenceStatus = SequenceStatus.WAITING
     output_token_ids: list[int] = field(default_factory=list)
-    output_logprobs: list[dict[int, float]] = field(default_factory=list)
+    output_logprobs: list[TokenLogprobs] = field(default_factory=list)
+    cumulative_logprob: float = 0.0  # of the sampled tokens, when params.needs_logprobs
+    prompt_logprobs: list[TokenLogprobs | None] = field(default_factory=list)  # filled during prefill
+    index: int = 0  # which of the request's n (or best_of) sequences this is
+    forks: list[Sequence] = field(default_factory=list)  # children not yet forked off this parent
+    group: list[Sequence] = field(default_factory=list)  # on the parent: every sequence of the request
     num_computed_tokens: int = 0
     num_cached_tokens: int = 0  # prompt tokens served from the prefix cache on first admission
     block_table: list[int] = field(default_factory=list)

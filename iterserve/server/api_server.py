@@ -24,7 +24,7 @@ import time
 import uuid
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
-from typing import Any, cast
+from typing import Any
 
 import uvicorn
 from fastapi import FastAPI, Request
@@ -47,7 +47,7 @@ from iterserve.engine.core_client import (
     RequestStream,
 )
 from iterserve.errors import RequestError
-from iterserve.outputs import CompletionOutput, RequestOutput
+from iterserve.outputs import CompletionOutput, Logprob, RequestOutput
 from iterserve.sampling_params import SamplingParams
 from iterserve.server.metrics import ServerMetrics
 from iterserve.server.protocol import (
@@ -84,7 +84,8 @@ RETRY_AFTER_S = 1
 PUBLIC_PATHS = frozenset({"/health", "/metrics", "/version"})
 MIN_LOGPROB = -9999.0  # stands in for -inf, which JSON cannot carry
 
-TokenLogprobs = list[tuple[int, dict[int, float]]]  # (sampled token, its logprobs entry) per token
+TokenLogprobs = list[tuple[int, dict[int, Logprob] | None]]  # (token, its logprobs entry) per token
+MAX_PROMPTS = 256  # prompts in one /v1/completions request (each is a request of its own in the engine)
 
 
 def _error_response(error: APIError) -> JSONResponse:
@@ -100,8 +101,8 @@ def _finite(logprob: float) -> float:
     return logprob if math.isfinite(logprob) else MIN_LOGPROB
 
 
-def _top(entry: dict[int, float], n: int) -> list[tuple[int, float]]:
-    return sorted(entry.items(), key=lambda kv: kv[1], reverse=True)[:n]
+def _top(entry: dict[int, Logprob], n: int) -> list[tuple[int, Logprob]]:
+    return sorted(entry.items(), key=lambda kv: kv[1].logprob, reverse=True)[:n]
 
 
 def _new_logprobs(c: CompletionOutput) -> TokenLogprobs:
@@ -116,6 +117,47 @@ def _usage(out: RequestOutput) -> Usage:
     prompt, completion = len(out.prompt_token_ids), out.metrics.num_output_tokens
     return Usage(prompt_tokens=prompt, completion_tokens=completion, total_tokens=prompt + completion,
                  prompt_tokens_details=PromptTokensDetails(cached_tokens=out.num_cached_tokens))
+
+
+def _total_usage(outs: list[RequestOutput]) -> Usage:
+    """The usage of a request that ran as several engine requests (a list of prompts)."""
+    usages = [_usage(o) for o in outs]
+    prompt, completion = sum(u.prompt_tokens for u in usages), sum(u.completion_tokens for u in usages)
+    cached = sum(u.prompt_tokens_details.cached_tokens for u in usages)
+    return Usage(prompt_tokens=prompt, completion_tokens=completion, total_tokens=prompt + completion,
+                 prompt_tokens_details=PromptTokensDetails(cached_tokens=cached))
+
+
+async def _merged(streams: list[RequestStream]) -> AsyncIterator[tuple[int, RequestOutput]]:
+    """The outputs of several streams as they come, each with its stream's position."""
+    if len(streams) == 1:
+        async for out in streams[0]:
+            yield 0, out
+        return
+    queue: asyncio.Queue[tuple[int, RequestOutput | BaseException | None]] = asyncio.Queue()
+
+    async def pump(i: int, stream: RequestStream) -> None:
+        try:
+            async for out in stream:
+                await queue.put((i, out))
+            await queue.put((i, None))
+        except BaseException as e:  # noqa: BLE001 - handed to the consumer, which re-raises it
+            await queue.put((i, e))
+
+    tasks = [asyncio.ensure_future(pump(i, s)) for i, s in enumerate(streams)]
+    try:
+        open_streams = len(streams)
+        while open_streams:
+            i, item = await queue.get()
+            if item is None:
+                open_streams -= 1
+            elif isinstance(item, BaseException):
+                raise item
+            else:
+                yield i, item
+    finally:
+        for task in tasks:
+            task.cancel()
 
 
 async def _wait_for_disconnect(request: Request) -> None:
@@ -299,126 +341,177 @@ class OpenAIServing:
         except ValueError as e:
             raise bad_request(str(e)) from e
 
-    async def _final_output(self, stream: RequestStream, request: Request) -> RequestOutput | None:
-        """The finished output, or None when the client disconnected first (the request is aborted)."""
+    async def _final_outputs(self, streams: list[RequestStream], request: Request) -> list[RequestOutput] | None:
+        """Every stream's finished output, or None when the client disconnected first (all are aborted)."""
 
-        async def last() -> RequestOutput | None:
+        async def last(stream: RequestStream) -> RequestOutput:
             final = None
             async for output in stream:
                 final = output
+            assert final is not None
             return final
 
-        result = asyncio.ensure_future(last())
+        results = asyncio.ensure_future(asyncio.gather(*map(last, streams)))
         disconnect = asyncio.ensure_future(_wait_for_disconnect(request))
+        waiting: list[asyncio.Future[Any]] = [results, disconnect]
         try:
-            done, _ = await asyncio.wait({result, disconnect}, return_when=asyncio.FIRST_COMPLETED)
+            done, _ = await asyncio.wait(waiting, return_when=asyncio.FIRST_COMPLETED)
         finally:
             disconnect.cancel()
-            if not result.done():
-                result.cancel()
-            stream.close()
-        return result.result() if result in done else None
+            if not results.done():
+                results.cancel()
+            for stream in streams:
+                stream.close()
+        return list(results.result()) if results in done else None
 
     def _token_text(self, token_id: int) -> str:
         tokenizer = self.engine.tokenizer
         return tokenizer.decode([token_id], skip_special_tokens=False) if tokenizer else f"token_id:{token_id}"
 
     def _completion_logprobs(self, pairs: TokenLogprobs, n: int, offset: int) -> CompletionLogprobs:
-        """OpenAI's legacy format; ``offset`` is where the first token's text starts."""
+        """OpenAI's legacy format; ``offset`` is where the first token's text starts. A token without
+        an entry (an echoed prompt's first) gets nulls, as OpenAI sends."""
         lp = CompletionLogprobs()
         for token, entry in pairs:
             text = self._token_text(token)
             lp.tokens.append(text)
-            lp.token_logprobs.append(_finite(entry[token]))
-            top = _top(entry, n) if n else [(token, entry[token])]
-            lp.top_logprobs.append({self._token_text(t): _finite(v) for t, v in top})
             lp.text_offset.append(offset)
             offset += len(text)
+            if entry is None:
+                lp.token_logprobs.append(None)
+                lp.top_logprobs.append(None)
+                continue
+            lp.token_logprobs.append(_finite(entry[token].logprob))
+            top = _top(entry, n) if n else [(token, entry[token])]
+            lp.top_logprobs.append({self._token_text(t): _finite(v.logprob) for t, v in top})
         return lp
 
     def _chat_logprobs(self, pairs: TokenLogprobs, n: int) -> ChatLogprobs:
-        def top_logprob(token: int, logprob: float) -> TopLogprob:
+        def top_logprob(token: int, logprob: Logprob) -> TopLogprob:
             text = self._token_text(token)
-            return TopLogprob(token=text, logprob=_finite(logprob), bytes=list(text.encode()))
+            return TopLogprob(token=text, logprob=_finite(logprob.logprob), bytes=list(text.encode()))
 
         content = []
         for token, entry in pairs:
+            assert entry is not None
             sampled = top_logprob(token, entry[token])
             alternatives = [top_logprob(*kv) for kv in _top(entry, n)]
             content.append(TokenLogprob(**sampled.model_dump(), top_logprobs=alternatives))
         return ChatLogprobs(content=content)
 
-    def _streaming(self, events: AsyncIterator[str], stream: RequestStream) -> StreamingResponse:
-        # The background task aborts the request when the client left before the generator ran.
+    def _streaming(self, events: AsyncIterator[str], streams: list[RequestStream]) -> StreamingResponse:
+        # The background task aborts the requests when the client left before the generator ran.
+        def close() -> None:
+            for stream in streams:
+                stream.close()
+
         return StreamingResponse(events, media_type="text/event-stream", headers={"Cache-Control": "no-cache"},
-                                 background=BackgroundTask(stream.close))
+                                 background=BackgroundTask(close))
+
+    async def _submit_all(self, request_id: str, prompts: list[list[int]], params: SamplingParams,
+                          stream: bool) -> list[RequestStream]:
+        """One engine request per prompt; if one is refused, those already sent are aborted."""
+        if len(prompts) == 1:
+            return [await self._submit(request_id, prompts[0], params, stream)]
+        streams: list[RequestStream] = []
+        try:
+            for i, prompt in enumerate(prompts):
+                streams.append(await self._submit(f"{request_id}-{i}", prompt, params, stream))
+        except BaseException:
+            for s in streams:
+                s.close()
+            raise
+        return streams
 
     # -- completions --------------------------------------------------------------------------
 
-    async def _completion_prompt(self, prompt: str | list[int] | list[str] | list[list[int]],
-                                 echo: bool) -> tuple[list[int], str]:
-        """Token ids of the one prompt (a one-element batch is unwrapped), and its text when echoed."""
+    async def _completion_prompts(self, prompt: str | list[int] | list[str] | list[list[int]],
+                                  echo: bool) -> list[tuple[list[int], str]]:
+        """Token ids of each prompt (one, or a list of them), and its text when echoed."""
         if isinstance(prompt, list) and prompt and isinstance(prompt[0], (str, list)):
-            if len(prompt) != 1:
-                raise bad_request(f"got {len(prompt)} prompts; send one prompt per request", "prompt")
-            prompt = prompt[0]
-        if isinstance(prompt, str):
-            return await self._encode(prompt, "prompt", self.engine.max_model_len - 1), prompt
-        prompt = cast(list[int], prompt)  # a one-element batch was unwrapped above
-        try:  # before the ids are decoded for echo
-            check_prompt_ids(prompt, self.engine.model_config.vocab_size, self.engine.max_model_len)
-        except RequestError as e:
-            raise _request_error(e) from e
+            if len(prompt) > MAX_PROMPTS:
+                raise bad_request(f"got {len(prompt)} prompts; at most {MAX_PROMPTS} are allowed per request",
+                                  "prompt")
+            prompts: list[Any] = list(prompt)
+        else:
+            prompts = [prompt]
+        out = []
         tokenizer = self.engine.tokenizer
-        return list(prompt), tokenizer.decode(prompt, skip_special_tokens=False) if echo and tokenizer else ""
+        for p in prompts:
+            if isinstance(p, str):
+                out.append((await self._encode(p, "prompt", self.engine.max_model_len - 1), p))
+                continue
+            try:  # before the ids are decoded for echo
+                check_prompt_ids(p, self.engine.model_config.vocab_size, self.engine.max_model_len)
+            except RequestError as e:
+                raise _request_error(e) from e
+            out.append((list(p), tokenizer.decode(p, skip_special_tokens=False) if echo and tokenizer else ""))
+        return out
 
     async def completions(self, body: CompletionRequest, request: Request) -> Response:
         self._check_model(body.model)
         body.check_supported()
-        params = body.sampling_params(body.max_tokens, body.logprobs)
-        prompt_ids, prompt_text = await self._completion_prompt(body.prompt, body.echo)
+        params = body.completion_params()
+        prompts = await self._completion_prompts(body.prompt, body.echo)
         request_id = f"cmpl-{uuid.uuid4().hex}"
-        stream = await self._submit(request_id, prompt_ids, params, bool(body.stream))
-        echo = prompt_text if body.echo else ""
+        streams = await self._submit_all(request_id, [ids for ids, _ in prompts], params, bool(body.stream))
+        echoes = [text if body.echo else "" for _, text in prompts]
         if body.stream:
-            return self._streaming(self._completion_events(stream, body, echo), stream)
-        final = await self._final_output(stream, request)
-        if final is None:
+            return self._streaming(self._completion_events(request_id, streams, body, echoes), streams)
+        finals = await self._final_outputs(streams, request)
+        if finals is None:
             return Response(status_code=499)
-        c = final.outputs[0]
-        logprobs = None
-        if body.logprobs is not None:
-            logprobs = self._completion_logprobs(list(zip(c.token_ids, c.logprobs or [])), body.logprobs, len(echo))
-        choice = CompletionChoice(text=echo + c.text, logprobs=logprobs, finish_reason=c.finish_reason,
-                                  stop_reason=c.stop_reason)
-        return JSONResponse(CompletionResponse(id=request_id, model=self.model_name, choices=[choice],
-                                               usage=_usage(final)).model_dump())
-
-    async def _completion_events(self, stream: RequestStream, body: CompletionRequest, echo: str) -> AsyncIterator[str]:
-        created = int(time.time())
-        offset, final = len(echo), None
-        try:
-            async for out in stream:
-                c, final = out.outputs[0], out
-                text = echo + c.delta_text
-                echo = ""
+        choices = []
+        for i, (final, echo) in enumerate(zip(finals, echoes)):
+            for c in final.outputs:
                 logprobs = None
                 if body.logprobs is not None:
-                    logprobs = self._completion_logprobs(_new_logprobs(c), body.logprobs, offset)
-                    offset += sum(map(len, logprobs.tokens))
-                if not text and not c.finished and not (logprobs and logprobs.tokens):
-                    continue
-                choice = CompletionChoice(text=text, logprobs=logprobs, finish_reason=c.finish_reason,
-                                          stop_reason=c.stop_reason)
-                yield _sse(CompletionResponse(id=stream.request_id, created=created, model=self.model_name,
-                                              choices=[choice]))
-            if body.include_usage and final is not None:
-                yield _sse(CompletionResponse(id=stream.request_id, created=created, model=self.model_name,
-                                              choices=[], usage=_usage(final)))
+                    logprobs = self._completion_logprobs(self._echo_logprobs(final, echo) + list(
+                        zip(c.token_ids, c.logprobs or [])), body.logprobs, 0)
+                choices.append(CompletionChoice(index=i * body.n + c.index, text=echo + c.text, logprobs=logprobs,
+                                                finish_reason=c.finish_reason, stop_reason=c.stop_reason))
+        return JSONResponse(CompletionResponse(id=request_id, model=self.model_name, choices=choices,
+                                               usage=_total_usage(finals)).model_dump())
+
+    @staticmethod
+    def _echo_logprobs(out: RequestOutput, echo: str) -> TokenLogprobs:
+        """The echoed prompt's (token, logprobs) pairs; the first token has none."""
+        if not echo or out.prompt_logprobs is None:
+            return []
+        return list(zip(out.prompt_token_ids, out.prompt_logprobs))
+
+    async def _completion_events(self, request_id: str, streams: list[RequestStream], body: CompletionRequest,
+                                 echoes: list[str]) -> AsyncIterator[str]:
+        created = int(time.time())
+        offsets: dict[int, int] = {}  # choice index -> text offset of its next token
+        finals: list[RequestOutput | None] = [None] * len(streams)
+        try:
+            async for i, out in _merged(streams):
+                finals[i] = out
+                for c in out.outputs:
+                    index = i * body.n + c.index
+                    echo = echoes[i] if index not in offsets else ""
+                    pairs = self._echo_logprobs(out, echo) + _new_logprobs(c)
+                    offsets.setdefault(index, 0)
+                    text = echo + c.delta_text
+                    logprobs = None
+                    if body.logprobs is not None:
+                        logprobs = self._completion_logprobs(pairs, body.logprobs, offsets[index])
+                        offsets[index] += sum(map(len, logprobs.tokens))
+                    if not text and not c.finished and not (logprobs and logprobs.tokens):
+                        continue
+                    choice = CompletionChoice(index=index, text=text, logprobs=logprobs,
+                                              finish_reason=c.finish_reason, stop_reason=c.stop_reason)
+                    yield _sse(CompletionResponse(id=request_id, created=created, model=self.model_name,
+                                                  choices=[choice]))
+            if body.include_usage and all(f is not None for f in finals):
+                yield _sse(CompletionResponse(id=request_id, created=created, model=self.model_name,
+                                              choices=[], usage=_total_usage(finals)))  # type: ignore[arg-type]
         except (EngineDeadError, RequestFailedError) as e:
             yield _sse(_engine_error(e).body())
         finally:
-            stream.close()
+            for stream in streams:
+                stream.close()
         yield "data: [DONE]\n\n"
 
     # -- chat ---------------------------------------------------------------------------------
@@ -433,17 +526,19 @@ class OpenAIServing:
         request_id = f"chatcmpl-{uuid.uuid4().hex}"
         stream = await self._submit(request_id, prompt_ids, params, bool(body.stream), prompt_param="messages")
         if body.stream:
-            return self._streaming(self._chat_events(stream, body), stream)
-        final = await self._final_output(stream, request)
-        if final is None:
+            return self._streaming(self._chat_events(stream, body), [stream])
+        finals = await self._final_outputs([stream], request)
+        if finals is None:
             return Response(status_code=499)
-        c = final.outputs[0]
-        logprobs = None
-        if body.logprobs:
-            logprobs = self._chat_logprobs(list(zip(c.token_ids, c.logprobs or [])), body.top_logprobs or 0)
-        choice = ChatChoice(message=AssistantMessage(content=c.text), logprobs=logprobs,
-                            finish_reason=c.finish_reason, stop_reason=c.stop_reason)
-        return JSONResponse(ChatCompletionResponse(id=request_id, model=self.model_name, choices=[choice],
+        final = finals[0]
+        choices = []
+        for c in final.outputs:
+            logprobs = None
+            if body.logprobs:
+                logprobs = self._chat_logprobs(list(zip(c.token_ids, c.logprobs or [])), body.top_logprobs or 0)
+            choices.append(ChatChoice(index=c.index, message=AssistantMessage(content=c.text), logprobs=logprobs,
+                                      finish_reason=c.finish_reason, stop_reason=c.stop_reason))
+        return JSONResponse(ChatCompletionResponse(id=request_id, model=self.model_name, choices=choices,
                                                    usage=_usage(final)).model_dump())
 
     async def _chat_events(self, stream: RequestStream, body: ChatCompletionRequest) -> AsyncIterator[str]:
@@ -455,15 +550,17 @@ class OpenAIServing:
 
         final = None
         try:
-            yield chunk([ChatStreamChoice(delta=DeltaMessage(role="assistant", content=""))])
+            for index in range(body.n):
+                yield chunk([ChatStreamChoice(index=index, delta=DeltaMessage(role="assistant", content=""))])
             async for out in stream:
-                c, final = out.outputs[0], out
-                logprobs = self._chat_logprobs(_new_logprobs(c), body.top_logprobs or 0) if body.logprobs else None
-                if not c.delta_text and not c.finished and not (logprobs and logprobs.content):
-                    continue
-                delta = DeltaMessage(content=c.delta_text or None)
-                yield chunk([ChatStreamChoice(delta=delta, logprobs=logprobs, finish_reason=c.finish_reason,
-                                              stop_reason=c.stop_reason)])
+                final = out
+                for c in out.outputs:
+                    logprobs = self._chat_logprobs(_new_logprobs(c), body.top_logprobs or 0) if body.logprobs else None
+                    if not c.delta_text and not c.finished and not (logprobs and logprobs.content):
+                        continue
+                    delta = DeltaMessage(content=c.delta_text or None)
+                    yield chunk([ChatStreamChoice(index=c.index, delta=delta, logprobs=logprobs,
+                                                  finish_reason=c.finish_reason, stop_reason=c.stop_reason)])
             if body.include_usage and final is not None:
                 yield chunk([], _usage(final))
         except (EngineDeadError, RequestFailedError) as e:
@@ -474,9 +571,15 @@ class OpenAIServing:
 
     # -- everything else ----------------------------------------------------------------------
 
+    def _model_card(self) -> ModelCard:
+        return ModelCard(id=self.model_name, root=self.engine.config.model, max_model_len=self.engine.max_model_len)
+
     async def models(self) -> ModelList:
-        return ModelList(data=[ModelCard(id=self.model_name, root=self.engine.config.model,
-                                         max_model_len=self.engine.max_model_len)])
+        return ModelList(data=[self._model_card()])
+
+    async def model(self, model_id: str) -> ModelCard:
+        self._check_model(model_id)
+        return self._model_card()
 
     async def tokenize(self, body: TokenizeRequest) -> TokenizeResponse:
         """Token ids of a prompt or conversation of up to max_model_len tokens (longer text is refused,
@@ -631,6 +734,7 @@ def build_app(config: EngineConfig, server: ServerConfig | None = None) -> FastA
     app.post("/v1/completions", response_model=None)(serving.completions)
     app.post("/v1/chat/completions", response_model=None)(serving.chat_completions)
     app.get("/v1/models")(serving.models)
+    app.get("/v1/models/{model_id:path}")(serving.model)
     app.post("/tokenize")(serving.tokenize)
     app.post("/detokenize")(serving.detokenize)
     app.get("/health", response_model=None)(serving.health)

@@ -8,11 +8,11 @@ from __future__ import annotations
 
 import json
 import time
-from typing import Annotated, Any, Literal, TypeVar
+from typing import Annotated, Any, Literal, TypeVar, cast
 
 from pydantic import BaseModel, ConfigDict, Discriminator, Field, Strict, Tag, field_validator, model_serializer
 
-from iterserve.sampling_params import MIN_TOP_P, SamplingParams, SamplingParamsError
+from iterserve.sampling_params import MAX_LOGIT_BIAS, MIN_TOP_P, SamplingParams, SamplingParamsError
 
 COMPLETION_DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
 
@@ -154,16 +154,14 @@ class _SamplingRequest(_Request):
 
     @field_validator("logit_bias", mode="before")
     @classmethod
-    def _no_logit_bias(cls, value: Any) -> Any:
-        """Not implemented, so refused before its entries (any number of them) are parsed."""
-        if value:
-            raise ValueError("not supported")
+    def _logit_bias_size(cls, value: Any) -> Any:
+        """Refused by its size before its entries (any number of them) are parsed."""
+        if isinstance(value, dict) and len(value) > MAX_LOGIT_BIAS:
+            raise ValueError(f"has {len(value)} entries; at most {MAX_LOGIT_BIAS} are allowed")
         return value
 
     def check_supported(self) -> None:
         """Refuse options we do not implement, naming the parameter."""
-        if self.n != 1:
-            raise bad_request(f"n must be 1 (one choice per request), got {self.n}", "n")
         if self.stream_options is not None and not self.stream:
             raise bad_request("stream_options can only be set when stream is true", "stream_options")
 
@@ -171,9 +169,10 @@ class _SamplingRequest(_Request):
     def include_usage(self) -> bool:
         return self.stream_options is not None and self.stream_options.include_usage
 
-    def sampling_params(self, max_tokens: int | None, logprobs: int | None) -> SamplingParams:
-        """Build SamplingParams, which checks every limit; an invalid value becomes a 400 naming it. A
-        top_p between 0 and SamplingParams' minimum keeps only the top token, as it means."""
+    def sampling_params(self, max_tokens: int | None, logprobs: int | None, **extra: Any) -> SamplingParams:
+        """Build SamplingParams (``extra``: fields only one endpoint has), which checks every limit; an
+        invalid value becomes a 400 naming it. A top_p between 0 and SamplingParams' minimum keeps only the
+        top token, as it means."""
         temperature = 1.0 if self.temperature is None else self.temperature
         top_p = 1.0 if self.top_p is None else self.top_p
         if 0 < top_p < MIN_TOP_P:
@@ -186,6 +185,7 @@ class _SamplingRequest(_Request):
                 frequency_penalty=self.frequency_penalty, seed=self.seed, max_tokens=max_tokens,
                 min_tokens=self.min_tokens, stop=stop, stop_token_ids=self.stop_token_ids or [],
                 ignore_eos=self.ignore_eos, logprobs=logprobs, skip_special_tokens=self.skip_special_tokens,
+                n=self.n, logit_bias=cast(Any, self.logit_bias), **extra,  # SamplingParams reads the string ids
             )
         except SamplingParamsError as e:
             raise bad_request(str(e), e.param) from e
@@ -201,12 +201,17 @@ class CompletionRequest(_SamplingRequest):
 
     def check_supported(self) -> None:
         super().check_supported()
-        if self.best_of not in (None, 1):
-            raise bad_request(f"best_of must be 1, got {self.best_of}", "best_of")
         if self.suffix:
             raise bad_request("suffix (insertion) is not supported", "suffix")
-        if self.echo and self.logprobs is not None:
-            raise bad_request("echo together with logprobs is not supported (no prompt logprobs)", "echo")
+        if self.stream and self.best_of is not None and self.best_of > self.n:
+            raise bad_request("best_of greater than n cannot be streamed: the best are known only at the end",
+                              "best_of")
+
+    def completion_params(self) -> SamplingParams:
+        """With echo and logprobs, the prompt's logprobs too (as OpenAI and vLLM return them)."""
+        prompt_logprobs = self.logprobs if self.echo and self.logprobs is not None else None
+        return self.sampling_params(self.max_tokens, self.logprobs, best_of=self.best_of,
+                                    prompt_logprobs=prompt_logprobs)
 
 
 class ChatMessage(_Request):
@@ -297,8 +302,8 @@ class CompletionLogprobs(BaseModel):
     """OpenAI's legacy completions format: parallel lists, one entry per generated token."""
 
     tokens: list[str] = Field(default_factory=list)
-    token_logprobs: list[float] = Field(default_factory=list)
-    top_logprobs: list[dict[str, float]] = Field(default_factory=list)
+    token_logprobs: list[float | None] = Field(default_factory=list)  # None: an echoed prompt's first token
+    top_logprobs: list[dict[str, float] | None] = Field(default_factory=list)
     text_offset: list[int] = Field(default_factory=list)
 
 

@@ -90,3 +90,47 @@ def test_a_hash_hit_is_confirmed_against_tokens_and_parent():
 def test_invalid_pool():
     with pytest.raises(ValueError):
         BlockManager(0, 16)
+
+
+def test_fork_shares_blocks_and_copies_the_partial_one_on_first_write():
+    bm = BlockManager(8, 4)
+    parent = seq(range(10))  # blocks: [0-3] [4-7] [8-9 + room]
+    admit(bm, parent)
+    children = [seq(range(10)) for _ in range(2)]
+    for child in children:
+        child.num_computed_tokens = parent.num_computed_tokens
+        bm.fork(parent, child)
+    assert bm.num_used_blocks == 3  # three sequences, one copy of the prompt
+    assert all(c.block_table == parent.block_table for c in children)
+    partial = parent.block_table[2]
+    for i, s in enumerate([children[0], children[1], parent]):
+        s.output_token_ids.append(100 + i)
+        assert bm.allocate(s, 1)
+    copies = bm.take_copies()
+    # the first two writers get private copies; the last holder writes in place
+    assert [src for src, _ in copies] == [partial, partial]
+    assert children[0].block_table[2] == copies[0][1] and children[1].block_table[2] == copies[1][1]
+    assert parent.block_table[2] == partial and bm.blocks[partial].ref_count == 1
+    assert children[0].block_table[:2] == parent.block_table[:2]  # full blocks stay shared
+    assert bm.blocks[parent.block_table[0]].ref_count == 3
+    assert bm.num_used_blocks == 5 and bm.take_copies() == []
+    for s in [parent, *children]:
+        bm.free(s)
+    bm.check_no_leaks()
+
+
+def test_copy_on_write_refused_when_the_pool_is_full_changes_nothing():
+    bm = BlockManager(3, 4)
+    parent = seq(range(10))
+    admit(bm, parent)
+    child = seq(range(10))
+    child.num_computed_tokens = parent.num_computed_tokens
+    bm.fork(parent, child)
+    child.output_token_ids.append(1)
+    table = list(child.block_table)
+    assert not bm.allocate(child, 1)  # no free block for the copy
+    assert child.block_table == table and bm.take_copies() == []
+    bm.free(parent)
+    assert bm.allocate(child, 1) and bm.take_copies() == []  # sole holder now: writes in place
+    bm.free(child)
+    bm.check_no_leaks()

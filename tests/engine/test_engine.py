@@ -146,7 +146,8 @@ def test_logprobs_are_top_n_of_the_model_distribution(smollm, chat_prompt_ids, h
     assert len(out.logprobs) == 5
     for tok, lp in zip(out.token_ids, out.logprobs):
         assert tok in lp and len(lp) == 3  # greedy pick is the top-1, so it is among the three
-        assert lp[tok] == max(lp.values()) and all(v <= 0 for v in lp.values())
+        assert lp[tok].logprob == max(v.logprob for v in lp.values()) and all(v.logprob <= 0 for v in lp.values())
+        assert lp[tok].rank == 1
 
 
 def test_metrics_and_step_trace(smollm, chat_prompt_ids, tmp_path):

@@ -23,7 +23,7 @@ def feed(op: OutputProcessor, rid: str, ids: list[int], finish: str | None = "le
     results = []
     for i, t in enumerate(ids):
         last = i == len(ids) - 1
-        o = EngineCoreOutput(rid, [t], float(i + 1), new_logprobs=[{t: -0.5}] if logprobs else None,
+        o = EngineCoreOutput(rid, [t], float(i + 1), new_logprobs=[{t: (-0.5, 1)}] if logprobs else None,
                              finish_reason=finish if last else None, first_scheduled_time=0.5 if i == 0 else None)
         results.append(op.process_outputs([o]))
     return results

@@ -206,11 +206,16 @@ BAD_REQUESTS = [
     # (path, body, status, param)
     ("/v1/completions", {"prompt": 5}, 400, "prompt"),
     ("/v1/completions", {"model": "gpt-4", "prompt": "x"}, 404, "model"),
-    ("/v1/completions", {"prompt": "x", "n": 2}, 400, "n"),
-    ("/v1/completions", {"prompt": "x", "best_of": 3}, 400, "best_of"),
     ("/v1/completions", {"prompt": "x", "suffix": "y"}, 400, "suffix"),
-    ("/v1/completions", {"prompt": "x", "echo": True, "logprobs": 1}, 400, "echo"),
-    ("/v1/completions", {"prompt": ["a", "b"]}, 400, "prompt"),
+    ("/v1/completions", {"prompt": "x", "n": 0}, 400, "n"),
+    ("/v1/completions", {"prompt": "x", "n": 3, "best_of": 2}, 400, "best_of"),
+    ("/v1/completions", {"prompt": "x", "best_of": 3, "stream": True}, 400, "best_of"),
+    ("/v1/completions", {"prompt": ["x"] * 257}, 400, "prompt"),
+    ("/v1/completions", {"prompt": ["x", [1, 2, 10**9]]}, 400, "prompt"),
+    ("/v1/completions", {"prompt": "x", "logit_bias": {"5": 101}}, 400, "logit_bias"),
+    ("/v1/completions", {"prompt": "x", "logit_bias": {"10000000": 1}}, 400, "logit_bias"),
+    ("/v1/completions", {"prompt": "x", "logit_bias": {"abc": 1}}, 400, "logit_bias"),
+    ("/v1/completions", {"prompt": "x", "logit_bias": {str(i): 1 for i in range(301)}}, 400, "logit_bias"),
     ("/v1/completions", {"prompt": [1, 2, 10**9]}, 400, "prompt"),
     ("/v1/completions", {"prompt": ""}, 400, "prompt"),
     ("/v1/completions", {"prompt": LONG_PROMPT}, 400, "prompt"),
@@ -227,7 +232,6 @@ BAD_REQUESTS = [
     ("/v1/completions", {"prompt": "x", "min_tokens": 5, "max_tokens": 2}, 400, "min_tokens"),
     ("/v1/completions", {"prompt": "x", "seed": 2**70}, 400, "seed"),
     ("/v1/completions", {"prompt": "x", "stream_options": {"include_usage": True}}, 400, "stream_options"),
-    ("/v1/completions", {"prompt": "x", "logit_bias": {"5": 1.0}}, 400, "logit_bias"),
     ("/v1/chat/completions", {"messages": []}, 400, "messages"),
     ("/v1/chat/completions", {"messages": [{"role": "wizard", "content": "hi"}]}, 400, "messages"),
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": 7}]}, 400, "messages"),
@@ -263,7 +267,7 @@ def test_malformed_json_and_unknown_routes(server):
     with pytest.raises(openai.NotFoundError):
         client(server).chat.completions.create(model="no-such-model", messages=CHAT)
     with pytest.raises(openai.BadRequestError):
-        client(server).completions.create(model=MODEL, prompt="x", n=2)
+        client(server).completions.create(model=MODEL, prompt="x", n=0)
 
 
 def test_tokenize_detokenize_models_version(server, reference):
