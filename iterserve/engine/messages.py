@@ -43,6 +43,7 @@ class EngineCoreOutput(msgspec.Struct, array_like=True, omit_defaults=True):
     first_scheduled_time: float | None = None
     num_cached_tokens: int = 0
     num_preemptions: int = 0
+    final_token_is_text: bool = False  # a "stop" at the end of a grammar: the last token is output, not a stop token
 
 
 class SchedulerStats(msgspec.Struct, array_like=True):

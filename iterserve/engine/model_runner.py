@@ -18,7 +18,7 @@ import torch
 from iterserve.attention import AttentionMetadata, KVCache
 from iterserve.engine.scheduler import ScheduledSeq
 from iterserve.models.llama import LlamaModel
-from iterserve.sampler import Sampler, SampleResult, SamplingRow
+from iterserve.sampler import Sampler, SampleResult, SamplingRow, bitmask_words
 
 
 logger = logging.getLogger(__name__)
@@ -83,6 +83,7 @@ class ModelRunner:
             sliding_window=self.model.config.sliding_window,
         )
         dev = self.device
+        bitmask = self._grammar_bitmask(sampled)
         logits = self.model(
             torch.tensor(input_ids, dtype=torch.long, device=dev),
             torch.tensor(positions, dtype=torch.long, device=dev),
@@ -91,8 +92,20 @@ class ModelRunner:
             torch.tensor(logits_rows, dtype=torch.long, device=dev),
         )
         rows = [
-            SamplingRow(s.seq.params, s.seq.prompt_token_ids, s.seq.output_token_ids, s.seq.stop_ids, s.seq.generator)
-            for s in sampled
+            SamplingRow(s.seq.params, s.seq.prompt_token_ids, s.seq.output_token_ids, s.seq.stop_ids, s.seq.generator,
+                        None if s.seq.grammar is None or bitmask is None else bitmask[i])
+            for i, s in enumerate(sampled)
         ]
         result = self.sampler(logits, rows) if rows else SampleResult([], [])
         return sampled, result
+
+    def _grammar_bitmask(self, sampled: list[ScheduledSeq]) -> torch.Tensor | None:
+        """The tokens each constrained sequence's grammar allows next, one packed row per sampled
+        sequence (rows of unconstrained ones are left unused); None when no sequence has a grammar."""
+        if all(s.seq.grammar is None for s in sampled):
+            return None
+        bitmask = torch.zeros(len(sampled), bitmask_words(self.model.config.vocab_size), dtype=torch.int32)
+        for i, s in enumerate(sampled):
+            if s.seq.grammar is not None:
+                s.seq.grammar.fill_bitmask(bitmask, i, s.seq.stop_ids)
+        return bitmask

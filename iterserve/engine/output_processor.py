@@ -105,7 +105,7 @@ class OutputProcessor:
         state.finish_reason, state.stop_reason = o.finish_reason, o.stop_reason
         if state.detokenizer is not None:
             # a stop token ends the request but adds no text
-            text_ids = delta_ids[:-1] if o.finish_reason == "stop" else delta_ids
+            text_ids = delta_ids[:-1] if o.finish_reason == "stop" and not o.final_token_is_text else delta_ids
             state.text += "".join(state.detokenizer.feed(t) for t in text_ids)
             if o.finish_reason is not None:
                 state.text += state.detokenizer.flush()

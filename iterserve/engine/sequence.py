@@ -4,10 +4,14 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import torch
 
 from iterserve.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    from iterserve.structured_output import GrammarMatcher
 
 
 class SequenceStatus(enum.Enum):
@@ -80,6 +84,7 @@ class Sequence:
     metrics: RequestMetrics
     stop_ids: frozenset[int] = frozenset()
     generator: torch.Generator | None = None
+    grammar: GrammarMatcher | None = None  # advanced with each accepted token (structured output)
     status: SequenceStatus = SequenceStatus.WAITING
     output_token_ids: list[int] = field(default_factory=list)
     output_logprobs: list[dict[int, float]] = field(default_factory=list)
