@@ -1,10 +1,10 @@
 """Turn one step's logits into next tokens, row by row with each request's own parameters.
 
-Order of operations follows vLLM: logit_bias, penalties and ``min_tokens`` act on the raw logits, then
-greedy rows take the argmax, the rest are scaled by temperature, truncated by top-k, top-p and
-min-p, and sampled. A request with a seed draws from its own generator, so its output does not
-depend on which other requests share the batch. Logprobs are those of the raw logits (vLLM's
-default), each with its rank in the vocabulary.
+Order of operations follows vLLM: logit_bias, penalties and ``min_tokens`` act on the raw logits, a
+row with a grammar keeps only the tokens its grammar allows, then greedy rows take the argmax, the
+rest are scaled by temperature, truncated by top-k, top-p and min-p, and sampled. A request with a
+seed draws from its own generator, so its output does not depend on which other requests share the
+batch. Logprobs are those of the raw logits (vLLM's default), each with its rank in the vocabulary.
 """
 
 from __future__ import annotations
@@ -26,6 +26,7 @@ class SamplingRow:
     output_token_ids: list[int]
     stop_ids: frozenset[int]  # EOS and stop_token_ids, masked while fewer than min_tokens are out
     generator: torch.Generator | None = None
+    allowed_tokens: torch.Tensor | None = None  # packed int32 bitmask of the tokens a grammar allows next
 
 
 @dataclass
@@ -84,6 +85,24 @@ def apply_penalties(logits: torch.Tensor, rows: list[SamplingRow]) -> None:
             logits[i] -= p.presence_penalty * (counts > 0).to(logits.dtype)
 
 
+def bitmask_words(vocab_size: int) -> int:
+    """int32 words per row of a packed token bitmask (bit ``t % 32`` of word ``t // 32`` is token t)."""
+    return (vocab_size + 31) // 32
+
+
+def apply_token_bitmask(logits: torch.Tensor, rows: list[int], bitmask: torch.Tensor) -> None:
+    """Set to -inf, in place, the logits of ``rows`` whose token's bit is 0 in ``bitmask``.
+
+    ``bitmask`` has one packed int32 row per entry of ``rows``: bit ``t % 32`` of word ``t // 32``
+    allows token t. Other rows are not touched, so unconstrained requests sample as they would alone.
+    """
+    vocab = logits.shape[-1]
+    shifts = torch.arange(32, dtype=torch.int32, device=bitmask.device)
+    allowed = ((bitmask.unsqueeze(-1) >> shifts) & 1).flatten(1)[:, :vocab].bool().to(logits.device)
+    index = torch.tensor(rows, dtype=torch.long, device=logits.device)
+    logits[index] = logits[index].masked_fill(~allowed, float("-inf"))
+
+
 def _truncate(logits: torch.Tensor, p: SamplingParams) -> torch.Tensor:
     """Temperature, top-k, top-p and min-p on one row; returns probabilities."""
     logits = logits / p.temperature
@@ -131,6 +150,9 @@ class Sampler:
             if len(row.output_token_ids) < row.params.min_tokens and row.stop_ids:
                 ids = [t for t in row.stop_ids if t < logits.shape[-1]]
                 logits[i, ids] = float("-inf")
+        masks = [(i, row.allowed_tokens) for i, row in enumerate(rows) if row.allowed_tokens is not None]
+        if masks:
+            apply_token_bitmask(logits, [i for i, _ in masks], torch.stack([m for _, m in masks]))
         tokens = logits.argmax(dim=-1).tolist()
         for i, row in enumerate(rows):
             if not row.params.greedy:

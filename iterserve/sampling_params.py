@@ -7,9 +7,11 @@ protection as the HTTP server.
 
 from __future__ import annotations
 
+import json
 import math
 import operator
 from dataclasses import dataclass, field
+from typing import Any
 
 from iterserve.errors import RequestError
 
@@ -54,6 +56,50 @@ def _as_int(name: str, value: object) -> int:
 
 
 @dataclass
+class StructuredOutputsParams:
+    """Constrain the output to a grammar (vLLM's names): exactly one of ``json`` (a JSON schema, as a
+    dict or a string), ``json_object`` (any JSON object), ``regex``, ``choice`` (one of these strings)
+    or ``grammar`` (a Lark grammar).
+
+    The spec is normalised to a string and checked when built, so a bad schema or regex is refused
+    before the request is queued (:class:`SamplingParamsError` naming the field); the engine core
+    compiles it against the model's vocabulary.
+    """
+
+    json: str | dict[str, Any] | None = None
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+    json_object: bool = False
+
+    def __post_init__(self) -> None:
+        given = [name for name in ("json", "regex", "choice", "grammar") if getattr(self, name) is not None]
+        given += ["json_object"] if self.json_object else []
+        if len(given) != 1:
+            raise SamplingParamsError("structured_outputs", "structured_outputs needs exactly one of json, "
+                                      f"json_object, regex, choice or grammar; got {given or 'none'}")
+        if isinstance(self.json, dict):
+            self.json = json.dumps(self.json)
+        for name in ("json", "regex", "grammar"):
+            value = getattr(self, name)
+            if value is not None and not isinstance(value, str):
+                raise SamplingParamsError(name, f"{name} must be a string, got {type(value).__name__}")
+        if self.choice is not None:
+            self.choice = list(self.choice)
+            if not self.choice or not all(isinstance(c, str) and c for c in self.choice):
+                raise SamplingParamsError("choice", "choice must be a non-empty list of non-empty strings")
+        from iterserve.structured_output import check_spec  # the grammar engine loads only when used
+
+        check_spec(self)
+
+    @property
+    def kind(self) -> str:
+        """Which constraint this is: json, json_object, regex, choice or grammar."""
+        return "json_object" if self.json_object else next(
+            name for name in ("json", "regex", "choice", "grammar") if getattr(self, name) is not None)
+
+
+@dataclass
 class SamplingParams:
     """How to pick each next token and when to stop.
 
@@ -80,6 +126,7 @@ class SamplingParams:
     skip_special_tokens: bool = True
     best_of: int | None = None  # generate this many, return the n with the highest cumulative logprob
     logit_bias: dict[int, float] | None = None  # added to the raw logits of these token ids
+    structured_outputs: StructuredOutputsParams | None = None
 
     def __post_init__(self) -> None:
         self._check_types()
@@ -142,6 +189,8 @@ class SamplingParams:
         if not all(isinstance(s, str) for s in self.stop):
             raise SamplingParamsError("stop", "stop must be a list of non-empty strings")
         self.stop_token_ids = [_as_int("stop_token_ids", t) for t in self.stop_token_ids]
+        if self.structured_outputs is not None and not isinstance(self.structured_outputs, StructuredOutputsParams):
+            raise SamplingParamsError("structured_outputs", "structured_outputs must be a StructuredOutputsParams")
         for name in ("n", "top_k", "min_tokens"):
             setattr(self, name, _as_int(name, getattr(self, name)))
         for name in ("seed", "max_tokens", "logprobs", "prompt_logprobs", "best_of"):

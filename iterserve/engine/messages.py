@@ -47,6 +47,7 @@ class EngineCoreOutput(msgspec.Struct, array_like=True, omit_defaults=True):
     index: int = 0  # which of the request's n (or best_of) sequences advanced
     cumulative_logprob: float | None = None
     prompt_logprobs: list[TokenLogprobs | None] | None = None  # with the request's first token
+    final_token_is_text: bool = False  # a "stop" at the end of a grammar: the last token is output, not a stop token
 
 
 class SchedulerStats(msgspec.Struct, array_like=True):

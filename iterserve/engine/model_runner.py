@@ -12,8 +12,9 @@ import torch
 
 from iterserve.attention import AttentionMetadata, KVCache
 from iterserve.engine.scheduler import ScheduledSeq, sampling_seqs
+from iterserve.engine.sequence import Sequence
 from iterserve.models.llama import LlamaModel
-from iterserve.sampler import Sampler, SampleResult, SamplingRow, token_logprobs
+from iterserve.sampler import Sampler, SampleResult, SamplingRow, bitmask_words, token_logprobs
 
 
 class ModelRunner:
@@ -68,6 +69,8 @@ class ModelRunner:
             sliding_window=self.model.config.sliding_window,
         )
         dev = self.device
+        seqs = sampling_seqs(scheduled)
+        bitmask = self._grammar_bitmask(seqs)
         logits = self.model(
             torch.tensor(input_ids, dtype=torch.long, device=dev),
             torch.tensor(positions, dtype=torch.long, device=dev),
@@ -76,8 +79,9 @@ class ModelRunner:
             torch.tensor(logits_rows, dtype=torch.long, device=dev),
         )
         rows = [
-            SamplingRow(seq.params, seq.prompt_token_ids, seq.output_token_ids, seq.stop_ids, seq.generator)
-            for seq in sampling_seqs(scheduled)
+            SamplingRow(seq.params, seq.prompt_token_ids, seq.output_token_ids, seq.stop_ids, seq.generator,
+                        None if seq.grammar is None or bitmask is None else bitmask[i])
+            for i, seq in enumerate(seqs)
         ]
         result = self.sampler(logits[:num_sampling], rows) if rows else SampleResult([], [])
         offset = num_sampling
@@ -98,3 +102,14 @@ class ModelRunner:
         for cache in self.kv_caches:
             cache.k[dst] = cache.k[src]
             cache.v[dst] = cache.v[src]
+
+    def _grammar_bitmask(self, seqs: list[Sequence]) -> torch.Tensor | None:
+        """The tokens each constrained sequence's grammar allows next, one packed row per sampling
+        sequence (rows of unconstrained ones are left unused); None when no sequence has a grammar."""
+        if all(seq.grammar is None for seq in seqs):
+            return None
+        bitmask = torch.zeros(len(seqs), bitmask_words(self.model.config.vocab_size), dtype=torch.int32)
+        for i, seq in enumerate(seqs):
+            if seq.grammar is not None:
+                seq.grammar.fill_bitmask(bitmask, i, seq.stop_ids)
+        return bitmask

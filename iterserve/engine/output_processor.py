@@ -150,7 +150,7 @@ class OutputProcessor:
                     s.finish_reason, s.core_finished = "error", True
         if seq.detokenizer is not None:
             # a stop token ends the request but adds no text
-            text_ids = delta_ids[:-1] if o.finish_reason == "stop" else delta_ids
+            text_ids = delta_ids[:-1] if o.finish_reason == "stop" and not o.final_token_is_text else delta_ids
             seq.text += "".join(seq.detokenizer.feed(t) for t in text_ids)
             if o.finish_reason is not None:
                 seq.text += seq.detokenizer.flush()

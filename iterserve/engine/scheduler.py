@@ -16,6 +16,7 @@ completely finished; that is the behaviour continuous batching removes.
 
 from __future__ import annotations
 
+import logging
 from collections import deque
 from dataclasses import dataclass, field
 
@@ -23,6 +24,8 @@ from iterserve.config import SchedulerConfig
 from iterserve.engine.block_manager import BlockManager
 from iterserve.engine.sequence import Sequence, SequenceStatus
 from iterserve.sampler import SampleResult
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass
@@ -201,11 +204,18 @@ class Scheduler:
         parent.forks = []
 
     def _stop_reason(self, seq: Sequence, token: int) -> str | None:
-        """Token-level stops: a stop or EOS token (once min_tokens are out), max_tokens, max_model_len."""
+        """Token-level stops: a stop or EOS token (once min_tokens are out), the end of the request's
+        grammar, max_tokens, max_model_len. A grammar advances here with each token it is given."""
         n_out = len(seq.output_token_ids)
         if token in seq.stop_ids and n_out >= seq.params.min_tokens:
             seq.stop_reason = token if token in seq.params.stop_token_ids else None
             return "stop"
+        if seq.grammar is not None:
+            if not seq.grammar.accept(token):
+                logger.error("request %s: its grammar refused token %d: %s", seq.request_id, token, seq.grammar.error)
+                return "error"
+            if seq.grammar.is_terminated:
+                return "stop"
         max_len = self.config.max_model_len
         if n_out >= seq.max_tokens or (max_len is not None and seq.num_tokens >= max_len):
             return "length"

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -11,6 +12,8 @@ from iterserve.sampling_params import SamplingParams
 
 # One token's logprobs: token id -> (logprob, rank in the vocabulary, 1 = most likely).
 TokenLogprobs = dict[int, tuple[float, int]]
+if TYPE_CHECKING:
+    from iterserve.structured_output import GrammarMatcher
 
 
 class SequenceStatus(enum.Enum):
@@ -86,6 +89,7 @@ class Sequence:
     metrics: RequestMetrics
     stop_ids: frozenset[int] = frozenset()
     generator: torch.Generator | None = None
+    grammar: GrammarMatcher | None = None  # advanced with each accepted token (structured output)
     status: SequenceStatus = SequenceStatus.WAITING
     output_token_ids: list[int] = field(default_factory=list)
     output_logprobs: list[TokenLogprobs] = field(default_factory=list)

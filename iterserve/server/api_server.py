@@ -76,6 +76,7 @@ from iterserve.server.protocol import (
     Usage,
     bad_request,
 )
+from iterserve.server.tool_calls import ToolCallPlan, ToolCallStream, render_tool_calls_as_text
 from iterserve.tokenizer import Tokenizer
 
 logger = logging.getLogger(__name__)
@@ -309,16 +310,19 @@ class OpenAIServing:
         return await asyncio.to_thread(encode)
 
     async def _encode_chat(self, messages: list[dict[str, Any]], add_generation_prompt: bool,
-                           max_tokens: int) -> list[int]:
+                           max_tokens: int, tools: list[dict[str, Any]] | None = None) -> list[int]:
         """Token ids of a conversation rendered by the chat template, both done in a worker thread.
 
         The length check applies to the rendered prompt: a template may leave some content out.
         """
         tokenizer = self._tokenizer()
+        template = tokenizer.chat_templates.get("tool_use", tokenizer.chat_template)
+        messages = render_tool_calls_as_text(messages, template)
 
         def render_and_encode() -> list[int]:
             try:
-                prompt = tokenizer.apply_chat_template(messages, add_generation_prompt=add_generation_prompt)
+                prompt = tokenizer.apply_chat_template(messages, add_generation_prompt=add_generation_prompt,
+                                                       tools=tools)
             except ValueError as e:
                 raise bad_request(str(e), "messages") from e
             assert isinstance(prompt, str)
@@ -451,7 +455,7 @@ class OpenAIServing:
     async def completions(self, body: CompletionRequest, request: Request) -> Response:
         self._check_model(body.model)
         body.check_supported()
-        params = body.completion_params()
+        params = body.completion_params(body.structured_outputs_params())
         prompts = await self._completion_prompts(body.prompt, body.echo)
         request_id = f"cmpl-{uuid.uuid4().hex}"
         streams = await self._submit_all(request_id, [ids for ids, _ in prompts], params, bool(body.stream))
@@ -520,13 +524,22 @@ class OpenAIServing:
         self._check_model(body.model)
         body.check_supported()
         max_tokens = body.requested_max_tokens
-        params = body.sampling_params(max_tokens, body.requested_logprobs)
+        tool_plan = ToolCallPlan.of(body)
+        constraint = body.structured_outputs_params()
+        if constraint is not None and tool_plan.constraint is not None:
+            raise bad_request("a tool_choice that forces a call cannot be combined with another output constraint",
+                              "tool_choice")
+        params = body.sampling_params(max_tokens, body.requested_logprobs,
+                                      structured_outputs=constraint or tool_plan.constraint)
+        tools = None
+        if tool_plan.mode != "none" and body.tools:
+            tools = [t.model_dump(exclude_none=True) for t in body.tools]
         prompt_ids = await self._encode_chat(body.message_dicts(), body.add_generation_prompt,
-                                             self.engine.max_model_len - 1)
+                                             self.engine.max_model_len - 1, tools)
         request_id = f"chatcmpl-{uuid.uuid4().hex}"
         stream = await self._submit(request_id, prompt_ids, params, bool(body.stream), prompt_param="messages")
         if body.stream:
-            return self._streaming(self._chat_events(stream, body), [stream])
+            return self._streaming(self._chat_events(stream, body, tool_plan), [stream])
         finals = await self._final_outputs([stream], request)
         if finals is None:
             return Response(status_code=499)
@@ -536,13 +549,17 @@ class OpenAIServing:
             logprobs = None
             if body.logprobs:
                 logprobs = self._chat_logprobs(list(zip(c.token_ids, c.logprobs or [])), body.top_logprobs or 0)
-            choices.append(ChatChoice(index=c.index, message=AssistantMessage(content=c.text), logprobs=logprobs,
-                                      finish_reason=c.finish_reason, stop_reason=c.stop_reason))
+            content, tool_calls = tool_plan.parse(c.text)
+            finish_reason = "tool_calls" if tool_calls and c.finish_reason == "stop" else c.finish_reason
+            choices.append(ChatChoice(index=c.index, message=AssistantMessage(content=content, tool_calls=tool_calls),
+                                      logprobs=logprobs, finish_reason=finish_reason, stop_reason=c.stop_reason))
         return JSONResponse(ChatCompletionResponse(id=request_id, model=self.model_name, choices=choices,
                                                    usage=_usage(final)).model_dump())
 
-    async def _chat_events(self, stream: RequestStream, body: ChatCompletionRequest) -> AsyncIterator[str]:
+    async def _chat_events(self, stream: RequestStream, body: ChatCompletionRequest,
+                           plan: ToolCallPlan) -> AsyncIterator[str]:
         created = int(time.time())
+        parsers: dict[int, ToolCallStream] = {}  # one tool-call parser per choice
 
         def chunk(choices: list[ChatStreamChoice], usage: Usage | None = None) -> str:
             return _sse(ChatCompletionChunk(id=stream.request_id, created=created, model=self.model_name,
@@ -555,12 +572,20 @@ class OpenAIServing:
             async for out in stream:
                 final = out
                 for c in out.outputs:
+                    tools = parsers.setdefault(c.index, ToolCallStream(plan))
                     logprobs = self._chat_logprobs(_new_logprobs(c), body.top_logprobs or 0) if body.logprobs else None
-                    if not c.delta_text and not c.finished and not (logprobs and logprobs.content):
+                    content, calls = tools.feed(c.delta_text)
+                    finish_reason = c.finish_reason
+                    if c.finished:
+                        rest, more = tools.finish()
+                        content, calls = content + rest, calls + more
+                        if tools.has_calls and finish_reason == "stop":
+                            finish_reason = "tool_calls"
+                    if not content and not calls and not c.finished and not (logprobs and logprobs.content):
                         continue
-                    delta = DeltaMessage(content=c.delta_text or None)
+                    delta = DeltaMessage(content=content or None, tool_calls=calls or None)
                     yield chunk([ChatStreamChoice(index=c.index, delta=delta, logprobs=logprobs,
-                                                  finish_reason=c.finish_reason, stop_reason=c.stop_reason)])
+                                                  finish_reason=finish_reason, stop_reason=c.stop_reason)])
             if body.include_usage and final is not None:
                 yield chunk([], _usage(final))
         except (EngineDeadError, RequestFailedError) as e:

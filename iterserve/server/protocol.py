@@ -12,7 +12,13 @@ from typing import Annotated, Any, Literal, TypeVar, cast
 
 from pydantic import BaseModel, ConfigDict, Discriminator, Field, Strict, Tag, field_validator, model_serializer
 
-from iterserve.sampling_params import MAX_LOGIT_BIAS, MIN_TOP_P, SamplingParams, SamplingParamsError
+from iterserve.sampling_params import (
+    MAX_LOGIT_BIAS,
+    MIN_TOP_P,
+    SamplingParams,
+    SamplingParamsError,
+    StructuredOutputsParams,
+)
 
 COMPLETION_DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
 
@@ -151,6 +157,13 @@ class _SamplingRequest(_Request):
     ignore_eos: bool = False
     skip_special_tokens: bool = True
     stop_token_ids: ListOf[Int] | None = None
+    # output constraints: OpenAI's response_format, vLLM's guided_* fields and its structured_outputs object
+    response_format: dict[str, Any] | None = None
+    guided_json: str | dict[str, Any] | None = None
+    guided_regex: str | None = None
+    guided_choice: ListOf[str] | None = None
+    guided_grammar: str | None = None
+    structured_outputs: dict[str, Any] | None = None
 
     @field_validator("logit_bias", mode="before")
     @classmethod
@@ -168,6 +181,28 @@ class _SamplingRequest(_Request):
     @property
     def include_usage(self) -> bool:
         return self.stream_options is not None and self.stream_options.include_usage
+
+    def structured_outputs_params(self) -> StructuredOutputsParams | None:
+        """The output constraint the request asks for, if any; a 400 naming the parameter when it is
+        malformed, does not compile, or more than one is given."""
+        sources: list[tuple[str, dict[str, Any]]] = []
+        if self.response_format is not None and self.response_format.get("type") != "text":
+            sources.append(("response_format", _response_format_fields(self.response_format)))
+        guided = {"json": self.guided_json, "regex": self.guided_regex, "choice": self.guided_choice,
+                  "grammar": self.guided_grammar}
+        sources += [(f"guided_{kind}", {kind: value}) for kind, value in guided.items() if value is not None]
+        if self.structured_outputs:
+            if self.structured_outputs.get("structural_tag") is not None:
+                raise bad_request("structured_outputs.structural_tag is not supported", "structured_outputs")
+            fields = {k: v for k, v in self.structured_outputs.items()
+                      if k in STRUCTURED_OUTPUT_KINDS and v not in (None, False)}
+            sources.append(("structured_outputs", fields))
+        if not sources:
+            return None
+        if len(sources) > 1:
+            names = ", ".join(name for name, _ in sources)
+            raise bad_request(f"give at most one output constraint; got {names}", sources[1][0])
+        return structured_outputs_from(sources[0][0], sources[0][1])
 
     def sampling_params(self, max_tokens: int | None, logprobs: int | None, **extra: Any) -> SamplingParams:
         """Build SamplingParams (``extra``: fields only one endpoint has), which checks every limit; an
@@ -191,6 +226,32 @@ class _SamplingRequest(_Request):
             raise bad_request(str(e), e.param) from e
 
 
+STRUCTURED_OUTPUT_KINDS = ("json", "regex", "choice", "grammar", "json_object")
+
+
+def structured_outputs_from(param: str, fields: dict[str, Any]) -> StructuredOutputsParams:
+    """StructuredOutputsParams from request fields; a 400 naming ``param`` when they are invalid."""
+    try:
+        return StructuredOutputsParams(**fields)
+    except SamplingParamsError as e:
+        raise bad_request(f"{param}: {e}", param) from e
+
+
+def _response_format_fields(fmt: dict[str, Any]) -> dict[str, Any]:
+    """OpenAI's response_format as StructuredOutputsParams fields."""
+    kind = fmt.get("type")
+    if kind == "json_object":
+        return {"json_object": True}
+    if kind != "json_schema":
+        raise bad_request(f"response_format type must be 'text', 'json_object' or 'json_schema', got {kind!r}",
+                          "response_format")
+    spec = fmt.get("json_schema")
+    schema = spec.get("schema") if isinstance(spec, dict) else None
+    if not isinstance(schema, dict):
+        raise bad_request("response_format json_schema needs a 'schema' object", "response_format")
+    return {"json": schema}
+
+
 class CompletionRequest(_SamplingRequest):
     prompt: Prompt
     max_tokens: Int | None = COMPLETION_DEFAULT_MAX_TOKENS
@@ -207,17 +268,43 @@ class CompletionRequest(_SamplingRequest):
             raise bad_request("best_of greater than n cannot be streamed: the best are known only at the end",
                               "best_of")
 
-    def completion_params(self) -> SamplingParams:
+    def completion_params(self, structured_outputs: StructuredOutputsParams | None = None) -> SamplingParams:
         """With echo and logprobs, the prompt's logprobs too (as OpenAI and vLLM return them)."""
         prompt_logprobs = self.logprobs if self.echo and self.logprobs is not None else None
         return self.sampling_params(self.max_tokens, self.logprobs, best_of=self.best_of,
+                                    structured_outputs=structured_outputs,
                                     prompt_logprobs=prompt_logprobs)
 
 
+class FunctionCall(BaseModel):
+    name: str
+    arguments: str  # JSON text, as the model wrote it
+
+
+class ToolCall(BaseModel):
+    id: str
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
 class ChatMessage(_Request):
-    role: Literal["system", "developer", "user", "assistant"]
+    role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | ListOf[dict[str, Any]] | None = None
     name: str | None = None
+    tool_calls: ListOf[ToolCall] | None = None  # an assistant turn that called tools
+    tool_call_id: str | None = None  # a tool message: the call it answers
+
+
+class FunctionDefinition(_Request):
+    name: str = Field(min_length=1)
+    description: str | None = None
+    parameters: dict[str, Any] | None = None
+    strict: bool | None = None
+
+
+class ChatTool(_Request):
+    type: Literal["function"] = "function"
+    function: FunctionDefinition
 
 
 class ChatCompletionRequest(_SamplingRequest):
@@ -226,25 +313,22 @@ class ChatCompletionRequest(_SamplingRequest):
     max_completion_tokens: Int | None = None
     logprobs: bool = False
     top_logprobs: Int | None = None
-    tools: list[Any] | None = None
-    tool_choice: Any = None
+    tools: ListOf[ChatTool] | None = None
+    tool_choice: Literal["none", "auto", "required"] | dict[str, Any] | None = None
+    parallel_tool_calls: bool = True
     functions: list[Any] | None = None
     function_call: Any = None
-    response_format: dict[str, Any] | None = None
     # vLLM extension
     add_generation_prompt: bool = True
 
     def check_supported(self) -> None:
         super().check_supported()
-        for name in ("tools", "functions"):
-            if getattr(self, name):
-                raise bad_request(f"{name} (function calling) is not supported", name)
-        if self.tool_choice not in (None, "none"):
-            raise bad_request("tool_choice is not supported", "tool_choice")
+        if self.functions:
+            raise bad_request("functions (the deprecated form of tools) is not supported; send tools", "functions")
         if self.function_call not in (None, "none"):
-            raise bad_request("function_call is not supported", "function_call")
-        if self.response_format is not None and self.response_format.get("type") != "text":
-            raise bad_request("only response_format {'type': 'text'} is supported", "response_format")
+            raise bad_request("function_call is not supported; send tool_choice", "function_call")
+        if self.tool_choice not in (None, "none", "auto") and not self.tools:
+            raise bad_request("tool_choice needs tools", "tool_choice")
         if self.top_logprobs is not None and not self.logprobs:
             raise bad_request("top_logprobs requires logprobs to be true", "top_logprobs")
 
@@ -341,7 +425,8 @@ class ChatLogprobs(BaseModel):
 
 class AssistantMessage(BaseModel):
     role: Literal["assistant"] = "assistant"
-    content: str
+    content: str | None
+    tool_calls: list[ToolCall] = Field(default_factory=list)
 
 
 class ChatChoice(BaseModel):
@@ -362,14 +447,40 @@ class ChatCompletionResponse(BaseModel):
     system_fingerprint: str | None = None
 
 
+class DeltaFunctionCall(BaseModel):
+    name: str | None = None
+    arguments: str | None = None
+
+
+class DeltaToolCall(BaseModel):
+    """A piece of a streamed tool call: the first carries its id, type and name, later ones append
+    to its arguments; ``index`` says which call of the message it belongs to."""
+
+    index: int
+    id: str | None = None
+    type: Literal["function"] | None = None
+    function: DeltaFunctionCall
+
+    @model_serializer
+    def _set_fields_only(self) -> dict[str, Any]:
+        function = {k: v for k, v in (("name", self.function.name), ("arguments", self.function.arguments))
+                    if v is not None}
+        head = {k: v for k, v in (("id", self.id), ("type", self.type)) if v is not None}
+        return {"index": self.index, **head, "function": function}
+
+
 class DeltaMessage(BaseModel):
     role: Literal["assistant"] | None = None
     content: str | None = None
+    tool_calls: list[DeltaToolCall] | None = None
 
     @model_serializer
-    def _set_fields_only(self) -> dict[str, str]:
+    def _set_fields_only(self) -> dict[str, Any]:
         """A delta carries only what changed, as OpenAI's chunks do."""
-        return {k: v for k, v in (("role", self.role), ("content", self.content)) if v is not None}
+        fields: dict[str, Any] = {k: v for k, v in (("role", self.role), ("content", self.content)) if v is not None}
+        if self.tool_calls:
+            fields["tool_calls"] = [call.model_dump() for call in self.tool_calls]
+        return fields
 
 
 class ChatStreamChoice(BaseModel):

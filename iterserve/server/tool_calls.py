@@ -1,0 +1,202 @@
+"""Tool calls for chat completions: a grammar where the call is forced, a parser where it is not.
+
+``tool_choice`` naming a function constrains the output to a JSON object valid for that function's
+``parameters`` schema, and ``"required"`` to a JSON array of ``{"name", "parameters"}`` objects, one
+of the tools each (as vLLM does), so both work for any model. ``"auto"`` leaves the model free and
+reads the Hermes format (``<tool_call>{"name": ..., "arguments": ...}</tool_call>``, Qwen2/Qwen3 and
+others) out of its text; a model whose chat template has no tool format just answers in text.
+
+Streaming follows OpenAI: a call's first delta carries its id, type, name and empty arguments, later
+deltas append argument text. A named call streams its arguments as they are generated; "required"
+and "auto" calls are sent whole once their text is complete.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import uuid
+from dataclasses import dataclass
+from typing import Any
+
+from iterserve.sampling_params import StructuredOutputsParams
+from iterserve.server.protocol import (
+    ChatCompletionRequest,
+    DeltaFunctionCall,
+    DeltaToolCall,
+    FunctionCall,
+    ToolCall,
+    bad_request,
+    structured_outputs_from,
+)
+
+HERMES_OPEN, HERMES_CLOSE = "<tool_call>", "</tool_call>"
+_HERMES_CALL = re.compile(re.escape(HERMES_OPEN) + r"\s*(.*?)\s*(?:" + re.escape(HERMES_CLOSE) + r"|$)", re.DOTALL)
+ANY_OBJECT: dict[str, Any] = {"type": "object"}
+
+
+def _call_id() -> str:
+    return f"call_{uuid.uuid4().hex[:24]}"
+
+
+def _tool_call(name: str, arguments: Any) -> ToolCall:
+    text = arguments if isinstance(arguments, str) else json.dumps(arguments, ensure_ascii=False)
+    return ToolCall(id=_call_id(), function=FunctionCall(name=name, arguments=text))
+
+
+@dataclass
+class ToolCallPlan:
+    """How one chat request treats its tools: mode none, auto, required or named (``function``)."""
+
+    mode: str
+    function: str | None = None
+    constraint: StructuredOutputsParams | None = None
+
+    @classmethod
+    def of(cls, body: ChatCompletionRequest) -> ToolCallPlan:
+        """The plan for ``body``; a 400 for a tool_choice that names no given tool."""
+        choice = body.tool_choice
+        if not body.tools or choice == "none":
+            return cls("none")
+        schemas = {t.function.name: t.function.parameters or ANY_OBJECT for t in body.tools}
+        if choice is None or choice == "auto":
+            return cls("auto")
+        if choice == "required":
+            calls = [{"type": "object", "properties": {"name": {"const": name}, "parameters": schema},
+                      "required": ["name", "parameters"], "additionalProperties": False}
+                     for name, schema in schemas.items()]
+            array: dict[str, Any] = {"type": "array", "minItems": 1, "items": {"anyOf": calls}}
+            if not body.parallel_tool_calls:
+                array["maxItems"] = 1
+            return cls("required", constraint=structured_outputs_from("tools", {"json": array}))
+        function = choice.get("function") if isinstance(choice, dict) else None
+        name = function.get("name") if isinstance(function, dict) else None
+        if choice.get("type") != "function" or not isinstance(name, str):
+            raise bad_request("tool_choice must be 'none', 'auto', 'required' or "
+                              "{'type': 'function', 'function': {'name': ...}}", "tool_choice")
+        if name not in schemas:
+            raise bad_request(f"tool_choice names the function {name!r}, which is not among the tools", "tool_choice")
+        return cls("named", name, structured_outputs_from("tools", {"json": schemas[name]}))
+
+    def parse(self, text: str) -> tuple[str | None, list[ToolCall]]:
+        """The message's content and tool calls from the whole generated text."""
+        if self.mode == "none":
+            return text, []
+        if self.mode == "named":
+            assert self.function is not None
+            return None, [_tool_call(self.function, text)]
+        if self.mode == "required":
+            try:
+                calls = json.loads(text)
+            except json.JSONDecodeError:  # cut off by max_tokens or a stop string
+                return text, []
+            return None, [_tool_call(c["name"], c["parameters"]) for c in calls]
+        return parse_hermes(text)
+
+
+def parse_hermes(text: str) -> tuple[str | None, list[ToolCall]]:
+    """Content before the first ``<tool_call>`` and the calls in the blocks; a block that is not a
+    JSON object with a name stays in the content, so nothing the model wrote is lost."""
+    start = text.find(HERMES_OPEN)
+    if start < 0:
+        return text, []
+    calls = []
+    for match in _HERMES_CALL.finditer(text, start):
+        try:
+            call = json.loads(match.group(1))
+        except json.JSONDecodeError:
+            return text, []
+        if not isinstance(call, dict) or not isinstance(call.get("name"), str):
+            return text, []
+        calls.append(_tool_call(call["name"], call.get("arguments", call.get("parameters", {}))))
+    content = text[:start].strip()
+    return content or None, calls
+
+
+@dataclass
+class ToolCallStream:
+    """Turns a streamed completion's text deltas into content deltas and tool-call deltas."""
+
+    plan: ToolCallPlan
+    text: str = ""
+    _sent_head: bool = False
+    _held: str = ""  # auto mode: text that may be the start of a tool call
+    _in_call: bool = False
+    _num_calls: int = 0
+
+    def feed(self, delta: str) -> tuple[str, list[DeltaToolCall]]:
+        """(content to send now, tool-call deltas to send now) for the next piece of text."""
+        self.text += delta
+        mode = self.plan.mode
+        if mode == "none":
+            return delta, []
+        if mode == "named":
+            calls = []
+            if not self._sent_head:
+                self._sent_head = True
+                calls.append(DeltaToolCall(index=0, id=_call_id(), type="function",
+                                           function=DeltaFunctionCall(name=self.plan.function, arguments="")))
+            if delta:
+                calls.append(DeltaToolCall(index=0, function=DeltaFunctionCall(arguments=delta)))
+            return "", calls
+        if mode == "required":
+            return "", []
+        if self._in_call:
+            self._held += delta
+            return "", []
+        # auto: pass text through until a tool call may be starting, then hold the rest
+        held = self._held + delta
+        start = held.find(HERMES_OPEN)
+        if start >= 0:
+            self._in_call = True
+            self._held = held[start:]
+            return held[:start], []
+        keep = next((k for k in range(min(len(held), len(HERMES_OPEN) - 1), 0, -1)
+                     if HERMES_OPEN.startswith(held[-k:])), 0)
+        self._held = held[len(held) - keep:] if keep else ""
+        return held[:len(held) - keep], []
+
+    def finish(self) -> tuple[str, list[DeltaToolCall]]:
+        """What is left once the text is complete: held content, or the calls the text holds."""
+        if self.plan.mode in ("none", "named"):
+            return "", []
+        if self.plan.mode == "auto" and not self._in_call:
+            held, self._held = self._held, ""
+            return held, []
+        text = self._held if self.plan.mode == "auto" else self.text
+        content, calls = (parse_hermes(text) if self.plan.mode == "auto" else self.plan.parse(text))
+        self._num_calls = len(calls)
+        deltas = [DeltaToolCall(index=i, id=c.id, type="function",
+                                function=DeltaFunctionCall(name=c.function.name, arguments=c.function.arguments))
+                  for i, c in enumerate(calls)]
+        return content or "", deltas
+
+    @property
+    def has_calls(self) -> bool:
+        return self.plan.mode == "named" or self._num_calls > 0
+
+
+def render_tool_calls_as_text(messages: list[dict[str, Any]], chat_template: str | None) -> list[dict[str, Any]]:
+    """Messages a template without a tool format can render: an assistant turn's ``tool_calls`` are
+    written into its content in the Hermes format (the one "auto" reads back), so the conversation
+    keeps them. Templates that mention ``tool_calls`` get the messages unchanged."""
+    if chat_template is None or "tool_calls" in chat_template:
+        return messages
+    out = []
+    for message in messages:
+        calls, content = message.get("tool_calls"), message.get("content")
+        if calls and (content is None or isinstance(content, str)):
+            blocks = [f"{HERMES_OPEN}{json.dumps({'name': c['function']['name'], 'arguments': _arguments(c)})}"
+                      f"{HERMES_CLOSE}" for c in calls]
+            content = "\n".join(filter(None, [content, *blocks]))
+            message = {k: v for k, v in message.items() if k != "tool_calls"} | {"content": content}
+        out.append(message)
+    return out
+
+
+def _arguments(call: dict[str, Any]) -> Any:
+    text = call["function"]["arguments"]
+    try:
+        return json.loads(text)
+    except json.JSONDecodeError:
+        return text

@@ -1,0 +1,61 @@
+"""Structured output through the offline engine on SmolLM2-135M: vLLM's SamplingParams shape,
+outputs that parse, and unconstrained neighbours in the same batch decoding exactly as alone."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from iterserve import LLM, SamplingParams
+from iterserve.sampling_params import StructuredOutputsParams
+from tests.conftest import CHAT_PROMPTS
+
+SCHEMA = {
+    "type": "object",
+    "properties": {"city": {"type": "string", "maxLength": 20}, "population": {"type": "integer", "minimum": 0,
+                                                                                  "maximum": 10**9}},
+    "required": ["city", "population"],
+    "additionalProperties": False,
+}
+
+
+@pytest.fixture(scope="module")
+def llm(smollm) -> LLM:
+    return LLM(loaded=smollm, dtype="float32", num_kv_blocks=256, max_model_len=1024)
+
+
+def chat_ids(llm: LLM, conversation: list[dict]) -> list[int]:
+    tokenizer = llm.tokenizer
+    return tokenizer.encode(tokenizer.apply_chat_template(conversation), add_special_tokens=False)
+
+
+def test_generate_with_structured_outputs(llm):
+    ask = [{"role": "user", "content": "Give a city and its population as JSON."}]
+    params = [
+        SamplingParams(temperature=1.0, seed=seed, max_tokens=96,
+                       structured_outputs=StructuredOutputsParams(json=SCHEMA))
+        for seed in range(4)
+    ] + [SamplingParams(temperature=1.0, seed=9, max_tokens=8,
+                        structured_outputs=StructuredOutputsParams(choice=["yes", "no"]))]
+    outs = llm.generate([chat_ids(llm, ask)] * 5, params)
+    for out in outs[:4]:
+        assert out.outputs[0].finish_reason == "stop", out.outputs[0].text
+        value = json.loads(out.outputs[0].text)
+        assert set(value) == {"city", "population"}
+        assert isinstance(value["city"], str) and len(value["city"]) <= 20
+        assert isinstance(value["population"], int) and 0 <= value["population"] <= 10**9
+    assert outs[4].outputs[0].text in ("yes", "no")
+    assert llm.engine.block_manager.num_used_blocks == 0
+
+
+def test_greedy_neighbours_are_unchanged_by_a_constrained_request(llm):
+    prompts = [chat_ids(llm, c) for c in CHAT_PROMPTS[:3]]
+    greedy = SamplingParams(temperature=0, max_tokens=24)
+    alone = llm.generate(prompts, greedy)
+    constrained = SamplingParams(temperature=0, max_tokens=24, structured_outputs=StructuredOutputsParams(json=SCHEMA))
+    mixed = llm.generate(prompts + [prompts[0]], [greedy] * 3 + [constrained])
+    assert [o.outputs[0].token_ids for o in mixed[:3]] == [o.outputs[0].token_ids for o in alone]
+    assert mixed[3].outputs[0].token_ids != alone[0].outputs[0].token_ids  # the grammar did act on its row
+    assert mixed[3].outputs[0].text.startswith('{"city":"')
+
