@@ -15,3 +15,10 @@ class RequestError(ValueError):
         super().__init__(message)
         self.param = param
         self.code = code
+
+
+class SamplingParamsError(RequestError):
+    """An invalid SamplingParams field; ``param`` names it, so a server can point the client at it."""
+
+    def __init__(self, param: str, message: str) -> None:
+        super().__init__(message, param)

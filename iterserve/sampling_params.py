@@ -13,7 +13,9 @@ import operator
 from dataclasses import dataclass, field
 from typing import Any
 
-from iterserve.errors import RequestError
+from iterserve.errors import SamplingParamsError
+
+__all__ = ["SamplingParams", "SamplingParamsError", "StructuredOutputsParams"]
 
 # Below this temperature sampling is indistinguishable from greedy, and dividing logits by it
 # overflows float32; such requests are decoded greedily (as vLLM does).
@@ -36,13 +38,6 @@ MAX_STOP_TOKEN_IDS = 1024
 MAX_LOGIT_BIAS = 300
 # n and best_of sequences share one prompt and one batch; the scheduler also caps them at max_num_seqs.
 MAX_N = 128
-
-
-class SamplingParamsError(RequestError):
-    """An invalid SamplingParams field; ``param`` names it, so a server can point the client at it."""
-
-    def __init__(self, param: str, message: str) -> None:
-        super().__init__(message, param)
 
 
 def _as_int(name: str, value: object) -> int:

@@ -16,14 +16,17 @@ from __future__ import annotations
 
 import json
 from collections.abc import Iterable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import llguidance
 import numpy as np
 import torch
 
-from iterserve.sampling_params import SamplingParamsError, StructuredOutputsParams
+from iterserve.errors import SamplingParamsError
 from iterserve.tokenizer import Tokenizer
+
+if TYPE_CHECKING:
+    from iterserve.sampling_params import StructuredOutputsParams
 
 # Compact JSON ("," and ":" separators, no whitespace): a model cannot pad the output with
 # whitespace until max_tokens runs out, and the text is what json.dumps would write.
