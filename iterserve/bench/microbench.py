@@ -16,6 +16,7 @@ from typing import Any
 import torch
 
 from iterserve.dtypes import torch_dtype
+from iterserve.host_memory import available_memory_bytes, physical_memory_bytes
 from iterserve.planner.hardware import Accelerator, GiB, match_device_name
 
 
@@ -55,24 +56,6 @@ def _cpu_llc_bytes() -> int:
         return max(sizes) if sizes else 32 * 2**20
     except OSError:
         return 32 * 2**20
-
-
-def _physical_memory_bytes() -> int:
-    try:
-        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-    except (ValueError, OSError, AttributeError):
-        return 0
-
-
-def available_memory_bytes() -> int:
-    try:
-        with open("/proc/meminfo") as f:
-            for line in f:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    return _physical_memory_bytes()
 
 
 def measure_bandwidth(device: str = "cpu", budget_s: float = 0.6) -> dict[str, float]:
@@ -170,7 +153,7 @@ def measure_local(device: str | None = None, budget_s: float = 2.0) -> Accelerat
         memory = int(props.total_memory)
         label = props.name
     else:
-        memory = _physical_memory_bytes()
+        memory = physical_memory_bytes()
         label = platform.processor() or platform.machine()
         try:
             with open("/proc/cpuinfo") as f:
