@@ -13,6 +13,7 @@ import argparse
 import dataclasses
 import json
 import os
+import re
 import types
 import typing
 from dataclasses import dataclass, field
@@ -238,9 +239,41 @@ def _load_presets() -> dict[str, ModelConfig]:
 PRESETS: dict[str, ModelConfig] = _load_presets()
 
 
+_NAME_SUFFIXES = ("-hf", "-instruct", "-chat", "-base", "-it", "-v0.1")
+
+
+def _norm_model_name(name: str) -> str:
+    key = name.strip().lower().rsplit("/", 1)[-1].replace("_", "-").replace(" ", "-")
+    changed = True
+    while changed:
+        changed = False
+        for suffix in _NAME_SUFFIXES:
+            if key.endswith(suffix):
+                key, changed = key[: -len(suffix)], True
+    key = key.removeprefix("meta-")
+    return re.sub(r"[^a-z0-9.]", "", key)
+
+
+def find_preset(name: str) -> str | None:
+    """The preset key for a preset name or a common spelling of it, or None.
+
+    ``"Llama-2-7B"``, ``"meta-llama/Llama-2-7b-hf"``, ``"llama2-7b"`` and
+    ``"Meta-Llama-3-8B-Instruct"`` all resolve; matching ignores case, an ``org/`` prefix, a
+    ``meta-`` prefix, ``-hf``/``-instruct``/``-chat`` suffixes and punctuation.
+    """
+    if name.lower() in PRESETS:
+        return name.lower()
+    target = _norm_model_name(name)
+    for key, cfg in PRESETS.items():
+        if target in (_norm_model_name(key), _norm_model_name(cfg.name)):
+            return key
+    return None
+
+
 def get_preset(name: str) -> ModelConfig:
-    key = name.lower()
-    if key not in PRESETS:
+    """A copy of the preset ``name`` (any spelling :func:`find_preset` takes)."""
+    key = find_preset(name)
+    if key is None:
         raise ValueError(f"unknown model preset {name!r}; known presets: {', '.join(PRESETS)}")
     return PRESETS[key].replace()
 

@@ -12,14 +12,7 @@ mkdir -p "$out"
 workload=(--num-prompts 64 --input-len uniform:32:256 --output-len lognormal:64:1:384 --workload-seed 0
           --max-concurrency 64 --prompt-format ids --disable-tqdm ${BENCH_ARGS:-})
 
-wait_ready() {  # url pid
-  for _ in $(seq 1200); do
-    curl -sf "$1/health" >/dev/null && return 0
-    kill -0 "$2" 2>/dev/null || { echo "server exited before it was ready" >&2; return 1; }
-    sleep 0.5
-  done
-  echo "server not ready after 600 s" >&2; return 1
-}
+source scripts/wait_ready.sh
 
 run_one() {  # label port command...
   local label=$1 port=$2; shift 2

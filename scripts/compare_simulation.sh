@@ -10,7 +10,7 @@
 #   scripts/compare_simulation.sh OUT_DIR
 #
 # Needs a quiet machine: the server's step times are the model. Knobs (environment): PYTHON,
-# PORT (8300), RATES (0.5,1,2), CONCURRENCY (1,2,4,8,16), NUM_PROMPTS (64), MAX_NUM_SEQS (16),
+# PORT (8300), RATES (0.5,1,2), CONCURRENCY (2,4,8,16), NUM_PROMPTS (32), MAX_NUM_SEQS (16),
 # NUM_KV_BLOCKS (2048), DTYPE (float32), WORKLOAD (bench workload flags).
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -18,24 +18,22 @@ out=$1
 py=${PYTHON:-python}
 port=${PORT:-8300}
 rates=${RATES:-0.5,1,2}
-conc=${CONCURRENCY:-1,2,4,8,16}
-engine=(--max-num-seqs "${MAX_NUM_SEQS:-16}" --num-kv-blocks "${NUM_KV_BLOCKS:-2048}" --dtype "${DTYPE:-float32}")
+conc=${CONCURRENCY:-2,4,8,16}
+# No prefix caching on either side: a sweep sends the same prompts at every load point, so a real server
+# would serve later points from the cache of earlier ones while each simulated point starts empty.
+engine=(--max-num-seqs "${MAX_NUM_SEQS:-16}" --num-kv-blocks "${NUM_KV_BLOCKS:-2048}" --no-prefix-caching)
 read -r -a workload <<<"${WORKLOAD:---input-len uniform:32:256 --output-len lognormal:64:1:256}"
-workload+=(--num-prompts "${NUM_PROMPTS:-64}")
+workload+=(--num-prompts "${NUM_PROMPTS:-32}")
 bench=(--base-url "http://127.0.0.1:$port" --prompt-format ids --disable-tqdm "${workload[@]}")
 mkdir -p "$out"
+source scripts/wait_ready.sh
 
 serve() {  # trace-file-or-empty; starts the server in the background, sets $server
   local trace=()
   [ -n "$1" ] && trace=(--step-trace "$1")
-  "$py" -m iterserve.cli serve --port "$port" "${engine[@]}" "${trace[@]}" >"$out/server.log" 2>&1 &
+  "$py" -m iterserve.cli serve --port "$port" "${engine[@]}" --dtype "${DTYPE:-float32}" "${trace[@]}" >"$out/server.log" 2>&1 &
   server=$!
-  for _ in $(seq 600); do
-    curl -sf "http://127.0.0.1:$port/health" >/dev/null && return 0
-    kill -0 "$server" 2>/dev/null || { echo "server exited; see $out/server.log" >&2; return 1; }
-    sleep 0.5
-  done
-  echo "server not ready after 300 s" >&2; return 1
+  wait_ready "http://127.0.0.1:$port" "$server" 300 || { echo "see $out/server.log" >&2; return 1; }
 }
 stop() { kill -TERM "$server"; wait "$server" || true; }
 
@@ -54,8 +52,7 @@ serve ""
 stop
 
 echo "== simulation" >&2
-sim=(--model smollm2-135m --profile "$out/profile.json" --max-num-seqs "${MAX_NUM_SEQS:-16}"
-     --num-kv-blocks "${NUM_KV_BLOCKS:-2048}" "${workload[@]}")
+sim=(--model smollm2-135m --profile "$out/profile.json" "${engine[@]}" "${workload[@]}")
 "$py" -m iterserve.cli simulate run "${sim[@]}" --sweep-rates "$rates" --label simulated \
     --output-json "$out/sim_rates.json" --no-charts
 "$py" -m iterserve.cli simulate run "${sim[@]}" --sweep-concurrency "$conc" --label simulated \

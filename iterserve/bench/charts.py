@@ -4,6 +4,7 @@ against load for one or more servers, and a per-sequence timeline from the engin
 from __future__ import annotations
 
 import json
+import logging
 import math
 import re
 from dataclasses import dataclass
@@ -14,7 +15,9 @@ from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.figure import Figure
 from matplotlib.patches import Patch
 
-from iterserve.bench.knee import measured_knee
+from iterserve.bench.knee import read_knee
+
+logger = logging.getLogger(__name__)
 
 
 def subplots(*grid: int, figsize: tuple[float, float], **kwargs: Any) -> tuple[Figure, Any]:
@@ -121,8 +124,8 @@ def serve_charts(results: list[dict[str, Any]], prefix: Path) -> list[Path]:
     """``<prefix>_throughput.png`` (median TPOT against output tokens/s) and, when some run has a
     finite rate or a concurrency cap to plot against, ``<prefix>_latency.png`` (TTFT and TPOT
     against load); returns the paths written. On a concurrency sweep the knee is marked:
-    :func:`~iterserve.bench.knee.measured_knee` of median TPOT over the concurrency caps, the same
-    rule ``bench batch`` applies to decode steps over batch sizes."""
+    :func:`~iterserve.bench.knee.read_knee` of median TPOT over the concurrency caps, the same rule
+    ``bench batch`` applies to decode steps over batch sizes (no knee on a non-monotone sweep)."""
     latency_path = prefix.with_name(f"{prefix.name}_latency.png")
     throughput_path = prefix.with_name(f"{prefix.name}_throughput.png")
     axes = [load_axis(result["runs"]) for result in results]
@@ -131,7 +134,10 @@ def serve_charts(results: list[dict[str, Any]], prefix: Path) -> list[Path]:
         runs = [run for _, run in points] or result["runs"]
         knee = None
         if axis == "max concurrency" and len(points) > 1:
-            knee_load = measured_knee([x for x, _ in points], [run["median_tpot_ms"] for run in runs])
+            knee_load, refused = read_knee([x for x, _ in points], [run["median_tpot_ms"] for run in runs],
+                                           axis="concurrency")
+            if refused:
+                logger.warning("%s: knee %s", result["label"], refused)
             knee = next((i for i, (x, _) in enumerate(points) if x == knee_load), None)
         series.append(Series(
             result["label"], [run["output_throughput"] for run in runs], [run["median_tpot_ms"] for run in runs],

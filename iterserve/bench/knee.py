@@ -31,22 +31,23 @@ def measured_knee(batches: Sequence[N], times: Sequence[float], elasticity: floa
     return None
 
 
-def non_monotone_steps(batches: list[int], times: list[float], tolerance: float = NOISE_TOLERANCE) -> list[int]:
+def non_monotone_steps(batches: Sequence[N], times: Sequence[float], tolerance: float = NOISE_TOLERANCE) -> list[N]:
     """The batches whose step time fell more than ``tolerance`` below the previous (smaller) batch's."""
     pairs = sorted(zip(batches, times))
     return [b1 for (_, t0), (b1, t1) in zip(pairs, pairs[1:]) if t1 < t0 * (1 - tolerance)]
 
 
 def read_knee(
-    batches: list[int], times: list[float], elasticity: float = DEFAULT_ELASTICITY, tolerance: float = NOISE_TOLERANCE
-) -> tuple[int | None, str | None]:
-    """``(knee, None)`` on a sweep whose step time grows with the batch, ``(None, why)`` on one that
-    does not: a knee read off noise would be a guess."""
+    batches: Sequence[N], times: Sequence[float], elasticity: float = DEFAULT_ELASTICITY,
+    tolerance: float = NOISE_TOLERANCE, axis: str = "B",
+) -> tuple[N | None, str | None]:
+    """``(knee, None)`` on a sweep whose step time grows with the load, ``(None, why)`` on one that
+    does not: a knee read off noise would be a guess. ``axis`` names the load in the message."""
     falls = non_monotone_steps(batches, times, tolerance)
     if falls:
-        where = ", ".join(f"B={b}" for b in falls)
+        where = ", ".join(f"{axis}={b:g}" for b in falls)
         return None, (
-            f"not called: the step time fell as the batch grew (at {where}), so the sweep measured "
+            f"not called: the step time fell as the load grew (at {where}), so the sweep measured "
             "other load on the machine; rerun it with more --repeats on a quieter machine"
         )
     return measured_knee(batches, times, elasticity), None

