@@ -11,7 +11,7 @@ from iterserve.distributed.parallel_state import ParallelState
 from iterserve.models.llama import LlamaModel
 from iterserve.models.loader import load_model
 
-SMOL = "random:smollm2-135m?num_layers=2"  # 9 heads, 3 KV heads
+SMOL = "random:smollm2-135m?num_layers=2&vocab_size=4800"  # 9 heads, 3 KV heads; a small vocabulary to load fast
 PADDED = "random:qwen3-0.6b?num_layers=1&vocab_size=8191"  # 16 heads, 8 KV heads, q/k norms, an odd vocabulary
 
 
