@@ -29,7 +29,7 @@ from iterserve.engine.model_runner import ModelRunner
 from iterserve.engine.scheduler import Scheduler, SchedulerOutput
 from iterserve.engine.sequence import RequestMetrics, Sequence
 from iterserve.errors import RequestError, TensorParallelError
-from iterserve.models.loader import LoadedModel, load_model
+from iterserve.models.loader import LoadedModel, load_model, load_model_info
 from iterserve.sampling_params import SamplingParams, SamplingParamsError
 from iterserve.structured_output import GrammarCompiler, GrammarMatcher
 from iterserve.tokenizer import Tokenizer
@@ -160,6 +160,8 @@ class EngineCore:
             if loaded is not None:
                 raise ValueError("loaded= shares one process's whole model; it cannot be combined with "
                                  "tensor_parallel_size > 1, where each rank loads its shard")
+            # a model that does not split is refused here, before any worker starts to find out alone
+            load_model_info(config.model)[0].tensor_parallel_shard(config.tensor_parallel_size)
             self.executor = Executor.start(config)
         try:
             self.loaded = loaded or load_model(config.model, config.dtype, self.executor.device if self.executor

@@ -63,3 +63,11 @@ def test_a_killed_worker_stops_the_engine_with_an_error_naming_it():
             engine.step()
     finally:
         engine.close()
+
+
+def test_a_model_that_does_not_split_is_refused_before_any_worker_starts(monkeypatch):
+    import iterserve.distributed.executor as executor
+
+    monkeypatch.setattr(executor.subprocess, "Popen", None)  # starting a worker would fail loudly
+    with pytest.raises(ValueError, match="9 attention heads"):
+        LLM("random:smollm2-135m?num_layers=1&vocab_size=512", tensor_parallel_size=2, dtype="float32", device="cpu")
