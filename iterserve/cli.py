@@ -74,13 +74,37 @@ def _cmd_generate(args: argparse.Namespace) -> int:
     return 0
 
 
+def _engine_config(args: argparse.Namespace) -> EngineConfig:
+    """The engine a command runs; ``serve`` also takes the model as a positional."""
+    if not hasattr(args, "model_tag"):
+        return config_from_args(EngineConfig, args)
+    if args.model_tag is not None and args.model is not None and args.model_tag != args.model:
+        raise ValueError(f"the model is given twice and differs: {args.model_tag!r} and --model {args.model!r}")
+    return config_from_args(EngineConfig, args, model=args.model_tag or args.model or DEFAULT_MODEL)
+
+
 def _cmd_serve(args: argparse.Namespace) -> int:
     from iterserve.server import run_server
 
-    if args.model_tag is not None and args.model is not None and args.model_tag != args.model:
-        raise ValueError(f"the model is given twice and differs: {args.model_tag!r} and --model {args.model!r}")
-    model = args.model_tag or args.model or DEFAULT_MODEL
-    return run_server(config_from_args(EngineConfig, args, model=model), config_from_args(ServerConfig, args))
+    return run_server(_engine_config(args), config_from_args(ServerConfig, args))
+
+
+def _torchrun_worker(args: argparse.Namespace) -> int | None:
+    """Under torchrun every rank runs the same command: rank 0 runs it (its engine joins the group), the
+    others become tensor-parallel workers here. None where this process runs the command itself."""
+    from iterserve.distributed.group import torchrun_launch
+
+    launch = torchrun_launch()
+    if launch is None or launch.world_size == 1 or not hasattr(args, "tensor_parallel_size"):
+        return None
+    if args.tensor_parallel_size != launch.world_size:
+        raise ValueError(f"torchrun started {launch.world_size} ranks but --tensor-parallel-size is "
+                         f"{args.tensor_parallel_size}; give it the launcher's total number of processes")
+    if launch.rank == 0:
+        return None
+    from iterserve.distributed.worker import run_worker
+
+    return run_worker(_engine_config(args), launch)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -138,7 +162,8 @@ def main(argv: list[str] | None = None) -> int:
     logging.getLogger("httpx").setLevel(logging.WARNING)  # one line per request drowns bench serve's output
     tune_allocator()  # a launcher setting, for this process and the engine core it starts
     try:
-        return args.func(args)
+        status = _torchrun_worker(args)
+        return args.func(args) if status is None else status
     except (ValueError, FileNotFoundError) as e:
         print(f"iterserve: error: {e}", file=sys.stderr)
         return 2

@@ -148,6 +148,31 @@ class ModelConfig:
     def replace(self, **changes: Any) -> ModelConfig:
         return dataclasses.replace(self, **changes)
 
+    def tensor_parallel_shard(self, tp: int) -> ModelConfig:
+        """The shapes one of ``tp`` tensor-parallel ranks holds (the Megatron split): a ``tp``-th of the
+        heads, the MLP width and the vocabulary (rounded up; the last rank's rows are padding), and
+        ``max(1, kv_heads / tp)`` KV heads, replicated when there are fewer KV heads than ranks.
+
+        The engine sizes a rank's layers and KV cache from it, the planner a device's memory and work.
+        Raises ValueError when the model does not split ``tp`` ways.
+        """
+        if isinstance(tp, bool) or not isinstance(tp, int) or tp < 1:
+            raise ValueError(f"tensor_parallel_size must be an integer >= 1, got {tp!r}")
+        if tp == 1:
+            return self
+        label = self.name or self.architecture
+        if self.num_heads % tp:
+            raise ValueError(f"{label} has {self.num_heads} attention heads, which do not split over "
+                             f"tensor_parallel_size={tp}")
+        if self.num_kv_heads % tp and tp % self.num_kv_heads:
+            raise ValueError(f"{label} has {self.num_kv_heads} KV heads: tensor_parallel_size={tp} must divide "
+                             "them or be a multiple of them")
+        if self.intermediate_size % tp:
+            raise ValueError(f"{label}'s MLP width {self.intermediate_size} does not split over "
+                             f"tensor_parallel_size={tp}")
+        return self.replace(num_heads=self.num_heads // tp, num_kv_heads=max(1, self.num_kv_heads // tp),
+                            intermediate_size=self.intermediate_size // tp, vocab_size=-(-self.vocab_size // tp))
+
     # -- constructors ---------------------------------------------------------------------------
 
     @classmethod
@@ -358,6 +383,8 @@ class EngineConfig:
     num_kv_blocks: int | None = _opt(None, "KV pool size in blocks (overrides --kv-cache-memory)")
     batching: Batching = _same_as(SchedulerConfig, "batching")
     kv_allocation: KVAllocation = _same_as(SchedulerConfig, "kv_allocation")
+    tensor_parallel_size: int = _opt(1, "split every layer over this many processes (tensor parallelism); "
+                                        "under torchrun, the launcher's WORLD_SIZE")
     seed: int = _opt(0, "seed of random weights and of sampling without a per-request seed")
     step_trace: str | None = _opt(None, "write a JSON-lines trace of every step and request to this file")
     step_history: int = _opt(0, "keep the last N steps' StepStats in memory (benchmarks, tests)", cli=False)
@@ -365,7 +392,7 @@ class EngineConfig:
     def __post_init__(self) -> None:
         # aliases (fp32, bf16, half) are accepted and stored under their one canonical name
         object.__setattr__(self, "dtype", _canonical_dtype(self.dtype))
-        _check_positive(self, "block_size")
+        _check_positive(self, "block_size", "tensor_parallel_size")
         _check_positive(self, "max_model_len", "num_kv_blocks", allow_none=True)
         if not isinstance(self.step_history, int) or self.step_history < 0:
             raise ValueError(f"step_history must be an integer >= 0, got {self.step_history!r}")

@@ -1,4 +1,4 @@
-"""Errors a request can cause, typed so that each layer reports them without parsing messages."""
+"""Errors the engine raises, typed so that each layer reports them without parsing messages."""
 
 from __future__ import annotations
 
@@ -22,3 +22,8 @@ class SamplingParamsError(RequestError):
 
     def __init__(self, param: str, message: str) -> None:
         super().__init__(message, param)
+
+
+class TensorParallelError(RuntimeError):
+    """A tensor-parallel rank died or a collective failed: the ranks are out of step, so the engine stops
+    (every later step raises the same error) instead of carrying on or hanging."""

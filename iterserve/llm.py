@@ -37,7 +37,7 @@ IGNORED_VLLM_OPTIONS = frozenset({
 })
 # vLLM options accepted only at the value this engine implements; any other value is an error.
 FIXED_VLLM_OPTIONS: dict[str, Any] = {
-    "tensor_parallel_size": 1, "pipeline_parallel_size": 1, "quantization": None, "kv_cache_dtype": "auto",
+    "pipeline_parallel_size": 1, "quantization": None, "kv_cache_dtype": "auto",
 }
 
 
@@ -102,6 +102,9 @@ class LLM:
                 raise ValueError("give gpu_memory_utilization or kv_cache_memory/num_kv_blocks, not both")
             if not 0 < fraction <= 1:
                 raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {fraction}")
+            if engine_kwargs.get("tensor_parallel_size", 1) > 1:
+                raise ValueError("gpu_memory_utilization is measured on one process's loaded model; with "
+                                 "tensor_parallel_size > 1 give kv_cache_memory (per rank) instead")
             config = EngineConfig(model=model, **engine_kwargs)
             loaded = loaded or load_model(config.model, config.dtype, config.device, config.seed)
             engine_kwargs["kv_cache_memory"] = int(fraction * _free_memory(loaded.model.device))

@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING, Any, TextIO
 
 from iterserve import planner
 from iterserve.dtypes import canonical_dtype
-from iterserve.planner.hardware import ACCELERATORS, Accelerator, GiB, get_accelerator
+from iterserve.planner.hardware import ACCELERATORS, INTERCONNECTS, Accelerator, GiB, get_accelerator, get_interconnect
 from iterserve.tables import render_table
 from iterserve.units import parse_size
 
@@ -96,6 +96,10 @@ def _add_arguments(p: argparse.ArgumentParser) -> None:
     hw.add_argument("--memory", help="device memory in GiB (or with a unit: 80GiB, 85.9GB)")
     hw.add_argument("--measure", action="store_true", help="measure this machine (CPU or CUDA)")
     hw.add_argument("--device", choices=["cpu", "cuda"], help="device for --measure/--validate")
+    hw.add_argument("--tp", "--tensor-parallel-size", dest="tp", type=int, default=1,
+                    help="split the model over this many GPUs (tensor parallelism); figures are per GPU")
+    hw.add_argument("--interconnect", help=f"the GPUs' link for --tp: {', '.join(INTERCONNECTS)} "
+                    "(default: the GPU's own)")
     wl = p.add_argument_group("workload")
     wl.add_argument("--dtype", help="weight/compute dtype: fp32, tf32, bf16, fp16, fp8, int8 "
                     "(default bf16; with --validate fp32 on CPU)")
@@ -181,26 +185,44 @@ def _knee_text(p: planner.Plan) -> str:
     return text
 
 
+def _tp_rows(first: planner.Plan) -> list[tuple[str, Any]]:
+    """The tensor-parallel rows of the roofline table: per-GPU memory and the all-reduce's share."""
+    if first.tensor_parallel_size == 1:
+        return []
+    b = first.batch
+    return [
+        ("interconnect", lambda p: f"{p.interconnect.name} ({_fmt_bw(p.interconnect.bandwidth)})"),
+        (f"compute / memory / all-reduce @ B={b}", lambda p: " / ".join(
+            _fmt_time(t) for t in (p.decode.compute_s, p.decode.memory_s, p.decode.comm_s))),
+        (f"TPOT all-reduce share @ B={b}", lambda p: f"{100 * p.decode.comm_share:.1f}%"),
+    ]
+
+
 def print_plans(plans: list[planner.Plan], out: TextIO) -> None:
     first = plans[0]
+    tp = first.tensor_parallel_size
+    per_gpu = f" per GPU (of {tp})" if tp > 1 else ""
     _print_table(
-        f"{first.model}: {first.dtype} weights, {first.kv_dtype} KV cache",
+        f"{first.model}: {first.dtype} weights, {first.kv_dtype} KV cache"
+        + (f", tensor parallel over {tp} GPUs" if tp > 1 else ""),
         ["model", "value"],
         [
             ["parameters", f"{_fmt_count(first.num_parameters)} ({first.num_parameters:,})"],
-            ["matmul parameters (per-token work)", _fmt_count(first.matmul_parameters)],
-            ["weight memory", _fmt_gib(first.weight_bytes)],
-            ["KV bytes per token", f"{first.kv_bytes_per_token:,} B"],
+            [f"matmul parameters (per-token work){per_gpu}", _fmt_count(first.matmul_parameters)],
+            *([["weight memory, all GPUs", _fmt_gib(first.total_weight_bytes)]] if tp > 1 else []),
+            [f"weight memory{per_gpu}", _fmt_gib(first.weight_bytes)],
+            [f"KV bytes per token{per_gpu}", f"{first.kv_bytes_per_token:,} B"],
             ["context / prompt / batch", f"{first.context} / {first.prompt_len} / {first.batch}"],
         ],
         out,
     )
-    rows: list[tuple[str, Any]] = [
+    rows: list[tuple[str, Any]] = [*_tp_rows(first),
         (f"peak {first.dtype}", lambda p: _fmt_flops(p.peak_flops)),
         ("bandwidth", lambda p: _fmt_bw(p.bandwidth)),
         ("memory", lambda p: _fmt_gib(p.capacity.memory_bytes)),
         ("ops:byte", lambda p: f"{p.ops_per_byte:.1f}"),
-        (f"KV memory (x{first.gpu_memory_utilization:g} - weights)", lambda p: _fmt_gib(p.capacity.kv_budget_bytes)),
+        (f"KV memory{per_gpu} (x{first.gpu_memory_utilization:g} - weights)",
+         lambda p: _fmt_gib(p.capacity.kv_budget_bytes)),
         ("KV tokens", lambda p: f"{p.capacity.kv_tokens:,}"),
         (f"max seqs @ {first.context} ctx", lambda p: f"{p.capacity.max_seqs:,}"),
         (f"decode knee @ {first.context} ctx", _knee_text),
@@ -213,7 +235,7 @@ def print_plans(plans: list[planner.Plan], out: TextIO) -> None:
         (f"tokens/s @ B={first.batch}", lambda p: f"{p.tokens_per_s:,.0f}"),
     ]
     _print_table(
-        "roofline",
+        "roofline" + (f" (one GPU of {tp}; times include the all-reduces)" if tp > 1 else ""),
         ["", *[p.hardware.name for p in plans]],
         [[label, *[fn(p) for p in plans]] for label, fn in rows],
         out,
@@ -233,6 +255,8 @@ def print_plans(plans: list[planner.Plan], out: TextIO) -> None:
     _print_table(f"decode sweep @ {first.context} ctx (* = more sequences than fit in memory)", headers, body, out)
     for p in plans:
         print(f"{p.hardware.name}: {p.hardware.source}", file=out)
+        if p.interconnect is not None:
+            print(f"{p.interconnect.name}: {p.interconnect.source}", file=out)
 
 
 def print_validation(v: Validation, out: TextIO) -> None:
@@ -435,15 +459,17 @@ def _run(args: argparse.Namespace, out: TextIO, err: TextIO) -> int:
     batches = _parse_batches(args.batches)
     options: dict[str, Any] = dict(dtype=dtype, kv_dtype=kv_dtype, context=args.context, prompt_len=args.prompt_len,
                                    batch=args.batch, gpu_memory_utilization=args.gpu_memory_utilization,
-                                   block_size=args.block_size)
+                                   block_size=args.block_size, tensor_parallel_size=args.tp,
+                                   interconnect=get_interconnect(args.interconnect) if args.interconnect else None)
+    shard = cfg.tensor_parallel_shard(args.tp)  # what one GPU holds
     if batches is None and len(hws) > 1:  # one sweep for every GPU, so the table lines up
         context = args.context if args.context is not None else min(
             planner.DEFAULT_CONTEXT, cfg.max_position_embeddings)
         sweeps = []
         for hw in hws:
             try:  # a GPU the model does not fit on is skipped below, with the reason, and adds no rows
-                planner.kv_capacity(cfg, hw, context, dtype, kv_dtype, args.gpu_memory_utilization, args.block_size)
-                sweeps.append(planner.default_batches(cfg, hw, context, dtype, kv_dtype))
+                planner.kv_capacity(shard, hw, context, dtype, kv_dtype, args.gpu_memory_utilization, args.block_size)
+                sweeps.append(planner.default_batches(shard, hw, context, dtype, kv_dtype))
             except ValueError:
                 continue
         batches = sorted({b for sweep in sweeps for b in sweep}) or None

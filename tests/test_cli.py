@@ -81,3 +81,24 @@ def test_bad_values_are_errors_not_tracebacks(served, capsys):
     assert main(["serve", "--max-num-seqs", "0"]) == 2  # refused by EngineConfig's own check
     assert "max_num_seqs must be an integer >= 1, got 0" in capsys.readouterr().err
     assert not served
+
+
+def test_under_torchrun_rank_0_runs_the_command_and_the_others_become_workers(served, monkeypatch, capsys):
+    import iterserve.distributed.worker
+
+    workers = []
+    monkeypatch.setattr(iterserve.distributed.worker, "run_worker",
+                        lambda config, launch: workers.append((config, launch)) or 0)
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    monkeypatch.setenv("RANK", "1")
+    monkeypatch.setenv("LOCAL_RANK", "1")
+    assert main(["serve", "random:smollm2-135m", "--tensor-parallel-size", "2"]) == 0
+    config, launch = workers[-1]
+    assert config.model == "random:smollm2-135m" and config.tensor_parallel_size == 2
+    assert (launch.rank, launch.world_size, launch.local_rank, launch.init_method) == (1, 2, 1, "env://")
+    assert not served  # a worker serves no HTTP
+    monkeypatch.setenv("RANK", "0")
+    assert main(["serve", "random:smollm2-135m", "--tensor-parallel-size", "2"]) == 0
+    assert served[-1][0].tensor_parallel_size == 2 and len(workers) == 1
+    assert main(["serve", "--tensor-parallel-size", "3"]) == 2  # every rank refuses a size torchrun did not start
+    assert "torchrun started 2 ranks" in capsys.readouterr().err

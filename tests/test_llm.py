@@ -70,14 +70,15 @@ def test_logprob_objects_and_cumulative_logprob(smollm):
 
 def test_vllm_options_are_mapped_warned_about_or_refused(smollm, caplog):
     with caplog.at_level(logging.WARNING, logger="iterserve.llm"):
-        llm = LLM(loaded=smollm, enforce_eager=True, trust_remote_code=True, tensor_parallel_size=1,
-                  dtype="auto", max_model_len=256, max_num_seqs=8)
+        llm = LLM(loaded=smollm, enforce_eager=True, trust_remote_code=True, pipeline_parallel_size=1,
+                  tensor_parallel_size=1, dtype="auto", max_model_len=256, max_num_seqs=8)
     warned = " ".join(r.getMessage() for r in caplog.records)
-    assert all(name in warned for name in ("enforce_eager", "trust_remote_code", "tensor_parallel_size"))
+    assert all(name in warned for name in ("enforce_eager", "trust_remote_code", "pipeline_parallel_size"))
+    assert "tensor_parallel_size" not in warned  # an engine setting now (tests/distributed run it above 1)
     assert all("\n" not in r.getMessage() for r in caplog.records)
     assert llm.llm_engine.max_model_len == 256 and llm.llm_engine.config.max_num_seqs == 8
     assert llm.llm_engine is llm.engine
-    with pytest.raises(ValueError, match="tensor_parallel_size"):
+    with pytest.raises(ValueError, match="loaded=.*tensor_parallel_size"):  # each rank loads its own shard
         LLM(loaded=smollm, tensor_parallel_size=2)
     with pytest.raises(TypeError, match="no_such_option"):
         LLM(loaded=smollm, no_such_option=1)

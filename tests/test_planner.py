@@ -14,7 +14,7 @@ from iterserve.bench.microbench import measure_bandwidth, measure_matmul_flops
 from iterserve.bench.validate import validate
 from iterserve.config import get_preset
 from iterserve.models.loader import embedded_model_path
-from iterserve.planner.hardware import ACCELERATORS, Accelerator, GiB, get_accelerator
+from iterserve.planner.hardware import ACCELERATORS, Accelerator, GiB, get_accelerator, get_interconnect
 from iterserve.planner_cli import main, parse_bandwidth, parse_flops, parse_memory
 
 
@@ -379,3 +379,35 @@ def test_validate_with_injected_timer(tmp_path):
 def test_measured_knee_detector():
     assert measured_knee([1, 2, 4, 8, 16], [1.0, 1.0, 1.05, 1.9, 3.8]) == 8
     assert measured_knee([1, 2, 4], [1.0, 1.1, 1.2]) is None
+
+
+def test_tensor_parallel_plan_is_one_gpus_share_plus_its_all_reduces():
+    cfg = get_preset("llama-3-70b")
+    tp8 = planner.build_plan(cfg, get_accelerator("H100-SXM"), tensor_parallel_size=8, batch=8)
+    whole = planner.weight_bytes(cfg)  # 131 GiB: no single GPU of the table holds it
+    replicated = (2 * cfg.num_layers + 1) * cfg.hidden_size * 2  # bf16 norms: every GPU holds them
+    assert tp8.total_weight_bytes == whole
+    assert tp8.weight_bytes - replicated == (whole - replicated) // 8
+    assert tp8.kv_bytes_per_token * 8 == planner.kv_bytes_per_token(cfg)  # 8 KV heads: one per GPU
+    assert tp8.interconnect is not None and tp8.interconnect.name == "NVLink-4"
+    d = tp8.decode
+    assert d.comm_s > 0 and d.time_s == pytest.approx(max(d.compute_s, d.memory_s) + d.comm_s)
+    assert 0 < d.comm_share < 1 and tp8.tpot_s == d.time_s
+    # 2 L + 1 ring all-reduces of 8 x 8192 bf16 activations, and the logits gathered on one GPU
+    link = tp8.interconnect
+    ring = link.base_latency_s + 14 * (link.hop_latency_s + 8 * 8192 * 2 / 8 / link.bandwidth)
+    gather = link.base_latency_s + 7 * (link.hop_latency_s + 8 * 128256 * 2 / 8 / link.bandwidth)
+    assert d.comm_s == pytest.approx(161 * ring + gather)
+    pcie = planner.build_plan(cfg, get_accelerator("H100-SXM"), tensor_parallel_size=8, batch=8,
+                              interconnect=get_interconnect("PCIe-Gen5"))
+    assert pcie.decode.comm_s > d.comm_s and pcie.capacity == tp8.capacity
+
+
+def test_plan_tp_cli_prints_per_gpu_memory_and_the_all_reduce_share(capsys):
+    assert main(["llama-3-70b", "--gpu", "H100-SXM", "--tp", "8"]) == 0
+    out = capsys.readouterr().out
+    assert "tensor parallel over 8 GPUs" in out and "weight memory per GPU (of 8)" in out and "16.43 GiB" in out
+    assert "TPOT all-reduce share @ B=1" in out and "NVLink-4" in out
+    assert main(["llama-3-70b", "--gpu", "H100-SXM", "--tp", "3"]) == 2
+    assert "64 attention heads" in capsys.readouterr().err
+    assert main(["llama-3-70b", "--gpu", "H100-SXM", "--tp", "8", "--interconnect", "carrier-pigeon"]) == 2

@@ -22,13 +22,14 @@ from typing import IO
 import torch
 
 from iterserve.config import EngineConfig, ModelConfig, parse_dtype
+from iterserve.distributed.executor import Executor
 from iterserve.engine.block_manager import BlockManager
 from iterserve.engine.messages import EngineCoreOutput, EngineCoreOutputs, EngineCoreRequest, SchedulerStats
 from iterserve.engine.model_runner import ModelRunner
 from iterserve.engine.scheduler import Scheduler, SchedulerOutput
 from iterserve.engine.sequence import RequestMetrics, Sequence
-from iterserve.errors import RequestError
-from iterserve.models.loader import LoadedModel, load_model
+from iterserve.errors import RequestError, TensorParallelError
+from iterserve.models.loader import LoadedModel, load_model, load_model_info
 from iterserve.sampling_params import SamplingParams, SamplingParamsError
 from iterserve.structured_output import GrammarCompiler, GrammarMatcher
 from iterserve.tokenizer import Tokenizer
@@ -55,9 +56,14 @@ class Capacity:
 
     @classmethod
     def of(cls, config: EngineConfig, model_config: ModelConfig, dtype_bytes: int | None = None) -> Capacity:
-        """Raises ValueError when the pool cannot hold one block or one max_model_len sequence."""
+        """Raises ValueError when the pool cannot hold one block or one max_model_len sequence.
+
+        Under tensor parallelism the pool is one rank's: ``kv_cache_memory`` is per rank, and a rank's
+        token holds only its KV heads, so the same memory holds more tokens.
+        """
         bs = config.block_size
-        per_token = model_config.kv_bytes_per_token(dtype_bytes or parse_dtype(config.dtype).itemsize)
+        shard = model_config.tensor_parallel_shard(config.tensor_parallel_size)
+        per_token = shard.kv_bytes_per_token(dtype_bytes or parse_dtype(config.dtype).itemsize)
         num_blocks = config.num_kv_blocks or parse_size(config.kv_cache_memory) // (bs * per_token)
         if num_blocks < 1:
             raise ValueError(f"KV cache memory {config.kv_cache_memory!r} does not hold a single block of {bs} tokens")
@@ -144,17 +150,37 @@ class StepStats:
 
 
 class EngineCore:
+    """With ``tensor_parallel_size`` > 1 this is rank 0: it starts (or, under torchrun, joins) the workers
+    and holds the first shard of the model."""
+
     def __init__(self, config: EngineConfig, loaded: LoadedModel | None = None) -> None:
         self.config = config
-        self.loaded = loaded or load_model(config.model, config.dtype, config.device, config.seed)
-        self.model_config = self.loaded.config
-        model = self.loaded.model
-        self.capacity = Capacity.of(config, self.model_config, model.dtype.itemsize)
-        self.max_model_len = self.capacity.max_model_len
-        bs, num_blocks = config.block_size, self.capacity.num_blocks
-        self.block_manager = BlockManager(num_blocks, bs, config.enable_prefix_caching)
-        self.scheduler = Scheduler(config.scheduler_config(self.max_model_len), self.block_manager)
-        self.runner = ModelRunner(model, num_blocks, bs, config.seed)
+        self.executor: Executor | None = None
+        if config.tensor_parallel_size > 1:
+            if loaded is not None:
+                raise ValueError("loaded= shares one process's whole model; it cannot be combined with "
+                                 "tensor_parallel_size > 1, where each rank loads its shard")
+            # a model that does not split is refused here, before any worker starts to find out alone
+            load_model_info(config.model)[0].tensor_parallel_shard(config.tensor_parallel_size)
+            self.executor = Executor.start(config)
+        try:
+            self.loaded = loaded or load_model(config.model, config.dtype, self.executor.device if self.executor
+                                               else config.device, config.seed,
+                                               parallel=self.executor.parallel if self.executor else None)
+            self.model_config = self.loaded.config
+            model = self.loaded.model
+            self.capacity = Capacity.of(config, self.model_config, model.dtype.itemsize)
+            self.max_model_len = self.capacity.max_model_len
+            bs, num_blocks = config.block_size, self.capacity.num_blocks
+            self.block_manager = BlockManager(num_blocks, bs, config.enable_prefix_caching)
+            self.scheduler = Scheduler(config.scheduler_config(self.max_model_len), self.block_manager)
+            self.runner = ModelRunner(model, num_blocks, bs, config.seed, self.executor)
+            if self.executor is not None:
+                self.executor.ready()
+        except BaseException:
+            if self.executor is not None:
+                self.executor.abort()
+            raise
         self.requests: dict[str, Sequence] = {}
         self._grammar_compiler: GrammarCompiler | None = None
         self.num_requests_received = 0
@@ -264,6 +290,8 @@ class EngineCore:
             self._inject_fault(sched)
             _, result = self.runner.execute(sched.scheduled, sched.block_copies)
             update = self.scheduler.update_from_output(sched, result)
+        except TensorParallelError:
+            raise  # a lost rank is fatal: failing this step's requests and going on would fail every step
         except Exception:  # noqa: BLE001 - a fault fails this step's requests, never the core
             logger.exception("step %d failed; failing its %d requests", self.num_steps + 1, len(sched.scheduled))
             outputs = self._fail(sched, time.perf_counter())
@@ -374,3 +402,5 @@ class EngineCore:
         if self._trace is not None:
             self._trace.close()
             self._trace = None
+        if self.executor is not None:
+            self.executor.close()

@@ -95,9 +95,9 @@ def run_engine_core(config: EngineConfig, input_addr: str, output_addr: str, log
     outputs.send(encoder.encode(EngineReady(os.getpid())))
     try:
         _busy_loop(core, inputs, outputs, encoder, parent)
-    except Exception:  # noqa: BLE001 - a broken loop is fatal; say so before exiting
+    except Exception as e:  # noqa: BLE001 - a broken loop is fatal; say so before exiting
         logger.exception("the engine core loop failed")
-        outputs.send(encoder.encode(EngineFailed("the engine core loop failed")))
+        outputs.send(encoder.encode(EngineFailed(f"the engine core loop failed: {type(e).__name__}: {e}")))
         raise SystemExit(1) from None
     finally:
         core.close()

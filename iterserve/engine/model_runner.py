@@ -8,6 +8,9 @@ token was computed in this step.
 
 from __future__ import annotations
 
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
 import torch
 
 from iterserve.attention import AttentionMetadata, KVCache
@@ -16,14 +19,36 @@ from iterserve.engine.sequence import Sequence
 from iterserve.models.llama import LlamaModel
 from iterserve.sampler import Sampler, SampleResult, SamplingRow, bitmask_words, token_logprobs
 
+if TYPE_CHECKING:
+    from iterserve.distributed.executor import Executor
+
+
+@dataclass
+class StepInputs:
+    """Everything one forward pass needs, as plain lists: what rank 0 broadcasts to the tensor-parallel
+    workers, each of which rebuilds the attention metadata from it."""
+
+    input_ids: list[int]
+    positions: list[int]
+    block_tables: list[list[int]]
+    num_cached: list[int]
+    query_lens: list[int]
+    logits_rows: list[int]  # sampling rows first, then prompt-logprob rows
+    block_copies: list[tuple[int, int]] = field(default_factory=list)
+
 
 class ModelRunner:
-    def __init__(self, model: LlamaModel, num_blocks: int, block_size: int, seed: int = 0) -> None:
+    """``executor`` (tensor parallelism, on rank 0) receives each step's inputs before the forward pass
+    runs here, so that the workers run the same pass on their shards."""
+
+    def __init__(self, model: LlamaModel, num_blocks: int, block_size: int, seed: int = 0,
+                 executor: Executor | None = None) -> None:
         self.model = model
         self.device = model.device
         self.block_size = block_size
         self.kv_caches: list[KVCache] = model.allocate_kv_cache(num_blocks, block_size)
         self.sampler = Sampler(torch.Generator(device=self.device).manual_seed(seed))
+        self.executor = executor
 
     @torch.inference_mode()
     def execute(self, scheduled: list[ScheduledSeq],
@@ -34,7 +59,6 @@ class ModelRunner:
         sequence that forks now is followed in the samples by its children, each drawing from the
         same logits row. Prompt positions of requests that asked for prompt logprobs get logits too.
         """
-        self.copy_blocks(block_copies or [])
         input_ids: list[int] = []
         positions: list[int] = []
         logits_rows: list[int] = []  # sampling rows first, then prompt-logprob rows
@@ -60,24 +84,17 @@ class ModelRunner:
         num_sampling = len(logits_rows)
         for _, first_row, _, count in prompt_spans:
             logits_rows.extend(range(first_row, first_row + count))
-        meta = AttentionMetadata.build(
-            block_size=self.block_size,
-            block_tables=[s.seq.block_table for s in scheduled],
-            num_cached=[s.seq.num_computed_tokens for s in scheduled],
-            query_lens=[s.num_tokens for s in scheduled],
-            device=self.device,
-            sliding_window=self.model.config.sliding_window,
+        inputs = StepInputs(
+            input_ids, positions, [list(s.seq.block_table) for s in scheduled],
+            [s.seq.num_computed_tokens for s in scheduled], [s.num_tokens for s in scheduled], logits_rows,
+            list(block_copies or []),
         )
-        dev = self.device
         seqs = sampling_seqs(scheduled)
         bitmask = self._grammar_bitmask(seqs)
-        logits = self.model(
-            torch.tensor(input_ids, dtype=torch.long, device=dev),
-            torch.tensor(positions, dtype=torch.long, device=dev),
-            self.kv_caches,
-            meta,
-            torch.tensor(logits_rows, dtype=torch.long, device=dev),
-        )
+        if self.executor is not None:
+            logits = self.executor.execute(inputs, self.forward)
+        else:
+            logits = self.forward(inputs)
         rows = [
             SamplingRow(seq.params, seq.prompt_token_ids, seq.output_token_ids, seq.stop_ids, seq.generator,
                         None if seq.grammar is None or bitmask is None else bitmask[i])
@@ -92,6 +109,24 @@ class ModelRunner:
             result.prompt_logprobs[k] = (first_token, token_logprobs(logprobs, tokens, seq.params.prompt_logprobs or 0))
             offset += count
         return sampled, result
+
+    @torch.inference_mode()
+    def forward(self, inputs: StepInputs) -> torch.Tensor:
+        """Copy-on-write blocks, then one forward pass; the logits of ``inputs.logits_rows`` (empty on a
+        tensor-parallel worker)."""
+        self.copy_blocks(inputs.block_copies)
+        meta = AttentionMetadata.build(
+            block_size=self.block_size, block_tables=inputs.block_tables, num_cached=inputs.num_cached,
+            query_lens=inputs.query_lens, device=self.device, sliding_window=self.model.config.sliding_window,
+        )
+        dev = self.device
+        return self.model(
+            torch.tensor(inputs.input_ids, dtype=torch.long, device=dev),
+            torch.tensor(inputs.positions, dtype=torch.long, device=dev),
+            self.kv_caches,
+            meta,
+            torch.tensor(inputs.logits_rows, dtype=torch.long, device=dev),
+        )
 
     def copy_blocks(self, copies: list[tuple[int, int]]) -> None:
         """Copy whole KV blocks, every layer: a forked sequence's private copy of a shared block."""

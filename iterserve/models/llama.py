@@ -3,7 +3,8 @@
 One ``forward`` takes the flattened tokens of many sequences (decodes and prompt chunks mixed),
 writes their K/V into the paged cache and returns logits only where a token will be sampled.
 Q/K/V and gate/up are fused into single matmuls: one GEMM per projection group is what keeps
-small batches fast on a CPU.
+small batches fast on a CPU. Under tensor parallelism (a :class:`ParallelState` of several ranks) each
+rank holds its heads and its slice of the MLP and vocabulary (:mod:`iterserve.distributed.layers`).
 """
 
 from __future__ import annotations
@@ -17,6 +18,15 @@ from torch import nn
 from iterserve import kernels
 from iterserve.attention import AttentionMetadata, KVCache, paged_attention
 from iterserve.config import ModelConfig
+from iterserve.distributed.layers import (
+    ColumnParallelLinear,
+    ParallelLMHead,
+    RowParallelLinear,
+    VocabParallelEmbedding,
+    even_shard,
+    head_shard,
+)
+from iterserve.distributed.parallel_state import ParallelState
 
 
 class RMSNorm(nn.Module):
@@ -102,12 +112,15 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
 
 
 class Attention(nn.Module):
-    def __init__(self, config: ModelConfig) -> None:
+    def __init__(self, config: ModelConfig, ps: ParallelState) -> None:
         super().__init__()
-        self.num_heads, self.num_kv_heads, self.head_dim = config.num_heads, config.num_kv_heads, config.head_dim
-        self.q_size, self.kv_size = config.q_size, config.kv_size
-        self.qkv_proj = nn.Linear(config.hidden_size, self.q_size + 2 * self.kv_size, bias=config.attention_bias)
-        self.o_proj = nn.Linear(self.q_size, config.hidden_size, bias=False)
+        local = config.tensor_parallel_shard(ps.world_size)  # this rank's heads
+        self.num_heads, self.num_kv_heads, self.head_dim = local.num_heads, local.num_kv_heads, config.head_dim
+        self.q_size, self.kv_size = local.q_size, local.kv_size
+        kv = head_shard(config.num_kv_heads, config.head_dim, ps)
+        self.qkv_proj = ColumnParallelLinear(
+            config.hidden_size, [head_shard(config.num_heads, config.head_dim, ps), kv, kv], bias=config.attention_bias)
+        self.o_proj = RowParallelLinear(config.q_size, config.hidden_size, ps)
         self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps) if config.qk_norm else None
         self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps) if config.qk_norm else None
         self.scale = self.head_dim**-0.5
@@ -132,11 +145,12 @@ class Attention(nn.Module):
 
 
 class MLP(nn.Module):
-    def __init__(self, config: ModelConfig) -> None:
+    def __init__(self, config: ModelConfig, ps: ParallelState) -> None:
         super().__init__()
-        self.intermediate_size = config.intermediate_size
-        self.gate_up_proj = nn.Linear(config.hidden_size, 2 * config.intermediate_size, bias=False)
-        self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=False)
+        width = even_shard(config.intermediate_size, ps)
+        self.intermediate_size = width.size
+        self.gate_up_proj = ColumnParallelLinear(config.hidden_size, [width, width])
+        self.down_proj = RowParallelLinear(config.intermediate_size, config.hidden_size, ps)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate_up = self.gate_up_proj(x)
@@ -148,12 +162,12 @@ class MLP(nn.Module):
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, config: ModelConfig) -> None:
+    def __init__(self, config: ModelConfig, ps: ParallelState) -> None:
         super().__init__()
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.self_attn = Attention(config)
+        self.self_attn = Attention(config, ps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.mlp = MLP(config)
+        self.mlp = MLP(config, ps)
 
     def forward(
         self, x: torch.Tensor, residual: torch.Tensor | None, cos: torch.Tensor, sin: torch.Tensor, cache: KVCache,
@@ -170,15 +184,20 @@ class DecoderLayer(nn.Module):
 
 
 class LlamaModel(nn.Module):
-    """Decoder stack plus LM head; weights are filled in by :mod:`iterserve.models.loader`."""
+    """Decoder stack plus LM head; weights are filled in by :mod:`iterserve.models.loader`.
 
-    def __init__(self, config: ModelConfig) -> None:
+    ``config`` is the whole model's; ``parallel`` says which shard of it this process holds.
+    """
+
+    def __init__(self, config: ModelConfig, parallel: ParallelState | None = None) -> None:
         super().__init__()
+        ps = parallel or ParallelState()
         self.config = config
-        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(config) for _ in range(config.num_layers))
+        self.parallel = ps
+        self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size, ps)
+        self.layers = nn.ModuleList(DecoderLayer(config, ps) for _ in range(config.num_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        self.lm_head = ParallelLMHead(config.hidden_size, config.vocab_size, ps)
         if config.tie_word_embeddings:
             self.lm_head.weight = self.embed_tokens.weight
         self.rotary = RotaryEmbedding(config)
@@ -192,7 +211,8 @@ class LlamaModel(nn.Module):
         return self.embed_tokens.weight.device
 
     def allocate_kv_cache(self, num_blocks: int, block_size: int) -> list[KVCache]:
-        c = self.config
+        """One K and V pool per layer, holding this rank's KV heads only."""
+        c = self.config.tensor_parallel_shard(self.parallel.world_size)
         return [
             KVCache.allocate(num_blocks, block_size, c.num_kv_heads, c.head_dim, self.dtype, self.device)
             for _ in range(c.num_layers)
@@ -207,7 +227,8 @@ class LlamaModel(nn.Module):
         meta: AttentionMetadata,
         logits_indices: torch.Tensor | None = None,  # rows whose next token is sampled
     ) -> torch.Tensor:
-        """Returns float32 logits ``[len(logits_indices), vocab]`` (all rows when None)."""
+        """Returns float32 logits ``[len(logits_indices), vocab]`` (all rows when None); under tensor
+        parallelism on rank 0 only (the other ranks get an empty tensor)."""
         x = self.embed_tokens(input_ids)
         cos, sin = self.rotary(positions, x.dtype)
         residual = None

@@ -27,6 +27,8 @@ import numpy as np
 import torch
 
 from iterserve.config import DEFAULT_MODEL, PRESETS, ModelConfig, find_preset, get_preset, parse_dtype
+from iterserve.distributed.layers import ShardedLayer
+from iterserve.distributed.parallel_state import ParallelState
 from iterserve.models.gguf_file import gguf_field, open_gguf
 from iterserve.models.llama import LlamaModel, RotaryEmbedding
 from iterserve.tokenizer import Tokenizer
@@ -116,21 +118,27 @@ def load_model(
     dtype: str | torch.dtype = "auto",
     device: str | torch.device | None = None,
     seed: int = 0,
+    parallel: ParallelState | None = None,
 ) -> LoadedModel:
-    """Load weights and tokenizer for ``name`` onto ``device`` (CUDA when available by default)."""
+    """Load weights and tokenizer for ``name`` onto ``device`` (CUDA when available by default).
+
+    With ``parallel`` of several ranks only this rank's shard is kept: each whole tensor is read, sliced
+    and dropped, so a rank's memory holds its shard plus one tensor at a time.
+    """
     torch_dtype = parse_dtype(dtype)
+    ps = parallel or ParallelState()
     device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
     if torch_dtype == torch.float16 and device.type == "cpu":
         logger.warning("float16 on CPU is slow and may be unsupported by some kernels; prefer bfloat16")
     source = resolve_model(name)
     if source.kind == "random":
-        return _load_random(name, torch_dtype, device, seed)
+        return _load_random(name, torch_dtype, device, seed, ps)
     if source.kind in ("config", "preset"):
         raise _without_weights(source)
     assert source.path is not None
     if source.kind == "gguf":
-        return _load_gguf(source.path, source.name, torch_dtype, device)
-    return _load_hf_folder(source.path, torch_dtype, device)
+        return _load_gguf(source.path, source.name, torch_dtype, device, ps)
+    return _load_hf_folder(source.path, torch_dtype, device, ps)
 
 
 def load_model_config(model: str | os.PathLike[str] | ModelConfig) -> ModelConfig:
@@ -178,10 +186,12 @@ def load_tokenizer(name: str) -> Tokenizer:
     return tokenizer
 
 
-def _empty_model(config: ModelConfig, dtype: torch.dtype, device: torch.device) -> LlamaModel:
-    """Build the module tree without initialising weights, then place it on ``device``."""
+def _empty_model(config: ModelConfig, dtype: torch.dtype, device: torch.device,
+                 parallel: ParallelState | None = None) -> LlamaModel:
+    """Build the module tree (this rank's shard) without initialising weights, then place it on ``device``."""
+    config.tensor_parallel_shard(parallel.world_size if parallel else 1)  # a clear error if it does not split
     with torch.device("meta"):
-        model = LlamaModel(config)
+        model = LlamaModel(config, parallel)
     model = model.to_empty(device=device).to(dtype)
     if config.tie_word_embeddings:
         model.lm_head.weight = model.embed_tokens.weight
@@ -189,13 +199,27 @@ def _empty_model(config: ModelConfig, dtype: torch.dtype, device: torch.device) 
     return model.eval()
 
 
+def load_weight(model: LlamaModel, name: str, tensor: torch.Tensor, part: int | None = None) -> None:
+    """Copy one whole tensor (part ``part`` of a fused one) into parameter ``name``; a sharded layer keeps
+    this rank's rows of it."""
+    module_name, _, param = name.rpartition(".")
+    module = model.get_submodule(module_name)
+    if isinstance(module, ShardedLayer):
+        module.load(param, tensor, part)
+        return
+    dest = getattr(module, param)
+    if tuple(dest.shape) != tuple(tensor.shape):
+        raise ValueError(f"{name} has shape {tuple(tensor.shape)}, expected {tuple(dest.shape)}")
+    with torch.no_grad():
+        dest.copy_(tensor)
+
+
 def load_hf_state_dict(model: LlamaModel, tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
     """Copy Hugging Face-named tensors into the model, fusing q/k/v and gate/up projections."""
     c = model.config
     params = dict(model.named_parameters())
-    fused = {"q_proj": ("qkv_proj", 0), "k_proj": ("qkv_proj", c.q_size),
-             "v_proj": ("qkv_proj", c.q_size + c.kv_size),
-             "gate_proj": ("gate_up_proj", 0), "up_proj": ("gate_up_proj", c.intermediate_size)}
+    fused = {"q_proj": ("qkv_proj", 0), "k_proj": ("qkv_proj", 1), "v_proj": ("qkv_proj", 2),
+             "gate_proj": ("gate_up_proj", 0), "up_proj": ("gate_up_proj", 1)}
     parts_needed = {n: 3 if "qkv_proj" in n else 2 if "gate_up_proj" in n else 1 for n in params}
     parts_loaded: Counter[str] = Counter()
     for hf_name, tensor in tensors:
@@ -203,17 +227,16 @@ def load_hf_state_dict(model: LlamaModel, tensors: Iterable[tuple[str, torch.Ten
         if (name == "lm_head.weight" and c.tie_word_embeddings) or "rotary_emb" in name:
             continue
         parts = name.split(".")
-        offset = None
+        part = None
         if len(parts) >= 2 and parts[-2] in fused:
-            module, offset = fused[parts[-2]]
+            module, part = fused[parts[-2]]
             name = ".".join(parts[:-2] + [module, parts[-1]])
         if name not in params:
             raise ValueError(f"unexpected weight {hf_name!r} for a {c.architecture} model")
-        dest = params[name] if offset is None else params[name][offset: offset + tensor.shape[0]]
-        if tuple(dest.shape) != tuple(tensor.shape):
-            raise ValueError(f"weight {hf_name!r} has shape {tuple(tensor.shape)}, expected {tuple(dest.shape)}")
-        with torch.no_grad():
-            dest.copy_(tensor)
+        try:
+            load_weight(model, name, tensor, part)
+        except ValueError as e:
+            raise ValueError(f"weight {hf_name!r}: {e}") from None
         parts_loaded[name] += 1
     missing = [n for n, k in parts_needed.items() if parts_loaded[n] != k]
     if missing:
@@ -307,10 +330,10 @@ def _gguf_tensors(reader, config: ModelConfig):
         yield hf, torch.from_numpy(np.array(w))  # copy: GGUF data is a read-only memmap
 
 
-def _load_gguf(path: Path, name: str, dtype: torch.dtype, device: torch.device) -> LoadedModel:
+def _load_gguf(path: Path, name: str, dtype: torch.dtype, device: torch.device, ps: ParallelState) -> LoadedModel:
     reader = open_gguf(path)
     config = gguf_config(reader, name)
-    model = _empty_model(config, dtype, device)
+    model = _empty_model(config, dtype, device, ps)
     try:
         load_hf_state_dict(model, _gguf_tensors(reader, config))
     except (ValueError, RuntimeError) as e:
@@ -321,14 +344,14 @@ def _load_gguf(path: Path, name: str, dtype: torch.dtype, device: torch.device) 
 # -- Hugging Face folders -------------------------------------------------------------------------
 
 
-def _load_hf_folder(path: Path, dtype: torch.dtype, device: torch.device) -> LoadedModel:
+def _load_hf_folder(path: Path, dtype: torch.dtype, device: torch.device, ps: ParallelState) -> LoadedModel:
     from safetensors import safe_open
 
     config = _hf_config(path)
     files = sorted(path.glob("*.safetensors"))
     if not files:
         raise ValueError(f"no *.safetensors weights in {str(path)!r}")
-    model = _empty_model(config, dtype, device)
+    model = _empty_model(config, dtype, device, ps)
 
     def tensors():
         for f in files:
@@ -384,19 +407,26 @@ def parse_random_name(name: str) -> ModelConfig:
 
 
 def init_random_weights(model: LlamaModel, seed: int) -> None:
-    """Seeded N(0, 0.02) weights and unit norms: deterministic for a seed on a given device."""
+    """Seeded N(0, 0.02) weights and unit norms: deterministic for a seed on a given device.
+
+    Each whole tensor is drawn, then a sharded layer keeps its rows: a model has the same weights at
+    every tensor-parallel size.
+    """
     gen = torch.Generator(device=model.device).manual_seed(seed)
     with torch.no_grad():
         for name, p in model.named_parameters():
             if name.endswith("norm.weight"):
                 p.fill_(1.0)
-            else:
-                p.normal_(0.0, 0.02, generator=gen)
+                continue
+            module = model.get_submodule(name.rpartition(".")[0])
+            shape = module.full_shape(name.rpartition(".")[2]) if isinstance(module, ShardedLayer) else p.shape
+            load_weight(model, name, torch.empty(shape, dtype=p.dtype, device=p.device).normal_(0.0, 0.02,
+                                                                                                generator=gen))
 
 
-def _load_random(name: str, dtype: torch.dtype, device: torch.device, seed: int) -> LoadedModel:
+def _load_random(name: str, dtype: torch.dtype, device: torch.device, seed: int, ps: ParallelState) -> LoadedModel:
     config = parse_random_name(name)
-    model = _empty_model(config, dtype, device)
+    model = _empty_model(config, dtype, device, ps)
     init_random_weights(model, seed)
     return LoadedModel(name=name, config=config, model=model, tokenizer=_random_tokenizer(config))
 

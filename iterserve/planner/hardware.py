@@ -34,6 +34,7 @@ class Accelerator:
     vendor: str = ""
     aliases: tuple[str, ...] = ()
     notes: str = ""
+    interconnect: str = ""  # the link a tensor-parallel group of this part uses by default
     measured: bool = False
     details: dict[str, Any] = field(default_factory=dict, compare=False)
 
@@ -78,6 +79,7 @@ class Accelerator:
             source=f"{self.source}; {', '.join(changed)} given on the command line",
             vendor=self.vendor,
             notes=self.notes,
+            interconnect=self.interconnect,
             measured=self.measured,
             details=dict(self.details),
         )
@@ -107,7 +109,7 @@ def custom_accelerator(
 
 
 def _load_table() -> dict[str, Accelerator]:
-    data = json.loads(resources.files("iterserve.planner").joinpath("data/accelerators.json").read_text("utf-8"))
+    data = _table_data()
     table = {}
     for e in data["accelerators"]:
         table[e["name"]] = Accelerator(
@@ -119,11 +121,65 @@ def _load_table() -> dict[str, Accelerator]:
             source=e["source"],
             aliases=tuple(e.get("aliases", ())),
             notes=e.get("notes", ""),
+            interconnect=e.get("interconnect", ""),
         )
     return table
 
 
+def _table_data() -> dict[str, Any]:
+    return json.loads(resources.files("iterserve.planner").joinpath("data/accelerators.json").read_text("utf-8"))
+
+
+@dataclass(frozen=True)
+class Interconnect:
+    """The link between the devices of a tensor-parallel group, as a ring collective sees it."""
+
+    name: str
+    bandwidth: float  # B/s one device sends per direction
+    base_latency_s: float  # once per collective
+    hop_latency_s: float  # per ring step
+    source: str
+    aliases: tuple[str, ...] = ()
+
+    def all_reduce_s(self, nbytes: float, ranks: int) -> float:
+        """A ring all-reduce of ``nbytes`` over ``ranks`` devices: 2(n-1) steps, each sending nbytes/n."""
+        if ranks == 1:
+            return 0.0
+        steps = 2 * (ranks - 1)
+        return self.base_latency_s + steps * (self.hop_latency_s + nbytes / ranks / self.bandwidth)
+
+    def gather_s(self, nbytes: float, ranks: int) -> float:
+        """Gathering ``nbytes`` (all shards together) on one device: n-1 shards arrive over its link."""
+        if ranks == 1:
+            return 0.0
+        return self.base_latency_s + (ranks - 1) * (self.hop_latency_s + nbytes / ranks / self.bandwidth)
+
+    def to_dict(self) -> dict[str, Any]:
+        d = asdict(self)
+        d["aliases"] = list(self.aliases)
+        return d
+
+
+def _load_links() -> dict[str, Interconnect]:
+    return {
+        e["name"]: Interconnect(name=e["name"], bandwidth=e["bandwidth_gb_s"] * GB_S,
+                                base_latency_s=e["base_latency_us"] * 1e-6, hop_latency_s=e["hop_latency_us"] * 1e-6,
+                                source=e["source"], aliases=tuple(e.get("aliases", ())))
+        for e in _table_data()["interconnects"]
+    }
+
+
 ACCELERATORS: dict[str, Accelerator] = _load_table()
+INTERCONNECTS: dict[str, Interconnect] = _load_links()
+
+
+def get_interconnect(name: str) -> Interconnect:
+    """An interconnect by name or alias (case, spaces and dashes do not matter)."""
+    key = re.sub(r"[^a-z0-9]", "", name.lower())
+    for link in INTERCONNECTS.values():
+        if key in {re.sub(r"[^a-z0-9]", "", n.lower()) for n in (link.name, *link.aliases)}:
+            return link
+    raise ValueError(f"unknown interconnect {name!r}; known: {', '.join(INTERCONNECTS)}")
 
 
 def _norm(name: str) -> str:

@@ -22,6 +22,12 @@ Counting conventions (``docs/planning.md`` has the derivation and a worked examp
 * A prefill of ``N`` tokens runs the layers on all ``N`` tokens but the LM head on the last one,
   and causal attention costs ``2 * L * H * d * N * (N + 1)`` FLOPs; it reads the weights once and
   writes ``N * kv`` bytes of KV.
+* Under tensor parallelism over ``T`` devices every figure is one device's: the model's shapes become
+  one rank's shard (:meth:`ModelConfig.tensor_parallel_shard`: a ``T``-th of the heads, MLP and
+  vocabulary, KV heads replicated when fewer than ``T``), and each step adds its communication, not
+  overlapped with compute: ``2 L + 1`` ring all-reduces of the step's activations (o and down in every
+  layer, the embedding) and the gather of the logits on one device, over a named
+  :class:`~iterserve.planner.hardware.Interconnect`.
 
 Models are taken as shapes only (``ModelConfig`` is imported for type checking alone), so this
 module runs wherever the standard library does.
@@ -35,7 +41,7 @@ from dataclasses import asdict, dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from iterserve.dtypes import canonical_dtype, dtype_bytes
-from iterserve.planner.hardware import Accelerator, GiB
+from iterserve.planner.hardware import Accelerator, GiB, Interconnect, get_interconnect
 
 if TYPE_CHECKING:
     from iterserve.config import ModelConfig
@@ -145,10 +151,15 @@ class RooflinePoint:
     memory_s: float
     time_s: float
     bound: str  # "compute" or "memory"
+    comm_s: float = 0.0  # tensor-parallel collectives, included in time_s
+
+    @property
+    def comm_share(self) -> float:
+        return self.comm_s / self.time_s
 
 
-def roofline(cost: Cost, hw: Accelerator, dtype: str = "bf16") -> RooflinePoint:
-    """time = max(FLOPs / peak, bytes / bandwidth); compute-bound when the first term wins."""
+def roofline(cost: Cost, hw: Accelerator, dtype: str = "bf16", comm_s: float = 0.0) -> RooflinePoint:
+    """time = max(FLOPs / peak, bytes / bandwidth) + communication; compute-bound when the first term wins."""
     compute_s = cost.flops / hw.peak_flops(dtype)
     memory_s = cost.bytes / hw.bandwidth
     return RooflinePoint(
@@ -157,9 +168,22 @@ def roofline(cost: Cost, hw: Accelerator, dtype: str = "bf16") -> RooflinePoint:
         intensity=cost.intensity,
         compute_s=compute_s,
         memory_s=memory_s,
-        time_s=max(compute_s, memory_s),
+        time_s=max(compute_s, memory_s) + comm_s,
         bound="compute" if compute_s >= memory_s else "memory",
+        comm_s=comm_s,
     )
+
+
+def tensor_parallel_comm_s(cfg: ModelConfig, tokens: int, logits_rows: int, tp: int, link: Interconnect | None,
+                           dtype: str = "bf16") -> float:
+    """One step's collectives over ``tp`` devices: ``2 L + 1`` all-reduces of ``tokens`` activations and
+    the gather of ``logits_rows`` rows of logits (``cfg`` is the whole model)."""
+    if tp == 1 or link is None:
+        return 0.0
+    w = dtype_bytes(dtype)
+    activations = tokens * cfg.hidden_size * w
+    logits = logits_rows * cfg.tensor_parallel_shard(tp).vocab_size * tp * w
+    return (2 * cfg.num_layers + 1) * link.all_reduce_s(activations, tp) + link.gather_s(logits, tp)
 
 
 def decode_knee(
@@ -289,6 +313,9 @@ class Plan:
     tokens_per_s: float
     sweep: list[SweepPoint] = field(default_factory=list)
     knee_point: SweepPoint | None = None  # the sweep quantities at knee_batch
+    tensor_parallel_size: int = 1  # memory, work and times above are one device's of this many
+    interconnect: Interconnect | None = None  # the devices' link (tensor_parallel_size > 1)
+    total_weight_bytes: int = 0  # the whole model's, on all devices together
 
     @property
     def knee_reachable(self) -> bool:
@@ -323,8 +350,11 @@ def build_plan(
     batches: Sequence[int] | None = None,
     gpu_memory_utilization: float = DEFAULT_GPU_MEMORY_UTILIZATION,
     block_size: int = DEFAULT_BLOCK_SIZE,
+    tensor_parallel_size: int = 1,
+    interconnect: Interconnect | None = None,
 ) -> Plan:
-    """Every planner answer for one model on one accelerator.
+    """Every planner answer for one model on one accelerator (per device of ``tensor_parallel_size``,
+    linked by ``interconnect``, default the accelerator's own).
 
     ``context`` (default ``min(4096, max_position_embeddings)``) is the per-sequence context
     used for KV capacity and decode steps; ``prompt_len`` (default ``context``) is the prompt
@@ -339,6 +369,13 @@ def build_plan(
     prompt_len = context if prompt_len is None else prompt_len
     check_context(cfg, prompt_len, "prompt length")
     check_positive(batch, "batch size")
+    tp = tensor_parallel_size
+    whole, cfg = cfg, cfg.tensor_parallel_shard(tp)  # from here on: one device's shard
+    if tp > 1 and interconnect is None:
+        if not hw.interconnect:
+            raise ValueError(f"{hw.name} names no interconnect; say which links the {tp} devices")
+        interconnect = get_interconnect(hw.interconnect)
+    link = interconnect if tp > 1 else None
     peak = hw.peak_flops(dtype)
     capacity = kv_capacity(cfg, hw, context, dtype, kv_dtype, gpu_memory_utilization, block_size)
     knee = decode_knee(cfg, hw, context, dtype, kv_dtype)
@@ -354,15 +391,17 @@ def build_plan(
     batches = sorted({check_positive(b, "batch size") for b in batches} | {batch})
 
     def point(b: int) -> SweepPoint:
-        dec = roofline(decode_cost(cfg, b, context, dtype, kv_dtype), hw, dtype)
-        pre = roofline(prefill_cost(cfg, prompt_len, b, dtype, kv_dtype), hw, dtype)
+        dec = roofline(decode_cost(cfg, b, context, dtype, kv_dtype), hw, dtype,
+                       tensor_parallel_comm_s(whole, b, b, tp, link, dtype))
+        pre = roofline(prefill_cost(cfg, prompt_len, b, dtype, kv_dtype), hw, dtype,
+                       tensor_parallel_comm_s(whole, b * prompt_len, b, tp, link, dtype))
         return SweepPoint(b, dec, b / dec.time_s, pre.time_s, b <= capacity.max_seqs)
 
     sweep = [point(b) for b in batches]
     knee_point = point(knee) if knee is not None else None
     at_batch = next(p for p in sweep if p.batch == batch)
     return Plan(
-        model=model_label(cfg),
+        model=model_label(whole),
         hardware=hw,
         dtype=dtype,
         kv_dtype=kv_dtype,
@@ -370,7 +409,7 @@ def build_plan(
         prompt_len=prompt_len,
         batch=batch,
         gpu_memory_utilization=gpu_memory_utilization,
-        num_parameters=cfg.num_parameters(),
+        num_parameters=whole.num_parameters(),
         matmul_parameters=matmul_parameters(cfg),
         weight_bytes=weight_bytes(cfg, dtype),
         streamed_weight_bytes=streamed_weight_bytes(cfg, dtype),
@@ -382,11 +421,15 @@ def build_plan(
         knee_batch=knee,
         knee_batch_no_kv=knee_no_kv,
         decode_intensity_limit=limit,
-        prefill=roofline(prefill_cost(cfg, prompt_len, 1, dtype, kv_dtype), hw, dtype),
+        prefill=roofline(prefill_cost(cfg, prompt_len, 1, dtype, kv_dtype), hw, dtype,
+                         tensor_parallel_comm_s(whole, prompt_len, 1, tp, link, dtype)),
         decode=at_batch.decode,
         ttft_s=at_batch.ttft_s,
         tpot_s=at_batch.decode.time_s,
         tokens_per_s=at_batch.tokens_per_s,
         sweep=sweep,
         knee_point=knee_point,
+        tensor_parallel_size=tp,
+        interconnect=link,
+        total_weight_bytes=weight_bytes(whole, dtype),
     )
