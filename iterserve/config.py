@@ -420,10 +420,13 @@ class ServerConfig:
     max_request_body_bytes: int = _opt(8 * 1024 * 1024, "request bodies larger than this are refused with 413")
     shutdown_timeout: float = _opt(5.0, "seconds running requests may take to finish after SIGTERM before they "
                                         "are ended")
+    data_parallel_size: int = _opt(1, "engine cores (replicas) behind this server, each with its own KV pool; "
+                                      "a request goes to the one most likely to hold its prompt's prefix, then "
+                                      "to the least loaded (on CUDA replica i runs on cuda:i)")
     log_level: LogLevel = _opt("INFO", "log level of the server and its engine core", cli=False)
 
     def __post_init__(self) -> None:
-        _check_positive(self, "max_waiting", "max_request_body_bytes")
+        _check_positive(self, "max_waiting", "max_request_body_bytes", "data_parallel_size")
         if not isinstance(self.port, int) or not 0 <= self.port <= 65535:
             raise ValueError(f"port must be in [0, 65535], got {self.port!r}")
         if self.shutdown_timeout < 0:

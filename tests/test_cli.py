@@ -53,11 +53,13 @@ def served(monkeypatch):
 def test_serve_builds_both_configs_from_its_flags(served, monkeypatch):
     monkeypatch.setenv("ITERSERVE_API_KEY", "from-env")
     assert main(["--log-level", "debug", "serve", "random:smollm2-135m", "--port", "8123", "--max-num-seqs", "4",
-                 "--batching", "static", "--no-prefix-caching", "--dtype", "float32", "--max-waiting", "9"]) == 0
+                 "--batching", "static", "--no-prefix-caching", "--dtype", "float32", "--max-waiting", "9",
+                 "--data-parallel-size", "2"]) == 0
     engine, server = served[-1]
     assert engine == EngineConfig(model="random:smollm2-135m", dtype="float32", max_num_seqs=4, batching="static",
                                   enable_prefix_caching=False)
-    assert server == ServerConfig(port=8123, api_key="from-env", max_waiting=9, log_level="DEBUG")
+    assert server == ServerConfig(port=8123, api_key="from-env", max_waiting=9, log_level="DEBUG",
+                                  data_parallel_size=2)
     assert server.model_name(engine) == "random:smollm2-135m"
 
 

@@ -59,6 +59,7 @@ def test_settings_are_frozen_and_validated_when_built():
         (SchedulerConfig, {"max_num_seqs": 0}, "max_num_seqs must be an integer >= 1"),
         (ServerConfig, {"port": 70000}, "port must be in"),
         (ServerConfig, {"max_waiting": 0}, "max_waiting must be an integer >= 1"),
+        (ServerConfig, {"data_parallel_size": 0}, "data_parallel_size must be an integer >= 1"),
         (ServerConfig, {"log_level": "LOUD"}, "log_level must be one of"),
         (ServerConfig, {"shutdown_timeout": -1.0}, "shutdown_timeout must be >= 0"),
     ]

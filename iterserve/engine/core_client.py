@@ -8,13 +8,17 @@ holds the model's config and tokenizer only. Two ZeroMQ sockets over IPC carry m
     API process --PUSH--> [EngineCoreRequest | AbortRequests | Shutdown] --PULL--> core
     API process <--PULL-- [EngineReady | EngineCoreOutputs | EngineFailed] <--PUSH-- core
 
-Requests from any connection join the batch at the core's next step. If the core process dies,
-every open stream gets :class:`EngineDeadError` and ``on_dead`` is called (the server exits).
+Requests from any connection join the batch at the core's next step. With ``data_parallel_size``
+N there are N core processes (replicas), each with its own pair of sockets and its own KV pool;
+:class:`iterserve.engine.router.Router` picks each request's replica. If a core process dies, every
+open stream it held gets :class:`EngineDeadError`, the client takes no new requests, and
+``on_dead`` is called (the server exits).
 """
 
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import multiprocessing
 import os
@@ -23,9 +27,12 @@ import signal
 import tempfile
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
 from typing import Protocol
 
 import msgspec
+import torch
 import zmq
 import zmq.asyncio
 
@@ -44,6 +51,7 @@ from iterserve.engine.messages import (
     Shutdown,
 )
 from iterserve.engine.output_processor import OutputProcessor, RequestOutputKind
+from iterserve.engine.router import Router
 from iterserve.models.loader import load_model_info
 from iterserve.outputs import RequestOutput
 from iterserve.sampling_params import SamplingParams
@@ -69,14 +77,18 @@ class RequestFailedError(RuntimeError):
 # -- the core process ---------------------------------------------------------------------------
 
 
-def run_engine_core(config: EngineConfig, input_addr: str, output_addr: str, log_level: str) -> None:
-    """The core process's entry point: load the model, then run the busy loop on this main thread.
+def run_engine_core(config: EngineConfig, input_addr: str, output_addr: str, log_level: str,
+                    num_threads: int | None = None) -> None:
+    """The core process's entry point: load the model, then run the busy loop on this main thread
+    (with ``num_threads`` torch threads where replicas share the CPU).
 
     Signals are ignored here: the API process decides when the core stops (it sends Shutdown), and
     an orphaned core notices its parent is gone and exits.
     """
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    if num_threads is not None:
+        torch.set_num_threads(num_threads)
     logging.basicConfig(level=log_level.upper(), format="%(levelname)s %(name)s: %(message)s")
     ctx = zmq.Context()
     inputs = ctx.socket(zmq.PULL)
@@ -142,15 +154,15 @@ def _busy_loop(core: EngineCore, inputs: zmq.Socket, outputs: zmq.Socket, encode
 
 
 class EngineObserver(Protocol):
-    """Where the client reports what it sees (the server's Prometheus metrics)."""
+    """Where the client reports what it sees (the server's Prometheus metrics); ``engine`` is the replica."""
 
-    def record_stats(self, stats: SchedulerStats, num_waiting: int) -> None: ...
+    def record_stats(self, engine: int, stats: SchedulerStats, num_waiting: int) -> None: ...
 
-    def record_admitted(self, max_tokens: int) -> None: ...
+    def record_admitted(self, engine: int, max_tokens: int) -> None: ...
 
-    def record_finished(self, output: RequestOutput) -> None: ...
+    def record_finished(self, engine: int, output: RequestOutput) -> None: ...
 
-    def record_finish_reason(self, reason: str) -> None: ...
+    def record_finish_reason(self, engine: int, reason: str) -> None: ...
 
 
 class RequestStream:
@@ -203,13 +215,69 @@ class RequestStream:
         self._ready.set()
 
 
+@dataclass
+class _Core:
+    """One engine core process as the API process sees it: its config, sockets, output task and latest stats."""
+
+    index: int
+    config: EngineConfig
+    label: str  # "" with one core, else "replica N: ", put before what the log and errors say about it
+    pid: int | None = None
+    stats: SchedulerStats | None = None
+    num_sent: int = 0
+    dead: bool = False
+    proc: multiprocessing.process.BaseProcess | None = None
+    task: asyncio.Task[None] | None = None
+    input: zmq.Socket | None = None
+    output: zmq.asyncio.Socket | None = None
+
+    @property
+    def num_waiting(self) -> int:
+        """Requests the core has queued or will queue: its waiting count, plus the requests sent but not
+        yet seen by it that the free batch slots cannot take."""
+        s = self.stats
+        waiting, running, received = (s.num_waiting, s.num_running, s.num_requests_received) if s else (0, 0, 0)
+        free = 0 if waiting else max(0, self.config.max_num_seqs - running)
+        return waiting + max(0, self.num_sent - received - free)
+
+    def send(self, encoder: msgspec.msgpack.Encoder, msg: EngineCoreInput) -> None:
+        if self.input is not None and not self.dead:
+            self.input.send(encoder.encode(msg), zmq.NOBLOCK)
+
+
+def replica_configs(config: EngineConfig, num_replicas: int) -> list[EngineConfig]:
+    """Each data-parallel replica's config: on CUDA its own device (replica i on cuda:i), and its own
+    step trace file (``steps.jsonl`` -> ``steps.0.jsonl``, ``steps.1.jsonl``, ...)."""
+    if num_replicas == 1:
+        return [config]
+    device = config.device
+    devices: list[str | None] = [device] * num_replicas
+    if device is not None and device.startswith("cuda:"):
+        raise ValueError(f"device {device!r} names one GPU for {num_replicas} replicas; give --device cuda, "
+                         "which places replica i on cuda:i")
+    if device == "cuda" or (device is None and torch.cuda.is_available()):
+        found = torch.cuda.device_count()
+        if found < num_replicas:
+            raise ValueError(f"data_parallel_size {num_replicas} needs one CUDA device per replica; found {found}")
+        devices = [f"cuda:{i}" for i in range(num_replicas)]
+    traces: list[str | None] = [None] * num_replicas
+    if config.step_trace:
+        path = Path(config.step_trace)
+        traces = [str(path.with_name(f"{path.stem}.{i}{path.suffix}")) for i in range(num_replicas)]
+    return [dataclasses.replace(config, device=d, step_trace=t) for d, t in zip(devices, traces)]
+
+
 class EngineCoreClient:
-    """Owns the core process and the output side; every public method is called on the event loop."""
+    """Owns the core processes (``data_parallel_size`` replicas, each with its own KV pool) and the
+    output side; the :class:`Router` picks each request's replica. Every public method is called on
+    the event loop."""
 
     def __init__(self, config: EngineConfig, *, max_waiting: int, observer: EngineObserver | None = None,
-                 log_level: str = "INFO") -> None:
+                 log_level: str = "INFO", data_parallel_size: int = 1) -> None:
         if max_waiting < 1:
             raise ValueError(f"max_waiting must be >= 1, got {max_waiting}")
+        if data_parallel_size < 1:
+            raise ValueError(f"data_parallel_size must be >= 1, got {data_parallel_size}")
         self.config = config
         self.max_waiting = max_waiting
         self.observer = observer
@@ -217,61 +285,81 @@ class EngineCoreClient:
         self.model_config: ModelConfig
         self.tokenizer: Tokenizer | None
         self.model_config, self.tokenizer = load_model_info(config.model)
-        self.capacity = Capacity.of(config, self.model_config)
+        self.capacity = Capacity.of(config, self.model_config)  # each replica's
         self.max_model_len = self.capacity.max_model_len
         self.on_dead: Callable[[], None] | None = None
         self.error: EngineDeadError | None = None
-        self.pid: int | None = None
+        n = data_parallel_size
+        self._cores = [_Core(i, c, f"replica {i}: " if n > 1 else "")
+                       for i, c in enumerate(replica_configs(config, n))]
+        # replicas that share the CPU share its cores too, rather than each running one thread per core
+        on_cpu = not (self._cores[0].config.device or "cpu").startswith("cuda")
+        self._threads = max(1, torch.get_num_threads() // n) if n > 1 and on_cpu else None
+        self.router = Router(n, config.block_size, self.capacity.num_blocks, config.enable_prefix_caching)
         self._output_processor = OutputProcessor(self.tokenizer)
         self._streams: dict[str, RequestStream] = {}
         self._idle = asyncio.Event()
-        self._stats: SchedulerStats | None = None
-        self._num_sent = 0
         self._accepting = False
         self._stopping = False
-        self._proc: multiprocessing.process.BaseProcess | None = None
-        self._task: asyncio.Task[None] | None = None
         self._encoder = msgspec.msgpack.Encoder()
         self._tmp = ""
         self._ctx: zmq.Context | None = None
         self._actx: zmq.asyncio.Context | None = None
-        self._input: zmq.Socket | None = None
-        self._output: zmq.asyncio.Socket | None = None
 
     # -- lifecycle ------------------------------------------------------------------------------
 
     async def start(self) -> None:
-        """Spawn the core process and wait until it has loaded the model; raises if it cannot start."""
+        """Spawn the core processes and wait until each has loaded the model; raises (having stopped
+        them all) if one cannot start."""
         self._tmp = tempfile.mkdtemp(prefix="iterserve-")
-        in_addr, out_addr = f"ipc://{self._tmp}/in", f"ipc://{self._tmp}/out"
         self._ctx = zmq.Context()
-        self._input = self._ctx.socket(zmq.PUSH)
-        self._input.setsockopt(zmq.SNDHWM, 0)  # never block the event loop on a send
-        self._input.bind(in_addr)
         self._actx = zmq.asyncio.Context()
-        self._output = self._actx.socket(zmq.PULL)
-        self._output.setsockopt(zmq.RCVHWM, 0)
-        self._output.bind(out_addr)
-        spawn = multiprocessing.get_context("spawn")
-        self._proc = spawn.Process(target=run_engine_core, args=(self.config, in_addr, out_addr, self.log_level),
-                                   name="iterserve-engine-core", daemon=True)
-        self._proc.start()
+        for core in self._cores:  # all load at once; their handshakes are awaited in turn
+            self._spawn(core)
         decoder = msgspec.msgpack.Decoder(EngineCoreEvent)
-        while not await self._output.poll(100):
-            if not self._proc.is_alive():
-                raise RuntimeError(f"the engine core process exited with code {self._proc.exitcode} while starting")
-        msg = decoder.decode(await self._output.recv())
-        if isinstance(msg, EngineFailed):
-            await asyncio.to_thread(self._proc.join, 10)
-            raise RuntimeError(f"the engine core could not start: {msg.message}")
-        assert isinstance(msg, EngineReady)
-        self.pid = msg.pid
-        logger.info("engine core process %d ready", msg.pid)
+        try:
+            for core in self._cores:
+                await self._handshake(core, decoder)
+        except BaseException:
+            await self.stop(timeout=1)
+            raise
         loop = asyncio.get_running_loop()
-        loop.add_reader(self._proc.sentinel, self._on_process_exit)
-        self._task = asyncio.create_task(self._output_loop(decoder))
+        for core in self._cores:
+            assert core.proc is not None
+            loop.add_reader(core.proc.sentinel, self._on_process_exit, core)
+            core.task = asyncio.create_task(self._output_loop(core, decoder))
         self._accepting = True
         self._idle.set()
+
+    def _spawn(self, core: _Core) -> None:
+        assert self._ctx is not None and self._actx is not None
+        in_addr, out_addr = f"ipc://{self._tmp}/in{core.index}", f"ipc://{self._tmp}/out{core.index}"
+        core.input = self._ctx.socket(zmq.PUSH)
+        core.input.setsockopt(zmq.SNDHWM, 0)  # never block the event loop on a send
+        core.input.bind(in_addr)
+        core.output = self._actx.socket(zmq.PULL)
+        core.output.setsockopt(zmq.RCVHWM, 0)
+        core.output.bind(out_addr)
+        spawn = multiprocessing.get_context("spawn")
+        core.proc = spawn.Process(target=run_engine_core,
+                                  args=(core.config, in_addr, out_addr, self.log_level, self._threads),
+                                  name=f"iterserve-engine-core-{core.index}", daemon=True)
+        core.proc.start()
+
+    async def _handshake(self, core: _Core, decoder: msgspec.msgpack.Decoder) -> None:
+        assert core.proc is not None and core.output is not None
+        while not await core.output.poll(100):
+            if not core.proc.is_alive():
+                raise RuntimeError(f"{core.label}the engine core process exited with code {core.proc.exitcode} "
+                                   "while starting")
+        msg = decoder.decode(await core.output.recv())
+        if isinstance(msg, EngineFailed):
+            await asyncio.to_thread(core.proc.join, 10)
+            raise RuntimeError(f"{core.label}the engine core could not start: {msg.message}")
+        assert isinstance(msg, EngineReady)
+        core.pid = msg.pid
+        logger.info("engine core process %d ready%s", msg.pid,
+                    f" (replica {core.index} of {len(self._cores)})" if core.label else "")
 
     async def drain(self, timeout: float) -> None:
         """Refuse new requests, give running ones ``timeout`` seconds, then end the rest with an error."""
@@ -283,25 +371,29 @@ class EngineCoreClient:
         self._fail_all(EngineDeadError("the server is shutting down"))
 
     async def stop(self, timeout: float = 10.0) -> None:
-        """Shut the core process down (killing it if it does not stop in time) and end open streams."""
+        """Shut the core processes down (killing those that do not stop in time) and end open streams."""
         self._accepting = False
         self._stopping = True
-        proc = self._proc
-        if proc is not None:
-            asyncio.get_running_loop().remove_reader(proc.sentinel)
+        loop = asyncio.get_running_loop()
+        procs = [core.proc for core in self._cores if core.proc is not None]
+        for core in self._cores:
+            if core.proc is not None:
+                loop.remove_reader(core.proc.sentinel)
+                if core.proc.is_alive():
+                    core.send(self._encoder, Shutdown())
+        await asyncio.gather(*(asyncio.to_thread(proc.join, timeout) for proc in procs))
+        for proc in procs:
             if proc.is_alive():
-                self._send(Shutdown())
-                await asyncio.to_thread(proc.join, timeout)
-            if proc.is_alive():
-                logger.warning("the engine core did not stop within %.0f s; killing it", timeout)
+                logger.warning("the engine core %d did not stop within %.0f s; killing it", proc.pid, timeout)
                 proc.kill()
                 await asyncio.to_thread(proc.join, 5)
         self._fail_all(EngineDeadError("the server is shutting down"))
-        if self._task is not None:
-            self._task.cancel()
-        for sock in (self._input, self._output):
-            if sock is not None:
-                sock.close(linger=0)
+        for core in self._cores:
+            if core.task is not None:
+                core.task.cancel()
+            for sock in (core.input, core.output):
+                if sock is not None:
+                    sock.close(linger=0)
         for ctx in (self._ctx, self._actx):
             if ctx is not None:
                 ctx.term()
@@ -310,22 +402,25 @@ class EngineCoreClient:
 
     @property
     def is_running(self) -> bool:
-        return self._accepting and self.error is None and self._proc is not None and self._proc.is_alive()
+        """Taking requests, with every replica alive."""
+        return self._accepting and self.error is None and all(
+            core.proc is not None and core.proc.is_alive() for core in self._cores)
+
+    @property
+    def pids(self) -> list[int | None]:
+        """Each replica's core process id, in replica order."""
+        return [core.pid for core in self._cores]
 
     # -- requests -------------------------------------------------------------------------------
 
     @property
     def num_waiting(self) -> int:
-        """Requests the core has queued or will queue: its waiting count, plus the requests sent but not
-        yet seen by it that the free batch slots cannot take."""
-        s = self._stats
-        waiting, running, received = (s.num_waiting, s.num_running, s.num_requests_received) if s else (0, 0, 0)
-        free = 0 if waiting else max(0, self.config.max_num_seqs - running)
-        return waiting + max(0, self._num_sent - received - free)
+        """Requests the cores have queued or will queue, over all replicas."""
+        return sum(core.num_waiting for core in self._cores)
 
     def add_request(self, request_id: str, prompt: list[int], params: SamplingParams, arrival_time: float,
                     stream: bool = True) -> RequestStream:
-        """Send a request to the core; raises EngineDeadError, RequestError, QueueFullError or ValueError at once."""
+        """Send a request to a core; raises EngineDeadError, RequestError, QueueFullError or ValueError at once."""
         if not self.is_running:
             raise EngineDeadError(str(self.error) if self.error else "the engine is not running")
         max_tokens = check_prompt(prompt, params, self.model_config.vocab_size, self.max_model_len,
@@ -335,54 +430,53 @@ class EngineCoreClient:
             raise QueueFullError(f"{waiting} requests are already waiting (limit {self.max_waiting})")
         if request_id in self._streams:
             raise ValueError(f"request id {request_id!r} is already in use")
+        core = self._cores[self.router.route(request_id, prompt, max_tokens * params.num_seqs)]
         if self.observer is not None:
-            self.observer.record_admitted(max_tokens)
+            self.observer.record_admitted(core.index, max_tokens)
         kind = RequestOutputKind.DELTA if stream else RequestOutputKind.FINAL_ONLY
         self._output_processor.add_request(request_id, None, prompt, params, arrival_time, kind)
         handle = RequestStream(request_id, self.abort)
         self._streams[request_id] = handle
         self._idle.clear()
-        self._send(EngineCoreRequest(request_id, prompt, params, arrival_time))
-        self._num_sent += 1
+        core.send(self._encoder, EngineCoreRequest(request_id, prompt, params, arrival_time))
+        core.num_sent += 1
         return handle
 
     def abort(self, request_id: str) -> None:
         """Stop a request (its consumer went away); frees its blocks in the core at the next step."""
-        self._forget(request_id)
-        if self._output_processor.abort(request_id):
-            self._send(AbortRequests([request_id]))
+        index = self._forget(request_id)
+        if self._output_processor.abort(request_id) and index is not None:
+            self._cores[index].send(self._encoder, AbortRequests([request_id]))
             if self.observer is not None:
-                self.observer.record_finish_reason("abort")
+                self.observer.record_finish_reason(index, "abort")
 
-    def _forget(self, request_id: str) -> None:
+    def _forget(self, request_id: str) -> int | None:
+        """Drop the request's stream and its router entry; returns its replica (None if it already left)."""
         self._streams.pop(request_id, None)
         if not self._streams:
             self._idle.set()
-
-    def _send(self, msg: EngineCoreInput) -> None:
-        if self._input is not None and self.error is None:
-            self._input.send(self._encoder.encode(msg), zmq.NOBLOCK)
+        return self.router.finish(request_id)
 
     # -- outputs --------------------------------------------------------------------------------
 
-    async def _output_loop(self, decoder: msgspec.msgpack.Decoder) -> None:
-        assert self._output is not None
+    async def _output_loop(self, core: _Core, decoder: msgspec.msgpack.Decoder) -> None:
+        assert core.output is not None
         try:
             while True:
-                msg = decoder.decode(await self._output.recv())
+                msg = decoder.decode(await core.output.recv())
                 if isinstance(msg, EngineFailed):
-                    self._die(f"the engine core failed: {msg.message}")
+                    self._die(core, f"the engine core failed: {msg.message}")
                     return
                 if isinstance(msg, EngineCoreOutputs):
-                    self._handle(msg)
+                    self._handle(core, msg)
         except asyncio.CancelledError:
             raise
         except Exception:  # noqa: BLE001 - without this loop nothing is delivered: fail loudly
-            logger.exception("the engine output loop failed")
-            self._die("the engine output loop failed")
+            logger.exception("%sthe engine output loop failed", core.label)
+            self._die(core, "the engine output loop failed")
 
-    def _handle(self, msg: EngineCoreOutputs) -> None:
-        self._stats = msg.stats
+    def _handle(self, core: _Core, msg: EngineCoreOutputs) -> None:
+        core.stats = msg.stats
         processed = self._output_processor.process_outputs(msg.outputs)
         for out in processed.outputs:
             stream = self._streams.get(out.request_id)
@@ -391,9 +485,9 @@ class EngineCoreClient:
                 self._forget(out.request_id)
                 if self.observer is not None:
                     if reason == "error":
-                        self.observer.record_finish_reason("error")
+                        self.observer.record_finish_reason(core.index, "error")
                     else:
-                        self.observer.record_finished(out)
+                        self.observer.record_finished(core.index, out)
             if stream is None:
                 continue
             if reason == "error":
@@ -401,32 +495,47 @@ class EngineCoreClient:
             else:
                 stream._put(out)
         if processed.to_abort:
-            self._send(AbortRequests(processed.to_abort))
+            core.send(self._encoder, AbortRequests(processed.to_abort))
         if self.observer is not None:
-            self.observer.record_stats(msg.stats, self.num_waiting)
+            self.observer.record_stats(core.index, msg.stats, core.num_waiting)
 
     # -- death ----------------------------------------------------------------------------------
 
-    def _on_process_exit(self) -> None:
-        assert self._proc is not None
-        asyncio.get_running_loop().remove_reader(self._proc.sentinel)
+    def _on_process_exit(self, core: _Core) -> None:
+        assert core.proc is not None
+        asyncio.get_running_loop().remove_reader(core.proc.sentinel)
         if not self._stopping:
-            self._proc.join(1)
-            self._die(f"the engine process exited unexpectedly (exit code {self._proc.exitcode})")
+            core.proc.join(1)
+            self._die(core, f"the engine process exited unexpectedly (exit code {core.proc.exitcode})")
 
-    def _die(self, message: str) -> None:
-        if self.error is not None:
+    def _die(self, core: _Core, message: str) -> None:
+        """A core is gone: fail the requests it held, stop taking new ones, tell ``on_dead`` (once).
+
+        The other replicas' requests carry on until the server stops them.
+        """
+        if core.dead:
             return
-        logger.error("%s; failing %d open requests", message, len(self._streams))
-        self.error = EngineDeadError(message)
-        self._accepting = False
-        self._fail_all(self.error)
-        if self.on_dead is not None:
-            self.on_dead()
+        core.dead = True
+        message = core.label + message
+        failed = self.router.requests_on(core.index)
+        logger.error("%s; failing %d open requests", message, len(failed))
+        error = EngineDeadError(message)
+        for request_id in failed:
+            self._fail(request_id, error)
+        if self.error is None:
+            self.error = error
+            self._accepting = False
+            if self.on_dead is not None:
+                self.on_dead()
 
     def _fail_all(self, error: BaseException) -> None:
-        streams, self._streams = self._streams, {}
-        for request_id, stream in streams.items():
-            self._output_processor.abort(request_id)
-            stream._fail(error)
+        for request_id in list(self._streams):
+            self._fail(request_id, error)
         self._idle.set()
+
+    def _fail(self, request_id: str, error: BaseException) -> None:
+        stream = self._streams.get(request_id)
+        self._forget(request_id)
+        self._output_processor.abort(request_id)
+        if stream is not None:
+            stream._fail(error)

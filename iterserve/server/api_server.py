@@ -1,4 +1,5 @@
-"""OpenAI-compatible HTTP API over one engine: completions, chat, models, tokenize, health, metrics.
+"""OpenAI-compatible HTTP API over one engine (one or more core replicas): completions, chat, models,
+tokenize, health, metrics.
 
 Handlers validate on the event loop, tokenize and render chat templates in worker threads (the
 tokenizer is only read, never reconfigured, and releases the GIL while encoding), and hand token
@@ -640,7 +641,8 @@ class OpenAIServing:
 
     async def health(self) -> Response:
         if not self.engine.is_running:
-            return _error_response(APIError(503, "the engine is not running", type="server_error"))
+            reason = str(self.engine.error) if self.engine.error else "the engine is not running"
+            return _error_response(APIError(503, reason, type="server_error"))
         return JSONResponse({"status": "ok"})
 
     async def version(self) -> dict[str, str]:
@@ -727,8 +729,9 @@ def build_app(config: EngineConfig, server: ServerConfig | None = None) -> FastA
     """
     server = server or ServerConfig()
     served_model_name, api_key = server.model_name(config), server.api_key
-    engine = EngineCoreClient(config, max_waiting=server.max_waiting, log_level=server.log_level)
-    metrics = ServerMetrics(served_model_name, engine.capacity.max_model_len)
+    engine = EngineCoreClient(config, max_waiting=server.max_waiting, log_level=server.log_level,
+                              data_parallel_size=server.data_parallel_size)
+    metrics = ServerMetrics(served_model_name, engine.capacity.max_model_len, server.data_parallel_size)
     engine.observer = metrics
     serving = OpenAIServing(engine, metrics, served_model_name)
 
@@ -808,8 +811,10 @@ def run_server(config: EngineConfig, server: ServerConfig) -> int:
     app = build_app(config, server)
     engine: EngineCoreClient = app.state.engine
     cap = engine.capacity
-    logger.info("KV cache: %d blocks x %d tokens = %d tokens, max_model_len %d (%d full-length sequences)",
-                cap.num_blocks, cap.block_size, cap.total_tokens, cap.max_model_len, cap.max_full_length_seqs)
+    replicas = f" in each of {server.data_parallel_size} replicas" if server.data_parallel_size > 1 else ""
+    logger.info("KV cache: %d blocks x %d tokens = %d tokens, max_model_len %d (%d full-length sequences)%s",
+                cap.num_blocks, cap.block_size, cap.total_tokens, cap.max_model_len, cap.max_full_length_seqs,
+                replicas)
     logger.info("OpenAI-compatible API for %r at %s/v1", name, _url(server.host, server.port))
     uv = _GracefulServer(uvicorn.Config(
         app, host=server.host, port=server.port, log_level=server.log_level.lower(),

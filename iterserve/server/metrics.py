@@ -5,7 +5,9 @@ counterpart for are named ``iterserve:``.
 
 Each app owns a private CollectorRegistry, so several apps can live in one process (tests do).
 Engine-derived values come from the counters the core sends with every step
-(:class:`iterserve.engine.messages.SchedulerStats`); request histograms from finished outputs.
+(:class:`iterserve.engine.messages.SchedulerStats`); request histograms from finished outputs. With
+data-parallel replicas every series has one child per replica (``engine="0"``, ``"1"``, ...), as
+vLLM labels its data-parallel engines; a query sums over ``engine`` for the server's total.
 """
 
 from __future__ import annotations
@@ -15,7 +17,6 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, gene
 from iterserve.engine.messages import SchedulerStats
 from iterserve.outputs import RequestOutput
 
-ENGINE_INDEX = "0"  # one engine core per server; vLLM labels each of its data-parallel engines
 TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0,
                 40.0, 80.0, 160.0, 640.0, 2560.0)
 ITL_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0,
@@ -48,17 +49,23 @@ def count_buckets(max_value: int) -> tuple[int, ...]:
 
 
 class ServerMetrics:
-    def __init__(self, model_name: str, max_model_len: int) -> None:
+    def __init__(self, model_name: str, max_model_len: int, num_engines: int = 1) -> None:
         self.registry = CollectorRegistry()
-        self._labels = {"model_name": model_name, "engine": ENGINE_INDEX}
-        names = list(self._labels)
+        self._labels = [{"model_name": model_name, "engine": str(i)} for i in range(num_engines)]
+        names = ["model_name", "engine"]
         counts = count_buckets(max_model_len)
 
+        families: list[Gauge | Counter | Histogram] = []  # each gets a child per engine below
+
         def gauge(name: str, doc: str) -> Gauge:
-            return Gauge(name, doc, names, registry=self.registry).labels(**self._labels)
+            g = Gauge(name, doc, names, registry=self.registry)
+            families.append(g)
+            return g
 
         def histogram(name: str, doc: str, buckets: tuple[float, ...]) -> Histogram:
-            return Histogram(name, doc, names, buckets=buckets, registry=self.registry).labels(**self._labels)
+            h = Histogram(name, doc, names, buckets=buckets, registry=self.registry)
+            families.append(h)
+            return h
 
         self.running = gauge("vllm:num_requests_running", "Requests in the running batch.")
         self.waiting = gauge("vllm:num_requests_waiting", "Requests waiting for the scheduler (or on their way).")
@@ -70,15 +77,12 @@ class ServerMetrics:
             "iterserve:prefix_cache_hit_rate", "Prompt tokens served from the prefix cache / prompt tokens looked up."
         )
         self._counters = {
-            field: Counter(name, doc, names, registry=self.registry).labels(**self._labels)
-            for field, (name, doc) in _CORE_COUNTERS.items()
+            field: Counter(name, doc, names, registry=self.registry) for field, (name, doc) in _CORE_COUNTERS.items()
         }
         self._request_success = Counter(
             "vllm:request_success", "Finished requests by finish reason.", [*names, "finished_reason"],
             registry=self.registry,
         )
-        for reason in FINISH_REASONS:
-            self._request_success.labels(**self._labels, finished_reason=reason)
         self.iteration_tokens = histogram("vllm:iteration_tokens_total", "Tokens computed per engine step.",
                                           ITERATION_TOKEN_BUCKETS)
         self.prompt_tokens = histogram("vllm:request_prompt_tokens", "Prompt tokens of each finished request.", counts)
@@ -102,36 +106,43 @@ class ServerMetrics:
                                       REQUEST_LATENCY_BUCKETS)
         self.decode_time = histogram("vllm:request_decode_time_seconds", "First token to last token.",
                                      REQUEST_LATENCY_BUCKETS)
-        self._last = dict.fromkeys(_CORE_COUNTERS, 0)  # each app's core starts from zero
-        self._last_step = 0
+        self._last = [dict.fromkeys(_CORE_COUNTERS, 0) for _ in self._labels]  # each core starts from zero
+        self._last_step = [0 for _ in self._labels]
+        for labels in self._labels:  # every engine's series is there from the start, at zero
+            for family in [*families, *self._counters.values()]:
+                family.labels(**labels)
+            for reason in FINISH_REASONS:
+                self._request_success.labels(**labels, finished_reason=reason)
 
-    def record_stats(self, stats: SchedulerStats, num_waiting: int) -> None:
-        """Refresh gauges and counters from the core's latest stats."""
-        self.running.set(stats.num_running)
-        self.waiting.set(num_waiting)
-        self.kv_cache_usage.set(stats.kv_cache_usage)
-        self.gpu_cache_usage.set(stats.kv_cache_usage)
+    def record_stats(self, engine: int, stats: SchedulerStats, num_waiting: int) -> None:
+        """Refresh the engine's gauges and counters from its core's latest stats."""
+        labels, last = self._labels[engine], self._last[engine]
+        self.running.labels(**labels).set(stats.num_running)
+        self.waiting.labels(**labels).set(num_waiting)
+        self.kv_cache_usage.labels(**labels).set(stats.kv_cache_usage)
+        self.gpu_cache_usage.labels(**labels).set(stats.kv_cache_usage)
         if stats.prefix_query_tokens:
-            self.prefix_hit_rate.set(stats.prefix_hit_tokens / stats.prefix_query_tokens)
+            self.prefix_hit_rate.labels(**labels).set(stats.prefix_hit_tokens / stats.prefix_query_tokens)
         for field, counter in self._counters.items():
             value = getattr(stats, field)
-            counter.inc(value - self._last[field])
-            self._last[field] = value
-        if stats.num_steps > self._last_step:  # stats also arrive between steps, repeating the last step's tokens
-            self.iteration_tokens.observe(stats.step_tokens)
-            self._last_step = stats.num_steps
+            counter.labels(**labels).inc(value - last[field])
+            last[field] = value
+        if stats.num_steps > self._last_step[engine]:  # stats also arrive between steps, repeating the last one's
+            self.iteration_tokens.labels(**labels).observe(stats.step_tokens)
+            self._last_step[engine] = stats.num_steps
 
-    def record_admitted(self, max_tokens: int) -> None:
-        self.max_tokens_param.observe(max_tokens)
+    def record_admitted(self, engine: int, max_tokens: int) -> None:
+        self.max_tokens_param.labels(**self._labels[engine]).observe(max_tokens)
 
-    def record_finished(self, output: RequestOutput) -> None:
-        m = output.metrics
-        self.prompt_tokens.observe(len(output.prompt_token_ids))
-        self.generation_tokens.observe(sum(len(c.token_ids) for c in output.outputs))
-        self.max_generation_tokens.observe(max(len(c.token_ids) for c in output.outputs))
+    def record_finished(self, engine: int, output: RequestOutput) -> None:
+        m, labels = output.metrics, self._labels[engine]
+        self.prompt_tokens.labels(**labels).observe(len(output.prompt_token_ids))
+        self.generation_tokens.labels(**labels).observe(sum(len(c.token_ids) for c in output.outputs))
+        self.max_generation_tokens.labels(**labels).observe(max(len(c.token_ids) for c in output.outputs))
+        itl, tpot = self.itl.labels(**labels), self.tpot.labels(**labels)
         for gap in m.itl:
-            self.itl.observe(gap)
-            self.tpot.observe(gap)
+            itl.observe(gap)
+            tpot.observe(gap)
         last_token = m.token_times[-1] if m.token_times else None
         spans = (
             (self.ttft, m.arrival_time, m.first_token_time),
@@ -143,11 +154,11 @@ class ServerMetrics:
         )
         for histogram, start, end in spans:
             if start is not None and end is not None:
-                histogram.observe(end - start)
-        self.record_finish_reason(output.outputs[0].finish_reason or "abort")
+                histogram.labels(**labels).observe(end - start)
+        self.record_finish_reason(engine, output.outputs[0].finish_reason or "abort")
 
-    def record_finish_reason(self, reason: str) -> None:
-        self._request_success.labels(**self._labels, finished_reason=reason).inc()
+    def record_finish_reason(self, engine: int, reason: str) -> None:
+        self._request_success.labels(**self._labels[engine], finished_reason=reason).inc()
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

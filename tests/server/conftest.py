@@ -55,13 +55,15 @@ class ServerThread:
 
 
 def metric_samples(server: ServerThread) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
-    """/metrics as {(sample name, sorted labels without model_name and engine): value}."""
+    """/metrics as {(sample name, sorted labels without model_name and engine): value}, summed over
+    engines (data-parallel replicas)."""
     text = httpx.get(f"{server.url}/metrics").text
-    return {
-        (s.name, tuple(sorted((k, v) for k, v in s.labels.items() if k not in ("model_name", "engine")))): s.value
-        for family in text_string_to_metric_families(text)
-        for s in family.samples
-    }
+    samples: dict[tuple[str, tuple[tuple[str, str], ...]], float] = {}
+    for family in text_string_to_metric_families(text):
+        for s in family.samples:
+            key = (s.name, tuple(sorted((k, v) for k, v in s.labels.items() if k not in ("model_name", "engine"))))
+            samples[key] = samples.get(key, 0.0) + s.value
+    return samples
 
 
 def aborted(server: ServerThread) -> float:

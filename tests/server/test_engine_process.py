@@ -70,7 +70,7 @@ def test_killed_core_fails_in_flight_requests_and_health():
         with httpx.stream("POST", f"{s.url}/v1/completions", json=body, timeout=60) as r:
             lines = r.iter_lines()
             next(line for line in lines if line.startswith("data: "))
-            os.kill(s.engine.pid, signal.SIGKILL)
+            os.kill(s.engine.pids[0], signal.SIGKILL)
             events = sse_events(lines)
         assert events[-1]["error"]["code"] == "engine_unavailable"
         assert httpx.get(f"{s.url}/health").status_code == 503

@@ -1,0 +1,78 @@
+"""The data-parallel router: longest recorded prefix first, then fewest queued tokens; its record is
+the block manager's own chain hashes and stays within its bound, least recently used out first."""
+
+from __future__ import annotations
+
+import pytest
+
+from iterserve.engine.block_manager import BlockManager
+from iterserve.engine.router import Replica, Router, prompt_block_hashes
+from iterserve.engine.sequence import RequestMetrics, Sequence
+from iterserve.sampling_params import SamplingParams
+
+BS = 4
+SHARED = list(range(100, 116))  # four full blocks
+
+
+def test_hashes_are_the_ones_the_block_manager_registers():
+    bm = BlockManager(8, BS)
+    tokens = list(range(30))
+    seq = Sequence("r", None, tokens, SamplingParams(), 4, RequestMetrics(0.0))
+    assert bm.allocate(seq, len(tokens))
+    seq.num_computed_tokens = len(tokens)
+    bm.commit(seq)
+    assert prompt_block_hashes(tokens, BS, len(tokens) // BS) == seq.block_hashes
+
+
+def test_a_shared_prefix_follows_its_replica_even_when_that_one_is_busier():
+    r = Router(2, BS, max_blocks=64)
+    assert r.route("a", SHARED + [1], max_new_tokens=1000) == 0  # a tie: the lowest index
+    assert r.route("b", [7] * 9, max_new_tokens=10) == 1  # no prefix anywhere: the less loaded
+    assert r.route("c", SHARED + [2, 3], max_new_tokens=10) == 0  # 4 blocks recorded on 0 beat its load
+    assert r.route("d", [8] * 9, max_new_tokens=10) == 1
+    assert r.replicas[0].queued_tokens == 17 + 1000 + 18 + 10 and r.replicas[1].queued_tokens == 2 * 19
+
+
+def test_the_longest_prefix_wins_and_equal_prefixes_go_by_load():
+    r = Router(3, BS, max_blocks=64)
+    r.replicas[0].remember(prompt_block_hashes(SHARED, BS, 2))
+    r.replicas[1].remember(prompt_block_hashes(SHARED, BS, 4))
+    r.replicas[2].remember(prompt_block_hashes(SHARED, BS, 4))
+    r.route("busy", [9] * 5, max_new_tokens=50)  # nothing matches: replica 0, the lowest index
+    assert r.route("x", [5] * 5, max_new_tokens=50) == 1
+    assert r.route("long", SHARED + [1], max_new_tokens=5) == 2  # 1 and 2 match 4 blocks; 2 is idle
+    # the last prompt token is always computed, so a prompt of exactly 4 blocks can use 3
+    assert r.route("exact", SHARED, max_new_tokens=5) == 2
+
+
+def test_finish_returns_the_replica_and_its_load():
+    r = Router(2, BS, max_blocks=64)
+    r.route("a", [1] * 10, max_new_tokens=20)
+    r.route("b", [2] * 10, max_new_tokens=20)
+    assert r.requests_on(0) == ["a"] and r.replica_of("b") == 1
+    assert r.finish("a") == 0 and r.finish("a") is None
+    assert r.replicas[0].queued_tokens == 0 and r.replicas[1].queued_tokens == 30
+    assert r.route("c", [3] * 10, max_new_tokens=20) == 0
+    with pytest.raises(ValueError, match="already routed"):
+        r.route("c", [3], max_new_tokens=1)
+
+
+def test_without_prefix_caching_only_the_load_counts():
+    r = Router(2, BS, max_blocks=64, prefix_caching=False)
+    assert r.route("a", SHARED + [1], max_new_tokens=100) == 0
+    assert r.route("b", SHARED + [1], max_new_tokens=100) == 1
+    assert not r.replicas[0].blocks
+
+
+def test_the_record_is_bounded_least_recently_used_out_first():
+    rep = Replica(max_blocks=3)
+    rep.remember([1, 2])
+    rep.remember([3])
+    rep.remember([1, 2])  # used again: now more recent than 3
+    rep.remember([4])
+    assert list(rep.blocks) == [1, 2, 4]
+    assert rep.matched_blocks([1, 2, 4, 5]) == 3 and rep.matched_blocks([3]) == 0
+    r = Router(2, BS, max_blocks=3)
+    r.route("a", SHARED + [1], max_new_tokens=1)  # four blocks, three kept: the chain's head is gone
+    assert len(r.replicas[0].blocks) == 3
+    assert r.replicas[0].matched_blocks(prompt_block_hashes(SHARED, BS, 4)) == 0
