@@ -40,8 +40,11 @@ from iterserve.engine.messages import (
     EngineCoreRequest,
     EngineFailed,
     EngineReady,
+    KVSnapshot,
     SchedulerStats,
     Shutdown,
+    StepStats,
+    WatchKV,
 )
 from iterserve.engine.output_processor import OutputProcessor, RequestOutputKind
 from iterserve.models.loader import load_model_info
@@ -92,6 +95,7 @@ def run_engine_core(config: EngineConfig, input_addr: str, output_addr: str, log
         outputs.send(encoder.encode(EngineFailed(f"{type(e).__name__}: {e}")))
         outputs.close(linger=2000)
         raise SystemExit(1) from None
+    core.emit_steps = True  # every step's record goes to the API process (its dashboard)
     outputs.send(encoder.encode(EngineReady(os.getpid())))
     try:
         _busy_loop(core, inputs, outputs, encoder, parent)
@@ -128,6 +132,9 @@ def _busy_loop(core: EngineCore, inputs: zmq.Socket, outputs: zmq.Socket, encode
                 for request_id in msg.request_ids:
                     core.abort_request(request_id)
                 continue
+            if isinstance(msg, WatchKV):
+                core.watch_kv = msg.on
+                continue
             try:
                 core.add_request(msg)
             except ValueError as e:  # the API side validates first; this is a second line of defence
@@ -135,6 +142,7 @@ def _busy_loop(core: EngineCore, inputs: zmq.Socket, outputs: zmq.Socket, encode
                 errors.append(EngineCoreOutput(msg.request_id, [], time.perf_counter(), finish_reason="error"))
         step = core.step() if core.has_unfinished_requests() else EngineCoreOutputs([], core.stats())
         step.outputs[:0] = errors
+        step.kv = core.kv_snapshot(force=not core.has_unfinished_requests())  # an idle pool's last state
         outputs.send(encoder.encode(step))
 
 
@@ -151,6 +159,14 @@ class EngineObserver(Protocol):
     def record_finished(self, output: RequestOutput) -> None: ...
 
     def record_finish_reason(self, reason: str) -> None: ...
+
+
+class StepObserver(Protocol):
+    """Where the client reports each step's record, KV snapshots and finished requests (the dashboard)."""
+
+    def record_step(self, step: StepStats | None, kv: KVSnapshot | None, stats: SchedulerStats) -> None: ...
+
+    def record_finished(self, output: RequestOutput) -> None: ...
 
 
 class RequestStream:
@@ -213,6 +229,7 @@ class EngineCoreClient:
         self.config = config
         self.max_waiting = max_waiting
         self.observer = observer
+        self.step_observer: StepObserver | None = None
         self.log_level = log_level
         self.model_config: ModelConfig
         self.tokenizer: Tokenizer | None
@@ -359,6 +376,10 @@ class EngineCoreClient:
         if not self._streams:
             self._idle.set()
 
+    def watch_kv(self, on: bool) -> None:
+        """Ask the core for KV block snapshots (a dashboard opened), or to stop taking them."""
+        self._send(WatchKV(on))
+
     def _send(self, msg: EngineCoreInput) -> None:
         if self._input is not None and self.error is None:
             self._input.send(self._encoder.encode(msg), zmq.NOBLOCK)
@@ -394,6 +415,8 @@ class EngineCoreClient:
                         self.observer.record_finish_reason("error")
                     else:
                         self.observer.record_finished(out)
+                if self.step_observer is not None and reason != "error":
+                    self.step_observer.record_finished(out)
             if stream is None:
                 continue
             if reason == "error":
@@ -404,6 +427,8 @@ class EngineCoreClient:
             self._send(AbortRequests(processed.to_abort))
         if self.observer is not None:
             self.observer.record_stats(msg.stats, self.num_waiting)
+        if self.step_observer is not None:
+            self.step_observer.record_step(msg.step, msg.kv, msg.stats)
 
     # -- death ----------------------------------------------------------------------------------
 
