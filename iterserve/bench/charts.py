@@ -173,7 +173,7 @@ def sequence_spans(steps: list[dict[str, Any]]) -> dict[str, dict[str, list[tupl
     last_step: dict[tuple[str, str], int] = {}
     for step in steps:
         end = step["start"] + step["duration"]
-        for rid, phase, _ in step["seqs"]:
+        for rid, phase, *_ in step["seqs"]:
             phase_spans = spans.setdefault(rid, {}).setdefault(phase, [])
             if last_step.get((rid, phase)) == step["step"] - 1:
                 s, _ = phase_spans[-1]
@@ -194,7 +194,7 @@ def _draw_rows(ax: Any, steps: list[dict[str, Any]], requests: list[dict[str, An
     if x == "steps":
         first_step: dict[str, int] = {}
         for step in steps:
-            for rid, _, _ in step["seqs"]:
+            for rid, *_ in step["seqs"]:
                 first_step.setdefault(rid, step["step"] - 1)
         spans, t0 = step_spans(steps), 0.0
         queued = {r["request_id"]: (0.0, float(first_step.get(r["request_id"], 0))) for r in requests}
@@ -283,7 +283,7 @@ def joins_chart(trace: str | Path, path: str | Path, *, max_num_seqs: int | None
     started: set[str] = set()
     joining, decoding, joined = [], [], 0
     for s in steps:
-        new = [rid for rid, phase, _ in s["seqs"] if phase == "prefill" and rid not in started]
+        new = [rid for rid, phase, *_ in s["seqs"] if phase == "prefill" and rid not in started]
         started.update(new)
         joined += len(new) if s["num_decode_seqs"] > 0 else 0
         joining.append(len(new))

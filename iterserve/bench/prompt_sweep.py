@@ -69,8 +69,8 @@ def sweep_prompt_lengths(
                     tpot.append((times[-1] - times[0]) * 1000 / (len(times) - 1))
             engine.close()
             steps, _ = read_trace(trace)
-            last = [s for s in steps if any(rid == str(repeats) for rid, _, _ in s["seqs"])]
-            step_tokens = [sum(t for _, _, t in s["seqs"]) for s in last]
+            last = [s for s in steps if any(rid == str(repeats) for rid, *_ in s["seqs"])]
+            step_tokens = [sum(t for _, _, t, *_ in s["seqs"]) for s in last]
             points.append(PromptPoint(
                 prompt_len=n, steps_per_request=len(last), first_step_tokens=step_tokens[0],
                 ttft_ms=statistics.median(ttft), tpot_ms=statistics.median(tpot), ttft_ms_runs=ttft, tpot_ms_runs=tpot,

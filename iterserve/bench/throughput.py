@@ -77,7 +77,7 @@ def trace_counts(path: str | Path, max_num_seqs: int, output_tokens: int) -> Ste
     joined: set[str] = set()
     started: set[str] = set()
     for s in steps:
-        for rid, phase, _ in s["seqs"]:
+        for rid, phase, *_ in s["seqs"]:
             if phase == "prefill" and rid not in started:
                 started.add(rid)
                 if s["num_decode_seqs"] > 0:

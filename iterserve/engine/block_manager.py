@@ -17,6 +17,7 @@ from __future__ import annotations
 from collections import OrderedDict
 from dataclasses import dataclass, field
 
+from iterserve.engine.messages import KV_CACHED, KV_FIRST_ROW, KV_HELD, KV_SHARED
 from iterserve.engine.sequence import Sequence
 
 
@@ -195,6 +196,25 @@ class BlockManager:
         seq.block_table = []
         seq.block_hashes = []
         seq.num_hashed_blocks = 0
+
+    def block_states(self, batch: list[Sequence]) -> bytes:
+        """One byte per block (the ``KV_*`` codes of :mod:`iterserve.engine.messages`): free, cached
+        but evictable, shared, or held by one sequence, numbered by its place in ``batch`` (a step's
+        rows) when it is there. Walks every block: the caller bounds how often."""
+        states = bytearray(self.num_blocks)  # zeros: KV_FREE
+        for block in self.blocks:
+            if block.ref_count > 1:
+                states[block.block_id] = KV_SHARED
+            elif block.ref_count == 1:
+                states[block.block_id] = KV_HELD
+            elif block.hash is not None:
+                states[block.block_id] = KV_CACHED
+        for row, seq in enumerate(batch):
+            code = min(KV_FIRST_ROW + row, 255)
+            for block_id in seq.block_table:
+                if states[block_id] == KV_HELD:
+                    states[block_id] = code
+        return bytes(states)
 
     def check_no_leaks(self) -> None:
         """Raise if any block is still referenced (call when no sequence is alive)."""

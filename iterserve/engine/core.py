@@ -16,15 +16,23 @@ import logging
 import os
 import time
 from collections import deque
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass
 from typing import IO
 
+import msgspec
 import torch
 
 from iterserve.config import EngineConfig, ModelConfig, parse_dtype
 from iterserve.distributed.executor import Executor
 from iterserve.engine.block_manager import BlockManager
-from iterserve.engine.messages import EngineCoreOutput, EngineCoreOutputs, EngineCoreRequest, SchedulerStats
+from iterserve.engine.messages import (
+    EngineCoreOutput,
+    EngineCoreOutputs,
+    EngineCoreRequest,
+    KVSnapshot,
+    SchedulerStats,
+    StepStats,
+)
 from iterserve.engine.model_runner import ModelRunner
 from iterserve.engine.scheduler import Scheduler, SchedulerOutput
 from iterserve.engine.sequence import RequestMetrics, Sequence
@@ -41,6 +49,10 @@ logger = logging.getLogger(__name__)
 # forward pass, as a fault in the model would. Read once when the core is built.
 FAULT_TOKEN_ENV = "ITERSERVE_TEST_FAULT_TOKEN"
 
+# While a dashboard watches, a KV block snapshot is taken at most this often, and less often when
+# taking one is slow (it walks every block): its cost stays under KV_SNAPSHOT_BUDGET of the core's time.
+KV_SNAPSHOT_MIN_INTERVAL_S = 0.1
+KV_SNAPSHOT_BUDGET = 0.005
 
 
 @dataclass(frozen=True)
@@ -129,26 +141,6 @@ def stop_token_ids(params: SamplingParams, model_config: ModelConfig, tokenizer:
     return frozenset(ids)
 
 
-@dataclass
-class StepStats:
-    """What one step did, for benchmarks and timelines."""
-
-    step: int
-    start: float
-    duration: float
-    num_running: int
-    num_waiting: int
-    num_prefill_tokens: int
-    num_decode_tokens: int
-    num_prefill_seqs: int
-    num_decode_seqs: int
-    kv_blocks_used: int
-    prefix_hit_tokens: int
-    num_preemptions: int
-    total_context: int  # KV tokens the scheduled sequences hold after the step (what attention read)
-    seqs: list[tuple[str, str, int]] = field(default_factory=list)  # (request id, prefill|decode, tokens)
-
-
 class EngineCore:
     """With ``tensor_parallel_size`` > 1 this is rank 0: it starts (or, under torchrun, joins) the workers
     and holds the first shard of the model."""
@@ -193,6 +185,10 @@ class EngineCore:
         self.peak_running = 0
         self._last_step_tokens = 0
         self.step_history: deque[StepStats] = deque(maxlen=config.step_history)
+        self.emit_steps = False  # attach each step's StepStats to its outputs (the server's core does)
+        self.watch_kv = False  # a dashboard watches: kv_snapshot() hands out snapshots
+        self._next_kv_snapshot = 0.0
+        self._last_batch: list[Sequence] = []  # the last step's sequences, in row order
         self._trace: IO[str] | None = open(config.step_trace, "w") if config.step_trace else None
         fault = os.environ.get(FAULT_TOKEN_ENV)
         self._fault_token = int(fault) if fault else None
@@ -295,16 +291,16 @@ class EngineCore:
         except Exception:  # noqa: BLE001 - a fault fails this step's requests, never the core
             logger.exception("step %d failed; failing its %d requests", self.num_steps + 1, len(sched.scheduled))
             outputs = self._fail(sched, time.perf_counter())
-            self._record(sched, start, time.perf_counter() - start)
-            return EngineCoreOutputs(outputs, self.stats())
+            record = self._record(sched, start, time.perf_counter() - start)
+            return EngineCoreOutputs(outputs, self.stats(), record if self.emit_steps else None)
         now = time.perf_counter()
         outputs = []
         for seq in update.sampled:
             outputs.append(self._delta(seq, now))
             if seq.is_finished:
                 self._retire(seq, now)
-        self._record(sched, start, now - start)
-        return EngineCoreOutputs(outputs, self.stats())
+        record = self._record(sched, start, now - start)
+        return EngineCoreOutputs(outputs, self.stats(), record if self.emit_steps else None)
 
     def _delta(self, seq: Sequence, now: float) -> EngineCoreOutput:
         m = seq.metrics
@@ -364,7 +360,8 @@ class EngineCore:
             prefix_query_tokens=self.prefix_query_tokens, step_tokens=self._last_step_tokens,
         )
 
-    def _record(self, sched: SchedulerOutput, start: float, duration: float) -> None:
+    def _record(self, sched: SchedulerOutput, start: float, duration: float) -> StepStats | None:
+        """Count the step; its StepStats when someone keeps them (history, trace or the server)."""
         self.num_steps += 1
         self.num_preemptions += len(sched.preempted)
         self.prefix_hit_tokens += sched.prefix_hit_tokens
@@ -373,8 +370,9 @@ class EngineCore:
         self.num_prompt_tokens += sum(s.num_tokens for s in prefill)
         self.peak_running = max(self.peak_running, len(sched.scheduled))
         self._last_step_tokens = sched.num_tokens
-        if not self.step_history.maxlen and self._trace is None:
-            return
+        self._last_batch = [s.seq for s in sched.scheduled]
+        if not self.step_history.maxlen and self._trace is None and not self.emit_steps:
+            return None
         stats = StepStats(
             step=self.num_steps, start=start, duration=duration,
             num_running=len(self.scheduler.running), num_waiting=len(self.scheduler.waiting),
@@ -384,13 +382,25 @@ class EngineCore:
             kv_blocks_used=self.block_manager.num_used_blocks, prefix_hit_tokens=sched.prefix_hit_tokens,
             num_preemptions=len(sched.preempted),
             total_context=sum(s.seq.num_computed_tokens for s in sched.scheduled),
-            seqs=[(s.seq.request_id, "prefill" if s.is_prefill else "decode", s.num_tokens) for s in sched.scheduled],
+            seqs=sched.batch_rows(),
         )
         if self.step_history.maxlen:
             self.step_history.append(stats)
         if self._trace is not None:
-            self._trace.write(json.dumps({"type": "step", **asdict(stats)}) + "\n")
+            self._trace.write(msgspec.json.encode(stats).decode() + "\n")
             self._trace.flush()  # readable while the engine runs (a server's trace is read live)
+        return stats
+
+    def kv_snapshot(self, force: bool = False) -> KVSnapshot | None:
+        """Every KV block's state after the last step, rows numbered as in its StepStats; None unless
+        a dashboard watches and one is due (``force``: due now, e.g. when the engine falls idle)."""
+        start = time.perf_counter()
+        if not self.watch_kv or (start < self._next_kv_snapshot and not force):
+            return None
+        snapshot = KVSnapshot(self.num_steps, self.block_manager.block_states(self._last_batch))
+        took = time.perf_counter() - start
+        self._next_kv_snapshot = start + max(KV_SNAPSHOT_MIN_INTERVAL_S, took / KV_SNAPSHOT_BUDGET)
+        return snapshot
 
     def _trace_request(self, seq: Sequence) -> None:
         if self._trace is not None:

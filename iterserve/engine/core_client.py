@@ -47,8 +47,11 @@ from iterserve.engine.messages import (
     EngineCoreRequest,
     EngineFailed,
     EngineReady,
+    KVSnapshot,
     SchedulerStats,
     Shutdown,
+    StepStats,
+    WatchKV,
 )
 from iterserve.engine.output_processor import OutputProcessor, RequestOutputKind
 from iterserve.engine.router import Router
@@ -104,6 +107,7 @@ def run_engine_core(config: EngineConfig, input_addr: str, output_addr: str, log
         outputs.send(encoder.encode(EngineFailed(f"{type(e).__name__}: {e}")))
         outputs.close(linger=2000)
         raise SystemExit(1) from None
+    core.emit_steps = True  # every step's record goes to the API process (its dashboard)
     outputs.send(encoder.encode(EngineReady(os.getpid())))
     try:
         _busy_loop(core, inputs, outputs, encoder, parent)
@@ -140,6 +144,9 @@ def _busy_loop(core: EngineCore, inputs: zmq.Socket, outputs: zmq.Socket, encode
                 for request_id in msg.request_ids:
                     core.abort_request(request_id)
                 continue
+            if isinstance(msg, WatchKV):
+                core.watch_kv = msg.on
+                continue
             try:
                 core.add_request(msg)
             except ValueError as e:  # the API side validates first; this is a second line of defence
@@ -147,6 +154,7 @@ def _busy_loop(core: EngineCore, inputs: zmq.Socket, outputs: zmq.Socket, encode
                 errors.append(EngineCoreOutput(msg.request_id, [], time.perf_counter(), finish_reason="error"))
         step = core.step() if core.has_unfinished_requests() else EngineCoreOutputs([], core.stats())
         step.outputs[:0] = errors
+        step.kv = core.kv_snapshot(force=not core.has_unfinished_requests())  # an idle pool's last state
         outputs.send(encoder.encode(step))
 
 
@@ -163,6 +171,14 @@ class EngineObserver(Protocol):
     def record_finished(self, engine: int, output: RequestOutput) -> None: ...
 
     def record_finish_reason(self, engine: int, reason: str) -> None: ...
+
+
+class StepObserver(Protocol):
+    """Where the client reports each step's record, KV snapshots and finished requests (the dashboard)."""
+
+    def record_step(self, step: StepStats | None, kv: KVSnapshot | None, stats: SchedulerStats) -> None: ...
+
+    def record_finished(self, output: RequestOutput) -> None: ...
 
 
 class RequestStream:
@@ -281,6 +297,7 @@ class EngineCoreClient:
         self.config = config
         self.max_waiting = max_waiting
         self.observer = observer
+        self.step_observer: StepObserver | None = None
         self.log_level = log_level
         self.model_config: ModelConfig
         self.tokenizer: Tokenizer | None
@@ -457,6 +474,11 @@ class EngineCoreClient:
             self._idle.set()
         return self.router.finish(request_id)
 
+    def watch_kv(self, on: bool) -> None:
+        """Ask the core the dashboard shows (replica 0) for KV block snapshots, or to stop taking them."""
+        if self.error is None:
+            self._cores[0].send(self._encoder, WatchKV(on))
+
     # -- outputs --------------------------------------------------------------------------------
 
     async def _output_loop(self, core: _Core, decoder: msgspec.msgpack.Decoder) -> None:
@@ -488,6 +510,8 @@ class EngineCoreClient:
                         self.observer.record_finish_reason(core.index, "error")
                     else:
                         self.observer.record_finished(core.index, out)
+                if self.step_observer is not None and reason != "error" and core.index == 0:
+                    self.step_observer.record_finished(out)
             if stream is None:
                 continue
             if reason == "error":
@@ -498,6 +522,8 @@ class EngineCoreClient:
             core.send(self._encoder, AbortRequests(processed.to_abort))
         if self.observer is not None:
             self.observer.record_stats(core.index, msg.stats, core.num_waiting)
+        if self.step_observer is not None and core.index == 0:  # the dashboard shows one engine: replica 0
+            self.step_observer.record_step(msg.step, msg.kv, msg.stats)
 
     # -- death ----------------------------------------------------------------------------------
 

@@ -1,7 +1,9 @@
 """The typed messages between the API side and the engine core, small enough to send every step.
 
-In: a request as token ids plus its sampling parameters, aborts, shutdown. Out: per step, one delta
-per request that advanced (only the new tokens) and the scheduler's counters. No text travels here:
+In: a request as token ids plus its sampling parameters, aborts, shutdown, and whether a dashboard
+watches the KV pool. Out: per step, one delta per request that advanced (only the new tokens), the
+scheduler's counters, the step's record (:class:`StepStats`, the step trace's schema) and, while a
+dashboard watches, now and then a snapshot of every KV block's state. No text travels here:
 tokenizing and detokenizing happen on the API side. The same structs are used in-process by the
 offline engine and serialized with msgspec's MessagePack when the core runs in its own process.
 """
@@ -29,7 +31,13 @@ class Shutdown(msgspec.Struct, tag="shutdown"):
     pass
 
 
-EngineCoreInput = EngineCoreRequest | AbortRequests | Shutdown
+class WatchKV(msgspec.Struct, tag="watch_kv"):
+    """Start (a dashboard opened) or stop (the last one closed) sending KV block snapshots."""
+
+    on: bool
+
+
+EngineCoreInput = EngineCoreRequest | AbortRequests | Shutdown | WatchKV
 
 
 class EngineCoreOutput(msgspec.Struct, array_like=True, omit_defaults=True):
@@ -66,9 +74,56 @@ class SchedulerStats(msgspec.Struct, array_like=True):
     step_tokens: int  # tokens computed in the last step (0 when no step ran)
 
 
+class BatchRow(msgspec.Struct, array_like=True):
+    """One sequence of a step's batch: a row of the step trace and of the dashboard's running batch."""
+
+    request_id: str
+    phase: str  # "prefill" or "decode", as the sequence was scheduled
+    num_tokens: int  # computed in this step
+    num_computed_tokens: int  # held in the KV cache after the step
+    num_output_tokens: int  # generated so far
+
+
+class StepStats(msgspec.Struct, tag_field="type", tag="step"):
+    """What one step did: a line of the JSON-lines step trace (``{"type": "step", ...}``, read by
+    ``bench throughput --timeline`` and the simulator's calibration) and the dashboard's feed."""
+
+    step: int
+    start: float  # time.perf_counter when the step began
+    duration: float
+    num_running: int
+    num_waiting: int
+    num_prefill_tokens: int
+    num_decode_tokens: int
+    num_prefill_seqs: int
+    num_decode_seqs: int
+    kv_blocks_used: int
+    prefix_hit_tokens: int
+    num_preemptions: int
+    total_context: int  # KV tokens the scheduled sequences hold after the step (what attention read)
+    seqs: list[BatchRow] = []
+
+
+# KV block states in a KVSnapshot, one byte per block.
+KV_FREE = 0  # holds nothing worth keeping
+KV_CACHED = 1  # free, but its prefix can still be hit by the prefix cache until it is handed out again
+KV_SHARED = 2  # held by more than one sequence (a prefix-cache hit, or the n > 1 siblings of one request)
+KV_HELD = 3  # held by one running sequence that the snapshot's step did not schedule
+KV_FIRST_ROW = 4  # KV_FIRST_ROW + i: held by row i of the step's batch alone (255 for every row from 251 on)
+
+
+class KVSnapshot(msgspec.Struct, array_like=True):
+    """Every KV block's state after step ``step`` (block i is byte i), for a dashboard's grid."""
+
+    step: int
+    blocks: bytes
+
+
 class EngineCoreOutputs(msgspec.Struct, tag="outputs"):
     outputs: list[EngineCoreOutput]
     stats: SchedulerStats
+    step: StepStats | None = None  # the step's record, when the core keeps them (a server's core always does)
+    kv: KVSnapshot | None = None  # while a dashboard watches, at a bounded rate
 
 
 class EngineReady(msgspec.Struct, tag="ready"):

@@ -22,6 +22,7 @@ from dataclasses import dataclass, field
 
 from iterserve.config import SchedulerConfig
 from iterserve.engine.block_manager import BlockManager
+from iterserve.engine.messages import BatchRow
 from iterserve.engine.sequence import Sequence, SequenceStatus
 from iterserve.sampler import SampleResult
 
@@ -58,6 +59,11 @@ class SchedulerOutput:
     @property
     def is_empty(self) -> bool:
         return not self.scheduled
+
+    def batch_rows(self) -> list[BatchRow]:
+        """The step's batch as the step trace records it; read after the step has been applied."""
+        return [BatchRow(s.seq.request_id, "prefill" if s.is_prefill else "decode", s.num_tokens,
+                         s.seq.num_computed_tokens, len(s.seq.output_token_ids)) for s in self.scheduled]
 
 
 def sampling_seqs(scheduled: list[ScheduledSeq]) -> list[Sequence]:

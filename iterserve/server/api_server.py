@@ -16,7 +16,6 @@ the context is refused before it is tokenized when its length alone proves it.
 from __future__ import annotations
 
 import asyncio
-import hmac
 import json
 import logging
 import math
@@ -50,6 +49,8 @@ from iterserve.engine.core_client import (
 from iterserve.errors import RequestError
 from iterserve.outputs import CompletionOutput, Logprob, RequestOutput
 from iterserve.sampling_params import SamplingParams
+from iterserve.server.auth import bearer_matches
+from iterserve.server.dashboard import add_dashboard, checks_own_key
 from iterserve.server.metrics import ServerMetrics
 from iterserve.server.protocol import (
     APIError,
@@ -169,17 +170,17 @@ async def _wait_for_disconnect(request: Request) -> None:
 
 
 class _APIKeyMiddleware:
-    """Bearer-key check on everything but the probes; plain ASGI, so streaming is untouched."""
+    """Bearer-key check on everything but the probes and the dashboard's page, feed and scripts (which
+    take the key or a session cookie themselves); plain ASGI, so streaming is untouched."""
 
     def __init__(self, app: ASGIApp, api_key: str) -> None:
         self.app = app
         self._key = api_key.encode()
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] == "http" and scope["path"] not in PUBLIC_PATHS:
-            scheme, _, token = Headers(scope=scope).get("authorization", "").partition(" ")
-            # header values arrive latin-1 decoded; encoding back gives the client's bytes
-            if scheme.lower() != "bearer" or not hmac.compare_digest(token.strip().encode("latin-1"), self._key):
+        path = scope.get("path", "")
+        if scope["type"] == "http" and path not in PUBLIC_PATHS and not checks_own_key(path):
+            if not bearer_matches(Headers(scope=scope).get("authorization", ""), self._key):
                 error = APIError(401, "invalid or missing API key; send 'Authorization: Bearer <key>'",
                                  type="authentication_error", code="invalid_api_key",
                                  headers={"WWW-Authenticate": "Bearer"})
@@ -768,6 +769,7 @@ def build_app(config: EngineConfig, server: ServerConfig | None = None) -> FastA
     app.get("/health", response_model=None)(serving.health)
     app.get("/version")(serving.version)
     app.get("/metrics", response_model=None)(serving.prometheus)
+    add_dashboard(app, engine, served_model_name, api_key)
     return app
 
 

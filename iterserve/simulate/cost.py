@@ -174,7 +174,7 @@ def steps_from_trace(path: str | Path) -> list[TimedStep]:
     steps = []
     for k, record in enumerate(records):
         prefill = decode = context = 0
-        for rid, phase, n in record["seqs"]:
+        for rid, phase, n, *_ in record["seqs"]:
             if phase == "prefill":
                 if rid in decoded:
                     decoded.discard(rid)

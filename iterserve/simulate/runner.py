@@ -22,6 +22,7 @@ from dataclasses import asdict, dataclass
 from datetime import datetime
 from typing import IO, Any
 
+import msgspec
 import numpy as np
 
 from iterserve.bench.metrics import DEFAULT_PERCENTILES, RequestResult, compute_metrics
@@ -29,7 +30,8 @@ from iterserve.bench.serve import LoadPoint, arrival_offsets
 from iterserve.bench.workloads import FIRST_RANDOM_TOKEN_ID, Request, WorkloadSpec
 from iterserve.config import Batching, KVAllocation, SchedulerConfig
 from iterserve.engine.block_manager import BlockManager
-from iterserve.engine.scheduler import ScheduledSeq, Scheduler
+from iterserve.engine.messages import StepStats
+from iterserve.engine.scheduler import ScheduledSeq, Scheduler, SchedulerOutput
 from iterserve.engine.sequence import RequestMetrics, Sequence
 from iterserve.sampler import SampleResult
 from iterserve.sampling_params import SamplingParams
@@ -189,18 +191,17 @@ class _Run:
             record = {"type": "request", "request_id": seq.request_id, "finish_reason": seq.finish_reason}
             self.trace.write(json.dumps({**record, **m.as_dict()}) + "\n")
 
-    def _trace_step(self, out: Any, shape: StepShape, start: float, end: float) -> None:
-        """A step record in the engine's step-trace format, so bench's timeline charts read it."""
-        record = {
-            "type": "step", "step": self.stats.num_steps, "start": start, "duration": end - start,
-            "num_running": len(self.scheduler.running), "num_waiting": len(self.scheduler.waiting),
-            "num_prefill_tokens": shape.prefill_tokens, "num_decode_tokens": shape.decode_seqs,
-            "num_prefill_seqs": shape.prefill_seqs, "num_decode_seqs": shape.decode_seqs,
-            "kv_blocks_used": self.block_manager.num_used_blocks, "prefix_hit_tokens": out.prefix_hit_tokens,
-            "num_preemptions": len(out.preempted), "total_context": shape.total_context,
-            "seqs": [(s.seq.request_id, "prefill" if s.is_prefill else "decode", s.num_tokens) for s in out.scheduled],
-        }
-        self.trace.write(json.dumps(record) + "\n")  # type: ignore[union-attr]
+    def _trace_step(self, out: SchedulerOutput, shape: StepShape, start: float, end: float) -> None:
+        """A step record in the engine's step-trace schema, so bench's timeline charts read it."""
+        record = StepStats(
+            step=self.stats.num_steps, start=start, duration=end - start,
+            num_running=len(self.scheduler.running), num_waiting=len(self.scheduler.waiting),
+            num_prefill_tokens=shape.prefill_tokens, num_decode_tokens=shape.decode_seqs,
+            num_prefill_seqs=shape.prefill_seqs, num_decode_seqs=shape.decode_seqs,
+            kv_blocks_used=self.block_manager.num_used_blocks, prefix_hit_tokens=out.prefix_hit_tokens,
+            num_preemptions=len(out.preempted), total_context=shape.total_context, seqs=out.batch_rows(),
+        )
+        self.trace.write(msgspec.json.encode(record).decode() + "\n")  # type: ignore[union-attr]
 
 
 def simulate_point(

@@ -68,7 +68,7 @@ def test_step_traces_account_for_every_token(result, workload):
         assert len(steps) == run["num_steps"] and len(requests) == len(workload)
         decoded = {}
         for step in steps:
-            for rid, phase, n in step["seqs"]:
+            for rid, phase, n, *_ in step["seqs"]:
                 if phase == "decode":
                     decoded[rid] = decoded.get(rid, 0) + n
         out = {r["request_id"]: r["num_output_tokens"] for r in requests}

@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 
 from iterserve.engine.block_manager import BlockManager, chain_hash
+from iterserve.engine.messages import KV_CACHED, KV_FIRST_ROW, KV_FREE, KV_HELD, KV_SHARED
 from iterserve.engine.sequence import RequestMetrics, Sequence
 from iterserve.sampling_params import SamplingParams
 
@@ -134,3 +135,23 @@ def test_copy_on_write_refused_when_the_pool_is_full_changes_nothing():
     assert bm.allocate(child, 1) and bm.take_copies() == []  # sole holder now: writes in place
     bm.free(child)
     bm.check_no_leaks()
+
+
+def test_block_states_tell_free_cached_shared_and_each_rows_blocks():
+    bm = BlockManager(12, 4)
+    a, b, c = seq(list(range(8)) + [100], "a"), seq(list(range(8)) + [200], "b"), seq(range(50, 55), "c")
+    admit(bm, a)
+    admit(bm, b)  # shares a's two full blocks
+    admit(bm, c)
+    gone = seq(range(300, 308), "gone")
+    admit(bm, gone)
+    cached = list(gone.block_table)
+    bm.free(gone)  # its two full blocks stay cached until handed out again
+    states = bm.block_states([b, a])  # row 0 is b, row 1 is a; c holds blocks but is not in the batch
+    assert len(states) == bm.num_blocks
+    for block_id in a.block_table[:2]:
+        assert states[block_id] == KV_SHARED
+    assert states[a.block_table[2]] == KV_FIRST_ROW + 1 and states[b.block_table[2]] == KV_FIRST_ROW
+    assert all(states[i] == KV_HELD for i in c.block_table)
+    assert [states[i] for i in cached] == [KV_CACHED, KV_CACHED]
+    assert list(states).count(KV_FREE) == 12 - 2 - 1 - 1 - 2 - 2  # shared, a's, b's, c's, cached

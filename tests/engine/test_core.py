@@ -3,10 +3,15 @@ requests and frees their blocks, bad requests are refused without side effects."
 
 from __future__ import annotations
 
+import json
+import time
+
+import msgspec
 import pytest
 
+from iterserve.engine import core as core_module
 from iterserve.engine.core import FAULT_TOKEN_ENV, EngineConfig, EngineCore, check_prompt
-from iterserve.engine.messages import EngineCoreRequest
+from iterserve.engine.messages import KV_FIRST_ROW, BatchRow, EngineCoreRequest
 from iterserve.errors import RequestError
 from iterserve.models.loader import load_model
 from iterserve.sampling_params import SamplingParams, SamplingParamsError
@@ -105,3 +110,42 @@ def test_step_stats_count_the_kv_context_prefix_hits_included(tiny_loaded):
     c.step()
     last = c.step_history[-1]
     assert last.prefix_hit_tokens == 16 and last.num_prefill_tokens == 3 and last.total_context == 19
+
+
+def test_step_records_go_out_with_the_step_and_match_the_trace(tiny_loaded, tmp_path):
+    trace = tmp_path / "trace.jsonl"
+    c = core(tiny_loaded, max_num_batched_tokens=8, step_trace=str(trace))
+    assert c.step().step is None  # nothing scheduled, nothing recorded
+    c.add_request(request("a", list(range(1, 12)), max_tokens=3))
+    assert c.step().step is None  # the offline engine does not ask for them
+    c.emit_steps = True
+    records = []
+    while c.has_unfinished_requests():
+        records.append(c.step().step)
+    c.close()
+    # a prefill chunk of 3 (8 came first), then two decodes; rows hold tokens computed and generated so far
+    assert [r.seqs for r in records] == [[BatchRow("a", "prefill", 3, 11, 1)], [BatchRow("a", "decode", 1, 12, 2)],
+                                         [BatchRow("a", "decode", 1, 13, 3)]]
+    lines = [json.loads(line) for line in trace.read_text().splitlines() if '"type":"step"' in line]
+    assert lines[1:] == [msgspec.to_builtins(r) for r in records]  # one schema: the trace line is the record
+    assert lines[-1]["seqs"] == [["a", "decode", 1, 13, 3]]
+
+
+def test_kv_snapshots_only_while_watched_and_at_a_bounded_rate(tiny_loaded, monkeypatch):
+    monkeypatch.setattr(core_module, "KV_SNAPSHOT_MIN_INTERVAL_S", 30.0)  # however slow this machine steps
+    c = core(tiny_loaded)
+    c.add_request(request("a", list(range(1, 40)), max_tokens=20))
+    c.step()
+    assert c.kv_snapshot() is None and c.kv_snapshot(force=True) is None  # nobody watches: no cost
+    c.watch_kv = True
+    first = c.kv_snapshot()
+    assert first is not None and first.step == 1 and len(first.blocks) == 32
+    assert list(first.blocks).count(KV_FIRST_ROW) == 3  # 39 prompt tokens in 16-token blocks, all row 0's
+    c.step()
+    assert c.kv_snapshot() is None  # within KV_SNAPSHOT_MIN_INTERVAL_S of the last one
+    assert c.kv_snapshot(force=True) is not None
+    monkeypatch.setattr(core_module, "KV_SNAPSHOT_BUDGET", 1e-9)  # as if a snapshot took ages to build
+    c.kv_snapshot(force=True)
+    assert c._next_kv_snapshot - time.perf_counter() > 300  # the next is pushed back to keep within budget
+    c.watch_kv = False
+    assert c.kv_snapshot(force=True) is None

@@ -28,8 +28,8 @@ def test_n_choices_share_one_prefill(server, trace_path):
     assert all(c.text for c in r.choices) and r.usage.completion_tokens == 18
     wait_until_idle(server)
     steps = [json.loads(line) for line in trace_path.read_text().splitlines()[first_line:]]
-    steps = [s for s in steps if s["type"] == "step" and any(rid == r.id for rid, _, _ in s["seqs"])]
-    prefill = [(n, s) for s in steps for rid, kind, n in s["seqs"] if rid == r.id and kind == "prefill"]
+    steps = [s for s in steps if s["type"] == "step" and any(rid == r.id for rid, *_ in s["seqs"])]
+    prefill = [(n, s) for s in steps for rid, kind, n, *_ in s["seqs"] if rid == r.id and kind == "prefill"]
     assert sum(n for n, _ in prefill) == r.usage.prompt_tokens  # the prompt ran through the model once
     (_, prefill_step), = prefill
     assert prefill_step["kv_blocks_used"] == -(-r.usage.prompt_tokens // 16)  # three sequences, one prompt's blocks
