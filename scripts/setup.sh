@@ -17,3 +17,13 @@ extras=""
 # only load that build. If it fails, iterserve still runs on its PyTorch reference path and says so at import.
 ITERSERVE_CPU_KERNELS=0 .venv/bin/python -m iterserve.kernels \
     || echo "setup.sh: building the CPU kernels failed; iterserve will run its PyTorch reference path" >&2
+# The dashboard's browser test drives the system's Chromium through Playwright (no browser download):
+# Debian's chromium package, installed here when this runs as root on a machine with apt-get.
+if [ -n "$extras" ] && ! command -v chromium >/dev/null; then
+  if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null; then
+    DEBIAN_FRONTEND=noninteractive apt-get update -qq
+    DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends chromium >/dev/null
+  else
+    echo "setup.sh: no chromium; the dashboard's browser test needs it (apt-get install chromium)" >&2
+  fi
+fi
