@@ -266,6 +266,9 @@ def replica_configs(config: EngineConfig, num_replicas: int) -> list[EngineConfi
     step trace file (``steps.jsonl`` -> ``steps.0.jsonl``, ``steps.1.jsonl``, ...)."""
     if num_replicas == 1:
         return [config]
+    if config.tensor_parallel_size > 1:  # each replica's ranks would need their own devices and ports
+        raise ValueError("data_parallel_size > 1 with tensor_parallel_size > 1 is not supported yet; "
+                         "run one tensor-parallel server per replica behind a load balancer (docs/scaling.md)")
     device = config.device
     devices: list[str | None] = [device] * num_replicas
     if device is not None and device.startswith("cuda:"):

@@ -27,3 +27,9 @@ def test_replicas_are_placed_one_per_cuda_device(monkeypatch):
         replica_configs(EngineConfig(device="cuda"), 3)
     with pytest.raises(ValueError, match="give --device cuda"):
         replica_configs(EngineConfig(device="cuda:1"), 2)
+
+
+def test_replicas_of_a_tensor_parallel_engine_are_refused_clearly():
+    with pytest.raises(ValueError, match="tensor_parallel_size > 1 is not supported yet"):
+        replica_configs(EngineConfig(device="cpu", tensor_parallel_size=2), 2)
+    assert replica_configs(EngineConfig(device="cpu", tensor_parallel_size=2), 1)[0].tensor_parallel_size == 2
