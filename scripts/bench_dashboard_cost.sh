@@ -17,11 +17,8 @@ workload=(--num-prompts 256 --input-len uniform:32:256 --output-len lognormal:12
 .venv/bin/iterserve serve --port "$port" --max-num-seqs 64 ${SERVE_ARGS:-} >"$out/server.log" 2>&1 &
 server=$!
 trap 'kill -TERM $server 2>/dev/null || true; wait $server 2>/dev/null || true' EXIT
-for _ in $(seq 1200); do
-  curl -sf "$url/health" >/dev/null && break
-  kill -0 "$server" 2>/dev/null || { echo "the server exited before it was ready; see $out/server.log" >&2; exit 1; }
-  sleep 0.5
-done
+source scripts/wait_ready.sh
+wait_ready "$url" "$server" || { echo "see $out/server.log" >&2; exit 1; }
 
 # A viewer that stays until killed. The feed viewer parses every frame, as the page does.
 start_viewer() {
