@@ -36,7 +36,7 @@ def test_tp2_server_gives_the_greedy_text_of_one_process_and_fails_when_a_worker
     config = EngineConfig(tensor_parallel_size=2, **options)
     with ServerThread(build_app(config, ServerConfig(served_model_name=MODEL))) as server:
         texts = [_complete(server.url, p).json()["choices"][0]["text"] for p in PROMPTS]
-        core = server.engine.pid
+        core = server.engine.pids[0]
         workers = Path(f"/proc/{core}/task/{core}/children").read_text().split()
         assert len(workers) == 1  # rank 1, started by the core process
         os.kill(int(workers[0]), signal.SIGKILL)
