@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Calibrated simulation against the real server on this machine (the embedded model):
 #   1. calibration: serve with a step trace, drive it with bench serve on a workload of another seed
-#      (a concurrency sweep, so the trace spans small and large batches), fit a step profile to it;
+#      (a concurrency sweep, so the trace spans small and large batches), fit a step profile to it and
+#      measure the request round trip and admission interval from the client's and the engine's times;
 #   2. measurement: a fresh server, bench serve at three request rates and over a concurrency sweep;
 #   3. simulation: the same workloads, load points and engine settings, step times from the profile;
 #   4. a table (real, simulated, error) of output tok/s, median TTFT and median TPOT, and bench plot
@@ -42,7 +43,8 @@ serve "$out/calibration_trace.jsonl"
 "$py" -m iterserve.cli bench serve "${bench[@]}" --workload-seed 1 --sweep-concurrency "$conc" \
     --label calibration --output-json "$out/calibration_serve.json" >/dev/null
 stop
-"$py" -m iterserve.cli simulate calibrate --trace "$out/calibration_trace.jsonl" -o "$out/profile.json"
+"$py" -m iterserve.cli simulate calibrate --trace "$out/calibration_trace.jsonl" \
+    --serve-json "$out/calibration_serve.json" -o "$out/profile.json"
 
 echo "== measurement" >&2
 serve ""

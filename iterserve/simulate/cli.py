@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import dataclasses
 import math
 from pathlib import Path
 from typing import Any
@@ -41,6 +42,12 @@ def _add_run_parser(sub: Any) -> None:
                    help="KV pool size, e.g. 2GiB (default: what fits beside the weights under --gpu, else 2GiB)")
     e.add_argument("--num-kv-blocks", type=int, default=None, help="KV pool size in blocks (overrides memory)")
     e.add_argument("--max-model-len", type=int, default=None, help="longest prompt + output (default: the model's)")
+    e.add_argument("--request-latency", type=float, default=None,
+                   help="seconds a request and its tokens spend outside the steps, there and back (HTTP, API "
+                        "process, IPC; default: the --profile's measured value, else 0)")
+    e.add_argument("--admission-interval", type=float, default=None,
+                   help="least seconds between two requests reaching the scheduler (the API process admits one "
+                        "at a time; default: the --profile's measured value, else 0)")
     add_workload_args(p)
     p.add_argument("--tokenizer", default=None, help="tokenizer for text, JSONL-text and ShareGPT datasets")
     ld = p.add_argument_group("load (as bench serve)")
@@ -66,6 +73,9 @@ def _add_calibrate_parser(sub: Any) -> None:
                                    "d*total_context to engine step traces and/or bench batch results.")
     p.add_argument("--trace", action="append", default=[], help="engine step trace JSONL (repeatable)")
     p.add_argument("--batch-json", action="append", default=[], help="bench batch --output-json file (repeatable)")
+    p.add_argument("--serve-json", default=None,
+                   help="bench serve --output-json of the run the (single) --trace recorded: measures the request "
+                        "round trip and admission interval around the steps")
     p.add_argument("--output", "-o", required=True, help="profile JSON to write")
     p.set_defaults(func=_cmd_calibrate)
 
@@ -93,7 +103,7 @@ def _cost_model(args: argparse.Namespace, terms: PlannerTerms) -> CostModel:
     return RooflineCost(terms, args.step_overhead)
 
 
-def sim_config_from_args(args: argparse.Namespace, terms: PlannerTerms) -> Any:
+def sim_config_from_args(args: argparse.Namespace, terms: PlannerTerms, cost: CostModel | None = None) -> Any:
     from iterserve.engine.core import parse_size
     from iterserve.simulate.runner import SimConfig
 
@@ -112,10 +122,17 @@ def sim_config_from_args(args: argparse.Namespace, terms: PlannerTerms) -> Any:
     if blocks < 1:
         raise ValueError("the KV pool does not hold a single block")
     max_len = args.max_model_len or min(terms.max_position_embeddings, blocks * args.block_size)
+    measured = cost if isinstance(cost, LinearCost) else None
+    latency, interval = args.request_latency, args.admission_interval
+    if latency is None:
+        latency = measured.request_latency_s if measured else 0.0
+    if interval is None:
+        interval = measured.admission_interval_s if measured else 0.0
     return SimConfig(num_kv_blocks=blocks, block_size=args.block_size, max_num_seqs=args.max_num_seqs,
                      max_num_batched_tokens=args.max_num_batched_tokens, batching=args.batching,
                      kv_allocation=args.kv_allocation, enable_prefix_caching=args.enable_prefix_caching,
-                     max_model_len=max_len)
+                     max_model_len=max_len, request_latency_s=latency,
+                     admission_interval_s=interval)
 
 
 def _cmd_run(args: argparse.Namespace) -> int:
@@ -134,7 +151,7 @@ def _cmd_run(args: argparse.Namespace) -> int:
     terms = planner_terms(args.model, args.dtype, gpu=args.gpu, flops=args.flops, bandwidth=args.bandwidth,
                           memory=args.memory, gpu_memory_utilization=args.gpu_memory_utilization)
     cost = _cost_model(args, terms)
-    cfg = sim_config_from_args(args, terms)
+    cfg = sim_config_from_args(args, terms, cost)
     tokenizer = load_tokenizer(args.tokenizer) if args.tokenizer else None
     requests = make_workload(spec, tokenizer=tokenizer, vocab_size=terms.vocab_size)
     with open(args.step_trace, "w") if args.step_trace else contextlib.nullcontext() as trace:
@@ -153,7 +170,7 @@ def _cmd_run(args: argparse.Namespace) -> int:
 
 
 def _cmd_calibrate(args: argparse.Namespace) -> int:
-    from iterserve.simulate.cost import fit_linear, steps_from_batch, steps_from_trace
+    from iterserve.simulate.cost import fit_linear, fit_request_timing, steps_from_batch, steps_from_trace
 
     if not args.trace and not args.batch_json:
         raise ValueError("calibrate needs at least one --trace or --batch-json")
@@ -161,6 +178,15 @@ def _cmd_calibrate(args: argparse.Namespace) -> int:
     steps += [s for b in args.batch_json for s in steps_from_batch(b)]
     sources = [Path(x).name for x in [*args.trace, *args.batch_json]]
     profile = fit_linear(steps, source=", ".join(sources))
+    if args.serve_json is not None:
+        if len(args.trace) != 1:
+            raise ValueError("--serve-json needs exactly one --trace: the server's trace of that bench serve run")
+        timing = fit_request_timing(args.trace[0], args.serve_json)
+        profile = dataclasses.replace(profile, request_latency_s=timing.request_latency_s,
+                                      admission_interval_s=timing.admission_interval_s)
+        print(f"{timing.num_requests} requests in both: round trip {timing.request_latency_s * 1e3:.1f} ms (client TTFT"
+              f" - engine TTFT, median), admission interval {timing.admission_interval_s * 1e3:.2f} ms"
+              f" ({timing.num_bursts} bursts)")
     profile.save(args.output)
     print(f"fitted {profile.num_steps} steps: step time = {profile.intercept_s * 1e3:.3f} ms"
           f" + {profile.per_prefill_token_s * 1e6:.3f} us/prefill token"

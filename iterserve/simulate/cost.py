@@ -112,6 +112,10 @@ class LinearCost:
     source: str = ""
     num_steps: int = 0
     mean_abs_rel_error: float | None = None  # of the fit on its own steps
+    # Not step costs: the serving stack around the steps, measured on the server the steps came from
+    # (:func:`fit_request_timing`); the simulator's defaults for the same ``SimConfig`` fields.
+    request_latency_s: float = 0.0
+    admission_interval_s: float = 0.0
 
     def step_time(self, shape: StepShape) -> float:
         work = self.per_prefill_token_s * shape.prefill_tokens + self.per_decode_seq_s * shape.decode_seqs
@@ -193,6 +197,67 @@ def steps_from_trace(path: str | Path) -> list[TimedStep]:
             seconds = max(seconds, nxt["start"] - record["start"])
         steps.append(TimedStep(StepShape(prefill, decode, context), seconds))
     return steps
+
+
+@dataclass(frozen=True)
+class RequestTiming:
+    """The serving stack around the steps, as a client sees it (``SimConfig``'s fields of the same names)."""
+
+    request_latency_s: float  # median client TTFT minus the engine's TTFT: HTTP, API process, IPC, both ways
+    admission_interval_s: float  # spread of a burst's arrivals at the engine per request after the first
+    num_requests: int  # requests found in both the trace and the client's results
+    num_bursts: int  # groups of requests the client sent together (under 1 ms apart)
+
+
+BURST_GAP_S = 1e-3  # requests a client sends less than this apart are one burst
+
+
+def fit_request_timing(trace: str | Path, serve_json: str | Path) -> RequestTiming:
+    """Compare the client's view of a run (``bench serve --output-json``) with the engine's (the
+    request records of the server's ``--step-trace`` during that run).
+
+    Requests are paired by (prompt tokens, output tokens) in sending order, run by run, so the
+    trace may hold other requests too (a readiness probe). The round trip is the median of client
+    TTFT minus engine TTFT (from the API process's arrival stamp to the step that sampled the first
+    token); the admission interval is how far apart the engine saw the requests of a burst arrive."""
+    data = json.loads(Path(serve_json).read_text())
+    if not isinstance(data, dict) or data.get("benchmark") != "serve":
+        raise ValueError(f"{serve_json}: not a bench serve result")
+    engine: dict[tuple[int, int], list[dict[str, Any]]] = {}
+    with open(trace) as f:
+        for line in f:
+            record = json.loads(line)
+            if record.get("type") == "request" and record.get("ttft") is not None:
+                engine.setdefault((record["num_prompt_tokens"], record["num_output_tokens"]), []).append(record)
+    for records in engine.values():
+        records.sort(key=lambda r: r["arrival_time"], reverse=True)  # pop() takes the earliest
+    gaps: list[float] = []
+    spread = per = 0.0
+    bursts = 0
+    for run in data["runs"]:
+        sent = sorted(range(len(run["ttfts"])), key=lambda i: run["start_times"][i])
+        matched: list[tuple[float, float]] = []  # (client send time, engine arrival time)
+        for i in sent:
+            key = (run["input_lens"][i], run["output_lens"][i])
+            if run["ttfts"][i] is None or not engine.get(key):
+                continue
+            record = engine[key].pop()
+            gaps.append(run["ttfts"][i] - record["ttft"])
+            matched.append((run["start_times"][i], record["arrival_time"]))
+        k = 0
+        while k < len(matched):
+            j = k + 1
+            while j < len(matched) and matched[j][0] - matched[j - 1][0] < BURST_GAP_S:
+                j += 1
+            if j - k > 1:
+                arrivals = [a for _, a in matched[k:j]]
+                spread += max(arrivals) - min(arrivals)
+                per += j - k - 1
+                bursts += 1
+            k = j
+    if not gaps:
+        raise ValueError(f"no request of {serve_json} was found in {trace} (is it the server's trace of that run?)")
+    return RequestTiming(max(0.0, float(np.median(gaps))), spread / per if per else 0.0, len(gaps), bursts)
 
 
 def steps_from_batch(path: str | Path) -> list[TimedStep]:

@@ -8,9 +8,14 @@ end-of-sequence token, so requests stop where the workload says (an emulated EOS
 
 Arrivals follow ``bench serve``: gamma-distributed send times (:func:`arrival_offsets`, same seed,
 same workload) and an optional cap on requests in flight, a request waiting for a free slot being
-sent the moment one frees. Per-request times are what a streaming client would see with zero network
-delay: TTFT from sending to the end of the step that sampled the first token, ITL between steps
-that sampled the next ones, and the results go through bench's own :func:`compute_metrics`.
+sent the moment the client sees the last token of one in flight. Between client and scheduler lies
+the serving stack's round trip (``SimConfig.request_latency_s``, HTTP, the API process and IPC): a
+request reaches the scheduler half of it after it is sent, and a sampled token reaches the client
+half of it after its step ends. So a request sent when a slot frees arrives after the next step
+has started and waits for it, as on a real server. The API process admits one request at a time
+(``SimConfig.admission_interval_s`` apart), so the first of a burst starts a step of its own. Per-request times are the client's: TTFT from
+sending to the first token's arrival, ITL between the next ones, and the results go through bench's
+own :func:`compute_metrics`.
 """
 
 from __future__ import annotations
@@ -53,12 +58,17 @@ class SimConfig:
     kv_allocation: KVAllocation = "paged"
     enable_prefix_caching: bool = True
     max_model_len: int | None = None  # None: what the pool holds
+    request_latency_s: float = 0.0  # client -> scheduler -> client round trip outside the steps
+    admission_interval_s: float = 0.0  # least time between two requests reaching the scheduler
 
     @property
     def model_len(self) -> int:
         return self.max_model_len or self.num_kv_blocks * self.block_size
 
     def __post_init__(self) -> None:
+        if self.request_latency_s < 0 or self.admission_interval_s < 0:
+            raise ValueError(f"the request latency and admission interval must be >= 0, got "
+                             f"{self.request_latency_s} and {self.admission_interval_s}")
         if self.max_model_len is not None and self.max_model_len > self.num_kv_blocks * self.block_size:
             raise ValueError(f"max_model_len {self.max_model_len} needs more KV cache than the pool holds "
                              f"({self.num_kv_blocks} blocks of {self.block_size} tokens)")
@@ -103,6 +113,9 @@ class _Run:
                                                    cfg.kv_allocation, cfg.model_len), self.block_manager)
         self.results = [RequestResult(prompt_len=r.prompt_len) for r in requests]
         self.pending = deque(range(len(requests)))  # not sent yet, in send order
+        self.in_transit: deque[tuple[float, Sequence]] = deque()  # sent, not at the scheduler yet; in arrival order
+        self.one_way = cfg.request_latency_s / 2
+        self.last_arrival = -math.inf
         self.in_flight = 0
         self.saturated = False
         self.freed_at = 0.0  # when a slot last freed after all were taken
@@ -118,6 +131,7 @@ class _Run:
         return self.rng.integers(FIRST_RANDOM_TOKEN_ID, 1 << 30, size=r.prompt_len).tolist()
 
     def _send(self, now: float) -> None:
+        """Send every request due by ``now`` that has a slot; hand the scheduler those arrived by ``now``."""
         while self.pending and self.offsets[self.pending[0]] <= now and (self.cap is None or self.in_flight < self.cap):
             i = self.pending.popleft()
             r, res = self.requests[i], self.results[i]
@@ -128,22 +142,36 @@ class _Run:
                              f"({self.cfg.model_len})")
                 continue  # refused at once, as the server answers 400: it never holds a slot
             params = SamplingParams(max_tokens=r.output_len, temperature=0.0)
+            self.last_arrival = self._arrival(sent)
             seq = Sequence(request_id=str(i), prompt=None, prompt_token_ids=self._prompt_ids(r), params=params,
                            max_tokens=r.output_len, stop_ids=frozenset({EOS}),
-                           metrics=RequestMetrics(arrival_time=sent, num_prompt_tokens=r.prompt_len))
+                           metrics=RequestMetrics(arrival_time=self.last_arrival, num_prompt_tokens=r.prompt_len))
             self.index[seq.request_id] = i
-            self.scheduler.add(seq)
+            self.in_transit.append((self.last_arrival, seq))
             self.in_flight += 1
             if self.cap is not None and self.in_flight == self.cap:
                 self.saturated = True
+        while self.in_transit and self.in_transit[0][0] <= now:
+            self.scheduler.add(self.in_transit.popleft()[1])
+
+    def _arrival(self, sent: float) -> float:
+        """When a request sent at ``sent`` reaches the scheduler."""
+        return max(sent + self.one_way, self.last_arrival + self.cfg.admission_interval_s)
+
+    def _next_event(self) -> float:
+        """When the idle engine next has something to do: a request reaching it, or one being sent."""
+        times = [self.in_transit[0][0]] if self.in_transit else []
+        if self.pending and (self.cap is None or self.in_flight < self.cap):
+            times.append(self._arrival(max(self.offsets[self.pending[0]], self.freed_at)))
+        return min(times)
 
     def run(self) -> float:
         now, sched, seqs_run = 0.0, self.scheduler, 0
-        while self.pending or sched.has_unfinished():
+        while self.pending or self.in_transit or sched.has_unfinished():
             self._send(now)
             if not sched.has_unfinished():
-                if self.pending:
-                    now = max(now, self.offsets[self.pending[0]])
+                if self.pending or self.in_transit:
+                    now = max(now, self._next_event())
                 continue
             out = sched.schedule()
             if out.is_empty:  # cannot happen while max_model_len fits the pool; never spin on it
@@ -173,20 +201,24 @@ class _Run:
                 self._finish(seq, now)
         self.stats.mean_batch = seqs_run / max(self.stats.num_steps, 1)
         self.block_manager.check_no_leaks()
-        return max([now, *(r.start_time for r in self.results)])
+        ends = [r.start_time + r.latency if r.success else r.start_time for r in self.results]
+        return max([now, *ends])
 
     def _finish(self, seq: Sequence, now: float) -> None:
+        """The engine is done with ``seq`` at ``now``; the client, half a round trip later. A request's
+        metrics are the engine's (arrival at the scheduler, step ends), as in a server's step trace;
+        its result is the client's."""
         m = seq.metrics
         m.finished_time = now
         res = self.results[self.index.pop(seq.request_id)]
-        res.ttft = m.first_token_time - m.arrival_time  # type: ignore[operator]
+        res.ttft = m.first_token_time + self.one_way - res.start_time  # type: ignore[operator]
         res.itl = m.itl
-        res.latency = now - m.arrival_time
+        res.latency = now + self.one_way - res.start_time
         res.output_len = m.num_output_tokens
         res.success = True
         self.in_flight -= 1
         if self.saturated:
-            self.saturated, self.freed_at = False, now
+            self.saturated, self.freed_at = False, now + self.one_way
         if self.trace is not None:
             record = {"type": "request", "request_id": seq.request_id, "finish_reason": seq.finish_reason}
             self.trace.write(json.dumps({**record, **m.as_dict()}) + "\n")
