@@ -107,6 +107,13 @@ def _torchrun_worker(args: argparse.Namespace) -> int | None:
     return run_worker(_engine_config(args), launch)
 
 
+def _cmd_build_kernels(args: argparse.Namespace) -> int:
+    from iterserve.kernels import build
+
+    print(f"built {build(verbose=args.verbose).__file__}")
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="iterserve", description=__doc__, formatter_class=HelpFormatter)
     parser.add_argument("--log-level", type=str.upper, choices=LOG_LEVELS, default="INFO",
@@ -130,6 +137,10 @@ def build_parser() -> argparse.ArgumentParser:
     model = next(a for a in serve._actions if a.dest == "model")
     model.default, model.help = None, f"{model.help} (default: {DEFAULT_MODEL})"
     serve.set_defaults(func=_cmd_serve)
+
+    kernels = sub.add_parser("build-kernels", help="compile the C++ CPU kernels for this machine (set-up runs it)")
+    kernels.add_argument("--verbose", action="store_true", help="show the compiler's output")
+    kernels.set_defaults(func=_cmd_build_kernels)
 
     from iterserve.planner_cli import add_plan_parser
 

@@ -1,6 +1,6 @@
 """The optional C++ CPU kernels (``csrc/cpu_ops.cpp``): build once at set-up, load at import.
 
-``scripts/setup.sh`` runs ``python -m iterserve.kernels``, which compiles the extension with
+``scripts/setup.sh`` runs ``iterserve build-kernels``, which compiles the extension with
 ``torch.utils.cpp_extension`` into ``iterserve/_build/`` (git-ignored). Importing this module only
 loads that build, never compiles: the build's name carries a hash of the source, the compiler flags
 and the torch version, so an edited source or another torch finds no build and falls back instead
@@ -95,6 +95,3 @@ def ops_for(t: torch.Tensor) -> ModuleType | None:
     """The fused CPU ops when they serve this tensor (built, not disabled, and on the CPU), else None."""
     return ops if t.device.type == "cpu" else None
 
-
-if __name__ == "__main__":
-    print(f"built {build(verbose=bool(os.environ.get('VERBOSE'))).__file__}")

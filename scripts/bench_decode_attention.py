@@ -33,7 +33,7 @@ def main() -> None:
     args = ap.parse_args()
     ops = kernels.ops or kernels.load_build()
     if ops is None:
-        raise SystemExit("the CPU kernels are not built: run `python -m iterserve.kernels`")
+        raise SystemExit("the CPU kernels are not built: run `iterserve build-kernels`")
     heads, kv_heads = (int(h) for h in args.heads.split(","))
     dim, bs, ctx, dtype = args.head_dim, args.block_size, args.context, getattr(torch, args.dtype)
     compiled = torch.compile(decode_attention_reference, dynamic=False) if args.compile else None

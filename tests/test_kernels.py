@@ -17,7 +17,7 @@ from iterserve.models.llama import RMSNorm, RotaryEmbedding, apply_rope
 
 OPS = kernels.ops or kernels.load_build()
 needs_build = pytest.mark.skipif(
-    OPS is None, reason="the C++ CPU kernels are not built for this source: run `python -m iterserve.kernels` "
+    OPS is None, reason="the C++ CPU kernels are not built for this source: run `iterserve build-kernels` "
                         "(scripts/setup.sh does)")
 
 # bf16 rounds the kernel's float32 result once: about 2^-8 relative.

@@ -13,6 +13,7 @@ attend, ...). Three models turn a shape into seconds:
 from __future__ import annotations
 
 import json
+from collections import deque
 from collections.abc import Iterable
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -216,21 +217,23 @@ def fit_request_timing(trace: str | Path, serve_json: str | Path) -> RequestTimi
     """Compare the client's view of a run (``bench serve --output-json``) with the engine's (the
     request records of the server's ``--step-trace`` during that run).
 
-    Requests are paired by (prompt tokens, output tokens) in sending order, run by run, so the
-    trace may hold other requests too (a readiness probe). The round trip is the median of client
+    Requests are paired by (prompt tokens, output tokens), run by run, in the client's sending order
+    and the trace's order (runs follow each other), so the trace may hold other requests too (a
+    readiness probe). The round trip is the median of client
     TTFT minus engine TTFT (from the API process's arrival stamp to the step that sampled the first
     token); the admission interval is how far apart the engine saw the requests of a burst arrive."""
-    data = json.loads(Path(serve_json).read_text())
+    try:
+        data = json.loads(Path(serve_json).read_text())
+    except json.JSONDecodeError:
+        data = None
     if not isinstance(data, dict) or data.get("benchmark") != "serve":
-        raise ValueError(f"{serve_json}: not a bench serve result")
-    engine: dict[tuple[int, int], list[dict[str, Any]]] = {}
+        raise ValueError(f"{serve_json}: not a bench serve result (write one with bench serve --output-json)")
+    engine: dict[tuple[int, int], deque[dict[str, Any]]] = {}
     with open(trace) as f:
         for line in f:
             record = json.loads(line)
             if record.get("type") == "request" and record.get("ttft") is not None:
-                engine.setdefault((record["num_prompt_tokens"], record["num_output_tokens"]), []).append(record)
-    for records in engine.values():
-        records.sort(key=lambda r: r["arrival_time"], reverse=True)  # pop() takes the earliest
+                engine.setdefault((record["num_prompt_tokens"], record["num_output_tokens"]), deque()).append(record)
     gaps: list[float] = []
     spread = per = 0.0
     bursts = 0
@@ -239,9 +242,9 @@ def fit_request_timing(trace: str | Path, serve_json: str | Path) -> RequestTimi
         matched: list[tuple[float, float]] = []  # (client send time, engine arrival time)
         for i in sent:
             key = (run["input_lens"][i], run["output_lens"][i])
-            if run["ttfts"][i] is None or not engine.get(key):
+            if not run["output_lens"][i] or run["ttfts"][i] is None or not engine.get(key):  # failed, or not traced
                 continue
-            record = engine[key].pop()
+            record = engine[key].popleft()
             gaps.append(run["ttfts"][i] - record["ttft"])
             matched.append((run["start_times"][i], record["arrival_time"]))
         k = 0

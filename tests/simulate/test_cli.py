@@ -54,6 +54,22 @@ def test_calibrate_then_run_with_the_profile(tmp_path, capsys):
     assert run["median_tpot_ms"] == pytest.approx(10.0, rel=1e-4)
 
 
+def test_calibrate_measures_the_round_trip_and_run_uses_it(tmp_path, capsys):
+    trace, serve = tmp_path / "trace.jsonl", tmp_path / "serve.json"
+    assert main(["simulate", "run", "--step-time", "0.01", "--request-latency", "0.004", *SMALL,
+                 "--max-concurrency", "4", "--step-trace", str(trace), "--output-json", str(serve), "--no-charts"]) == 0
+    profile = tmp_path / "profile.json"
+    assert main(["simulate", "calibrate", "--trace", str(trace), "--serve-json", str(serve), "-o", str(profile)]) == 0
+    assert "24 requests in both: round trip 4.0 ms" in capsys.readouterr().out
+    assert LinearCost.load(profile).request_latency_s == pytest.approx(0.004, rel=1e-6)
+    assert main(["simulate", "run", "--profile", str(profile), *SMALL, "--output-json", str(tmp_path / "p.json")]) == 0
+    engine = json.loads((tmp_path / "p.json").read_text())["simulation"]["engine"]
+    assert engine["request_latency_s"] == pytest.approx(0.004, rel=1e-6)
+    assert main(["simulate", "calibrate", "--trace", str(trace), "--trace", str(trace), "--serve-json", str(serve),
+                 "-o", str(profile)]) == 2
+    assert "exactly one --trace" in capsys.readouterr().err
+
+
 @pytest.mark.parametrize("args, message", [
     ([], "exactly one cost model"),
     (["--step-time", "0.01", "--gpu", "A100-40GB"], "exactly one cost model"),

@@ -19,11 +19,12 @@ from iterserve.simulate.cost import (
     StepShape,
     TimedStep,
     fit_linear,
+    fit_request_timing,
     steps_from_batch,
     steps_from_trace,
 )
 from iterserve.simulate.planning import planner_terms
-from iterserve.simulate.runner import SimConfig, simulate_point
+from iterserve.simulate.runner import SimConfig, run_simulation, simulate_point
 
 
 @pytest.fixture(scope="module")
@@ -147,6 +148,29 @@ def test_calibrating_on_a_simulated_trace_recovers_the_model_that_timed_it(tmp_p
     assert fit.mean_abs_rel_error < 1e-6
     assert fit.per_decode_seq_s == pytest.approx(truth.per_decode_seq_s, rel=1e-4)
     assert fit.per_context_token_s == pytest.approx(truth.per_context_token_s, rel=1e-4)
+
+
+def test_request_timing_is_recovered_from_a_simulated_runs_client_results_and_engine_trace(tmp_path):
+    """The simulator writes the engine's side (trace) and the client's (bench serve JSON) of a run
+    with a known round trip and admission interval; pairing the two gives both back."""
+    spec = WorkloadSpec(num_prompts=24, input_len="uniform:16:200", output_len="uniform:2:40")
+    reqs = make_workload(spec, tokenizer=None, vocab_size=1000)
+    cfg = SimConfig(num_kv_blocks=256, block_size=16, max_num_seqs=8, request_latency_s=0.03,
+                    admission_interval_s=0.002)
+    trace = io.StringIO()
+    trace.write(json.dumps({"type": "request", "num_prompt_tokens": 5, "num_output_tokens": 1, "ttft": 0.1,
+                            "arrival_time": 0.0}) + "\n")  # a readiness probe: in the trace, not the client's
+    points = [LoadPoint(math.inf, c) for c in (2, 8)]
+    result = run_simulation(reqs, points, LinearCost(0.01, 1e-4, 1e-3, 0.0), cfg, workload=spec, trace=trace)
+    (tmp_path / "trace.jsonl").write_text(trace.getvalue())
+    (tmp_path / "serve.json").write_text(json.dumps(result))
+    timing = fit_request_timing(tmp_path / "trace.jsonl", tmp_path / "serve.json")
+    assert timing.num_requests == 48
+    assert timing.request_latency_s == pytest.approx(0.03, rel=1e-6)
+    assert timing.admission_interval_s == pytest.approx(0.002, rel=1e-6)
+    assert timing.num_bursts >= 2  # each concurrency run starts with one
+    with pytest.raises(ValueError, match="not a bench serve result"):
+        fit_request_timing(tmp_path / "trace.jsonl", tmp_path / "trace.jsonl")
 
 
 def test_constant_cost_must_be_positive():

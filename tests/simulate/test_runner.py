@@ -54,6 +54,38 @@ def test_concurrency_cap_sends_the_next_request_when_a_slot_frees():
     assert duration == pytest.approx(0.4)
 
 
+def test_the_round_trip_delays_arrival_and_delivery_so_a_freed_slot_misses_the_next_step():
+    # 0.1 s steps, 0.02 s round trip: a request reaches the scheduler 0.01 s after it is sent and the
+    # client sees a token 0.01 s after its step ends. Two slots; A wants 3 tokens, B and C one each.
+    # step 1 (0.01-0.11): A and B prefill; B is done, the client sees it at 0.12 and sends C;
+    # step 2 (0.11-0.21): A decodes; C reaches the scheduler at 0.13, during the step, and waits;
+    # step 3 (0.21-0.31): A decodes its last token, C prefills its only one, both seen at 0.32.
+    reqs = [req([101, 102, 103, 104], 3), req([201, 202], 1), req([301, 302, 303], 1)]
+    cfg = SimConfig(num_kv_blocks=16, block_size=4, request_latency_s=0.02)
+    results, duration, stats = simulate_point(reqs, LoadPoint(math.inf, 2), ConstantCost(0.1), cfg)
+    assert [r.start_time for r in results] == pytest.approx([0.0, 0.0, 0.12])
+    assert [r.ttft for r in results] == pytest.approx([0.12, 0.12, 0.20])
+    assert [r.latency for r in results] == pytest.approx([0.32, 0.12, 0.20])
+    assert results[0].itl == pytest.approx([0.1, 0.1])
+    assert duration == pytest.approx(0.32)
+    assert stats.num_steps == 3
+    # with no round trip C is sent at 0.1 (end of step 1), joins step 2 and is done at 0.2
+    results, _, _ = simulate_point(reqs, LoadPoint(math.inf, 2), ConstantCost(0.1),
+                                   SimConfig(num_kv_blocks=16, block_size=4))
+    assert [r.ttft for r in results] == pytest.approx([0.1, 0.1, 0.1])
+
+
+def test_serial_admission_gives_the_first_of_a_burst_a_step_of_its_own():
+    # Three requests sent together, admitted 0.05 s apart: A alone in step 1 (0-0.1), B and C in step 2.
+    reqs = [req([101, 102], 1), req([201, 202], 1), req([301, 302], 1)]
+    cfg = SimConfig(num_kv_blocks=16, block_size=4, admission_interval_s=0.05)
+    results, duration, stats = simulate_point(reqs, ALL_AT_ONCE, ConstantCost(0.1), cfg)
+    assert [r.ttft for r in results] == pytest.approx([0.1, 0.2, 0.2])
+    assert stats.num_steps == 2 and duration == pytest.approx(0.2)
+    with pytest.raises(ValueError, match="must be >= 0"):
+        SimConfig(num_kv_blocks=16, admission_interval_s=-1.0)
+
+
 def test_poisson_arrivals_are_bench_serves_and_an_idle_engine_waits_for_the_next():
     reqs = [req([100 + i, 200 + i], 1) for i in range(5)]
     cfg = SimConfig(num_kv_blocks=64, block_size=4)
