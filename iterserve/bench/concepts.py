@@ -45,8 +45,8 @@ def _paged_vs_reserved(out: Path, s: Size) -> list[str]:
     """Items 3, 10: one pool of 32 blocks, requests asking for 128 tokens and ending at their drawn length."""
     return ["bench", "throughput", *s.model, "--num-prompts", "16", "--max-num-seqs", "8", "--num-kv-blocks", "32",
             "--input-len", "uniform:8:32", "--output-len", "pareto:2:1:16", "--max-tokens-cap", "128",
-            "--modes", "continuous,reserved", "--repeats", str(s.repeats), "--disable-tqdm", "--timeline", str(out / "paged_vs_reserved.png"),
-            "--output-json", str(out / "paged_vs_reserved.json")]
+            "--modes", "continuous,reserved", "--repeats", str(s.repeats), "--disable-tqdm",
+            "--timeline", str(out / "paged_vs_reserved.png"), "--output-json", str(out / "paged_vs_reserved.json")]
 
 
 def _ttft(out: Path, s: Size) -> list[str]:

@@ -13,9 +13,9 @@ the serving stack's round trip (``SimConfig.request_latency_s``, HTTP, the API p
 request reaches the scheduler half of it after it is sent, and a sampled token reaches the client
 half of it after its step ends. So a request sent when a slot frees arrives after the next step
 has started and waits for it, as on a real server. The API process admits one request at a time
-(``SimConfig.admission_interval_s`` apart), so the first of a burst starts a step of its own. Per-request times are the client's: TTFT from
-sending to the first token's arrival, ITL between the next ones, and the results go through bench's
-own :func:`compute_metrics`.
+(``SimConfig.admission_interval_s`` apart), so the first of a burst starts a step of its own.
+Per-request times are the client's: TTFT from sending to the first token's arrival, ITL between the
+next ones, and the results go through bench's own :func:`compute_metrics`.
 """
 
 from __future__ import annotations
