@@ -1,10 +1,12 @@
 #!/usr/bin/env bash
 # Calibrated simulation against the real server on this machine (the embedded model):
-#   1. calibration: serve with a step trace, drive it with bench serve on a workload of another seed
-#      (a concurrency sweep, so the trace spans small and large batches), fit a step profile to it and
-#      measure the request round trip and admission interval from the client's and the engine's times;
-#   2. measurement: a fresh server, bench serve at three request rates and over a concurrency sweep,
-#      REPEATS times (this machine's run-to-run spread is itself 10-30% at times);
+#   1. measurement: bench serve at three request rates and over a concurrency sweep, REPEATS times
+#      in turn (this machine's speed drifts by 10-30% over tens of minutes), each sweep on a fresh
+#      server writing a step trace;
+#   2. calibration, held out: the rate sweep is predicted from a profile fitted to the concurrency
+#      sweeps' traces and the other way round, each profile also measuring the request round trip and
+#      admission interval from the client's and the engine's times of its runs. Calibrating on runs
+#      interleaved with the ones predicted keeps the machine's drift out of the comparison;
 #   3. simulation: the same workloads, load points and engine settings, step times from the profile;
 #   4. a table (median and min-max of the real runs, simulated, error against the median) of output
 #      tok/s, median TTFT and median TPOT, and bench plot overlays of each sweep, into OUT_DIR.
@@ -33,37 +35,41 @@ source scripts/wait_ready.sh
 serve() {  # trace-file-or-empty; starts the server in the background, sets $server
   local trace=()
   [ -n "$1" ] && trace=(--step-trace "$1")
-  "$py" -m iterserve.cli serve --port "$port" "${engine[@]}" --dtype "${DTYPE:-float32}" "${trace[@]}" >"$out/server.log" 2>&1 &
+  "$py" -m iterserve.cli serve --port "$port" "${engine[@]}" --dtype "${DTYPE:-float32}" "${trace[@]}" >>"$out/server.log" 2>&1 &
   server=$!
   wait_ready "http://127.0.0.1:$port" "$server" 300 || { echo "see $out/server.log" >&2; return 1; }
 }
 stop() { kill -TERM "$server"; wait "$server" || true; }
 
-echo "== calibration" >&2
-serve "$out/calibration_trace.jsonl"
-"$py" -m iterserve.cli bench serve "${bench[@]}" --workload-seed 1 --sweep-concurrency "$conc" \
-    --label calibration --output-json "$out/calibration_serve.json" >/dev/null
-stop
-"$py" -m iterserve.cli simulate calibrate --trace "$out/calibration_trace.jsonl" \
-    --serve-json "$out/calibration_serve.json" -o "$out/profile.json"
-
-echo "== measurement" >&2
-serve ""
 repeats=${REPEATS:-3}
+echo "== measurement: $repeats x (rate sweep, concurrency sweep), each on a fresh server with a step trace" >&2
 for k in $(seq 1 "$repeats"); do
-  "$py" -m iterserve.cli bench serve "${bench[@]}" --sweep-rates "$rates" --label "real $k" \
-      --output-json "$out/real_rates_$k.json"
-  "$py" -m iterserve.cli bench serve "${bench[@]}" --sweep-concurrency "$conc" --label "real $k" \
-      --output-json "$out/real_concurrency_$k.json"
+  for sweep in rates concurrency; do
+    serve "$out/trace_${sweep}_$k.jsonl"
+    if [ "$sweep" = rates ]; then load=(--sweep-rates "$rates"); else load=(--sweep-concurrency "$conc"); fi
+    "$py" -m iterserve.cli bench serve "${bench[@]}" "${load[@]}" --label "real $k" \
+        --output-json "$out/real_${sweep}_$k.json" >/dev/null
+    stop
+  done
 done
-stop
+
+echo "== calibration: each sweep's profile from the other sweep's runs" >&2
+calibrate() {  # from-sweep profile
+  local args=()
+  for k in $(seq 1 "$repeats"); do
+    args+=(--trace "$out/trace_$1_$k.jsonl" --serve-json "$out/real_$1_$k.json")
+  done
+  "$py" -m iterserve.cli simulate calibrate "${args[@]}" -o "$2"
+}
+calibrate concurrency "$out/profile_for_rates.json"
+calibrate rates "$out/profile_for_concurrency.json"
 
 echo "== simulation" >&2
-sim=(--model smollm2-135m --profile "$out/profile.json" "${engine[@]}" "${workload[@]}")
-"$py" -m iterserve.cli simulate run "${sim[@]}" --sweep-rates "$rates" --label simulated \
-    --output-json "$out/sim_rates.json" --no-charts
-"$py" -m iterserve.cli simulate run "${sim[@]}" --sweep-concurrency "$conc" --label simulated \
-    --output-json "$out/sim_concurrency.json" --no-charts
+sim=(--model smollm2-135m "${engine[@]}" "${workload[@]}")
+"$py" -m iterserve.cli simulate run "${sim[@]}" --profile "$out/profile_for_rates.json" --sweep-rates "$rates" \
+    --label simulated --output-json "$out/sim_rates.json" --no-charts
+"$py" -m iterserve.cli simulate run "${sim[@]}" --profile "$out/profile_for_concurrency.json" \
+    --sweep-concurrency "$conc" --label simulated --output-json "$out/sim_concurrency.json" --no-charts
 
 for sweep in rates concurrency; do
   "$py" -m iterserve.cli bench plot "$out"/real_"$sweep"_*.json "$out/sim_$sweep.json" --output-prefix "$out/compare_$sweep"

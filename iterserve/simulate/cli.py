@@ -73,9 +73,9 @@ def _add_calibrate_parser(sub: Any) -> None:
                                    "d*total_context to engine step traces and/or bench batch results.")
     p.add_argument("--trace", action="append", default=[], help="engine step trace JSONL (repeatable)")
     p.add_argument("--batch-json", action="append", default=[], help="bench batch --output-json file (repeatable)")
-    p.add_argument("--serve-json", default=None,
-                   help="bench serve --output-json of the run the (single) --trace recorded: measures the request "
-                        "round trip and admission interval around the steps")
+    p.add_argument("--serve-json", action="append", default=[],
+                   help="bench serve --output-json of the run the --trace of the same position recorded (repeatable, "
+                        "one per --trace): measures the request round trip and admission interval around the steps")
     p.add_argument("--output", "-o", required=True, help="profile JSON to write")
     p.set_defaults(func=_cmd_calibrate)
 
@@ -178,10 +178,11 @@ def _cmd_calibrate(args: argparse.Namespace) -> int:
     steps += [s for b in args.batch_json for s in steps_from_batch(b)]
     sources = [Path(x).name for x in [*args.trace, *args.batch_json]]
     profile = fit_linear(steps, source=", ".join(sources))
-    if args.serve_json is not None:
-        if len(args.trace) != 1:
-            raise ValueError("--serve-json needs exactly one --trace: the server's trace of that bench serve run")
-        timing = fit_request_timing(args.trace[0], args.serve_json)
+    if args.serve_json:
+        if len(args.serve_json) != len(args.trace):
+            raise ValueError(f"give one --serve-json per --trace, in the same order (got {len(args.serve_json)} and "
+                             f"{len(args.trace)}): each is the client's side of the run that trace recorded")
+        timing = fit_request_timing(zip(args.trace, args.serve_json))
         profile = dataclasses.replace(profile, request_latency_s=timing.request_latency_s,
                                       admission_interval_s=timing.admission_interval_s)
         print(f"{timing.num_requests} requests in both: round trip {timing.request_latency_s * 1e3:.1f} ms (client TTFT"

@@ -213,15 +213,34 @@ class RequestTiming:
 BURST_GAP_S = 1e-3  # requests a client sends less than this apart are one burst
 
 
-def fit_request_timing(trace: str | Path, serve_json: str | Path) -> RequestTiming:
-    """Compare the client's view of a run (``bench serve --output-json``) with the engine's (the
-    request records of the server's ``--step-trace`` during that run).
+def fit_request_timing(runs: Iterable[tuple[str | Path, str | Path]]) -> RequestTiming:
+    """Compare the client's view of runs (``bench serve --output-json``) with the engine's (the
+    request records of the server's ``--step-trace`` during each), given as (trace, result) pairs.
 
     Requests are paired by (prompt tokens, output tokens), run by run, in the client's sending order
     and the trace's order (runs follow each other), so the trace may hold other requests too (a
     readiness probe). The round trip is the median of client
     TTFT minus engine TTFT (from the API process's arrival stamp to the step that sampled the first
     token); the admission interval is how far apart the engine saw the requests of a burst arrive."""
+    gaps: list[float] = []
+    spread = per = 0.0
+    bursts = 0
+    for trace, serve_json in runs:
+        run_gaps, run_bursts = _pair_requests(trace, serve_json)
+        gaps += run_gaps
+        for arrivals in run_bursts:
+            spread += max(arrivals) - min(arrivals)
+            per += len(arrivals) - 1
+        bursts += len(run_bursts)
+    if not gaps:
+        raise ValueError("no request of the bench serve results was found in the traces (are they the server's "
+                         "traces of those runs?)")
+    return RequestTiming(max(0.0, float(np.median(gaps))), spread / per if per else 0.0, len(gaps), bursts)
+
+
+def _pair_requests(trace: str | Path, serve_json: str | Path) -> tuple[list[float], list[list[float]]]:
+    """Client TTFT minus engine TTFT of every request found in both, and the engine arrival times of
+    each burst the client sent."""
     try:
         data = json.loads(Path(serve_json).read_text())
     except json.JSONDecodeError:
@@ -235,8 +254,7 @@ def fit_request_timing(trace: str | Path, serve_json: str | Path) -> RequestTimi
             if record.get("type") == "request" and record.get("ttft") is not None:
                 engine.setdefault((record["num_prompt_tokens"], record["num_output_tokens"]), deque()).append(record)
     gaps: list[float] = []
-    spread = per = 0.0
-    bursts = 0
+    bursts: list[list[float]] = []
     for run in data["runs"]:
         sent = sorted(range(len(run["ttfts"])), key=lambda i: run["start_times"][i])
         matched: list[tuple[float, float]] = []  # (client send time, engine arrival time)
@@ -253,14 +271,9 @@ def fit_request_timing(trace: str | Path, serve_json: str | Path) -> RequestTimi
             while j < len(matched) and matched[j][0] - matched[j - 1][0] < BURST_GAP_S:
                 j += 1
             if j - k > 1:
-                arrivals = [a for _, a in matched[k:j]]
-                spread += max(arrivals) - min(arrivals)
-                per += j - k - 1
-                bursts += 1
+                bursts.append([a for _, a in matched[k:j]])
             k = j
-    if not gaps:
-        raise ValueError(f"no request of {serve_json} was found in {trace} (is it the server's trace of that run?)")
-    return RequestTiming(max(0.0, float(np.median(gaps))), spread / per if per else 0.0, len(gaps), bursts)
+    return gaps, bursts
 
 
 def steps_from_batch(path: str | Path) -> list[TimedStep]:

@@ -67,7 +67,7 @@ def test_calibrate_measures_the_round_trip_and_run_uses_it(tmp_path, capsys):
     assert engine["request_latency_s"] == pytest.approx(0.004, rel=1e-6)
     assert main(["simulate", "calibrate", "--trace", str(trace), "--trace", str(trace), "--serve-json", str(serve),
                  "-o", str(profile)]) == 2
-    assert "exactly one --trace" in capsys.readouterr().err
+    assert "one --serve-json per --trace" in capsys.readouterr().err
 
 
 @pytest.mark.parametrize("args, message", [

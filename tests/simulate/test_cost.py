@@ -164,13 +164,13 @@ def test_request_timing_is_recovered_from_a_simulated_runs_client_results_and_en
     result = run_simulation(reqs, points, LinearCost(0.01, 1e-4, 1e-3, 0.0), cfg, workload=spec, trace=trace)
     (tmp_path / "trace.jsonl").write_text(trace.getvalue())
     (tmp_path / "serve.json").write_text(json.dumps(result))
-    timing = fit_request_timing(tmp_path / "trace.jsonl", tmp_path / "serve.json")
+    timing = fit_request_timing([(tmp_path / "trace.jsonl", tmp_path / "serve.json")])
     assert timing.num_requests == 48
     assert timing.request_latency_s == pytest.approx(0.03, rel=1e-6)
     assert timing.admission_interval_s == pytest.approx(0.002, rel=1e-6)
     assert timing.num_bursts >= 2  # each concurrency run starts with one
     with pytest.raises(ValueError, match="not a bench serve result"):
-        fit_request_timing(tmp_path / "trace.jsonl", tmp_path / "trace.jsonl")
+        fit_request_timing([(tmp_path / "trace.jsonl", tmp_path / "trace.jsonl")])
 
 
 def test_constant_cost_must_be_positive():
