@@ -3,8 +3,8 @@
 #   1. measurement: bench serve at three request rates and over a concurrency sweep, REPEATS times
 #      in turn (this machine's speed drifts by 10-30% over tens of minutes), each sweep on a fresh
 #      server writing a step trace;
-#   2. calibration, held out: the rate sweep is predicted from a profile fitted to the concurrency
-#      sweeps' traces and the other way round, each profile also measuring the request round trip and
+#   2. calibration, held out: the rate sweep is predicted from a profile (decode cost per batch size)
+#      fitted to the concurrency sweeps' traces and the other way round, each profile also measuring the request round trip and
 #      admission interval from the client's and the engine's times of its runs. Calibrating on runs
 #      interleaved with the ones predicted keeps the machine's drift out of the comparison;
 #   3. simulation: the same workloads, load points and engine settings, step times from the profile;
@@ -15,7 +15,8 @@
 #
 # Needs a quiet machine: the server's step times are the model. Knobs (environment): PYTHON,
 # PORT (8300), RATES (0.5,1,2), CONCURRENCY (2,4,8,16), NUM_PROMPTS (32), REPEATS (3), MAX_NUM_SEQS (16),
-# NUM_KV_BLOCKS (2048), DTYPE (float32), WORKLOAD (bench workload flags).
+# NUM_KV_BLOCKS (2048), DTYPE (float32), WORKLOAD (bench workload flags), REUSE (1: keep the measurements
+# already in OUT_DIR and rerun only calibration and simulation).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 out=$1
@@ -45,6 +46,9 @@ repeats=${REPEATS:-3}
 echo "== measurement: $repeats x (rate sweep, concurrency sweep), each on a fresh server with a step trace" >&2
 for k in $(seq 1 "$repeats"); do
   for sweep in rates concurrency; do
+    if [ "${REUSE:-0}" = 1 ] && [ -s "$out/real_${sweep}_$k.json" ] && [ -s "$out/trace_${sweep}_$k.jsonl" ]; then
+      continue
+    fi
     serve "$out/trace_${sweep}_$k.jsonl"
     if [ "$sweep" = rates ]; then load=(--sweep-rates "$rates"); else load=(--sweep-concurrency "$conc"); fi
     "$py" -m iterserve.cli bench serve "${bench[@]}" "${load[@]}" --label "real $k" \
@@ -59,7 +63,7 @@ calibrate() {  # from-sweep profile
   for k in $(seq 1 "$repeats"); do
     args+=(--trace "$out/trace_$1_$k.jsonl" --serve-json "$out/real_$1_$k.json")
   done
-  "$py" -m iterserve.cli simulate calibrate "${args[@]}" -o "$2"
+  "$py" -m iterserve.cli simulate calibrate --per-batch-size "${args[@]}" -o "$2"
 }
 calibrate concurrency "$out/profile_for_rates.json"
 calibrate rates "$out/profile_for_concurrency.json"

@@ -76,6 +76,9 @@ def _add_calibrate_parser(sub: Any) -> None:
     p.add_argument("--serve-json", action="append", default=[],
                    help="bench serve --output-json of the run the --trace of the same position recorded (repeatable, "
                         "one per --trace): measures the request round trip and admission interval around the steps")
+    p.add_argument("--per-batch-size", action="store_true",
+                   help="fit the decode cost per batch size instead of per sequence (for a machine whose step time "
+                        "is not linear in its batch, as small-batch matmuls on a CPU)")
     p.add_argument("--output", "-o", required=True, help="profile JSON to write")
     p.set_defaults(func=_cmd_calibrate)
 
@@ -177,7 +180,7 @@ def _cmd_calibrate(args: argparse.Namespace) -> int:
     steps = [s for t in args.trace for s in steps_from_trace(t)]
     steps += [s for b in args.batch_json for s in steps_from_batch(b)]
     sources = [Path(x).name for x in [*args.trace, *args.batch_json]]
-    profile = fit_linear(steps, source=", ".join(sources))
+    profile = fit_linear(steps, source=", ".join(sources), per_batch_size=args.per_batch_size)
     if args.serve_json:
         if len(args.serve_json) != len(args.trace):
             raise ValueError(f"give one --serve-json per --trace, in the same order (got {len(args.serve_json)} and "
@@ -189,9 +192,11 @@ def _cmd_calibrate(args: argparse.Namespace) -> int:
               f" - engine TTFT, median), admission interval {timing.admission_interval_s * 1e3:.2f} ms"
               f" ({timing.num_bursts} bursts)")
     profile.save(args.output)
+    table = profile.decode_batch_s
+    decode = (f"decode(B) ms by batch B=1.. [{', '.join(f'{t * 1e3:.1f}' for t in table[1:])}]" if table
+              else f"{profile.per_decode_seq_s * 1e6:.3f} us/decode sequence")
     print(f"fitted {profile.num_steps} steps: step time = {profile.intercept_s * 1e3:.3f} ms"
-          f" + {profile.per_prefill_token_s * 1e6:.3f} us/prefill token"
-          f" + {profile.per_decode_seq_s * 1e6:.3f} us/decode sequence"
+          f" + {profile.per_prefill_token_s * 1e6:.3f} us/prefill token + {decode}"
           f" + {profile.per_context_token_s * 1e9:.3f} ns/context token;"
           f" mean |error| {profile.mean_abs_rel_error:.1%} on those steps")
     print(f"profile written to {args.output}")

@@ -104,7 +104,12 @@ class RooflineCost:
 
 @dataclass(frozen=True)
 class LinearCost:
-    """``intercept_s + sum(coefficient * feature)`` over :data:`FEATURES`; a calibrated profile."""
+    """``intercept_s + sum(coefficient * feature)`` over :data:`FEATURES`; a calibrated profile.
+
+    With ``decode_batch_s`` (fitted per batch size, ``fit_linear(per_batch_size=True)``) the decode
+    term is a table by the step's number of decode sequences instead of a line: on a CPU whose
+    small-batch matmuls cost more per row than larger ones a step is not linear in its batch. Batches
+    past the table grow by ``per_decode_seq_s`` per sequence."""
 
     intercept_s: float
     per_prefill_token_s: float
@@ -117,9 +122,21 @@ class LinearCost:
     # (:func:`fit_request_timing`); the simulator's defaults for the same ``SimConfig`` fields.
     request_latency_s: float = 0.0
     admission_interval_s: float = 0.0
+    decode_batch_s: tuple[float, ...] = ()  # index: decode sequences in the step; [0] is 0
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "decode_batch_s", tuple(self.decode_batch_s))  # a list, read from JSON
+
+    def decode_s(self, batch: int) -> float:
+        table = self.decode_batch_s
+        if not table:
+            return self.per_decode_seq_s * batch
+        if batch < len(table):
+            return table[batch]
+        return table[-1] + self.per_decode_seq_s * (batch - len(table) + 1)
 
     def step_time(self, shape: StepShape) -> float:
-        work = self.per_prefill_token_s * shape.prefill_tokens + self.per_decode_seq_s * shape.decode_seqs
+        work = self.per_prefill_token_s * shape.prefill_tokens + self.decode_s(shape.decode_seqs)
         return self.intercept_s + work + self.per_context_token_s * shape.total_context
 
     def describe(self) -> dict[str, Any]:
@@ -292,30 +309,47 @@ def steps_from_batch(path: str | Path) -> list[TimedStep]:
     return steps
 
 
-def fit_linear(steps: Iterable[TimedStep], source: str = "") -> LinearCost:
+def fit_linear(steps: Iterable[TimedStep], source: str = "", *, per_batch_size: bool = False) -> LinearCost:
     """Least squares of step time on (1, prefill tokens, decode sequences, total context), relative
     to each step's time so short decode steps weigh as much as long prefills. A coefficient that
     comes out negative (no step costs less for more work, and none takes negative time) is fixed at
-    zero and the rest refitted."""
+    zero and the rest refitted.
+
+    ``per_batch_size`` replaces the decode-sequences column by one indicator per batch size seen
+    (their coefficients may take either sign: a batch of 8 may step faster than one of 3); sizes
+    between those seen are interpolated, and the slope of the two largest extends the table."""
     steps = list(steps)
-    x = np.array([[1.0, s.shape.prefill_tokens, s.shape.decode_seqs, s.shape.total_context] for s in steps])
-    y = np.array([s.seconds for s in steps])
     if len(steps) < 4:
         raise ValueError(f"calibration needs at least 4 timed steps, got {len(steps)}")
+    y = np.array([s.seconds for s in steps])
     if not np.all(y > 0):
         raise ValueError("calibration steps must have positive durations")
-    active = [j for j in range(4) if np.any(x[:, j] != 0)]
+    decode = np.array([s.shape.decode_seqs for s in steps])
+    sizes = sorted(set(decode[decode > 0].tolist())) if per_batch_size else []
+    cols = [np.ones(len(steps)), np.array([s.shape.prefill_tokens for s in steps], dtype=float),
+            np.array([s.shape.total_context for s in steps], dtype=float)]
+    cols += [(decode == b).astype(float) for b in sizes] if per_batch_size else [decode.astype(float)]
+    x = np.stack(cols, axis=1)
+    clipped = 3 if per_batch_size else x.shape[1]  # the columns held >= 0
+    active = [j for j in range(x.shape[1]) if np.any(x[:, j] != 0)]
     while True:
         w = 1.0 / y
         coef_active, *_ = np.linalg.lstsq(x[:, active] * w[:, None], y * w, rcond=None)
-        negative = [j for j, c in zip(active, coef_active) if c < 0]
+        negative = [j for j, c in zip(active, coef_active) if c < 0 and j < clipped]
         if not negative:
             break
         active = [j for j in active if j not in negative]
         if not active:
             raise ValueError("the step times fall as the work grows: no calibration fits them")
-    coef = np.zeros(4)
+    coef = np.zeros(x.shape[1])
     coef[active] = coef_active
     err = float(np.mean(np.abs(x @ coef - y) / y))
-    return LinearCost(float(coef[0]), float(coef[1]), float(coef[2]), float(coef[3]), source=source,
-                      num_steps=len(steps), mean_abs_rel_error=err)
+    table: tuple[float, ...] = ()
+    per_seq = float(coef[3]) if not per_batch_size else 0.0
+    if sizes:
+        seen = [0, *sizes]
+        table = tuple(float(v) for v in np.interp(np.arange(sizes[-1] + 1), seen, [0.0, *coef[3:]]))
+        if len(sizes) > 1:
+            per_seq = max(0.0, (table[sizes[-1]] - table[sizes[-2]]) / (sizes[-1] - sizes[-2]))
+    return LinearCost(float(coef[0]), float(coef[1]), per_seq, float(coef[2]), source=source,
+                      num_steps=len(steps), mean_abs_rel_error=err, decode_batch_s=table)

@@ -12,7 +12,7 @@ from iterserve.bench.charts import load_serve_results
 from iterserve.bench.serve import LoadPoint
 from iterserve.bench.workloads import WorkloadSpec, make_workload
 from iterserve.cli import main
-from iterserve.simulate.cost import ConstantCost, LinearCost
+from iterserve.simulate.cost import ConstantCost, LinearCost, StepShape
 from iterserve.simulate.runner import SimConfig, simulate_point
 
 SMALL = ["--num-prompts", "24", "--input-len", "uniform:16:64", "--output-len", "uniform:4:32"]
@@ -52,6 +52,13 @@ def test_calibrate_then_run_with_the_profile(tmp_path, capsys):
     assert main(["simulate", "run", "--profile", str(profile), *SMALL, "--output-json", str(tmp_path / "p.json")]) == 0
     run = json.loads((tmp_path / "p.json").read_text())["runs"][0]
     assert run["median_tpot_ms"] == pytest.approx(10.0, rel=1e-4)
+    capsys.readouterr()
+    assert main(["simulate", "calibrate", "--per-batch-size", "--trace", str(trace), "-o", str(profile)]) == 0
+    assert "decode(B) ms by batch B=1.. [" in capsys.readouterr().out
+    per_batch = LinearCost.load(profile)
+    assert len(per_batch.decode_batch_s) > 2
+    assert [per_batch.step_time(StepShape(0, b, 0)) for b in range(1, len(per_batch.decode_batch_s))] == \
+        pytest.approx([0.01] * (len(per_batch.decode_batch_s) - 1), rel=1e-4)
 
 
 def test_calibrate_measures_the_round_trip_and_run_uses_it(tmp_path, capsys):

@@ -83,8 +83,27 @@ def test_fit_linear_recovers_known_coefficients_and_clips_negative_ones():
         fit_linear(falling[:3])
 
 
+def test_fit_per_batch_size_follows_a_step_time_that_is_not_linear_in_the_batch():
+    # a CPU-like decode cost: batch 2 and 3 dearer than batch 4 and 8 (small-batch GEMMs); sizes 5-7 unseen
+    decode = {1: 0.040, 2: 0.090, 3: 0.100, 4: 0.085, 8: 0.095}
+    truth = lambda p, d, c: 0.010 + 2e-4 * p + decode.get(d, 0.0) + 1e-6 * c  # noqa: E731
+    shapes = [StepShape(p, d, c) for p in (0, 64, 200) for d in (0, *decode) for c in (100, 900, 3000)
+              if p or d]
+    steps = [TimedStep(s, truth(s.prefill_tokens, s.decode_seqs, s.total_context)) for s in shapes]
+    fit = fit_linear(steps, per_batch_size=True)
+    assert fit.mean_abs_rel_error == pytest.approx(0.0, abs=1e-9)
+    assert fit.intercept_s == pytest.approx(0.010, rel=1e-6)
+    assert fit.per_prefill_token_s == pytest.approx(2e-4, rel=1e-6)
+    assert [fit.decode_s(b) for b in (1, 2, 3, 4, 8)] == pytest.approx([decode[b] for b in (1, 2, 3, 4, 8)])
+    assert fit.decode_s(6) == pytest.approx(0.090)  # halfway between the batches of 4 and 8
+    assert fit.decode_s(10) == pytest.approx(0.095 + 2 * 0.0025)  # the slope from 4 to 8 carries on
+    # the straight line cannot follow it
+    assert fit_linear(steps).mean_abs_rel_error > 0.05
+
+
 def test_profile_round_trip(tmp_path):
-    profile = LinearCost(0.001, 1e-5, 2e-4, 3e-8, source="t.jsonl", num_steps=9, mean_abs_rel_error=0.05)
+    profile = LinearCost(0.001, 1e-5, 2e-4, 3e-8, source="t.jsonl", num_steps=9, mean_abs_rel_error=0.05,
+                         request_latency_s=0.01, admission_interval_s=0.002, decode_batch_s=(0.0, 0.04, 0.09))
     path = tmp_path / "p.json"
     profile.save(path)
     assert LinearCost.load(path) == profile
