@@ -106,7 +106,7 @@ def _cost_model(args: argparse.Namespace, terms: PlannerTerms) -> CostModel:
     return RooflineCost(terms, args.step_overhead)
 
 
-def sim_config_from_args(args: argparse.Namespace, terms: PlannerTerms, cost: CostModel | None = None) -> Any:
+def sim_config_from_args(args: argparse.Namespace, terms: PlannerTerms, cost: CostModel) -> Any:
     from iterserve.engine.core import parse_size
     from iterserve.simulate.runner import SimConfig
 

@@ -124,9 +124,6 @@ class LinearCost:
     admission_interval_s: float = 0.0
     decode_batch_s: tuple[float, ...] = ()  # index: decode sequences in the step; [0] is 0
 
-    def __post_init__(self) -> None:
-        object.__setattr__(self, "decode_batch_s", tuple(self.decode_batch_s))  # a list, read from JSON
-
     def decode_s(self, batch: int) -> float:
         table = self.decode_batch_s
         if not table:
@@ -154,6 +151,7 @@ class LinearCost:
             raise ValueError(f"{path}: not valid JSON ({e.msg})") from None
         if not isinstance(data, dict) or data.pop("kind", None) != PROFILE_KIND:
             raise ValueError(f"{path}: not a step profile (write one with 'iterserve simulate calibrate')")
+        data["decode_batch_s"] = tuple(data.get("decode_batch_s", ()))  # JSON has lists
         try:
             return cls(**data)
         except TypeError as e:
@@ -236,12 +234,12 @@ def fit_request_timing(runs: Iterable[tuple[str | Path, str | Path]]) -> Request
 
     Requests are paired by (prompt tokens, output tokens), run by run, in the client's sending order
     and the trace's order (runs follow each other), so the trace may hold other requests too (a
-    readiness probe). The round trip is the median of client
-    TTFT minus engine TTFT (from the API process's arrival stamp to the step that sampled the first
-    token); the admission interval is how far apart the engine saw the requests of a burst arrive."""
+    readiness probe). The round trip is the median of client TTFT minus engine TTFT (from the API
+    process's arrival stamp to the step that sampled the first token); the admission interval is how
+    far apart the engine saw the requests of a burst arrive."""
     gaps: list[float] = []
-    spread = per = 0.0
-    bursts = 0
+    spread = 0.0
+    per = bursts = 0
     for trace, serve_json in runs:
         run_gaps, run_bursts = _pair_requests(trace, serve_json)
         gaps += run_gaps
