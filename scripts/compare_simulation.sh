@@ -1,12 +1,12 @@
 #!/usr/bin/env bash
 # Calibrated simulation against the real server on this machine (the embedded model):
-#   1. measurement: bench serve at three request rates and over a concurrency sweep, REPEATS times
-#      in turn (this machine's speed drifts by 10-30% over tens of minutes), each sweep on a fresh
-#      server writing a step trace;
+#   1. measurement: bench serve at three request rates and over a concurrency sweep, REPEATS times.
+#      Each sweep has its own server (a fresh one per repeat, writing a step trace); the load points of
+#      the two sweeps alternate in time (concurrency 2, rate 0.5, concurrency 4, rate 1, ...), so both
+#      sweeps meet the same drift of this machine's speed (10-30% over minutes);
 #   2. calibration, held out: the rate sweep is predicted from a profile (decode cost per batch size)
-#      fitted to the concurrency sweeps' traces and the other way round, each profile also measuring the request round trip and
-#      admission interval from the client's and the engine's times of its runs. Calibrating on runs
-#      interleaved with the ones predicted keeps the machine's drift out of the comparison;
+#      fitted to the concurrency sweeps' traces and the other way round, each profile also measuring the
+#      request round trip and admission interval from the client's and the engine's times of its runs;
 #   3. simulation: the same workloads, load points and engine settings, step times from the profile;
 #   4. a table (median and min-max of the real runs, simulated, error against the median) of output
 #      tok/s, median TTFT and median TPOT, and bench plot overlays of each sweep, into OUT_DIR.
@@ -14,9 +14,11 @@
 #   scripts/compare_simulation.sh OUT_DIR
 #
 # Needs a quiet machine: the server's step times are the model. Knobs (environment): PYTHON,
-# PORT (8300), RATES (0.5,1,2), CONCURRENCY (2,4,8,16), NUM_PROMPTS (32), REPEATS (3), MAX_NUM_SEQS (16),
-# NUM_KV_BLOCKS (2048), DTYPE (float32), WORKLOAD (bench workload flags), REUSE (1: keep the measurements
-# already in OUT_DIR and rerun only calibration and simulation).
+# PORT (8300; the concurrency sweep's server takes the next one), RATES (0.5,1,2), CONCURRENCY
+# (2,4,8,16), NUM_PROMPTS (48: at concurrency 16 two thirds of the requests then arrive as slots free,
+# so the median TTFT is not decided by the first burst), REPEATS (3), MAX_NUM_SEQS (16), NUM_KV_BLOCKS
+# (2048), DTYPE (float32), WORKLOAD (bench workload flags), REUSE (1: keep the measurements already in
+# OUT_DIR and rerun only calibration and simulation).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 out=$1
@@ -28,32 +30,53 @@ conc=${CONCURRENCY:-2,4,8,16}
 # would serve later points from the cache of earlier ones while each simulated point starts empty.
 engine=(--max-num-seqs "${MAX_NUM_SEQS:-16}" --num-kv-blocks "${NUM_KV_BLOCKS:-2048}" --no-prefix-caching)
 read -r -a workload <<<"${WORKLOAD:---input-len uniform:32:256 --output-len lognormal:64:1:256}"
-workload+=(--num-prompts "${NUM_PROMPTS:-32}")
-bench=(--base-url "http://127.0.0.1:$port" --prompt-format ids --disable-tqdm "${workload[@]}")
-mkdir -p "$out"
+workload+=(--num-prompts "${NUM_PROMPTS:-48}")
+mkdir -p "$out/points"
 source scripts/wait_ready.sh
 
-serve() {  # trace-file-or-empty; starts the server in the background, sets $server
-  local trace=()
-  [ -n "$1" ] && trace=(--step-trace "$1")
-  "$py" -m iterserve.cli serve --port "$port" "${engine[@]}" --dtype "${DTYPE:-float32}" "${trace[@]}" >>"$out/server.log" 2>&1 &
-  server=$!
-  wait_ready "http://127.0.0.1:$port" "$server" 300 || { echo "see $out/server.log" >&2; return 1; }
+declare -A url pid
+url[rates]="http://127.0.0.1:$port"
+url[concurrency]="http://127.0.0.1:$((port + 1))"
+serve() {  # sweep repeat: a fresh server for this sweep, writing this repeat's step trace
+  "$py" -m iterserve.cli serve --port "${url[$1]##*:}" "${engine[@]}" --dtype "${DTYPE:-float32}" \
+      --step-trace "$out/trace_$1_$2.jsonl" >>"$out/server.log" 2>&1 &
+  pid[$1]=$!
+  wait_ready "${url[$1]}" "${pid[$1]}" 300 || { echo "see $out/server.log" >&2; return 1; }
 }
-stop() { kill -TERM "$server"; wait "$server" || true; }
+stop() { kill -TERM "${pid[$1]}"; wait "${pid[$1]}" || true; }
+
+IFS=, read -r -a rate_list <<<"$rates"
+IFS=, read -r -a conc_list <<<"$conc"
+order=()  # sweep:load, alternating
+for ((i = 0; i < ${#rate_list[@]} || i < ${#conc_list[@]}; i++)); do
+  if ((i < ${#conc_list[@]})); then order+=("concurrency:${conc_list[i]}"); fi
+  if ((i < ${#rate_list[@]})); then order+=("rates:${rate_list[i]}"); fi
+done
 
 repeats=${REPEATS:-3}
-echo "== measurement: $repeats x (rate sweep, concurrency sweep), each on a fresh server with a step trace" >&2
+echo "== measurement: $repeats x (${order[*]}), a fresh server per sweep and repeat" >&2
 for k in $(seq 1 "$repeats"); do
-  for sweep in rates concurrency; do
-    if [ "${REUSE:-0}" = 1 ] && [ -s "$out/real_${sweep}_$k.json" ] && [ -s "$out/trace_${sweep}_$k.jsonl" ]; then
-      continue
-    fi
-    serve "$out/trace_${sweep}_$k.jsonl"
-    if [ "$sweep" = rates ]; then load=(--sweep-rates "$rates"); else load=(--sweep-concurrency "$conc"); fi
-    "$py" -m iterserve.cli bench serve "${bench[@]}" "${load[@]}" --label "real $k" \
-        --output-json "$out/real_${sweep}_$k.json" >/dev/null
-    stop
+  if [ "${REUSE:-0}" = 1 ] && [ -s "$out/real_rates_$k.json" ] && [ -s "$out/real_concurrency_$k.json" ]; then
+    continue
+  fi
+  serve rates "$k"
+  serve concurrency "$k"
+  for point in "${order[@]}"; do
+    sweep=${point%%:*} load=${point#*:}
+    if [ "$sweep" = rates ]; then flag=(--request-rate "$load"); else flag=(--max-concurrency "$load"); fi
+    "$py" -m iterserve.cli bench serve --base-url "${url[$sweep]}" --prompt-format ids --disable-tqdm "${workload[@]}" \
+        "${flag[@]}" --label "real $k" --output-json "$out/points/real_${sweep}_${k}_$load.json" >/dev/null
+  done
+  stop rates
+  stop concurrency
+  for sweep in rates concurrency; do  # one result per sweep and repeat, its runs in load order
+    if [ "$sweep" = rates ]; then loads=("${rate_list[@]}"); else loads=("${conc_list[@]}"); fi
+    "$py" - "$out/real_${sweep}_$k.json" "${loads[@]/#/$out/points/real_${sweep}_${k}_}" <<'PYEOF'
+import json, sys
+parts = [json.load(open(f"{name}.json")) for name in sys.argv[2:]]
+merged = {**parts[0], "runs": [run for part in parts for run in part["runs"]]}
+open(sys.argv[1], "w").write(json.dumps(merged) + "\n")
+PYEOF
   done
 done
 
