@@ -16,7 +16,7 @@
 # Needs a quiet machine: the server's step times are the model. Knobs (environment): PYTHON,
 # PORT (8300; the concurrency sweep's server takes the next one), RATES (0.5,1,2), CONCURRENCY
 # (2,4,8,16), NUM_PROMPTS (48: at concurrency 16 two thirds of the requests then arrive as slots free,
-# so the median TTFT is not decided by the first burst), REPEATS (3), MAX_NUM_SEQS (16), NUM_KV_BLOCKS
+# so the median TTFT is not decided by the first burst), REPEATS (5), MAX_NUM_SEQS (16), NUM_KV_BLOCKS
 # (2048), DTYPE (float32), WORKLOAD (bench workload flags), REUSE (1: keep the measurements already in
 # OUT_DIR and rerun only calibration and simulation).
 set -euo pipefail
@@ -53,7 +53,7 @@ for ((i = 0; i < ${#rate_list[@]} || i < ${#conc_list[@]}; i++)); do
   if ((i < ${#rate_list[@]})); then order+=("rates:${rate_list[i]}"); fi
 done
 
-repeats=${REPEATS:-3}
+repeats=${REPEATS:-5}
 echo "== measurement: $repeats x (${order[*]}), a fresh server per sweep and repeat" >&2
 for k in $(seq 1 "$repeats"); do
   if [ "${REUSE:-0}" = 1 ] && [ -s "$out/real_rates_$k.json" ] && [ -s "$out/real_concurrency_$k.json" ]; then
