@@ -70,7 +70,8 @@ def test_concurrency_sweep_writes_vllm_fields_and_charts(server_url, asked_outpu
         assert run["total_output_tokens"] == sum(asked_output_lens)
         assert run["request_goodput"] == pytest.approx(run["request_throughput"])  # generous SLOs: all good
         assert 0 < run["median_ttft_ms"] <= run["p99_ttft_ms"] and run["mean_e2el_ms"] >= run["mean_ttft_ms"]
-        assert len(run["itls"]) == 6 and all(len(i) == n - 1 for i, n in zip(run["itls"], run["output_lens"]))
+        # one gap per streamed chunk after the first; a server behind on its streams may send two tokens in one
+        assert len(run["itls"]) == 6 and all(1 <= len(i) + 1 <= n for i, n in zip(run["itls"], run["output_lens"]))
         assert run["output_throughput"] == pytest.approx(run["total_output_tokens"] / run["duration"])
         for key in ("total_input_tokens", "total_token_throughput", "std_tpot_ms", "p50_itl_ms", "median_e2el_ms",
                     "input_lens", "ttfts"):
