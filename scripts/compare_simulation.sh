@@ -6,14 +6,17 @@
 #      of that capacity, and the remaining load points of the two sweeps alternate in time
 #      (concurrency 2, 0.4 x capacity, concurrency 4, ...), so both sweeps meet the same drift of this
 #      machine's speed (10-30% within minutes, and capacity 0.43-0.80 req/s on different hours);
-#   2. calibration, held out: the rate sweep is predicted from a profile (decode cost per batch size)
-#      fitted to the concurrency sweeps' traces and the other way round, each profile also measuring the
-#      request round trip and admission interval from the client's and the engine's times of its runs;
+#   2. calibration, held out: each repeat's rate sweep is predicted from a profile (decode cost per
+#      batch size) fitted to that repeat's concurrency-sweep trace and the other way round, each profile
+#      also measuring the request round trip and admission interval from the client's and the engine's
+#      times of its runs. Per repeat, because the speed also moves between repeats (one of three had
+#      a 17-48% lower median TPOT at most load points): a profile pooled over the repeats predicts
+#      their mean, not the real median it is compared with;
 #   3. simulation: the same workloads, load points (each repeat's rates) and engine settings, step times
 #      from the profile;
-#   4. a table (median and min-max of the real runs, the median simulated, its error against the real
-#      median) of output tok/s, median TTFT and median TPOT, and bench plot overlays of each sweep, into
-#      OUT_DIR. The overloaded rate is summed up apart: past capacity the queue grows for the whole
+#   4. a table (median and min-max of the real runs, the median of the repeats' simulations, its error
+#      against the real median) of output tok/s, median TTFT and median TPOT, and bench plot overlays
+#      of each sweep, into OUT_DIR. The overloaded rate is summed up apart: past capacity the queue grows for the whole
 #      run, so its median TTFT measures how long the run lasted and how fast the machine was that
 #      minute (at 2 req/s, 0.9-3.5 s on one server within ten minutes), not a steady state.
 #
@@ -98,30 +101,21 @@ for k in $(seq 1 "$repeats"); do
   merge "$out/real_rates_$k.json" $(files rates "${rates[@]}")
 done
 
-echo "== calibration: each sweep's profile from the other sweep's runs" >&2
-calibrate() {  # from-sweep profile
-  local args=() runs
-  for k in $(seq 1 "$repeats"); do
-    runs=$out/real_$1_$k.json
-    if [ "$1" = concurrency ]; then runs=$out/points/timeline_concurrency_$k.json; fi
-    args+=(--trace "$out/trace_$1_$k.jsonl" --serve-json "$runs")
-  done
-  "$py" -m iterserve.cli simulate calibrate --per-batch-size "${args[@]}" -o "$2"
-}
-calibrate concurrency "$out/profile_for_rates.json"
-calibrate rates "$out/profile_for_concurrency.json"
-
-echo "== simulation" >&2
-sim=(--model smollm2-135m "${engine[@]}" "${workload[@]}")
-for k in $(seq 1 "$repeats"); do  # each repeat's rates
+echo "== calibration and simulation: each repeat's sweep predicted from the other sweep of that repeat" >&2
+sim=(--model smollm2-135m "${engine[@]}" "${workload[@]}" --no-charts)
+conc=$(IFS=,; echo "${conc_list[*]}")
+for k in $(seq 1 "$repeats"); do
+  "$py" -m iterserve.cli simulate calibrate --per-batch-size --trace "$out/trace_concurrency_$k.jsonl" \
+      --serve-json "$out/points/timeline_concurrency_$k.json" -o "$out/profile_for_rates_$k.json"
+  "$py" -m iterserve.cli simulate calibrate --per-batch-size --trace "$out/trace_rates_$k.jsonl" \
+      --serve-json "$out/real_rates_$k.json" -o "$out/profile_for_concurrency_$k.json"
   rates=$("$py" -c 'import json, sys; print(",".join(str(r["request_rate"]) for r in json.load(open(sys.argv[1]))["runs"]))' \
           "$out/real_rates_$k.json")
-  "$py" -m iterserve.cli simulate run "${sim[@]}" --profile "$out/profile_for_rates.json" --sweep-rates "$rates" \
-      --label "simulated $k" --output-json "$out/sim_rates_$k.json" --no-charts
+  "$py" -m iterserve.cli simulate run "${sim[@]}" --profile "$out/profile_for_rates_$k.json" --sweep-rates "$rates" \
+      --label "simulated $k" --output-json "$out/sim_rates_$k.json"
+  "$py" -m iterserve.cli simulate run "${sim[@]}" --profile "$out/profile_for_concurrency_$k.json" \
+      --sweep-concurrency "$conc" --label "simulated $k" --output-json "$out/sim_concurrency_$k.json"
 done
-conc=$(IFS=,; echo "${conc_list[*]}")
-"$py" -m iterserve.cli simulate run "${sim[@]}" --profile "$out/profile_for_concurrency.json" \
-    --sweep-concurrency "$conc" --label simulated --output-json "$out/sim_concurrency_1.json" --no-charts
 
 for sweep in rates concurrency; do
   "$py" -m iterserve.cli bench plot "$out"/real_"$sweep"_*.json "$out"/sim_"$sweep"_*.json \
