@@ -7,7 +7,9 @@ scheduler, the block manager and the sampler run here only; each step's :class:`
 and every rank runs the forward pass on its shard.
 
 A worker that dies makes the next step (or the one in flight) raise :class:`TensorParallelError` naming
-it; so does any failure inside a step, since the ranks are then out of step. The engine does not go on.
+it; so does any failure inside a step, since the ranks are then out of step, and a worker that hangs
+(its step not taken within ``STEP_SEND_TIMEOUT``, a collective not answered within the group's timeout).
+The engine does not go on.
 """
 
 from __future__ import annotations
@@ -30,7 +32,15 @@ import torch
 import torch.distributed as dist
 
 from iterserve.config import EngineConfig
-from iterserve.distributed.group import Launch, join_group, leave_group, rank_device, share_cores, torchrun_launch
+from iterserve.distributed.group import (
+    COLLECTIVE_TIMEOUT,
+    Launch,
+    join_group,
+    leave_group,
+    rank_device,
+    share_cores,
+    torchrun_launch,
+)
 from iterserve.distributed.parallel_state import ParallelState
 from iterserve.engine.model_runner import StepInputs
 from iterserve.errors import TensorParallelError
@@ -38,6 +48,9 @@ from iterserve.errors import TensorParallelError
 logger = logging.getLogger(__name__)
 
 DEATH_WAIT_S = 2.0  # after a failed collective: how long to wait for a worker's exit to show
+# Rank 0 sending a step: the workers take it as soon as their previous forward pass ends, so a longer wait
+# means a worker hangs (the step group's own timeout is the workers', who wait for steps while the engine idles).
+STEP_SEND_TIMEOUT = COLLECTIVE_TIMEOUT
 
 
 def _free_port() -> int:
@@ -102,8 +115,11 @@ class Executor:
         return cls(parallel, steps, workers, device, threads)
 
     def ready(self) -> None:
-        """Wait until every rank has loaded its shard (a worker that failed to is reported here)."""
+        """Wait until every rank has loaded its shard (a worker that failed to is reported here); from then
+        on a worker that hangs, alive but answering nothing, fails the next step instead of blocking rank 0
+        in the step broadcast for good."""
         self._guard(lambda: dist.barrier(group=self._steps))
+        self._steps.set_timeout(STEP_SEND_TIMEOUT)
 
     def execute(self, inputs: StepInputs, forward: Callable[[StepInputs], torch.Tensor]) -> torch.Tensor:
         """Send ``inputs`` to the workers, then run this rank's forward pass; the logits."""

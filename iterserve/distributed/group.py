@@ -3,8 +3,9 @@
 Two process groups: the default one carries the forward pass's all-reduces and gathers (NCCL on CUDA, gloo
 on CPU) with a bounded timeout, so a rank that stops answering fails the step instead of hanging it; a gloo
 group with no practical timeout carries each step's inputs from rank 0, so that workers may wait for the
-next step as long as the engine idles. A rank that dies closes its sockets, which fails gloo collectives at
-once; the timeouts are the bound when a rank hangs instead.
+next step as long as the engine idles (rank 0's own side of it is bounded once the workers are ready). A
+rank that dies closes its sockets, which fails gloo collectives at once; the timeouts are the bound when a
+rank hangs instead.
 """
 
 from __future__ import annotations

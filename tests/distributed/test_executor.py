@@ -1,11 +1,13 @@
 """Tensor parallelism end to end on CPU with gloo: the engine starts its workers, greedy tokens equal the
-single-process engine's in float32, and a worker that dies stops the engine with an error naming it."""
+single-process engine's in float32, a worker that dies stops the engine with an error naming it, and one that
+hangs fails the step."""
 
 from __future__ import annotations
 
 import os
 import signal
 import time
+from datetime import timedelta
 
 import pytest
 
@@ -62,6 +64,26 @@ def test_a_killed_worker_stops_the_engine_with_an_error_naming_it():
         with pytest.raises(TensorParallelError, match="rank 1"):  # and stays failed
             engine.step()
     finally:
+        engine.close()
+
+
+def test_a_hung_worker_fails_the_step_instead_of_hanging_the_engine(monkeypatch):
+    import iterserve.distributed.executor as executor
+
+    monkeypatch.setattr(executor, "STEP_SEND_TIMEOUT", timedelta(seconds=2))
+    llm = LLM("random:qwen3-0.6b?num_layers=1&vocab_size=512", tensor_parallel_size=2, dtype="float32",
+              device="cpu", num_kv_blocks=16)
+    engine = llm.llm_engine
+    worker = engine.core.executor.worker_pids[1]
+    try:
+        engine.add_request([1, 2, 3], SamplingParams(max_tokens=100, ignore_eos=True))
+        engine.step()
+        os.kill(worker, signal.SIGSTOP)  # alive, its sockets open, taking no step
+        with pytest.raises(TensorParallelError, match="out of step"):
+            while engine.has_unfinished_requests():
+                engine.step()
+    finally:
+        os.kill(worker, signal.SIGKILL)
         engine.close()
 
 
