@@ -16,9 +16,10 @@
 #      from the profile;
 #   4. a table (median and min-max of the real runs, the median of the repeats' simulations, its error
 #      against the real median) of output tok/s, median TTFT and median TPOT, and bench plot overlays
-#      of each sweep, into OUT_DIR. The overloaded rate is summed up apart: past capacity the queue grows for the whole
-#      run, so its median TTFT measures how long the run lasted and how fast the machine was that
-#      minute (at 2 req/s, 0.9-3.5 s on one server within ten minutes), not a steady state.
+#      of each sweep, into OUT_DIR. The overloaded rate is summed up apart: past capacity the queue
+#      grows for the whole run, so its median TTFT measures how long the run lasted and how fast the
+#      machine was that minute (at 2 req/s, 0.9-3.5 s on one server within ten minutes), not a steady
+#      state.
 #
 #   scripts/compare_simulation.sh OUT_DIR
 #
@@ -70,7 +71,7 @@ merged = {**parts[0], "runs": [run for part in parts for run in part["runs"]]}
 open(sys.argv[1], "w").write(json.dumps(merged) + "\n")
 PYEOF
 }
-files() { for load in "${@:2}"; do echo "$out/points/real_$1_${k}_$load.json"; done; }  # sweep loads...: repeat k's
+files() { for load in "${@:3}"; do echo "$out/points/real_$1_$2_$load.json"; done; }  # sweep repeat loads...
 
 repeats=${REPEATS:-3}
 top=${conc_list[-1]}
@@ -96,9 +97,9 @@ for k in $(seq 1 "$repeats"); do
   stop concurrency
   # In time order for calibration (requests are paired with the trace's in sending order), in load
   # order for the table and the charts.
-  merge "$out/points/timeline_concurrency_$k.json" $(files concurrency "$top" "${conc_list[@]:0:${#conc_list[@]}-1}")
-  merge "$out/real_concurrency_$k.json" $(files concurrency "${conc_list[@]}")
-  merge "$out/real_rates_$k.json" $(files rates "${rates[@]}")
+  merge "$out/points/timeline_concurrency_$k.json" $(files concurrency "$k" "$top" "${conc_list[@]:0:${#conc_list[@]}-1}")
+  merge "$out/real_concurrency_$k.json" $(files concurrency "$k" "${conc_list[@]}")
+  merge "$out/real_rates_$k.json" $(files rates "$k" "${rates[@]}")
 done
 
 echo "== calibration and simulation: each repeat's sweep predicted from the other sweep of that repeat" >&2

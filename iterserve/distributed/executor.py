@@ -33,7 +33,7 @@ import torch.distributed as dist
 
 from iterserve.config import EngineConfig
 from iterserve.distributed.group import (
-    COLLECTIVE_TIMEOUT,
+    STEP_SEND_TIMEOUT,
     Launch,
     join_group,
     leave_group,
@@ -48,9 +48,6 @@ from iterserve.errors import TensorParallelError
 logger = logging.getLogger(__name__)
 
 DEATH_WAIT_S = 2.0  # after a failed collective: how long to wait for a worker's exit to show
-# Rank 0 sending a step: the workers take it as soon as their previous forward pass ends, so a longer wait
-# means a worker hangs (the step group's own timeout is the workers', who wait for steps while the engine idles).
-STEP_SEND_TIMEOUT = COLLECTIVE_TIMEOUT
 
 
 def _free_port() -> int:

@@ -23,6 +23,9 @@ from iterserve.distributed.parallel_state import ParallelState
 
 COLLECTIVE_TIMEOUT = timedelta(seconds=60)  # a forward-pass collective or the start-up rendezvous
 STEP_WAIT_TIMEOUT = timedelta(days=365)  # a worker waiting for rank 0's next step
+# Rank 0 sending a step: the workers take it as soon as their previous forward pass ends, so a longer wait
+# means a worker hangs.
+STEP_SEND_TIMEOUT = COLLECTIVE_TIMEOUT
 
 
 @dataclass(frozen=True)
