@@ -356,6 +356,8 @@ at::Tensor silu_and_mul(const at::Tensor& x) {
   return out;
 }
 
+void register_linear(pybind11::module& m);  // linear.cpp
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("paged_decode", &paged_decode, "Paged decode attention reading K/V blocks in place");
   m.def("write_kv", &write_kv, "Store this step's K/V rows into their cache slots");
@@ -363,4 +365,5 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("fused_add_rms_norm", &fused_add_rms_norm, "residual += x; x = RMSNorm(residual), in place");
   m.def("rope_", &rope_, "Rotate-half RoPE on q and k in place");
   m.def("silu_and_mul", &silu_and_mul, "SiLU(gate) * up");
+  register_linear(m);
 }

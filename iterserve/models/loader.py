@@ -30,7 +30,7 @@ from iterserve.config import DEFAULT_MODEL, PRESETS, ModelConfig, find_preset, g
 from iterserve.distributed.layers import ShardedLayer
 from iterserve.distributed.parallel_state import ParallelState
 from iterserve.models.gguf_file import gguf_field, open_gguf
-from iterserve.models.linear import process_weights
+from iterserve.models.linear import MethodChooser, process_weights
 from iterserve.models.llama import LlamaModel, RotaryEmbedding
 from iterserve.tokenizer import Tokenizer
 
@@ -120,12 +120,14 @@ def load_model(
     device: str | torch.device | None = None,
     seed: int = 0,
     parallel: ParallelState | None = None,
+    linear: MethodChooser | None = None,
 ) -> LoadedModel:
     """Load weights and tokenizer for ``name`` onto ``device`` (CUDA when available by default).
 
     With ``parallel`` of several ranks only this rank's shard is kept: each whole tensor is read, sliced
     and dropped, so a rank's memory holds its shard plus one tensor at a time. Once loaded, every linear
-    layer gets its :class:`~iterserve.models.linear.LinearMethod` and prepares its weights for it.
+    layer gets its :class:`~iterserve.models.linear.LinearMethod` (``linear``'s pick; by default the
+    fastest measured on this CPU) and prepares its weights for it.
     """
     torch_dtype = parse_dtype(dtype)
     ps = parallel or ParallelState()
@@ -133,7 +135,7 @@ def load_model(
     if torch_dtype == torch.float16 and device.type == "cpu":
         logger.warning("float16 on CPU is slow and may be unsupported by some kernels; prefer bfloat16")
     loaded = _load(name, torch_dtype, device, seed, ps)
-    process_weights(loaded.model)
+    process_weights(loaded.model, linear)
     return loaded
 
 
