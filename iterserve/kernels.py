@@ -23,7 +23,8 @@ import torch
 logger = logging.getLogger(__name__)
 
 ENV_VAR = "ITERSERVE_CPU_KERNELS"
-SOURCES = sorted(Path(__file__).with_name("csrc").glob("*.cpp"))
+CSRC = Path(__file__).with_name("csrc")
+SOURCES = sorted(CSRC.glob("*.cpp"))
 BUILD_DIR = Path(__file__).with_name("_build")
 _PREFIX = "iterserve_cpu_ops_"
 
@@ -40,7 +41,8 @@ def _cflags() -> list[str]:
 
 def module_name() -> str:
     """Name of the build that matches this source, these flags and this torch."""
-    key = b"".join(s.read_bytes() for s in SOURCES) + " ".join(_cflags()).encode() + torch.__version__.encode()
+    files = sorted(CSRC.glob("*.cpp")) + sorted(CSRC.glob("*.h"))
+    key = b"".join(f.read_bytes() for f in files) + " ".join(_cflags()).encode() + torch.__version__.encode()
     return _PREFIX + hashlib.sha256(key).hexdigest()[:12]
 
 
@@ -95,3 +97,28 @@ def ops_for(t: torch.Tensor) -> ModuleType | None:
     """The fused CPU ops when they serve this tensor (built, not disabled, and on the CPU), else None."""
     return ops if t.device.type == "cpu" else None
 
+
+
+_pool_threads: int | None = None
+
+
+def run_on_pool(threads: int | None = None) -> int:
+    """Give this process's intra-op threads to the kernels' own pool and leave torch one thread; returns the
+    pool's thread count (``threads``, by default the torch thread count before the first call).
+
+    torch's OpenMP team ends every parallel region at a barrier that waits for each of its threads. With
+    another process on one of the cores, the thread the scheduler took off arrives a time slice later, at
+    every one of the few hundred regions of a decode step. The pool's threads claim chunks of a loop as
+    they run, so the caller never waits for one that has not started (``csrc/parallel.h``). torch's own ops
+    in a step (the glue, prefill attention) then run on the calling thread, where no barrier can hold them.
+    Without the kernels torch keeps the threads.
+    """
+    global _pool_threads
+    n = threads or _pool_threads or torch.get_num_threads()
+    if ops is None:
+        torch.set_num_threads(n)
+        return n
+    ops.set_threads(n)
+    torch.set_num_threads(1)
+    _pool_threads = n
+    return n

@@ -17,6 +17,8 @@
 #include <ATen/cpu/vec/functional.h>
 #include <ATen/cpu/vec/vec.h>
 
+#include "parallel.h"
+
 #include <algorithm>
 #include <vector>
 
@@ -257,8 +259,13 @@ void packed_linear_impl(const at::Tensor& x, const at::Tensor& packed, const at:
   const float* bp = bf.defined() ? bf.data_ptr<float>() : nullptr;
   const T* wp = packed.data_ptr<T>();
   T* yp = y.data_ptr<T>();
-  // Even contiguous shares of the blocks: each thread streams its part of the weight once.
-  at::parallel_for(0, blocks, 1, [&](int64_t b0, int64_t b1) {
+  // Chunks of whole register tiles, at least four per thread so that a thread that starts late or runs
+  // slower leaves less of the weight to the others; at most kGroup blocks, so a chunk stays in L2 across rows.
+  const int64_t want = 4 * iterserve::ChunkPool::get().threads();
+  int64_t chunk = kGroup;
+  for (int64_t c : {6, 4, 3, 2, 1})
+    if (blocks / chunk < want) chunk = c;
+  iterserve::parallel_chunks(blocks, chunk, [&](int64_t b0, int64_t b1) {
 #ifdef ITERSERVE_AMX
     if constexpr (pairs<T>()) {
       if (M >= amx_min_rows && amx_permitted()) {

@@ -19,6 +19,7 @@ import time
 
 import torch.distributed as dist
 
+from iterserve import kernels
 from iterserve.config import EngineConfig
 from iterserve.distributed.group import Launch, join_group, leave_group, rank_device, share_cores
 from iterserve.engine.core import Capacity
@@ -34,6 +35,8 @@ def run_worker(config: EngineConfig, launch: Launch) -> int:
     """Join the group as ``launch.rank`` and serve steps until rank 0 sends the end; the exit status."""
     share_cores(launch.local_world_size)
     device = rank_device(config.device, launch.local_rank)
+    if device == "cpu":
+        kernels.run_on_pool()
     parallel, steps = join_group(launch, device)
     try:
         loaded = load_model(config.model, config.dtype, device, config.seed, parallel=parallel)

@@ -22,6 +22,8 @@ from typing import IO
 import msgspec
 import torch
 
+from iterserve import kernels
+from iterserve.allocator import tune_allocator
 from iterserve.config import EngineConfig, ModelConfig, parse_dtype
 from iterserve.distributed.executor import Executor
 from iterserve.engine.block_manager import BlockManager
@@ -155,6 +157,9 @@ class EngineCore:
             # a model that does not split is refused here, before any worker starts to find out alone
             load_model_info(config.model)[0].tensor_parallel_shard(config.tensor_parallel_size)
             self.executor = Executor.start(config)
+        if (config.device or ("cuda" if torch.cuda.is_available() else "cpu")).startswith("cpu"):
+            tune_allocator()  # what the iterserve command applies at start, for engines embedded by LLM too
+            kernels.run_on_pool()
         try:
             self.loaded = loaded or load_model(config.model, config.dtype, self.executor.device if self.executor
                                                else config.device, config.seed,
