@@ -23,11 +23,11 @@ import torch
 import torch.nn.functional as F
 
 from iterserve import kernels
-from iterserve.allocator import tune_allocator
 from iterserve.attention import AttentionMetadata
-from iterserve.dtypes import canonical_dtype
+from iterserve.config.dtypes import canonical_dtype
 from iterserve.models.loader import load_model
 from iterserve.planner import decode_cost, prefill_cost
+from iterserve.platforms.malloc import tune_allocator
 
 
 def median_time(fn, repeats: int) -> float:

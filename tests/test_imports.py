@@ -176,7 +176,7 @@ def test_every_module_imports_first_in_a_fresh_interpreter():
     assert "torch" in external and len(modules) > 40
 
 
-@pytest.mark.parametrize("module", ["iterserve.planner.roofline", "iterserve.units", "iterserve.bench.knee"])
+@pytest.mark.parametrize("module", ["iterserve.planner.roofline", "iterserve.config.units", "iterserve.bench.knee"])
 def test_pure_modules_import_no_torch(module):
     """The planner's arithmetic and the shared helpers need no torch, nor do the modules they import
     (their packages' ``__init__`` aside, which re-export the public API)."""

@@ -23,6 +23,7 @@ import msgspec
 import torch
 
 from iterserve.config import EngineConfig, ModelConfig, parse_dtype
+from iterserve.config.units import parse_size
 from iterserve.distributed.executor import Executor
 from iterserve.engine.block_manager import BlockManager
 from iterserve.engine.messages import (
@@ -41,7 +42,6 @@ from iterserve.models.loader import LoadedModel, load_model, load_model_info
 from iterserve.sampling_params import SamplingParams, SamplingParamsError
 from iterserve.structured_output import GrammarCompiler, GrammarMatcher
 from iterserve.tokenizer import Tokenizer
-from iterserve.units import parse_size
 
 logger = logging.getLogger(__name__)
 

@@ -40,7 +40,7 @@ from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from iterserve.dtypes import canonical_dtype, dtype_bytes
+from iterserve.config.dtypes import canonical_dtype, dtype_bytes
 from iterserve.planner.hardware import Accelerator, GiB, Interconnect, get_interconnect
 
 if TYPE_CHECKING:
@@ -215,7 +215,9 @@ def decode_knee(
 
 
 @dataclass(frozen=True)
-class Capacity:
+class MemoryPlan:
+    """How an accelerator's memory splits between the weights and the KV cache, and what that cache holds."""
+
     memory_bytes: int
     usable_bytes: int  # memory x gpu_memory_utilization
     weight_bytes: int
@@ -236,7 +238,7 @@ def kv_capacity(
     kv_dtype: str | None = None,
     gpu_memory_utilization: float = DEFAULT_GPU_MEMORY_UTILIZATION,
     block_size: int = DEFAULT_BLOCK_SIZE,
-) -> Capacity:
+) -> MemoryPlan:
     """KV memory left after the weights, in tokens and in sequences of ``context`` tokens.
 
     Memory is handed out in blocks of ``block_size`` tokens, so a sequence holds
@@ -258,7 +260,7 @@ def kv_capacity(
     budget = usable - weights
     blocks = budget // (kv * block_size)
     per_seq_blocks = -(-context // block_size)
-    return Capacity(
+    return MemoryPlan(
         memory_bytes=hw.memory_bytes,
         usable_bytes=usable,
         weight_bytes=weights,
@@ -302,7 +304,7 @@ class Plan:
     peak_flops: float
     bandwidth: float
     ops_per_byte: float
-    capacity: Capacity
+    capacity: MemoryPlan
     knee_batch: int | None  # at `context`
     knee_batch_no_kv: int | None  # the weights-only limit (context -> 0)
     decode_intensity_limit: float  # intensity as batch -> infinity: per-sequence FLOPs / KV bytes

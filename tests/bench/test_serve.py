@@ -12,7 +12,7 @@ import pytest
 import uvicorn
 
 from iterserve.bench.workloads import WorkloadSpec, make_workload
-from iterserve.cli import main
+from iterserve.cli.main import main
 from iterserve.config import ServerConfig
 from iterserve.engine.core import EngineConfig
 from iterserve.server.api_server import build_app

@@ -9,8 +9,8 @@ import re
 
 import pytest
 
-from iterserve.bench import concepts
 from iterserve.bench.prompt_sweep import sweep_prompt_lengths
+from iterserve.cli import concepts
 from iterserve.engine.llm_engine import EngineConfig
 from iterserve.models.loader import load_model
 

@@ -6,7 +6,8 @@ import pytest
 import torch
 
 from iterserve import config
-from iterserve.config import cpu_has_native_bf16, parse_dtype
+from iterserve.config import dtypes, parse_dtype
+from iterserve.platforms.cpu import cpu_has_native_bf16
 
 AVX2_EPYC = "processor\t: 0\nflags\t\t: fpu sse sse2 avx avx2 fma f16c\n"
 SAPPHIRE_RAPIDS = "flags\t\t: fpu avx2 avx512f avx512_bf16 amx_bf16 amx_tile\n"
@@ -23,7 +24,7 @@ def test_bf16_instructions_are_read_from_cpu_flags():
 @pytest.mark.parametrize("native,expected", [(True, torch.bfloat16), (False, torch.float32)])
 def test_auto_is_bf16_only_where_it_is_native(monkeypatch, native, expected):
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
-    monkeypatch.setattr(config, "cpu_has_native_bf16", lambda: native)
+    monkeypatch.setattr(dtypes, "cpu_has_native_bf16", lambda: native)
     assert parse_dtype("auto") == expected
     assert parse_dtype("AUTO") == expected
 
@@ -71,20 +72,21 @@ def test_settings_are_frozen_and_validated_when_built():
 
 
 def test_config_imports_only_leaf_modules_and_the_server_nothing_from_the_cli():
-    """config.py sits under models/ and the engine (no circle through them): what it imports from the
-    package imports nothing from it in turn. The server takes its settings as objects, not from the CLI."""
+    """config/ sits under models/ and the engine (no circle through them): what it imports from the rest of
+    the package imports nothing from it in turn. The server takes its settings as objects, not from the CLI."""
     import ast
     from pathlib import Path
 
-    root = Path(config.__file__).parent
+    root = Path(config.__file__).parent.parent
 
     def imports(path: Path) -> set[str]:
         tree = ast.parse(path.read_text())
         return {n.module for n in ast.walk(tree) if isinstance(n, ast.ImportFrom) and n.module} | {
             a.name for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names}
 
-    for module in {m for m in imports(root / "config.py") if m.startswith("iterserve")}:
-        leaf = root.joinpath(*module.split(".")[1:]).with_suffix(".py")
-        assert not {m for m in imports(leaf) if m.startswith("iterserve")}, f"config.py imports {module}, not a leaf"
+    for path in (root / "config").glob("*.py"):
+        for module in {m for m in imports(path) if m.startswith("iterserve") and not m.startswith("iterserve.config")}:
+            leaf = root.joinpath(*module.split(".")[1:]).with_suffix(".py")
+            assert not {m for m in imports(leaf) if m.startswith("iterserve")}, f"{path} imports {module}, not a leaf"
     assert not {m for m in imports(root / "server" / "api_server.py") if m.startswith("iterserve.cli")}
     assert "argparse" not in imports(root / "server" / "api_server.py")

@@ -87,7 +87,7 @@ FIGURES: dict[str, Callable[[Path, Size], list[str]]] = {
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Run the figure commands in-process, each printed first as it would be typed."""
-    from iterserve.cli import main as iterserve_main
+    from iterserve.cli.main import main as iterserve_main
 
     p = argparse.ArgumentParser(prog="make_concept_figures", description=__doc__)
     p.add_argument("outdir", nargs="?", default="docs/figures")

@@ -7,16 +7,9 @@ import logging
 import sys
 import time
 
-from iterserve.allocator import tune_allocator
-from iterserve.config import (
-    DEFAULT_MODEL,
-    LOG_LEVELS,
-    EngineConfig,
-    HelpFormatter,
-    ServerConfig,
-    add_config_args,
-    config_from_args,
-)
+from iterserve.cli.flags import HelpFormatter, add_config_args, config_from_args
+from iterserve.config import DEFAULT_MODEL, LOG_LEVELS, EngineConfig, ServerConfig
+from iterserve.platforms.malloc import tune_allocator
 
 
 def add_sampling_args(p: argparse.ArgumentParser) -> None:
@@ -142,15 +135,15 @@ def build_parser() -> argparse.ArgumentParser:
     kernels.add_argument("--verbose", action="store_true", help="show the compiler's output")
     kernels.set_defaults(func=_cmd_build_kernels)
 
-    from iterserve.planner_cli import add_plan_parser
+    from iterserve.cli.plan import add_plan_parser
 
     add_plan_parser(sub)
 
-    from iterserve.bench.cli import add_bench_parser
+    from iterserve.cli.bench import add_bench_parser
 
     add_bench_parser(sub)
 
-    from iterserve.simulate.cli import add_simulate_parser
+    from iterserve.cli.simulate import add_simulate_parser
 
     add_simulate_parser(sub)
     _show_defaults(parser)

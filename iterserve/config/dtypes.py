@@ -1,11 +1,14 @@
 """The one dtype table: the spellings users write, each dtype's storage size and its torch dtype.
 
-torch is imported only by :func:`torch_dtype`, so the planner's arithmetic reads the table without it.
+torch is imported only by :func:`torch_dtype` and :func:`parse_dtype`, so the planner's arithmetic reads
+the table without it.
 """
 
 from __future__ import annotations
 
 from typing import TYPE_CHECKING
+
+from iterserve.platforms.cpu import cpu_has_native_bf16
 
 if TYPE_CHECKING:
     import torch
@@ -19,6 +22,9 @@ DTYPES: dict[str, tuple[int, str]] = {
     "fp8": (1, "float8_e4m3fn"),
     "int8": (1, "int8"),
 }
+
+# the dtypes the engine runs in
+RUNNABLE_DTYPES = ("fp32", "bf16", "fp16")
 
 _ALIASES = {
     "float32": "fp32",
@@ -57,3 +63,28 @@ def torch_dtype(name: object) -> torch.dtype:
 
     dtype: torch.dtype = getattr(torch, DTYPES[canonical_dtype(name)][1])
     return dtype
+
+
+def parse_dtype(dtype: str | torch.dtype) -> torch.dtype:
+    """Map a user-facing dtype name to a torch dtype, with a clear error for anything else.
+
+    ``auto`` is bfloat16 where the hardware computes in it (a CUDA device, a CPU with bf16
+    instructions) and float32 elsewhere, where bf16 would only be emulated.
+    """
+    import torch
+
+    if isinstance(dtype, torch.dtype):
+        if dtype in {torch_dtype(key) for key in RUNNABLE_DTYPES}:
+            return dtype
+        raise ValueError(f"unsupported dtype {dtype}; choose one of auto, float32, bfloat16, float16")
+    key = str(dtype).lower()
+    if key == "auto":
+        native = torch.cuda.is_available() or cpu_has_native_bf16()
+        return torch.bfloat16 if native else torch.float32
+    try:
+        canonical = canonical_dtype(key)
+    except ValueError:
+        canonical = None
+    if canonical not in RUNNABLE_DTYPES:
+        raise ValueError(f"unknown dtype {dtype!r}; choose one of auto, float32, bfloat16, float16")
+    return torch_dtype(canonical)

@@ -9,7 +9,7 @@ import dataclasses
 import pytest
 
 import iterserve.server
-from iterserve.cli import build_parser, main
+from iterserve.cli.main import build_parser, main
 from iterserve.config import DEFAULT_MODEL, EngineConfig, ServerConfig
 
 

@@ -5,9 +5,8 @@ from __future__ import annotations
 import pytest
 
 from iterserve.config import get_preset
+from iterserve.config.units import parse_size
 from iterserve.engine.core import Capacity, EngineConfig
-from iterserve.planner_cli import parse_memory
-from iterserve.units import parse_size
 
 GiB = 2**30
 
@@ -19,11 +18,6 @@ GiB = 2**30
 ])
 def test_sizes(text, size):
     assert parse_size(text) == size
-
-
-def test_kv_cache_memory_and_plan_memory_agree():
-    for text in ("80", "2G", "85.9GB", "512MiB"):
-        assert parse_memory(text) == parse_size(text)
 
 
 @pytest.mark.parametrize("bad", ["lots", "2 GiBs", "-1G", "0", "G", "", True])

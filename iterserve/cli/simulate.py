@@ -10,7 +10,8 @@ import math
 from pathlib import Path
 from typing import Any
 
-from iterserve.config import EngineConfig, add_config_args
+from iterserve.cli.flags import add_config_args
+from iterserve.config import EngineConfig
 from iterserve.simulate.cost import ConstantCost, CostModel, LinearCost, RooflineCost
 from iterserve.simulate.planning import PlannerTerms
 
@@ -18,7 +19,7 @@ DEFAULT_SIM_MODEL = "smollm2-135m"
 
 
 def _add_run_parser(sub: Any) -> None:
-    from iterserve.bench.cli import add_workload_args
+    from iterserve.cli.workload import add_workload_args
 
     p = sub.add_parser("run", help="simulate bench serve: real scheduler, modelled step times",
                        description="Drive the engine's scheduler and KV block manager with a discrete-event clock; "
@@ -107,7 +108,7 @@ def _cost_model(args: argparse.Namespace, terms: PlannerTerms) -> CostModel:
 
 
 def sim_config_from_args(args: argparse.Namespace, terms: PlannerTerms, cost: CostModel) -> Any:
-    from iterserve.engine.core import parse_size
+    from iterserve.config.units import parse_size
     from iterserve.simulate.runner import SimConfig
 
     if args.num_kv_blocks is not None:
@@ -140,9 +141,10 @@ def sim_config_from_args(args: argparse.Namespace, terms: PlannerTerms, cost: Co
 
 def _cmd_run(args: argparse.Namespace) -> int:
     from iterserve.bench.charts import serve_charts
-    from iterserve.bench.cli import _load_points, _serve_table, _sibling, _write_json, workload_spec_from_args
     from iterserve.bench.metrics import parse_goodput, parse_percentiles
     from iterserve.bench.workloads import make_workload
+    from iterserve.cli.bench import serve_table, sibling_path, write_json
+    from iterserve.cli.workload import load_points, workload_spec_from_args
     from iterserve.models.loader import load_tokenizer
     from iterserve.simulate.planning import planner_terms
     from iterserve.simulate.runner import run_simulation
@@ -150,7 +152,7 @@ def _cmd_run(args: argparse.Namespace) -> int:
     spec = workload_spec_from_args(args)
     percentiles = parse_percentiles(args.percentiles)
     goodput = parse_goodput(args.goodput) if args.goodput else None
-    points = _load_points(args)
+    points = load_points(args)
     terms = planner_terms(args.model, args.dtype, gpu=args.gpu, flops=args.flops, bandwidth=args.bandwidth,
                           memory=args.memory, gpu_memory_utilization=args.gpu_memory_utilization)
     cost = _cost_model(args, terms)
@@ -164,10 +166,10 @@ def _cmd_run(args: argparse.Namespace) -> int:
     c = cost.describe()
     print(f"{result['label']}: {terms.model_name}, cost model {c['kind']}, KV pool {cfg.num_kv_blocks} blocks x "
           f"{cfg.block_size} tokens, {cfg.batching} batching, {cfg.kv_allocation} KV")
-    print(_serve_table(result))
+    print(serve_table(result))
     if args.output_json:
-        _write_json(args.output_json, result)
-        for chart in [] if args.no_charts else serve_charts([result], _sibling(args.output_json, "")):
+        write_json(args.output_json, result)
+        for chart in [] if args.no_charts else serve_charts([result], sibling_path(args.output_json, "")):
             print(f"chart written to {chart}")
     return 0
 

@@ -13,70 +13,25 @@ from pathlib import Path
 from typing import Any
 
 from iterserve.bench.metrics import DEFAULT_PERCENTILES, parse_goodput, parse_percentiles, percentile_key
-from iterserve.bench.serve import LoadPoint
-from iterserve.bench.workloads import DATASETS, LengthDist, WorkloadSpec
-from iterserve.config import DEFAULT_MODEL, EngineConfig, add_config_args, config_from_args
-from iterserve.tables import render_table
+from iterserve.cli.flags import add_config_args, config_from_args
+from iterserve.cli.tables import render_table
+from iterserve.cli.workload import add_workload_args, float_list, load_points, workload_spec_from_args
+from iterserve.config import DEFAULT_MODEL, EngineConfig
 
 # bench throughput's batch cap: the default 64 requests then span several static batches, which is
 # where static and continuous batching differ (with every request in one batch they would not)
 BENCH_MAX_NUM_SEQS = 16
 
 
-def _write_json(path: str, result: dict[str, Any]) -> None:
+def write_json(path: str, result: dict[str, Any]) -> None:
     Path(path).parent.mkdir(parents=True, exist_ok=True)
     Path(path).write_text(json.dumps(result, indent=2) + "\n")
     print(f"results written to {path}")
 
 
-def _sibling(json_path: str, suffix: str) -> Path:
+def sibling_path(json_path: str, suffix: str) -> Path:
     p = Path(json_path)
     return p.with_name(f"{p.stem}{suffix}")
-
-
-def _float_list(text: str, what: str) -> list[float]:
-    try:
-        values = [float(x) for x in text.split(",") if x.strip()]
-    except ValueError:
-        raise ValueError(f"{what} must be numbers separated by commas, got {text!r}") from None
-    if not values or not all(v > 0 for v in values):
-        raise ValueError(f"{what} must be positive, got {text!r}")
-    return values
-
-
-# -- workloads ------------------------------------------------------------------------------------
-
-
-def add_workload_args(p: argparse.ArgumentParser) -> None:
-    d = WorkloadSpec()
-    g = p.add_argument_group("workload")
-    g.add_argument("--dataset", choices=DATASETS, default=d.dataset,
-                   help="random: random token ids; text: sentences of a built-in corpus; jsonl or sharegpt: "
-                        "a file named by --dataset-path")
-    g.add_argument("--dataset-path", default=None, help="JSONL of {prompt|messages[, output_len]}, or ShareGPT JSON")
-    g.add_argument("--num-prompts", type=int, default=d.num_prompts, help="requests in the workload")
-    g.add_argument("--input-len", default=d.input_len,
-                   help="prompt length distribution: fixed:N, uniform:LOW:HIGH, normal:MEAN:STD:MAX, "
-                        "lognormal:MEDIAN:SIGMA:MAX or pareto:MIN:ALPHA:MAX (default %(default)s)")
-    g.add_argument("--output-len", default=d.output_len, help="output length distribution (default %(default)s)")
-    g.add_argument("--shared-prefix-len", type=int, default=d.shared_prefix_len,
-                   help="tokens of one shared system prompt in front of every synthetic prompt")
-    g.add_argument("--dataset-output-len", type=int, default=d.dataset_output_len,
-                   help="output length of JSONL records that give none")
-    g.add_argument("--workload-seed", type=int, default=d.seed, help="seed of the drawn prompts and lengths")
-
-
-def workload_spec_from_args(args: argparse.Namespace) -> WorkloadSpec:
-    spec = WorkloadSpec(
-        dataset=args.dataset, num_prompts=args.num_prompts, input_len=args.input_len, output_len=args.output_len,
-        shared_prefix_len=args.shared_prefix_len, dataset_path=args.dataset_path,
-        dataset_output_len=args.dataset_output_len, seed=args.workload_seed,
-    )
-    if spec.num_prompts < 1:
-        raise ValueError(f"--num-prompts must be >= 1, got {spec.num_prompts}")
-    for dist in (spec.input_len, spec.output_len):
-        LengthDist.parse(dist)  # a bad spec fails before the model or tokenizer loads
-    return spec
 
 
 # -- throughput -----------------------------------------------------------------------------------
@@ -178,27 +133,14 @@ def _cmd_throughput(args: argparse.Namespace) -> int:
         throughput_summary_chart(result, args.chart)
         print(f"chart written to {args.chart}")
     if args.output_json:
-        _write_json(args.output_json, result)
+        write_json(args.output_json, result)
     return 0
 
 
 # -- serve ----------------------------------------------------------------------------------------
 
 
-def _load_points(args: argparse.Namespace) -> list[LoadPoint]:
-    if args.sweep_rates and args.sweep_concurrency:
-        raise ValueError("use --sweep-rates or --sweep-concurrency, not both")
-    if args.sweep_rates:
-        return [LoadPoint(r, args.max_concurrency) for r in _float_list(args.sweep_rates, "--sweep-rates")]
-    if args.sweep_concurrency:
-        values = _float_list(args.sweep_concurrency, "--sweep-concurrency")
-        if not all(v == int(v) for v in values):
-            raise ValueError(f"--sweep-concurrency takes whole numbers, got {args.sweep_concurrency!r}")
-        return [LoadPoint(args.request_rate, int(c)) for c in values]
-    return [LoadPoint(args.request_rate, args.max_concurrency)]
-
-
-def _serve_table(result: dict[str, Any]) -> str:
+def serve_table(result: dict[str, Any]) -> str:
     p = percentile_key(result["percentiles"][-1])
     goodput = result["goodput"] is not None
     headers = ["rate", "concurrency", "done", "failed", "req/s", "out tok/s", "total tok/s",
@@ -223,7 +165,7 @@ def _cmd_serve(args: argparse.Namespace) -> int:
     spec = workload_spec_from_args(args)
     percentiles = parse_percentiles(args.percentiles)
     goodput = parse_goodput(args.goodput) if args.goodput else None
-    points = _load_points(args)
+    points = load_points(args)
     tokenizer = None if args.tokenizer.lower() == "none" else load_tokenizer(args.tokenizer)
     requests = make_workload(spec, tokenizer=tokenizer)
     cfg = ServeConfig(
@@ -235,10 +177,10 @@ def _cmd_serve(args: argparse.Namespace) -> int:
                        tokenizer_id=None if tokenizer is None else args.tokenizer, label=args.label,
                        percentiles=percentiles, goodput=goodput, use_tqdm=not args.disable_tqdm)
     print(f"{result['label']}: model {result['model_id']} at {cfg.base_url}{cfg.endpoint}")
-    print(_serve_table(result))
+    print(serve_table(result))
     if args.output_json:
-        _write_json(args.output_json, result)
-        for chart in serve_charts([result], _sibling(args.output_json, "")):
+        write_json(args.output_json, result)
+        for chart in serve_charts([result], sibling_path(args.output_json, "")):
             print(f"chart written to {chart}")
     return 0
 
@@ -269,7 +211,7 @@ def _cmd_batch(args: argparse.Namespace) -> int:
 
     loaded = load_model_with_status(args.model, args.dtype, args.device)
     if args.batch_sizes:
-        values = _float_list(args.batch_sizes, "--batch-sizes")
+        values = float_list(args.batch_sizes, "--batch-sizes")
         if not all(v == int(v) for v in values):
             raise ValueError(f"--batch-sizes takes whole numbers, got {args.batch_sizes!r}")
         batches = [int(v) for v in values]
@@ -303,7 +245,7 @@ def _cmd_batch(args: argparse.Namespace) -> int:
         print(_decode_bandwidth_line(loaded, sweep.context, one.decode_s, args.device or "cpu"))
     if warning:
         print(warning)
-    chart = args.chart or (str(_sibling(args.output_json, ".png")) if args.output_json else None)
+    chart = args.chart or (str(sibling_path(args.output_json, ".png")) if args.output_json else None)
     if chart:
         sizes = [p.batch_size for p in sweep.points]
         throughput_latency_chart(
@@ -317,7 +259,7 @@ def _cmd_batch(args: argparse.Namespace) -> int:
     if args.output_json:
         result = {"benchmark": "batch", **asdict(sweep), "max_gain_at_knee": sweep.max_gain_at_knee,
                   "machine": monitor.check.to_dict(), "busy_warning": warning}
-        _write_json(args.output_json, result)
+        write_json(args.output_json, result)
     return 0
 
 
@@ -327,7 +269,7 @@ def _cmd_ttft(args: argparse.Namespace) -> int:
     from iterserve.bench.progress import load_model_with_status
     from iterserve.bench.prompt_sweep import sweep_prompt_lengths
 
-    values = _float_list(args.prompt_lens, "--prompt-lens")
+    values = float_list(args.prompt_lens, "--prompt-lens")
     if not all(v == int(v) for v in values):
         raise ValueError(f"--prompt-lens takes whole numbers, got {args.prompt_lens!r}")
     config = config_from_args(EngineConfig, args)
@@ -357,7 +299,7 @@ def _cmd_ttft(args: argparse.Namespace) -> int:
               f"({last.step_ms[0]:.1f} ms), then 1 token a pass (median {statistics.median(last.step_ms[1:]):.1f} ms)")
         print(f"chart written to {args.steps_chart}")
     if args.output_json:
-        _write_json(args.output_json, {"benchmark": "ttft", "model": loaded.name, "output_len": args.output_len,
+        write_json(args.output_json, {"benchmark": "ttft", "model": loaded.name, "output_len": args.output_len,
                                        "repeats": args.repeats, "machine": monitor.check.to_dict(),
                                        "busy_warning": warning, "points": [asdict(p) for p in points]})
     return 0
@@ -384,13 +326,23 @@ def _cmd_plot(args: argparse.Namespace) -> int:
 # -- parser ---------------------------------------------------------------------------------------
 
 
+def _add_percentiles_arg(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--percentiles", default=",".join(percentile_key(q) for q in DEFAULT_PERCENTILES),
+                   help="latency percentiles to report, comma-separated (default %(default)s)")
+
+
 def add_bench_parser(subparsers: argparse._SubParsersAction) -> None:
     """Register ``iterserve bench`` and its subcommands."""
     bench = subparsers.add_parser("bench", help="benchmark the engine or any OpenAI-compatible server")
     sub = bench.add_subparsers(dest="bench_command", required=True)
-    pct = "latency percentiles to report, comma-separated (default %(default)s)"
-    default_pct = ",".join(percentile_key(p) for p in DEFAULT_PERCENTILES)
+    _add_throughput_parser(sub)
+    _add_serve_parser(sub)
+    _add_batch_parser(sub)
+    _add_ttft_parser(sub)
+    _add_plot_parser(sub)
 
+
+def _add_throughput_parser(sub: argparse._SubParsersAction) -> None:
     tp = sub.add_parser("throughput", help="offline: one workload through continuous and static batching in-process")
     add_config_args(tp.add_argument_group("engine"), EngineConfig)
     tp.set_defaults(max_num_seqs=BENCH_MAX_NUM_SEQS)
@@ -400,7 +352,7 @@ def add_bench_parser(subparsers: argparse._SubParsersAction) -> None:
     tp.add_argument("--hf-baseline", action="store_true",
                     help="also run transformers' generate on padded batches of --max-num-seqs (needs transformers)")
     tp.add_argument("--temperature", type=float, default=0.0, help="sampling temperature of every request")
-    tp.add_argument("--percentiles", default=default_pct, help=pct)
+    _add_percentiles_arg(tp)
     tp.add_argument("--output-json", default=None, help="write the result as JSON to this file")
     tp.add_argument("--trace-dir", default=None, help="keep each mode's step trace as <dir>/<mode>.jsonl")
     tp.add_argument("--timeline", default=None,
@@ -418,6 +370,8 @@ def add_bench_parser(subparsers: argparse._SubParsersAction) -> None:
     tp.add_argument("--disable-tqdm", action="store_true", help="no progress bar")
     tp.set_defaults(func=_cmd_throughput)
 
+
+def _add_serve_parser(sub: argparse._SubParsersAction) -> None:
     sv = sub.add_parser("serve", help="online: load an OpenAI-compatible server and measure TTFT, TPOT, ITL")
     sv.add_argument("--base-url", required=True, help="server root, e.g. http://127.0.0.1:8000")
     sv.add_argument("--endpoint", default="/v1/completions", help="/v1/completions or /v1/chat/completions")
@@ -436,7 +390,7 @@ def add_bench_parser(subparsers: argparse._SubParsersAction) -> None:
     sv.add_argument("--sweep-concurrency", default=None, help="run once per concurrency cap, e.g. 1,4,16")
     sv.add_argument("--temperature", type=float, default=0.0, help="sampling temperature of every request")
     sv.add_argument("--no-ignore-eos", action="store_true", help="let requests stop at EOS (default: ignore it)")
-    sv.add_argument("--percentiles", default=default_pct, help=pct)
+    _add_percentiles_arg(sv)
     sv.add_argument("--goodput", nargs="+", default=None, metavar="METRIC:MS",
                     help="SLOs for goodput, e.g. ttft:500 tpot:50 (metrics ttft, tpot, e2el)")
     sv.add_argument("--label", default=None, help="name of this server in tables and charts")
@@ -446,6 +400,8 @@ def add_bench_parser(subparsers: argparse._SubParsersAction) -> None:
     sv.add_argument("--disable-tqdm", action="store_true", help="no progress bar")
     sv.set_defaults(func=_cmd_serve)
 
+
+def _add_batch_parser(sub: argparse._SubParsersAction) -> None:
     bt = sub.add_parser("batch", help="decode and prefill step latency against batch size, and the knee")
     d = EngineConfig()
     add_config_args(bt.add_argument_group("engine"), EngineConfig, include=("model", "dtype", "device", "block_size"))
@@ -463,6 +419,8 @@ def add_bench_parser(subparsers: argparse._SubParsersAction) -> None:
     bt.add_argument("--disable-tqdm", action="store_true", help="no progress bar")
     bt.set_defaults(func=_cmd_batch)
 
+
+def _add_ttft_parser(sub: argparse._SubParsersAction) -> None:
     tt = sub.add_parser("ttft", help="TTFT and TPOT of lone requests against prompt length (prefill vs decode)")
     add_config_args(tt.add_argument_group("engine"), EngineConfig)
     tt.add_argument("--prompt-lens", default="32,128,256,512", help="comma-separated (default %(default)s)")
@@ -474,6 +432,8 @@ def add_bench_parser(subparsers: argparse._SubParsersAction) -> None:
     tt.add_argument("--output-json", default=None, help="write the result as JSON to this file")
     tt.set_defaults(func=_cmd_ttft)
 
+
+def _add_plot_parser(sub: argparse._SubParsersAction) -> None:
     pl = sub.add_parser("plot", help="overlay bench serve (or vllm bench serve) results in charts")
     pl.add_argument("results", nargs="+", help="result JSON files")
     pl.add_argument("--labels", default=None, help="comma-separated names, one per file")

@@ -11,7 +11,7 @@ import pytest
 from iterserve.bench.charts import load_serve_results
 from iterserve.bench.serve import LoadPoint
 from iterserve.bench.workloads import WorkloadSpec, make_workload
-from iterserve.cli import main
+from iterserve.cli.main import main
 from iterserve.simulate.cost import ConstantCost, LinearCost, StepShape
 from iterserve.simulate.runner import SimConfig, simulate_point
 

@@ -1,6 +1,6 @@
 """``iterserve plan``: the capacity planner on the command line.
 
-The main CLI wires it in with :func:`add_plan_parser`; ``python -m iterserve.planner_cli``
+The main CLI wires it in with :func:`add_plan_parser`; ``python -m iterserve.cli.plan``
 runs it on its own. Bad input prints one line to stderr and exits with status 2.
 """
 
@@ -14,50 +14,15 @@ from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any, TextIO
 
 from iterserve import planner
-from iterserve.dtypes import canonical_dtype
+from iterserve.cli.tables import render_table
+from iterserve.config.dtypes import canonical_dtype
+from iterserve.config.units import parse_bandwidth, parse_flops, parse_size
 from iterserve.planner.hardware import ACCELERATORS, INTERCONNECTS, Accelerator, GiB, get_accelerator, get_interconnect
-from iterserve.tables import render_table
-from iterserve.units import parse_size
 
 if TYPE_CHECKING:
     from iterserve.bench.validate import Validation
 
 PROG = "iterserve plan"
-
-_BW_UNITS = {"": 1e9, "gb/s": 1e9, "gbps": 1e9, "gbs": 1e9, "tb/s": 1e12, "tbps": 1e12, "tbs": 1e12,
-             "mb/s": 1e6, "b/s": 1}
-_FLOPS_UNITS = {"": 1e12, "tflops": 1e12, "tflop/s": 1e12, "t": 1e12, "gflops": 1e9, "gflop/s": 1e9,
-                "g": 1e9, "pflops": 1e15, "pflop/s": 1e15, "p": 1e15, "flops": 1, "flop/s": 1}
-
-
-def _parse_quantity(text: str, units: dict[str, float], what: str, default_unit: str) -> float:
-    m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+(?:e[+-]?[0-9]+)?)\s*([a-zA-Z/]*)\s*", str(text))
-    unit = m.group(2).lower() if m else ""
-    if not m or unit not in units:
-        raise ValueError(
-            f"cannot read {what} {text!r}; give a number in {default_unit} or with a unit "
-            f"({', '.join(u for u in units if u)})"
-        )
-    value = float(m.group(1)) * units[unit]
-    if value <= 0:
-        raise ValueError(f"{what} must be positive, got {text!r}")
-    return value
-
-
-def parse_memory(text: str) -> int:
-    """``"80"`` (GiB), ``"80GiB"``, ``"2G"``, ``"85.9GB"`` -> bytes (:func:`iterserve.units.parse_size`)."""
-    return parse_size(text)
-
-
-def parse_bandwidth(text: str) -> float:
-    """``"2039"`` (GB/s), ``"3.35TB/s"`` -> bytes per second."""
-    return _parse_quantity(text, _BW_UNITS, "bandwidth", "GB/s")
-
-
-def parse_flops(text: str) -> float:
-    """``"312"`` (TFLOP/s), ``"312T"``, ``"800GFLOPS"`` -> FLOP/s."""
-    return _parse_quantity(text, _FLOPS_UNITS, "FLOP/s", "TFLOP/s")
-
 
 def _parse_batches(text: str | None) -> list[int] | None:
     if text is None:
@@ -354,7 +319,7 @@ def chart_validation(v: Validation, path: str) -> None:
 def _hardware_from_args(args: argparse.Namespace, dtype: str) -> list[Accelerator]:
     flops = parse_flops(args.flops) if args.flops else None
     bandwidth = parse_bandwidth(args.bandwidth) if args.bandwidth else None
-    memory = parse_memory(args.memory) if args.memory else None
+    memory = parse_size(args.memory) if args.memory else None
     hws: list[Accelerator] = []
     if args.gpu:
         names = [n.strip() for n in args.gpu.split(",") if n.strip()]
