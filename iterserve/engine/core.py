@@ -36,11 +36,12 @@ from iterserve.engine.messages import (
 )
 from iterserve.engine.model_runner import ModelRunner
 from iterserve.engine.scheduler import Scheduler, SchedulerOutput
-from iterserve.engine.sequence import RequestMetrics, Sequence
+from iterserve.engine.sequence import Sequence
+from iterserve.engine.structured_output import GrammarCompiler, GrammarMatcher
 from iterserve.errors import RequestError, TensorParallelError
 from iterserve.models.loader import LoadedModel, load_model, load_model_info
+from iterserve.outputs import RequestMetrics
 from iterserve.sampling_params import SamplingParams, SamplingParamsError
-from iterserve.structured_output import GrammarCompiler, GrammarMatcher
 from iterserve.tokenizer import Tokenizer
 
 logger = logging.getLogger(__name__)

@@ -14,10 +14,10 @@ from typing import TYPE_CHECKING
 import torch
 
 from iterserve.attention import AttentionMetadata, KVCache
+from iterserve.engine.sampler import Sampler, SampleResult, SamplingRow, bitmask_words, token_logprobs
 from iterserve.engine.scheduler import ScheduledSeq, sampling_seqs
 from iterserve.engine.sequence import Sequence
 from iterserve.models.llama import LlamaModel
-from iterserve.sampler import Sampler, SampleResult, SamplingRow, bitmask_words, token_logprobs
 
 if TYPE_CHECKING:
     from iterserve.distributed.executor import Executor

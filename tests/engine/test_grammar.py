@@ -9,10 +9,10 @@ import re
 import pytest
 import torch
 
+from iterserve.engine.sampler import Sampler, SamplingRow, apply_token_bitmask, bitmask_words
+from iterserve.engine.structured_output import GrammarCompiler
 from iterserve.models.loader import load_model_info
-from iterserve.sampler import Sampler, SamplingRow, apply_token_bitmask, bitmask_words
 from iterserve.sampling_params import SamplingParams, SamplingParamsError, StructuredOutputsParams
-from iterserve.structured_output import GrammarCompiler
 from iterserve.tokenizer import Tokenizer
 
 

@@ -7,7 +7,7 @@ import math
 import pytest
 import torch
 
-from iterserve.sampler import Sampler, SamplingRow, apply_penalties
+from iterserve.engine.sampler import Sampler, SamplingRow, apply_penalties
 from iterserve.sampling_params import SamplingParams
 
 

@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from iterserve.engine.sequence import TokenLogprobs
+from iterserve.outputs import TokenLogprobs
 from iterserve.sampling_params import SamplingParams
 
 

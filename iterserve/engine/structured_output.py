@@ -1,7 +1,7 @@
 """Structured output: a request's constraint compiled by llguidance and matched token by token.
 
 A :class:`~iterserve.sampling_params.StructuredOutputsParams` (JSON schema, any JSON object, regex,
-choice or Lark grammar) is checked where the request is made (:func:`check_spec`, no vocabulary
+choice or Lark grammar) is checked where the request is made (it knows its own grammar, no vocabulary
 needed) and compiled in the engine core against the model's vocabulary (:class:`GrammarCompiler`,
 one per core). Each constrained sequence holds a :class:`GrammarMatcher`: before a step it writes the
 tokens the grammar allows next into a packed bitmask row that the sampler applies; after the step it
@@ -14,53 +14,14 @@ a mask without a per-schema precompilation pass; docs/structured_output.md has t
 
 from __future__ import annotations
 
-import json
 from collections.abc import Iterable
-from typing import TYPE_CHECKING, Any
 
 import llguidance
 import numpy as np
 import torch
 
-from iterserve.errors import SamplingParamsError
+from iterserve.sampling_params import StructuredOutputsParams
 from iterserve.tokenizer import Tokenizer
-
-if TYPE_CHECKING:
-    from iterserve.sampling_params import StructuredOutputsParams
-
-# Compact JSON ("," and ":" separators, no whitespace): a model cannot pad the output with
-# whitespace until max_tokens runs out, and the text is what json.dumps would write.
-JSON_OPTIONS: Any = {"whitespace_flexible": False}  # a JsonCompileOptions TypedDict
-
-
-def grammar_of(spec: StructuredOutputsParams) -> str:
-    """The llguidance grammar for ``spec``; raises ValueError when its JSON does not parse."""
-    kind = spec.kind
-    if kind == "json":
-        assert spec.json is not None
-        return llguidance.LLMatcher.grammar_from_json_schema(spec.json, defaults=JSON_OPTIONS)
-    if kind == "json_object":
-        return llguidance.LLMatcher.grammar_from_json_schema({"type": "object"}, defaults=JSON_OPTIONS)
-    if kind == "regex":
-        assert spec.regex is not None
-        return llguidance.LLMatcher.grammar_from_regex(spec.regex)
-    if kind == "choice":
-        assert spec.choice is not None
-        alternatives = " | ".join(json.dumps(c, ensure_ascii=False) for c in spec.choice)
-        return llguidance.LLMatcher.grammar_from_lark(f"start: {alternatives}")
-    return llguidance.LLMatcher.grammar_from_lark(spec.grammar or "")
-
-
-def check_spec(spec: StructuredOutputsParams) -> None:
-    """Raise SamplingParamsError (naming the field) when ``spec`` does not compile to a grammar."""
-    kind = spec.kind
-    try:
-        grammar = grammar_of(spec)
-    except ValueError as e:
-        raise SamplingParamsError(kind, f"invalid {kind}: {e}") from None
-    is_error, messages = llguidance.LLMatcher.validate_grammar_with_warnings(grammar)
-    if is_error:
-        raise SamplingParamsError(kind, f"invalid {kind}: {messages[0]}")
 
 
 class GrammarMatcher:
@@ -114,7 +75,7 @@ class GrammarCompiler:
 
     def matcher(self, spec: StructuredOutputsParams) -> GrammarMatcher:
         """A fresh matcher at the start of ``spec``'s grammar; raises ValueError if it does not compile."""
-        matcher = llguidance.LLMatcher(self._ll_tokenizer, grammar_of(spec), log_level=0)
+        matcher = llguidance.LLMatcher(self._ll_tokenizer, spec.ll_grammar(), log_level=0)
         if matcher.is_error():
             raise ValueError(f"invalid {spec.kind}: {matcher.get_error()}")
         return GrammarMatcher(matcher, self._eos)
