@@ -17,7 +17,8 @@ from typing import Any, cast
 import torch
 from tqdm.auto import tqdm
 
-from iterserve.engine.llm_engine import EngineConfig, LLMEngine
+from iterserve.config import EngineConfig
+from iterserve.engine.llm_engine import LLMEngine
 from iterserve.engine.output_processor import RequestOutputKind
 from iterserve.inputs import PromptType
 from iterserve.models.loader import DEFAULT_MODEL, LoadedModel, load_model

@@ -35,7 +35,8 @@ from iterserve.bench.charts import read_trace
 from iterserve.bench.machine import MachineMonitor
 from iterserve.bench.metrics import DEFAULT_PERCENTILES, RequestResult, compute_metrics
 from iterserve.bench.workloads import Request, is_token_ids
-from iterserve.engine.llm_engine import EngineConfig, LLMEngine
+from iterserve.config import EngineConfig
+from iterserve.engine.llm_engine import LLMEngine
 from iterserve.models.loader import LoadedModel, resolve_model
 from iterserve.outputs import RequestOutput
 from iterserve.sampling_params import SamplingParams

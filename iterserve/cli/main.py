@@ -95,7 +95,7 @@ def _torchrun_worker(args: argparse.Namespace) -> int | None:
                          f"{args.tensor_parallel_size}; give it the launcher's total number of processes")
     if launch.rank == 0:
         return None
-    from iterserve.distributed.worker import run_worker
+    from iterserve.engine.worker import run_worker
 
     return run_worker(_engine_config(args), launch)
 

@@ -38,15 +38,9 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from iterserve import __version__
 from iterserve.config import EngineConfig, ServerConfig
-from iterserve.engine.core import check_prompt_ids
-from iterserve.engine.core_client import (
-    EngineCoreClient,
-    EngineDeadError,
-    QueueFullError,
-    RequestFailedError,
-    RequestStream,
-)
-from iterserve.errors import RequestError
+from iterserve.engine.core_client import EngineCoreClient, RequestStream
+from iterserve.engine.validation import check_prompt_ids
+from iterserve.errors import EngineDeadError, QueueFullError, RequestError, RequestFailedError
 from iterserve.outputs import CompletionOutput, Logprob, RequestOutput
 from iterserve.sampling_params import SamplingParams
 from iterserve.server.auth import bearer_matches

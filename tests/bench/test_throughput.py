@@ -16,7 +16,7 @@ from iterserve.bench.throughput import run_hf_static, run_throughput, token_prom
 from iterserve.bench.workloads import Request, WorkloadSpec, make_workload
 from iterserve.cli.bench import throughput_report
 from iterserve.cli.main import main
-from iterserve.engine.llm_engine import EngineConfig
+from iterserve.config import EngineConfig
 from iterserve.models.loader import load_model
 
 TINY = "random:smollm2-135m?num_layers=2"

@@ -11,7 +11,7 @@ import pytest
 
 from iterserve.bench.prompt_sweep import sweep_prompt_lengths
 from iterserve.cli import concepts
-from iterserve.engine.llm_engine import EngineConfig
+from iterserve.config import EngineConfig
 from iterserve.models.loader import load_model
 
 

@@ -86,10 +86,10 @@ def test_bad_values_are_errors_not_tracebacks(served, capsys):
 
 
 def test_under_torchrun_rank_0_runs_the_command_and_the_others_become_workers(served, monkeypatch, capsys):
-    import iterserve.distributed.worker
+    import iterserve.engine.worker
 
     workers = []
-    monkeypatch.setattr(iterserve.distributed.worker, "run_worker",
+    monkeypatch.setattr(iterserve.engine.worker, "run_worker",
                         lambda config, launch: workers.append((config, launch)) or 0)
     monkeypatch.setenv("WORLD_SIZE", "2")
     monkeypatch.setenv("RANK", "1")

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import pytest
 
-from iterserve.config import get_preset
+from iterserve.config import EngineConfig, get_preset
 from iterserve.config.units import parse_size
-from iterserve.engine.core import Capacity, EngineConfig
+from iterserve.engine.capacity import Capacity
 
 GiB = 2**30
 

@@ -1,10 +1,16 @@
-"""Rank 0's side of tensor parallelism: start the workers, send each step's inputs, watch the workers.
+"""The executor: what runs the model for :class:`~iterserve.engine.core.EngineCore`, one step at a time.
 
-On one node the engine starts ``tensor_parallel_size - 1`` worker processes itself (``python -m
-iterserve.distributed.worker``: plain subprocesses, because the server's engine core is a daemonic process,
-which multiprocessing forbids to have children); under torchrun they are the launcher's other ranks. The
-scheduler, the block manager and the sampler run here only; each step's :class:`StepInputs` are broadcast
-and every rank runs the forward pass on its shard.
+EngineCore schedules and keeps every request's state; each step it hands the scheduled sequences to its
+executor, which runs them through the model on its :class:`Worker` (or workers) and returns the samples.
+Two executors run the real model: :class:`UniProcExecutor`, one worker in this process, and
+:class:`MultiprocExecutor`, tensor parallelism with this process as rank 0. Another executor (a cost model
+on a virtual clock, say) plugs in by implementing :class:`Executor`.
+
+Under tensor parallelism the engine starts ``tensor_parallel_size - 1`` worker processes itself on one
+node (``python -m iterserve.cli.worker``: plain subprocesses, because the server's engine core is a
+daemonic process, which multiprocessing forbids to have children); under torchrun they are the launcher's
+other ranks. The scheduler, the block manager and the sampler run on rank 0 only; each step's
+:class:`StepInputs` are broadcast and every rank runs the forward pass on its shard.
 
 A worker that dies makes the next step (or the one in flight) raise :class:`TensorParallelError` naming
 it; so does any failure inside a step, since the ranks are then out of step, and a worker that hangs
@@ -24,6 +30,7 @@ import socket
 import subprocess
 import sys
 import time
+from abc import ABC, abstractmethod
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -31,7 +38,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from iterserve.config import EngineConfig
+from iterserve.config import EngineConfig, ModelConfig
 from iterserve.distributed.group import (
     STEP_SEND_TIMEOUT,
     Launch,
@@ -42,12 +49,81 @@ from iterserve.distributed.group import (
     torchrun_launch,
 )
 from iterserve.distributed.parallel_state import ParallelState
-from iterserve.engine.model_runner import StepInputs
+from iterserve.engine.capacity import Capacity
+from iterserve.engine.sampler import SampleResult
+from iterserve.engine.scheduler import ScheduledSeq
+from iterserve.engine.worker import Worker
 from iterserve.errors import TensorParallelError
+from iterserve.models.loader import LoadedModel, load_model_info
+from iterserve.tokenizer import Tokenizer
 
 logger = logging.getLogger(__name__)
 
 DEATH_WAIT_S = 2.0  # after a failed collective: how long to wait for a worker's exit to show
+
+
+class Executor(ABC):
+    """Runs the model for an engine core: what the model is, how much KV cache it has, and one step at a time.
+
+    The attributes are what the core needs before the first step: the model's shape, its tokenizer (None
+    when it has none) and name, the KV pool's :class:`Capacity`, the dtype of the weights and KV cache, and
+    the device a seeded request's sampling generator lives on.
+    """
+
+    model_config: ModelConfig
+    tokenizer: Tokenizer | None
+    model_name: str
+    capacity: Capacity
+    dtype: torch.dtype
+    device: torch.device
+    worker: Worker  # this process's worker, where the executor has one
+
+    @abstractmethod
+    def execute_model(self, scheduled: list[ScheduledSeq], block_copies: list[tuple[int, int]]) -> SampleResult:
+        """One step: copy ``block_copies`` (copy-on-write), run the forward pass of ``scheduled``, sample."""
+
+    @abstractmethod
+    def close(self) -> None:
+        """Release what the executor holds (its worker processes)."""
+
+    def abort(self) -> None:
+        """The engine core could not start: stop at once."""
+        self.close()
+
+    def _use(self, worker: Worker) -> None:
+        """Describe the model and the KV pool of this process's worker."""
+        self.worker = worker
+        loaded = worker.loaded
+        self.model_config, self.tokenizer, self.model_name = loaded.config, loaded.tokenizer, loaded.name
+        self.capacity = worker.capacity
+        self.dtype = loaded.model.dtype
+        self.device = worker.runner.device
+
+
+class UniProcExecutor(Executor):
+    """The whole model in this process, on one worker."""
+
+    def __init__(self, worker: Worker) -> None:
+        self._use(worker)
+
+    def execute_model(self, scheduled: list[ScheduledSeq], block_copies: list[tuple[int, int]]) -> SampleResult:
+        return self.worker.execute_model(scheduled, block_copies)
+
+    def close(self) -> None:
+        """Nothing to release: the model and its KV cache go with the worker."""
+
+
+def start_executor(config: EngineConfig, loaded: LoadedModel | None = None) -> Executor:
+    """The executor ``config`` asks for: tensor parallelism over ``tensor_parallel_size`` ranks, else one
+    worker in this process (on ``loaded``, a model already in memory, when given)."""
+    if config.tensor_parallel_size == 1:
+        return UniProcExecutor(Worker(config, loaded) if loaded is not None else Worker.load(config, config.device))
+    if loaded is not None:
+        raise ValueError("loaded= shares one process's whole model; it cannot be combined with "
+                         "tensor_parallel_size > 1, where each rank loads its shard")
+    # a model that does not split is refused here, before any worker starts to find out alone
+    load_model_info(config.model)[0].tensor_parallel_shard(config.tensor_parallel_size)
+    return MultiprocExecutor.start(config)
 
 
 def _free_port() -> int:
@@ -58,18 +134,18 @@ def _free_port() -> int:
 
 def worker_command(config: EngineConfig, launch: Launch) -> list[str]:
     """The command line of a worker this engine starts (its config travels as JSON)."""
-    return [sys.executable, "-m", "iterserve.distributed.worker", "--rank", str(launch.rank),
+    return [sys.executable, "-m", "iterserve.cli.worker", "--rank", str(launch.rank),
             "--world-size", str(launch.world_size), "--init-method", launch.init_method,
             "--parent-pid", str(os.getpid()), "--config", json.dumps(dataclasses.asdict(config))]
 
 
-class Executor:
-    """Holds the group from rank 0's side; see :meth:`start`."""
+class MultiprocExecutor(Executor):
+    """Tensor parallelism from rank 0's side: this process's :class:`Worker` holds the first shard, the
+    other ranks run in worker processes; see :meth:`start`."""
 
     def __init__(self, parallel: ParallelState, steps: Any, workers: dict[int, subprocess.Popen[bytes]],
-                 device: str, threads: int) -> None:
+                 threads: int) -> None:
         self.parallel = parallel
-        self.device = device
         self._steps = steps
         self._workers = workers
         self._threads = threads  # this process's torch threads before its share of the cores
@@ -78,9 +154,9 @@ class Executor:
         atexit.register(self.close)
 
     @classmethod
-    def start(cls, config: EngineConfig) -> Executor:
+    def start(cls, config: EngineConfig) -> MultiprocExecutor:
         """Join (under torchrun) or start (one node) the group of ``config.tensor_parallel_size`` ranks as
-        rank 0. Call :meth:`ready` once this rank's shard is loaded."""
+        rank 0, load this rank's shard, and wait until every rank has loaded its own."""
         tp = config.tensor_parallel_size
         launch = torchrun_launch()
         workers: dict[int, subprocess.Popen[bytes]] = {}
@@ -109,23 +185,32 @@ class Executor:
             raise
         logger.info("tensor parallelism: rank 0 of %d (%s, %s)", tp, device,
                     "torchrun" if not workers else f"workers {[p.pid for p in workers.values()]}")
-        return cls(parallel, steps, workers, device, threads)
+        executor = cls(parallel, steps, workers, threads)
+        try:
+            executor._use(Worker.load(config, device, parallel))
+            executor._ready()
+        except BaseException:
+            executor.abort()
+            raise
+        return executor
 
-    def ready(self) -> None:
+    def _ready(self) -> None:
         """Wait until every rank has loaded its shard (a worker that failed to is reported here); from then
         on a worker that hangs, alive but answering nothing, fails the next step instead of blocking rank 0
         in the step broadcast for good."""
         self._guard(lambda: dist.barrier(group=self._steps))
         self._steps.set_timeout(STEP_SEND_TIMEOUT)
 
-    def execute(self, inputs: StepInputs, forward: Callable[[StepInputs], torch.Tensor]) -> torch.Tensor:
-        """Send ``inputs`` to the workers, then run this rank's forward pass; the logits."""
+    def execute_model(self, scheduled: list[ScheduledSeq], block_copies: list[tuple[int, int]]) -> SampleResult:
+        """Prepare the step's inputs here, send them to the workers, run this rank's forward pass, sample here."""
+        runner = self.worker.runner
+        prepared = runner.prepare(scheduled, block_copies)
 
         def step() -> torch.Tensor:
-            dist.broadcast_object_list([inputs], src=0, group=self._steps)
-            return forward(inputs)
+            dist.broadcast_object_list([prepared.inputs], src=0, group=self._steps)
+            return runner.forward(prepared.inputs)
 
-        return self._guard(step)
+        return runner.sample(prepared, self._guard(step))
 
     def _guard(self, fn: Callable[[], Any]) -> Any:
         if self._error is not None:

@@ -68,7 +68,7 @@ def test_a_killed_worker_stops_the_engine_with_an_error_naming_it():
 
 
 def test_a_hung_worker_fails_the_step_instead_of_hanging_the_engine(monkeypatch):
-    import iterserve.distributed.executor as executor
+    import iterserve.engine.executor as executor
 
     monkeypatch.setattr(executor, "STEP_SEND_TIMEOUT", timedelta(seconds=2))
     llm = LLM("random:qwen3-0.6b?num_layers=1&vocab_size=512", tensor_parallel_size=2, dtype="float32",
@@ -88,7 +88,7 @@ def test_a_hung_worker_fails_the_step_instead_of_hanging_the_engine(monkeypatch)
 
 
 def test_a_model_that_does_not_split_is_refused_before_any_worker_starts(monkeypatch):
-    import iterserve.distributed.executor as executor
+    import iterserve.engine.executor as executor
 
     monkeypatch.setattr(executor.subprocess, "Popen", None)  # starting a worker would fail loudly
     with pytest.raises(ValueError, match="9 attention heads"):
