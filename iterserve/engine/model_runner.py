@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from iterserve.attention import AttentionMetadata, KVCache
+from iterserve.attention import AttentionMetadata, KVCache, select_backend
 from iterserve.engine.sampler import Sampler, SampleResult, SamplingRow, bitmask_words, token_logprobs
 from iterserve.engine.scheduler import ScheduledSeq, sampling_seqs
 from iterserve.engine.sequence import Sequence
@@ -55,6 +55,7 @@ class ModelRunner:
         self.device = model.device
         self.block_size = block_size
         self.kv_caches: list[KVCache] = model.allocate_kv_cache(num_blocks, block_size)
+        self.attn_backend = select_backend(self.device)  # chosen once; passed to the model with each step
         self.sampler = Sampler(torch.Generator(device=self.device).manual_seed(seed))
 
     @torch.inference_mode()
@@ -139,6 +140,7 @@ class ModelRunner:
             torch.tensor(inputs.positions, dtype=torch.long, device=dev),
             self.kv_caches,
             meta,
+            self.attn_backend,
             torch.tensor(inputs.logits_rows, dtype=torch.long, device=dev),
         )
 
