@@ -6,9 +6,10 @@ machine's peaks measured by the same script: a streaming read (sum of a 512 MiB 
 F.linear in the benchmarked dtype.
 
 When the C++ CPU kernels are built, each shape runs on both paths, alternating pass by pass so
-that load from other processes hits both alike: ``fused`` (the kernels, and the linear methods chosen
-at load, listed first) and ``reference`` (PyTorch and F.linear, as with ITERSERVE_CPU_KERNELS=0).
-``--busy N`` runs N busy-looping processes beside the benchmark: what a step costs on a shared machine.
+that load from other processes hits both alike: ``fused`` (the kernels, the linear methods chosen at
+load, listed first, and the kernels' thread pool as an engine runs them) and ``reference`` (PyTorch
+and F.linear on torch's threads, as with ITERSERVE_CPU_KERNELS=0). ``--busy N`` runs N busy-looping
+processes beside the steps: what a step costs on a shared machine.
 
     .venv/bin/python scripts/bench_forward.py --dtypes float32,bfloat16 --context 512
 """
@@ -28,13 +29,15 @@ import torch
 import torch.nn.functional as F
 
 from iterserve import kernels
-from iterserve.allocator import tune_allocator
-from iterserve.attention import AttentionMetadata
-from iterserve.dtypes import canonical_dtype
+from iterserve.attention import AttentionBackend, AttentionMetadata
+from iterserve.attention.cpu import CpuBackend
+from iterserve.attention.reference import ReferenceBackend
+from iterserve.config.dtypes import canonical_dtype
 from iterserve.models import cpu_linear
 from iterserve.models.linear import dense_chooser
 from iterserve.models.loader import load_model
 from iterserve.planner import decode_cost, prefill_cost
+from iterserve.platforms.malloc import tune_allocator
 
 
 def median_time(fn, repeats: int) -> float:
@@ -47,20 +50,17 @@ def median_time(fn, repeats: int) -> float:
     return statistics.median(times)
 
 
-def interleaved_medians(fns: dict[str, functools.partial], repeats: int) -> dict[str, float]:
-    """Median seconds of each path's ``fn``, the paths alternating pass by pass."""
-    built = kernels.ops
+def interleaved_medians(fns: dict[str, functools.partial], threads: dict[str, int],
+                        repeats: int) -> dict[str, float]:
+    """Median seconds of each path's ``fn`` (on its torch thread count), the paths alternating pass by pass."""
     times: dict[str, list[float]] = {p: [] for p in fns}
-    try:
-        for i in range(repeats + 1):  # the first round warms up
-            for path, fn in fns.items():
-                kernels.ops = built if path == "fused" else None
-                start = time.perf_counter()
-                fn()
-                if i:
-                    times[path].append(time.perf_counter() - start)
-    finally:
-        kernels.ops = built
+    for i in range(repeats + 1):  # the first round warms up
+        for path, fn in fns.items():
+            torch.set_num_threads(threads[path])
+            start = time.perf_counter()
+            fn()
+            if i:
+                times[path].append(time.perf_counter() - start)
     return {p: statistics.median(t) for p, t in times.items()}
 
 
@@ -105,9 +105,14 @@ def main() -> None:
     tune_allocator()
     batches = [int(b) for b in args.batches.split(",")]
     chunks = [int(c) for c in args.prefill.split(",")]
-    paths = ["fused", "reference"] if kernels.ops is not None else ["reference"]
+    paths: dict[str, AttentionBackend] = {"fused": CpuBackend(kernels.ops)} if kernels.ops is not None else {}
+    paths["reference"] = ReferenceBackend()
     read_gbs = peak_read_gbs()
-    print(f"model={args.model} context={args.context} threads={torch.get_num_threads()} paths={','.join(paths)} "
+    threads = {"reference": torch.get_num_threads()}
+    if "fused" in paths:
+        kernels.run_on_pool()  # as an engine does: the kernels' pool gets the threads, torch keeps one
+        threads["fused"] = 1
+    print(f"model={args.model} context={args.context} threads={threads['reference']} paths={','.join(paths)} "
           f"busy={args.busy}")
     print(f"measured peaks: streaming read {read_gbs:.1f} GB/s")
     linear = {dtype: peak_linear_gflops(getattr(torch, dtype)) for dtype in args.dtypes.split(",")}
@@ -116,6 +121,7 @@ def main() -> None:
     models = {dtype: {path: load_model(args.model, dtype=dtype, device="cpu",
                                        linear=None if path == "fused" else dense_chooser) for path in paths}
               for dtype in linear}
+    torch.set_num_threads(threads["fused" if "fused" in paths else "reference"])
     chooser = cpu_linear.chooser()
     for line in chooser.report() if isinstance(chooser, cpu_linear.MeasuredChooser) else []:
         print(f"linear method: {line}")
@@ -123,13 +129,14 @@ def main() -> None:
           f"{'GFLOP/s':>8} {'%linear':>7}")
     with busy_processes(args.busy):
         for dtype, linear_gflops in linear.items():
-            run_dtype(args, dtype, models.pop(dtype), linear_gflops, read_gbs, batches, chunks)
+            run_dtype(args, dtype, models.pop(dtype), paths, threads, (linear_gflops, read_gbs), batches, chunks)
 
 
-def run_dtype(args, dtype: str, loaded: dict, linear_gflops: float, read_gbs: float, batches: list[int],
-              chunks: list[int]) -> None:
+def run_dtype(args, dtype: str, loaded: dict, paths: dict[str, AttentionBackend], threads: dict[str, int],
+              peaks: tuple[float, float], batches: list[int], chunks: list[int]) -> None:
     """Every decode batch and prefill chunk of one dtype, each path on its own copy of the model (sharing
     one KV cache: each pass rewrites the slots it reads)."""
+    linear_gflops, read_gbs = peaks
     block = 16
     cfg = next(iter(loaded.values())).config
     blocks_per_seq = -(-(args.context + 1) // block)
@@ -137,10 +144,10 @@ def run_dtype(args, dtype: str, loaded: dict, linear_gflops: float, read_gbs: fl
     caches = next(iter(loaded.values())).model.allocate_kv_cache(num_blocks, block)
     pdt = canonical_dtype(dtype)
 
-    def run(tokens: int, label: str, cost, *inputs) -> None:
-        fns = {path: functools.partial(m.model, inputs[0], inputs[1], caches, *inputs[2:])
+    def run(tokens: int, label: str, cost, ids, pos, meta, rows) -> None:
+        fns = {path: functools.partial(m.model, ids, pos, caches, meta, paths[path], logits_indices=rows)
                for path, m in loaded.items()}
-        medians = interleaved_medians(fns, args.repeats)
+        medians = interleaved_medians(fns, threads, args.repeats)
         for path, seconds in medians.items():
             gbs, gflops = cost.bytes / seconds / 1e9, cost.flops / seconds / 1e9
             print(f"{dtype:<9} {label:<14} {path:<10} {seconds * 1e3:9.1f} {tokens / seconds:10.1f} "
