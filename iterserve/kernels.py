@@ -1,8 +1,8 @@
-"""The optional C++ CPU kernels (``csrc/cpu_ops.cpp``): build once at set-up, load at import.
+"""The optional C++ CPU kernels (``csrc/*.cpp``, one extension): build once at set-up, load at import.
 
 ``scripts/setup.sh`` runs ``iterserve build-kernels``, which compiles the extension with
 ``torch.utils.cpp_extension`` into ``iterserve/_build/`` (git-ignored). Importing this module only
-loads that build, never compiles: the build's name carries a hash of the source, the compiler flags
+loads that build, never compiles: the build's name carries a hash of the sources, the compiler flags
 and the torch version, so an edited source or another torch finds no build and falls back instead
 of loading a stale one. Without a build, or with ``ITERSERVE_CPU_KERNELS=0``, ``ops`` is None and
 every caller runs its PyTorch reference path (which is also the path for CUDA tensors).
@@ -23,7 +23,7 @@ import torch
 logger = logging.getLogger(__name__)
 
 ENV_VAR = "ITERSERVE_CPU_KERNELS"
-SOURCE = Path(__file__).with_name("csrc") / "cpu_ops.cpp"
+SOURCES = sorted(Path(__file__).with_name("csrc").glob("*.cpp"))
 BUILD_DIR = Path(__file__).with_name("_build")
 _PREFIX = "iterserve_cpu_ops_"
 
@@ -39,8 +39,9 @@ def _cflags() -> list[str]:
 
 
 def module_name() -> str:
-    """Name of the build that matches this source, these flags and this torch."""
-    key = SOURCE.read_bytes() + " ".join(_cflags()).encode() + torch.__version__.encode()
+    """Name of the build that matches these sources, these flags and this torch."""
+    key = b"".join(s.name.encode() + s.read_bytes() for s in SOURCES)
+    key += " ".join(_cflags()).encode() + torch.__version__.encode()
     return _PREFIX + hashlib.sha256(key).hexdigest()[:12]
 
 
@@ -52,7 +53,7 @@ def build(verbose: bool = False) -> ModuleType:
     directory = BUILD_DIR / name
     directory.mkdir(parents=True, exist_ok=True)
     module = cpp_extension.load(
-        name=name, sources=[str(SOURCE)], extra_cflags=_cflags(), extra_ldflags=["-fopenmp"],
+        name=name, sources=[str(s) for s in SOURCES], extra_cflags=_cflags(), extra_ldflags=["-fopenmp"],
         build_directory=str(directory), verbose=verbose,
     )
     for old in BUILD_DIR.glob(_PREFIX + "*"):
