@@ -55,8 +55,8 @@ def main() -> None:
     print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, kernel isa {P.best_isa()}")
     for k, n in SHAPES:
         w = torch.randn(n, k) * 0.02
-        q41 = P.from_gguf(gguf.quants.quantize(w.numpy(), gguf.GGMLQuantizationType.Q4_1), "Q4_1", n, k)
-        q8 = P.quantize_int8(w)
+        q41 = P.pack(P.from_gguf(gguf.quants.quantize(w.numpy(), gguf.GGMLQuantizationType.Q4_1), "Q4_1", n, k))
+        q8 = P.pack(P.quantize_int8(w))
         fns: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
             "f32": lambda x: F.linear(x, w), "Q4_1": lambda x: P.linear(x, q41), "int8": lambda x: P.linear(x, q8)}
         if args.torch_ops:

@@ -51,9 +51,63 @@ class PackedWeight:
         return PackedWeight(self.data.to(device), self.n, self.k, self.bits, self.fmt)
 
 
-def pack(q: torch.Tensor, d: torch.Tensor, c: torch.Tensor, bits: int, fmt: str) -> PackedWeight:
-    """Lay out quants ``q`` (uint8 ``[n, k]``, values below ``2**bits``) with float16 ``d``, ``c``
-    (``[n, ceil(k / 32)]``); the tails of ``n`` and ``k`` are padded with zero weights."""
+@dataclass
+class BlockWeight:
+    """A weight's blocks before packing: quants ``q`` (uint8 ``[n, k]``, below ``2**bits``), float16 ``d``
+    and ``c`` (``[n, ceil(k / 32)]``). Rows and whole blocks of columns slice and join freely, which is
+    what loading a fused or sharded layer needs; :func:`pack` lays it out for the kernel."""
+
+    q: torch.Tensor
+    d: torch.Tensor
+    c: torch.Tensor
+    bits: int
+    fmt: str
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        return self.q.shape[0], self.q.shape[1]
+
+    def rows(self, index: torch.Tensor | slice) -> BlockWeight:
+        return BlockWeight(self.q[index], self.d[index], self.c[index], self.bits, self.fmt)
+
+    def columns(self, start: int, size: int) -> BlockWeight:
+        """Inputs ``[start, start + size)``: whole blocks only, a shard's columns under tensor parallelism."""
+        k = self.shape[1]
+        if start % BLOCK or (size % BLOCK and start + size != k):
+            raise ValueError(f"{self.fmt} weights split only at multiples of {BLOCK} inputs, not [{start}, "
+                             f"{start + size}) of {k}")
+        b0, b1 = start // BLOCK, _ceil_div(start + size, BLOCK)
+        return BlockWeight(self.q[:, start:start + size], self.d[:, b0:b1], self.c[:, b0:b1], self.bits, self.fmt)
+
+    def padded_rows(self, n: int) -> BlockWeight:
+        """``n`` rows, the ones past this weight's zero (a rank's padded slice of the vocabulary)."""
+        extra = n - self.shape[0]
+        return BlockWeight(F.pad(self.q, (0, 0, 0, extra)), F.pad(self.d, (0, 0, 0, extra)),
+                           F.pad(self.c, (0, 0, 0, extra)), self.bits, self.fmt)
+
+    @staticmethod
+    def cat(parts: list[BlockWeight]) -> BlockWeight:
+        """Rows of several weights of one format stacked (q, k, v or gate, up fused into one layer)."""
+        fmts = {(p.bits, p.fmt) for p in parts}
+        if len(fmts) != 1:
+            raise ValueError(f"cannot fuse weights of different formats: {sorted(f for _, f in fmts)}")
+        return BlockWeight(torch.cat([p.q for p in parts]), torch.cat([p.d for p in parts]),
+                           torch.cat([p.c for p in parts]), parts[0].bits, parts[0].fmt)
+
+    def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        return _dequantize(self.q, self.d, self.c, dtype)
+
+
+def _dequantize(q: torch.Tensor, d: torch.Tensor, c: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    k, blocks = q.shape[-1], d.shape[-1]
+    qf = F.pad(q.float(), (0, blocks * BLOCK - k)).unflatten(-1, (blocks, BLOCK))
+    out = qf * d.float().unsqueeze(-1) + c.float().unsqueeze(-1)
+    return out.flatten(-2)[..., :k].to(dtype)
+
+
+def pack(w: BlockWeight) -> PackedWeight:
+    """Lay out a weight's blocks for the kernel; the tails of ``n`` and ``k`` are padded with zero weights."""
+    q, d, c, bits = w.q, w.d, w.c, w.bits
     n, k = q.shape
     blocks, tiles = _ceil_div(k, BLOCK), _ceil_div(n, TILE)
     if tuple(d.shape) != (n, blocks) or tuple(c.shape) != (n, blocks):
@@ -76,38 +130,37 @@ def pack(q: torch.Tensor, d: torch.Tensor, c: torch.Tensor, bits: int, fmt: str)
         return s.view(tiles, TILE, blocks).transpose(1, 2).contiguous().view(torch.uint8)
 
     data = torch.cat([quants, scales(d), scales(c)], dim=-1).contiguous()
-    return PackedWeight(data, n, k, bits, fmt)
+    return PackedWeight(data, n, k, bits, w.fmt)
 
 
-def unpack(w: PackedWeight) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """The inverse of :func:`pack`: ``q`` (uint8 ``[n, k]``), ``d`` and ``c`` (float16 ``[n, blocks]``)."""
+def unpack(w: PackedWeight, rows: torch.Tensor | None = None) -> BlockWeight:
+    """The inverse of :func:`pack`; with ``rows``, only those rows (read from their tiles alone: an
+    embedding lookup touches a few hundred bytes per token)."""
     tiles, blocks, nbytes = w.data.shape
     qbytes = nbytes - 4 * TILE
-    raw = w.data.cpu() if w.data.device.type != "cpu" else w.data
-    quants = raw[..., :qbytes]
+    if rows is None:
+        rows = torch.arange(w.n, device=w.data.device)
+    rows = rows.to(w.data.device).reshape(-1)
+    data, col = w.data[rows // TILE], rows % TILE  # [r, blocks, bytes]: each row's tile
+    r = torch.arange(rows.numel(), device=data.device)
     if w.bits == 8:
-        q = quants.reshape(tiles, blocks, 8, TILE, 4).permute(0, 3, 1, 2, 4)
+        q = data[..., :qbytes].reshape(-1, blocks, 8, TILE, 4)[r, :, :, col]  # [r, blocks, chunk, 4]
     else:
-        byte = quants.reshape(tiles, blocks, 4, TILE, 4)
-        q = torch.stack([byte & 0x0F, byte >> 4], dim=-1).permute(0, 3, 1, 5, 2, 4)
-    q = q.reshape(tiles * TILE, blocks * BLOCK)[:w.n, :w.k]
+        byte = data[..., :qbytes].reshape(-1, blocks, 4, TILE, 4)[r, :, :, col]
+        q = torch.stack([byte & 0x0F, byte >> 4], dim=2)  # [r, blocks, half, chunk, 4]
+    q = q.reshape(-1, blocks * BLOCK)[:, :w.k]
 
     def scales(offset: int) -> torch.Tensor:
-        s = raw[..., offset:offset + 2 * TILE].contiguous().view(torch.float16)  # [tiles, blocks, 16]
-        return s.transpose(1, 2).reshape(tiles * TILE, blocks)[:w.n]
+        s = data[..., offset:offset + 2 * TILE].contiguous().view(torch.float16)  # [r, blocks, 16]
+        return s[r, :, col]
 
-    return q.to(w.data.device), scales(qbytes).to(w.data.device), scales(qbytes + 2 * TILE).to(w.data.device)
+    return BlockWeight(q, scales(qbytes), scales(qbytes + 2 * TILE), w.bits, w.fmt)
 
 
 def dequantize(w: PackedWeight, dtype: torch.dtype = torch.float32, rows: torch.Tensor | None = None) -> torch.Tensor:
-    """The float weight ``[n, k]`` (only ``rows`` of it when given: an embedding lookup)."""
-    q, d, c = unpack(w)
-    if rows is not None:
-        q, d, c = q[rows], d[rows], c[rows]
-    blocks = d.shape[-1]
-    qf = F.pad(q.float(), (0, blocks * BLOCK - w.k)).unflatten(-1, (blocks, BLOCK))
-    out = qf * d.float().unsqueeze(-1) + c.float().unsqueeze(-1)
-    return out.flatten(-2)[..., :w.k].to(dtype)
+    """The float weight ``[n, k]``, or its ``rows`` (``[*rows.shape, k]``)."""
+    out = unpack(w, rows).dequantize(dtype)
+    return out if rows is None else out.view(*rows.shape, w.k)
 
 
 # -- from GGUF blocks --------------------------------------------------------------------------------
@@ -117,8 +170,8 @@ _GGUF_BLOCK_BYTES = {"Q4_0": 18, "Q4_1": 20, "Q8_0": 34}
 GGUF_PACKED_TYPES = tuple(_GGUF_BLOCK_BYTES)
 
 
-def from_gguf(raw: np.ndarray, type_name: str, n: int, k: int) -> PackedWeight:
-    """Repack a GGUF tensor's blocks (``raw``: its uint8 data, ``n`` rows of ``k`` weights) without loss."""
+def from_gguf(raw: np.ndarray, type_name: str, n: int, k: int) -> BlockWeight:
+    """A GGUF tensor's blocks (``raw``: its uint8 data, ``n`` rows of ``k`` weights), without loss."""
     if type_name not in _GGUF_BLOCK_BYTES:
         raise ValueError(f"GGUF type {type_name} is not kept in blocks; kept types: {', '.join(GGUF_PACKED_TYPES)}")
     if k % BLOCK:
@@ -128,16 +181,16 @@ def from_gguf(raw: np.ndarray, type_name: str, n: int, k: int) -> PackedWeight:
     d = b[..., 0:2].contiguous().view(torch.float16).squeeze(-1)
     if type_name == "Q8_0":
         q = (b[..., 2:].contiguous().view(torch.int8).to(torch.int16) + 128).to(torch.uint8)
-        return pack(q.reshape(n, k), d, d * -128, 8, type_name)
+        return BlockWeight(q.reshape(n, k), d, d * -128, 8, type_name)
     if type_name == "Q4_1":
         c, qs = b[..., 2:4].contiguous().view(torch.float16).squeeze(-1), b[..., 4:]
     else:
         c, qs = d * -8, b[..., 2:]
     q = torch.cat([qs & 0x0F, qs >> 4], dim=-1)  # element i < 16 in the low nibble of byte i, i >= 16 high
-    return pack(q.reshape(n, k), d, c, 4, type_name)
+    return BlockWeight(q.reshape(n, k), d, c, 4, type_name)
 
 
-def quantize_int8(w: torch.Tensor) -> PackedWeight:
+def quantize_int8(w: torch.Tensor) -> BlockWeight:
     """Symmetric int8 with one float16 scale per output column and block of 32 inputs (GGUF's Q8_0
     rounding: ``q = round(w / d)``, ``d = max|w| / 127``)."""
     n, k = w.shape
@@ -146,7 +199,7 @@ def quantize_int8(w: torch.Tensor) -> PackedWeight:
     d = (wb.abs().amax(-1) / 127).to(torch.float16)
     inv = torch.where(d > 0, 1 / d.float(), torch.zeros_like(d, dtype=torch.float32))
     q = (wb * inv.unsqueeze(-1)).round().clamp(-127, 127).to(torch.int16) + 128
-    return pack(q.flatten(1)[:, :k].to(torch.uint8), d, d * -128, 8, "int8").to(w.device)
+    return BlockWeight(q.flatten(1)[:, :k].to(torch.uint8), d, d * -128, 8, "int8")
 
 
 # -- matmul --------------------------------------------------------------------------------------------

@@ -31,20 +31,22 @@ def gguf_weight(fmt: str, n: int, k: int, seed: int = 0) -> tuple[np.ndarray, to
 
 def packed_weight(fmt: str, n: int, k: int, seed: int = 0) -> tuple[P.PackedWeight, torch.Tensor]:
     if fmt == "int8":
-        w = P.quantize_int8(torch.randn(n, k, generator=torch.Generator().manual_seed(seed)) * 0.05)
+        w = P.pack(P.quantize_int8(torch.randn(n, k, generator=torch.Generator().manual_seed(seed)) * 0.05))
         return w, P.dequantize(w)
     raw, ref = gguf_weight(fmt, n, k, seed)
-    return P.from_gguf(raw, fmt, n, k), ref
+    return P.pack(P.from_gguf(raw, fmt, n, k)), ref
 
 
 @pytest.mark.parametrize("fmt", GGUF_TYPES)
 @pytest.mark.parametrize("n,k", [(16, 32), (17, 64), (40, 96), (3, 576)])
 def test_gguf_blocks_repack_without_loss(fmt, n, k):
     raw, ref = gguf_weight(fmt, n, k)
-    w = P.from_gguf(raw, fmt, n, k)
+    blocks = P.from_gguf(raw, fmt, n, k)
+    assert torch.equal(blocks.dequantize(), ref)
+    w = P.pack(blocks)
     assert w.bits == (8 if fmt == "Q8_0" else 4) and w.fmt == fmt
     assert torch.equal(P.dequantize(w), ref)
-    rows = torch.tensor([n - 1, 0, n // 2])
+    rows = torch.tensor([[n - 1, 0], [n // 2, n - 1]])
     assert torch.equal(P.dequantize(w, rows=rows), ref[rows])
 
 
@@ -60,8 +62,7 @@ def test_packed_bytes_match_the_file():
 def test_int8_quantization_rounds_each_weight_to_its_block_scale(n, k):
     w = torch.randn(n, k, generator=torch.Generator().manual_seed(1))
     w[0, :] = 0  # an all-zero block has scale 0 and stays exact
-    packed = P.quantize_int8(w)
-    back = P.dequantize(packed)
+    back = P.dequantize(P.pack(P.quantize_int8(w)))
     assert back.shape == (n, k)
     blocks = -(-k // 32)
     amax = F.pad(w.abs(), (0, blocks * 32 - k)).view(n, blocks, 32).amax(-1)
@@ -144,3 +145,17 @@ def test_linear_uses_the_kernel_and_falls_back_to_dequantize(monkeypatch):
     assert fast.shape == slow.shape == (2, 3, 24)
     torch.testing.assert_close(slow, F.linear(x, ref_w))
     torch.testing.assert_close(fast, slow, rtol=1e-5, atol=1e-3)
+
+
+def test_block_weights_slice_and_fuse_like_the_float_weight():
+    """What loading a fused, sharded layer does to blocks matches doing it to the float weight."""
+    (raw_a, ref_a), (raw_b, ref_b) = gguf_weight("Q4_1", 24, 96, 0), gguf_weight("Q4_1", 8, 96, 1)
+    a, b = P.from_gguf(raw_a, "Q4_1", 24, 96), P.from_gguf(raw_b, "Q4_1", 8, 96)
+    fused = P.BlockWeight.cat([a.rows(slice(4, 20)), b])
+    assert torch.equal(P.dequantize(P.pack(fused)), torch.cat([ref_a[4:20], ref_b]))
+    assert torch.equal(a.columns(32, 64).dequantize(), ref_a[:, 32:96])
+    assert torch.equal(a.padded_rows(30).dequantize()[24:], torch.zeros(6, 96))
+    with pytest.raises(ValueError, match="split only at multiples of 32"):
+        a.columns(16, 32)
+    with pytest.raises(ValueError, match="different formats"):
+        P.BlockWeight.cat([a, P.quantize_int8(ref_b)])
