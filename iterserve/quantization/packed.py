@@ -87,12 +87,12 @@ class BlockWeight:
 
     @staticmethod
     def cat(parts: list[BlockWeight]) -> BlockWeight:
-        """Rows of several weights of one format stacked (q, k, v or gate, up fused into one layer)."""
-        fmts = {(p.bits, p.fmt) for p in parts}
-        if len(fmts) != 1:
-            raise ValueError(f"cannot fuse weights of different formats: {sorted(f for _, f in fmts)}")
+        """Rows of several weights of one bit width stacked (q, k, v or gate, up fused into one layer)."""
+        if len({p.bits for p in parts}) != 1:
+            raise ValueError(f"cannot fuse weights of different bit widths: {', '.join(p.fmt for p in parts)}")
+        fmt = "+".join(sorted({p.fmt for p in parts}))
         return BlockWeight(torch.cat([p.q for p in parts]), torch.cat([p.d for p in parts]),
-                           torch.cat([p.c for p in parts]), parts[0].bits, parts[0].fmt)
+                           torch.cat([p.c for p in parts]), parts[0].bits, fmt)
 
     def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         return _dequantize(self.q, self.d, self.c, dtype)
@@ -177,7 +177,7 @@ def from_gguf(raw: np.ndarray, type_name: str, n: int, k: int) -> BlockWeight:
     if k % BLOCK:
         raise ValueError(f"a {type_name} row of {k} weights is not a whole number of blocks of {BLOCK}")
     blocks = k // BLOCK
-    b = torch.from_numpy(np.ascontiguousarray(raw, dtype=np.uint8).reshape(n, blocks, _GGUF_BLOCK_BYTES[type_name]))
+    b = torch.from_numpy(np.array(raw, dtype=np.uint8).reshape(n, blocks, _GGUF_BLOCK_BYTES[type_name]))
     d = b[..., 0:2].contiguous().view(torch.float16).squeeze(-1)
     if type_name == "Q8_0":
         q = (b[..., 2:].contiguous().view(torch.int8).to(torch.int16) + 128).to(torch.uint8)

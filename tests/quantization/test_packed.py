@@ -157,5 +157,5 @@ def test_block_weights_slice_and_fuse_like_the_float_weight():
     assert torch.equal(a.padded_rows(30).dequantize()[24:], torch.zeros(6, 96))
     with pytest.raises(ValueError, match="split only at multiples of 32"):
         a.columns(16, 32)
-    with pytest.raises(ValueError, match="different formats"):
+    with pytest.raises(ValueError, match="different bit widths"):
         P.BlockWeight.cat([a, P.quantize_int8(ref_b)])
