@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from iterserve.inputs import TokensPrompt
 from iterserve.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
@@ -49,7 +50,8 @@ def perplexity(llm: LLM, text: str, window: int = 512) -> Perplexity:
         raise ValueError("the text is shorter than two tokens")
     params = SamplingParams(max_tokens=1, temperature=0.0, prompt_logprobs=0)
     start = time.perf_counter()
-    outputs = llm.generate([{"prompt_token_ids": c} for c in chunks], params, use_tqdm=False)
+    prompts: list[TokensPrompt] = [{"prompt_token_ids": c} for c in chunks]
+    outputs = llm.generate(prompts, params, use_tqdm=False)
     elapsed = time.perf_counter() - start
     nll, scored = 0.0, 0
     for chunk, out in zip(chunks, outputs):
