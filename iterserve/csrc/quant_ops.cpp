@@ -318,7 +318,10 @@ at::Tensor qgemm(const at::Tensor& x, const at::Tensor& w, int64_t n, int64_t bi
   const int64_t m = x.size(0), tiles = w.size(0);
   at::Tensor out = at::empty({m, n}, x.options());
   if (m == 0 || n == 0) return out;
-  QuantizedRows a;
+  // One buffer per calling thread, reused: no allocation per call (a decode step makes one call per layer).
+  // Named through a reference: a lambda run on another thread would name that thread's own instance.
+  thread_local QuantizedRows buffer;
+  QuantizedRows& a = buffer;
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, x.scalar_type(), "qgemm", [&] {
     quantize_rows(x.data_ptr<scalar_t>(), x.stride(0), m, x.size(1), a);
   });
