@@ -1,6 +1,7 @@
 """iterserve: an LLM serving engine built on iteration-level batching over a paged KV cache."""
 
-from iterserve.engine.llm_engine import EngineConfig, LLMEngine
+from iterserve.config import EngineConfig
+from iterserve.engine.llm_engine import LLMEngine
 from iterserve.inputs import TextPrompt, TokensPrompt
 from iterserve.llm import LLM
 from iterserve.outputs import CompletionOutput, Logprob, RequestOutput

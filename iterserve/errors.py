@@ -27,3 +27,15 @@ class SamplingParamsError(RequestError):
 class TensorParallelError(RuntimeError):
     """A tensor-parallel rank died or a collective failed: the ranks are out of step, so the engine stops
     (every later step raises the same error) instead of carrying on or hanging."""
+
+
+class QueueFullError(Exception):
+    """Admission control refused the request: too many are already waiting."""
+
+
+class EngineDeadError(RuntimeError):
+    """The engine process has stopped (it died, or the server is shutting down)."""
+
+
+class RequestFailedError(RuntimeError):
+    """A step that ran this request failed in the core; the traceback is in the core's log."""

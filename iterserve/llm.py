@@ -17,12 +17,13 @@ from typing import Any, cast
 import torch
 from tqdm.auto import tqdm
 
-from iterserve.engine.llm_engine import EngineConfig, LLMEngine
+from iterserve.config import EngineConfig
+from iterserve.engine.llm_engine import LLMEngine
 from iterserve.engine.output_processor import RequestOutputKind
-from iterserve.host_memory import available_memory_bytes
 from iterserve.inputs import PromptType
 from iterserve.models.loader import DEFAULT_MODEL, LoadedModel, load_model
 from iterserve.outputs import RequestOutput
+from iterserve.platforms.memory import available_memory_bytes
 from iterserve.sampling_params import SamplingParams
 from iterserve.tokenizer import Tokenizer
 

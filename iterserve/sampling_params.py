@@ -39,6 +39,10 @@ MAX_LOGIT_BIAS = 300
 # n and best_of sequences share one prompt and one batch; the scheduler also caps them at max_num_seqs.
 MAX_N = 128
 
+# Compact JSON ("," and ":" separators, no whitespace): a model cannot pad the output with
+# whitespace until max_tokens runs out, and the text is what json.dumps would write.
+JSON_OPTIONS: Any = {"whitespace_flexible": False}  # a JsonCompileOptions TypedDict
+
 
 def _as_int(name: str, value: object) -> int:
     """``value`` as a plain int; floats and bools are refused rather than truncated or read as 0/1."""
@@ -83,15 +87,49 @@ class StructuredOutputsParams:
             self.choice = list(self.choice)
             if not self.choice or not all(isinstance(c, str) and c for c in self.choice):
                 raise SamplingParamsError("choice", "choice must be a non-empty list of non-empty strings")
-        from iterserve.structured_output import check_spec  # the grammar engine loads only when used
-
-        check_spec(self)
+        self._check_grammar()
 
     @property
     def kind(self) -> str:
         """Which constraint this is: json, json_object, regex, choice or grammar."""
         return "json_object" if self.json_object else next(
             name for name in ("json", "regex", "choice", "grammar") if getattr(self, name) is not None)
+
+    def ll_grammar(self) -> str:
+        """This constraint as an llguidance grammar; raises ValueError when its JSON does not parse.
+
+        No vocabulary is needed: the engine core compiles the grammar against the model's
+        (:class:`iterserve.engine.structured_output.GrammarCompiler`).
+        """
+        import llguidance  # the grammar engine loads only when a constraint is made
+
+        kind = self.kind
+        if kind == "json":
+            assert self.json is not None
+            return llguidance.LLMatcher.grammar_from_json_schema(self.json, defaults=JSON_OPTIONS)
+        if kind == "json_object":
+            return llguidance.LLMatcher.grammar_from_json_schema({"type": "object"}, defaults=JSON_OPTIONS)
+        if kind == "regex":
+            assert self.regex is not None
+            return llguidance.LLMatcher.grammar_from_regex(self.regex)
+        if kind == "choice":
+            assert self.choice is not None
+            alternatives = " | ".join(json.dumps(c, ensure_ascii=False) for c in self.choice)
+            return llguidance.LLMatcher.grammar_from_lark(f"start: {alternatives}")
+        return llguidance.LLMatcher.grammar_from_lark(self.grammar or "")
+
+    def _check_grammar(self) -> None:
+        """Raise SamplingParamsError (naming the field) when this constraint does not compile to a grammar."""
+        import llguidance
+
+        kind = self.kind
+        try:
+            grammar = self.ll_grammar()
+        except ValueError as e:
+            raise SamplingParamsError(kind, f"invalid {kind}: {e}") from None
+        is_error, messages = llguidance.LLMatcher.validate_grammar_with_warnings(grammar)
+        if is_error:
+            raise SamplingParamsError(kind, f"invalid {kind}: {messages[0]}")
 
 
 @dataclass

@@ -19,11 +19,12 @@ import time
 
 import torch
 
-from iterserve.engine.llm_engine import EngineConfig, LLMEngine
+from iterserve.config import EngineConfig
+from iterserve.engine.llm_engine import LLMEngine
+from iterserve.engine.sampler import apply_token_bitmask, bitmask_words
+from iterserve.engine.structured_output import GrammarCompiler
 from iterserve.models.loader import load_model, load_model_info
-from iterserve.sampler import apply_token_bitmask, bitmask_words
 from iterserve.sampling_params import SamplingParams, StructuredOutputsParams
-from iterserve.structured_output import GrammarCompiler
 
 SCHEMA = {
     "type": "object",

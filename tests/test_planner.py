@@ -12,10 +12,11 @@ from iterserve import planner
 from iterserve.bench.knee import measured_knee
 from iterserve.bench.microbench import measure_bandwidth, measure_matmul_flops
 from iterserve.bench.validate import validate
+from iterserve.cli.plan import main
 from iterserve.config import get_preset
+from iterserve.config.units import parse_bandwidth, parse_flops, parse_size
 from iterserve.models.loader import embedded_model_path
 from iterserve.planner.hardware import ACCELERATORS, Accelerator, GiB, get_accelerator, get_interconnect
-from iterserve.planner_cli import main, parse_bandwidth, parse_flops, parse_memory
 
 
 def _embedded_gguf() -> Path:
@@ -326,15 +327,15 @@ def test_cli_list_gpus(capsys):
 
 
 def test_main_cli_dispatches_plan(capsys):
-    from iterserve.cli import main as iterserve_main
+    from iterserve.cli.main import main as iterserve_main
 
     assert iterserve_main(["plan", "llama-2-7b", "--gpu", "H200", "--json"]) == 0
     assert json.loads(capsys.readouterr().out)["plans"][0]["hardware"]["name"] == "H200"
 
 
 def test_unit_parsers():
-    assert parse_memory("80") == 80 * GiB
-    assert parse_memory("85.9GB") == int(85.9e9)
+    assert parse_size("80") == 80 * GiB
+    assert parse_size("85.9GB") == int(85.9e9)
     assert parse_bandwidth("3.35TB/s") == pytest.approx(3.35e12)
     assert parse_bandwidth("2039") == pytest.approx(2039e9)
     assert parse_flops("800GFLOPS") == pytest.approx(800e9)
@@ -363,7 +364,7 @@ def test_validate_with_injected_timer(tmp_path):
     # same curve shape, same detected bend; the detector needs one doubling past the knee
     assert v.measured_knee == v.predicted_knee_on_sweep == 64
 
-    from iterserve.planner_cli import chart_validation, print_validation
+    from iterserve.cli.plan import chart_validation, print_validation
 
     chart = tmp_path / "validate.png"
     chart_validation(v, str(chart))

@@ -39,7 +39,7 @@ def test_building_a_model_runner_leaves_the_allocator_alone(monkeypatch):
 def test_the_cli_tunes_its_own_process_and_the_processes_it_starts():
     out = _run(
         "import os, subprocess, sys\n"
-        "from iterserve.cli import main\n"
+        "from iterserve.cli.main import main\n"
         "main(['plan', '--list-gpus', '--json'])\n"
         "child = 'import os; print(os.environ[\"MALLOC_MMAP_MAX_\"], os.environ[\"MALLOC_TRIM_THRESHOLD_\"])'\n"
         "print(subprocess.run([sys.executable, '-c', child], capture_output=True, text=True).stdout.strip())\n"
@@ -48,7 +48,7 @@ def test_the_cli_tunes_its_own_process_and_the_processes_it_starts():
 
 
 def test_a_value_the_user_set_wins(monkeypatch):
-    from iterserve.allocator import tune_allocator
+    from iterserve.platforms.malloc import tune_allocator
 
     monkeypatch.setenv("MALLOC_TRIM_THRESHOLD_", str(1 << 28))
     monkeypatch.delenv("MALLOC_MMAP_MAX_", raising=False)

@@ -31,12 +31,13 @@ from tqdm.auto import tqdm
 
 from iterserve.bench.knee import DEFAULT_ELASTICITY, read_knee
 from iterserve.bench.workloads import random_tokens
+from iterserve.config.units import parse_size
 from iterserve.engine.model_runner import ModelRunner
 from iterserve.engine.scheduler import ScheduledSeq
-from iterserve.engine.sequence import RequestMetrics, Sequence
+from iterserve.engine.sequence import Sequence
 from iterserve.models.loader import LoadedModel
+from iterserve.outputs import RequestMetrics
 from iterserve.sampling_params import SamplingParams
-from iterserve.units import parse_size
 
 
 class StepTimer:

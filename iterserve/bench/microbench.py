@@ -15,9 +15,9 @@ from typing import Any
 
 import torch
 
-from iterserve.dtypes import torch_dtype
-from iterserve.host_memory import available_memory_bytes, physical_memory_bytes
+from iterserve.config.dtypes import torch_dtype
 from iterserve.planner.hardware import Accelerator, GiB, match_device_name
+from iterserve.platforms.memory import available_memory_bytes, physical_memory_bytes
 
 
 def _sync(device: str) -> None:

@@ -19,7 +19,8 @@ from pathlib import Path
 
 from iterserve.bench.charts import read_trace
 from iterserve.bench.workloads import random_tokens
-from iterserve.engine.llm_engine import EngineConfig, LLMEngine
+from iterserve.config import EngineConfig
+from iterserve.engine.llm_engine import LLMEngine
 from iterserve.models.loader import LoadedModel
 from iterserve.sampling_params import SamplingParams
 

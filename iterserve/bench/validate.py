@@ -16,7 +16,7 @@ from iterserve.bench.batch import decode_step_timer, median_time
 from iterserve.bench.knee import measured_knee
 from iterserve.bench.microbench import measure_local
 from iterserve.config import ModelConfig
-from iterserve.dtypes import canonical_dtype
+from iterserve.config.dtypes import canonical_dtype
 from iterserve.models.loader import load_model, load_model_config, resolve_model
 from iterserve.planner.hardware import Accelerator
 from iterserve.planner.roofline import check_context, check_positive, decode_cost, decode_knee, model_label, roofline

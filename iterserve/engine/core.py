@@ -1,4 +1,4 @@
-"""EngineCore: the busy loop's pieces, with no text and no HTTP.
+"""EngineCore, with no text and no HTTP, and the busy loop that runs it in the server's core process.
 
 ``add_request`` takes token ids and SamplingParams; ``step`` schedules, runs one forward pass and
 lets the scheduler apply the samples, then returns one small delta per request that advanced plus
@@ -6,7 +6,8 @@ the scheduler's counters. A step that raises fails only the requests it schedule
 "error", blocks freed, traceback logged); the core carries on with the others.
 
 The offline engine calls it on the caller's thread; the server runs it on the main thread of its
-own process (:mod:`iterserve.engine.core_client`), so all torch work stays on one thread team.
+own process (:func:`run_engine_core`, spawned by :mod:`iterserve.engine.core_client`), so all torch work
+stays on one thread team. The model runs under an :class:`~iterserve.engine.executor.Executor`.
 """
 
 from __future__ import annotations
@@ -14,34 +15,41 @@ from __future__ import annotations
 import json
 import logging
 import os
+import signal
 import time
 from collections import deque
-from dataclasses import dataclass
 from typing import IO
 
 import msgspec
 import torch
+import zmq
 
-from iterserve.config import EngineConfig, ModelConfig, parse_dtype
-from iterserve.distributed.executor import Executor
+from iterserve.config import EngineConfig, ModelConfig
 from iterserve.engine.block_manager import BlockManager
+from iterserve.engine.executor import Executor, start_executor
 from iterserve.engine.messages import (
+    AbortRequests,
+    EngineCoreInput,
     EngineCoreOutput,
     EngineCoreOutputs,
     EngineCoreRequest,
+    EngineFailed,
+    EngineReady,
     KVSnapshot,
     SchedulerStats,
+    Shutdown,
     StepStats,
+    WatchKV,
 )
-from iterserve.engine.model_runner import ModelRunner
 from iterserve.engine.scheduler import Scheduler, SchedulerOutput
-from iterserve.engine.sequence import RequestMetrics, Sequence
-from iterserve.errors import RequestError, TensorParallelError
-from iterserve.models.loader import LoadedModel, load_model, load_model_info
-from iterserve.sampling_params import SamplingParams, SamplingParamsError
-from iterserve.structured_output import GrammarCompiler, GrammarMatcher
+from iterserve.engine.sequence import Sequence
+from iterserve.engine.structured_output import GrammarCompiler, GrammarMatcher
+from iterserve.engine.validation import check_prompt
+from iterserve.errors import TensorParallelError
+from iterserve.models.loader import LoadedModel
+from iterserve.outputs import RequestMetrics
+from iterserve.sampling_params import SamplingParams
 from iterserve.tokenizer import Tokenizer
-from iterserve.units import parse_size
 
 logger = logging.getLogger(__name__)
 
@@ -54,80 +62,7 @@ FAULT_TOKEN_ENV = "ITERSERVE_TEST_FAULT_TOKEN"
 KV_SNAPSHOT_MIN_INTERVAL_S = 0.1
 KV_SNAPSHOT_BUDGET = 0.005
 
-
-@dataclass(frozen=True)
-class Capacity:
-    """What the KV pool holds; a pure function of the config and the model's shape."""
-
-    kv_bytes_per_token: int
-    num_blocks: int
-    block_size: int
-    total_tokens: int
-    max_model_len: int
-    max_full_length_seqs: int
-
-    @classmethod
-    def of(cls, config: EngineConfig, model_config: ModelConfig, dtype_bytes: int | None = None) -> Capacity:
-        """Raises ValueError when the pool cannot hold one block or one max_model_len sequence.
-
-        Under tensor parallelism the pool is one rank's: ``kv_cache_memory`` is per rank, and a rank's
-        token holds only its KV heads, so the same memory holds more tokens.
-        """
-        bs = config.block_size
-        shard = model_config.tensor_parallel_shard(config.tensor_parallel_size)
-        per_token = shard.kv_bytes_per_token(dtype_bytes or parse_dtype(config.dtype).itemsize)
-        num_blocks = config.num_kv_blocks or parse_size(config.kv_cache_memory) // (bs * per_token)
-        if num_blocks < 1:
-            raise ValueError(f"KV cache memory {config.kv_cache_memory!r} does not hold a single block of {bs} tokens")
-        capacity = num_blocks * bs
-        max_len = config.max_model_len or min(model_config.max_position_embeddings, capacity)
-        if max_len > model_config.max_position_embeddings:
-            raise ValueError(
-                f"max_model_len {max_len} exceeds the model's maximum context ({model_config.max_position_embeddings})"
-            )
-        if max_len > capacity:
-            raise ValueError(
-                f"max_model_len {max_len} needs more KV cache than the pool holds ({capacity} tokens in "
-                f"{num_blocks} blocks); raise kv_cache_memory/num_kv_blocks or lower max_model_len"
-            )
-        return cls(per_token, num_blocks, bs, capacity, max_len, capacity // max_len)
-
-
-def check_prompt_ids(token_ids: list[int], vocab_size: int, max_model_len: int) -> None:
-    """A prompt's ids: not empty, leaving room for one generated token, each in the vocabulary
-    (the length first: it is cheap, and a huge list is refused before it is walked)."""
-    n = len(token_ids)
-    if not n:
-        raise RequestError("prompt is empty", "prompt")
-    if n >= max_model_len:
-        raise RequestError(f"prompt has {n} tokens but max_model_len is {max_model_len}: no room for a generated "
-                           "token", "prompt", "context_length_exceeded")
-    bad = [t for t in token_ids if not isinstance(t, int) or not 0 <= t < vocab_size]
-    if bad:
-        raise RequestError(f"prompt token ids must be integers in [0, {vocab_size}); got {bad[:5]}", "prompt")
-
-
-def check_prompt(token_ids: list[int], params: SamplingParams, vocab_size: int, max_model_len: int,
-                 max_num_seqs: int | None = None) -> int:
-    """Validate a tokenized request (the one home of these checks, for the server too); returns its
-    max_tokens resolved against max_model_len. Raises :class:`RequestError`."""
-    check_prompt_ids(token_ids, vocab_size, max_model_len)
-    outside = [t for t in params.logit_bias or {} if t >= vocab_size]
-    if outside:
-        raise SamplingParamsError("logit_bias", f"logit_bias token ids must be in [0, {vocab_size}); got {outside[:5]}")
-    if params.structured_outputs is not None and params.num_seqs > 1:
-        raise SamplingParamsError("n", "n or best_of above 1 cannot be combined with structured output yet")
-    if max_num_seqs is not None and params.num_seqs > max_num_seqs:
-        raise SamplingParamsError("n", f"n/best_of ({params.num_seqs}) exceeds max_num_seqs ({max_num_seqs}): "
-                                       "the sequences could never run together")
-    n = len(token_ids)
-    max_tokens = params.max_tokens if params.max_tokens is not None else max_model_len - n
-    if n + max_tokens > max_model_len:
-        raise RequestError(
-            f"prompt ({n} tokens) + max_tokens ({max_tokens}) = {n + max_tokens} exceeds "
-            f"max_model_len ({max_model_len})", "max_tokens", "context_length_exceeded",
-        )
-    return max_tokens
+ORPHAN_CHECK_S = 1.0  # how often an idle core checks that the API process is still there (a busy one: every step)
 
 
 def stop_token_ids(params: SamplingParams, model_config: ModelConfig, tokenizer: Tokenizer | None) -> frozenset[int]:
@@ -142,36 +77,27 @@ def stop_token_ids(params: SamplingParams, model_config: ModelConfig, tokenizer:
 
 
 class EngineCore:
-    """With ``tensor_parallel_size`` > 1 this is rank 0: it starts (or, under torchrun, joins) the workers
-    and holds the first shard of the model."""
+    """The scheduler, the block manager and every request's state, over an :class:`Executor` that runs the
+    model: in this process, or over tensor-parallel workers with this process as rank 0. ``executor``
+    plugs in another (built for ``config``); by default :func:`start_executor` picks one."""
 
-    def __init__(self, config: EngineConfig, loaded: LoadedModel | None = None) -> None:
+    def __init__(self, config: EngineConfig, loaded: LoadedModel | None = None,
+                 executor: Executor | None = None) -> None:
+        if executor is not None and loaded is not None:
+            raise ValueError("give the engine core a loaded model or an executor, not both")
         self.config = config
-        self.executor: Executor | None = None
-        if config.tensor_parallel_size > 1:
-            if loaded is not None:
-                raise ValueError("loaded= shares one process's whole model; it cannot be combined with "
-                                 "tensor_parallel_size > 1, where each rank loads its shard")
-            # a model that does not split is refused here, before any worker starts to find out alone
-            load_model_info(config.model)[0].tensor_parallel_shard(config.tensor_parallel_size)
-            self.executor = Executor.start(config)
+        self.executor = executor or start_executor(config, loaded)
         try:
-            self.loaded = loaded or load_model(config.model, config.dtype, self.executor.device if self.executor
-                                               else config.device, config.seed,
-                                               parallel=self.executor.parallel if self.executor else None)
-            self.model_config = self.loaded.config
-            model = self.loaded.model
-            self.capacity = Capacity.of(config, self.model_config, model.dtype.itemsize)
+            self.model_config = self.executor.model_config
+            self.tokenizer = self.executor.tokenizer
+            self.model_name = self.executor.model_name
+            self.capacity = self.executor.capacity
             self.max_model_len = self.capacity.max_model_len
             bs, num_blocks = config.block_size, self.capacity.num_blocks
             self.block_manager = BlockManager(num_blocks, bs, config.enable_prefix_caching)
             self.scheduler = Scheduler(config.scheduler_config(self.max_model_len), self.block_manager)
-            self.runner = ModelRunner(model, num_blocks, bs, config.seed, self.executor)
-            if self.executor is not None:
-                self.executor.ready()
         except BaseException:
-            if self.executor is not None:
-                self.executor.abort()
+            self.executor.abort()
             raise
         self.requests: dict[str, Sequence] = {}
         self._grammar_compiler: GrammarCompiler | None = None
@@ -195,7 +121,7 @@ class EngineCore:
         c = self.capacity
         logger.info(
             "KV cache: %d bytes/token (%s), %d blocks x %d tokens = %d tokens; %d sequences of max_model_len=%d fit",
-            c.kv_bytes_per_token, str(model.dtype).removeprefix("torch."), c.num_blocks, bs, c.total_tokens,
+            c.kv_bytes_per_token, str(self.executor.dtype).removeprefix("torch."), c.num_blocks, bs, c.total_tokens,
             c.max_full_length_seqs, c.max_model_len,
         )
 
@@ -210,7 +136,7 @@ class EngineCore:
         ids = request.prompt_token_ids
         max_tokens = check_prompt(ids, params, self.model_config.vocab_size, self.max_model_len,
                                   self.config.max_num_seqs)
-        stop_ids = stop_token_ids(params, self.model_config, self.loaded.tokenizer)
+        stop_ids = stop_token_ids(params, self.model_config, self.tokenizer)
         group = [
             Sequence(
                 request_id=rid, prompt=None, prompt_token_ids=list(ids), params=params, max_tokens=max_tokens,
@@ -231,7 +157,7 @@ class EngineCore:
         if seed is None:
             return None
         derived = seed if index == 0 else hash((seed, index)) % 2**63  # ints and tuples hash stably
-        return torch.Generator(self.runner.device).manual_seed(derived % 2**64)
+        return torch.Generator(self.executor.device).manual_seed(derived % 2**64)
 
     def _grammar_for(self, params: SamplingParams) -> GrammarMatcher | None:
         """A fresh matcher for a constrained request (check_prompt allows one sequence per such request)."""
@@ -241,9 +167,9 @@ class EngineCore:
         """The compiler for this model's vocabulary, built at the first constrained request (1.3-1.9 s
         for SmolLM2's 49k vocabulary, holding the GIL) so that engines that never see one do not pay."""
         if self._grammar_compiler is None:
-            if self.loaded.tokenizer is None:
-                raise ValueError(f"model {self.loaded.name!r} has no tokenizer, which structured output needs")
-            self._grammar_compiler = GrammarCompiler(self.loaded.tokenizer, self.model_config.vocab_size)
+            if self.tokenizer is None:
+                raise ValueError(f"model {self.model_name!r} has no tokenizer, which structured output needs")
+            self._grammar_compiler = GrammarCompiler(self.tokenizer, self.model_config.vocab_size)
         return self._grammar_compiler
 
     def abort_request(self, request_id: str) -> bool:
@@ -284,7 +210,7 @@ class EngineCore:
                 s.seq.metrics.num_cached_tokens = s.seq.num_cached_tokens
         try:
             self._inject_fault(sched)
-            _, result = self.runner.execute(sched.scheduled, sched.block_copies)
+            result = self.executor.execute_model(sched.scheduled, sched.block_copies)
             update = self.scheduler.update_from_output(sched, result)
         except TensorParallelError:
             raise  # a lost rank is fatal: failing this step's requests and going on would fail every step
@@ -412,5 +338,85 @@ class EngineCore:
         if self._trace is not None:
             self._trace.close()
             self._trace = None
-        if self.executor is not None:
-            self.executor.close()
+        self.executor.close()
+
+
+# -- the server's core process ---------------------------------------------------------------------
+
+
+def run_engine_core(config: EngineConfig, input_addr: str, output_addr: str, log_level: str,
+                    num_threads: int | None = None) -> None:
+    """The core process's entry point: load the model, then run the busy loop on this main thread
+    (with ``num_threads`` torch threads where replicas share the CPU).
+
+    Signals are ignored here: the API process decides when the core stops (it sends Shutdown), and
+    an orphaned core notices its parent is gone and exits.
+    """
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    if num_threads is not None:
+        torch.set_num_threads(num_threads)
+    logging.basicConfig(level=log_level.upper(), format="%(levelname)s %(name)s: %(message)s")
+    ctx = zmq.Context()
+    inputs = ctx.socket(zmq.PULL)
+    inputs.connect(input_addr)
+    outputs = ctx.socket(zmq.PUSH)
+    outputs.connect(output_addr)
+    encoder = msgspec.msgpack.Encoder()
+    parent = os.getppid()
+    try:
+        core = EngineCore(config)
+    except Exception as e:  # noqa: BLE001 - the API process must hear why the core did not start
+        logger.exception("the engine core could not start")
+        outputs.send(encoder.encode(EngineFailed(f"{type(e).__name__}: {e}")))
+        outputs.close(linger=2000)
+        raise SystemExit(1) from None
+    core.emit_steps = True  # every step's record goes to the API process (its dashboard)
+    outputs.send(encoder.encode(EngineReady(os.getpid())))
+    try:
+        _busy_loop(core, inputs, outputs, encoder, parent)
+    except Exception as e:  # noqa: BLE001 - a broken loop is fatal; say so before exiting
+        logger.exception("the engine core loop failed")
+        outputs.send(encoder.encode(EngineFailed(f"the engine core loop failed: {type(e).__name__}: {e}")))
+        raise SystemExit(1) from None
+    finally:
+        core.close()
+        outputs.close(linger=2000)
+        inputs.close(linger=0)
+        ctx.term()
+
+
+def _busy_loop(core: EngineCore, inputs: zmq.Socket, outputs: zmq.Socket, encoder: msgspec.msgpack.Encoder,
+               parent: int) -> None:
+    decoder = msgspec.msgpack.Decoder(EngineCoreInput)
+    while True:
+        if not core.has_unfinished_requests():
+            while not inputs.poll(int(ORPHAN_CHECK_S * 1000)) and os.getppid() == parent:
+                pass
+        if os.getppid() != parent:  # nobody reads the outputs any more: a send would block for ever
+            logger.warning("the API process is gone; the engine core exits")
+            return
+        errors: list[EngineCoreOutput] = []
+        while True:
+            try:
+                msg = decoder.decode(inputs.recv(zmq.NOBLOCK))
+            except zmq.Again:
+                break
+            if isinstance(msg, Shutdown):
+                return
+            if isinstance(msg, AbortRequests):
+                for request_id in msg.request_ids:
+                    core.abort_request(request_id)
+                continue
+            if isinstance(msg, WatchKV):
+                core.watch_kv = msg.on
+                continue
+            try:
+                core.add_request(msg)
+            except ValueError as e:  # the API side validates first; this is a second line of defence
+                logger.warning("refused request %s: %s", msg.request_id, e)
+                errors.append(EngineCoreOutput(msg.request_id, [], time.perf_counter(), finish_reason="error"))
+        step = core.step() if core.has_unfinished_requests() else EngineCoreOutputs([], core.stats())
+        step.outputs[:0] = errors
+        step.kv = core.kv_snapshot(force=not core.has_unfinished_requests())  # an idle pool's last state
+        outputs.send(encoder.encode(step))

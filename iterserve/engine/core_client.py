@@ -1,9 +1,10 @@
-"""The server's engine: the EngineCore in a process of its own, and the client the API process uses.
+"""The client the API process uses to run the EngineCore in a process of its own.
 
 The core process (spawned, so it shares no torch state with the API process) loads the model and
-runs the busy loop on its main thread: drain the input socket, step, push one batch of deltas and
-the scheduler's counters. The API process (HTTP, tokenization, detokenization, stop strings)
-holds the model's config and tokenizer only. Two ZeroMQ sockets over IPC carry msgspec messages:
+runs the busy loop on its main thread (:func:`iterserve.engine.core.run_engine_core`): drain the
+input socket, step, push one batch of deltas and the scheduler's counters. The API process (HTTP,
+tokenization, detokenization, stop strings) holds the model's config and tokenizer only. Two ZeroMQ
+sockets over IPC carry msgspec messages:
 
     API process --PUSH--> [EngineCoreRequest | AbortRequests | Shutdown] --PULL--> core
     API process <--PULL-- [EngineReady | EngineCoreOutputs | EngineFailed] <--PUSH-- core
@@ -21,11 +22,8 @@ import asyncio
 import dataclasses
 import logging
 import multiprocessing
-import os
 import shutil
-import signal
 import tempfile
-import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -36,13 +34,13 @@ import torch
 import zmq
 import zmq.asyncio
 
-from iterserve.config import ModelConfig
-from iterserve.engine.core import Capacity, EngineConfig, EngineCore, check_prompt
+from iterserve.config import EngineConfig, ModelConfig
+from iterserve.engine.capacity import Capacity
+from iterserve.engine.core import run_engine_core
 from iterserve.engine.messages import (
     AbortRequests,
     EngineCoreEvent,
     EngineCoreInput,
-    EngineCoreOutput,
     EngineCoreOutputs,
     EngineCoreRequest,
     EngineFailed,
@@ -55,108 +53,14 @@ from iterserve.engine.messages import (
 )
 from iterserve.engine.output_processor import OutputProcessor, RequestOutputKind
 from iterserve.engine.router import Router
+from iterserve.engine.validation import check_prompt
+from iterserve.errors import EngineDeadError, QueueFullError, RequestFailedError
 from iterserve.models.loader import load_model_info
 from iterserve.outputs import RequestOutput
 from iterserve.sampling_params import SamplingParams
 from iterserve.tokenizer import Tokenizer
 
 logger = logging.getLogger(__name__)
-
-ORPHAN_CHECK_S = 1.0  # how often an idle core checks that the API process is still there (a busy one: every step)
-
-
-class QueueFullError(Exception):
-    """Admission control refused the request: too many are already waiting."""
-
-
-class EngineDeadError(RuntimeError):
-    """The engine process has stopped (it died, or the server is shutting down)."""
-
-
-class RequestFailedError(RuntimeError):
-    """A step that ran this request failed in the core; the traceback is in the core's log."""
-
-
-# -- the core process ---------------------------------------------------------------------------
-
-
-def run_engine_core(config: EngineConfig, input_addr: str, output_addr: str, log_level: str,
-                    num_threads: int | None = None) -> None:
-    """The core process's entry point: load the model, then run the busy loop on this main thread
-    (with ``num_threads`` torch threads where replicas share the CPU).
-
-    Signals are ignored here: the API process decides when the core stops (it sends Shutdown), and
-    an orphaned core notices its parent is gone and exits.
-    """
-    signal.signal(signal.SIGINT, signal.SIG_IGN)
-    signal.signal(signal.SIGTERM, signal.SIG_IGN)
-    if num_threads is not None:
-        torch.set_num_threads(num_threads)
-    logging.basicConfig(level=log_level.upper(), format="%(levelname)s %(name)s: %(message)s")
-    ctx = zmq.Context()
-    inputs = ctx.socket(zmq.PULL)
-    inputs.connect(input_addr)
-    outputs = ctx.socket(zmq.PUSH)
-    outputs.connect(output_addr)
-    encoder = msgspec.msgpack.Encoder()
-    parent = os.getppid()
-    try:
-        core = EngineCore(config)
-    except Exception as e:  # noqa: BLE001 - the API process must hear why the core did not start
-        logger.exception("the engine core could not start")
-        outputs.send(encoder.encode(EngineFailed(f"{type(e).__name__}: {e}")))
-        outputs.close(linger=2000)
-        raise SystemExit(1) from None
-    core.emit_steps = True  # every step's record goes to the API process (its dashboard)
-    outputs.send(encoder.encode(EngineReady(os.getpid())))
-    try:
-        _busy_loop(core, inputs, outputs, encoder, parent)
-    except Exception as e:  # noqa: BLE001 - a broken loop is fatal; say so before exiting
-        logger.exception("the engine core loop failed")
-        outputs.send(encoder.encode(EngineFailed(f"the engine core loop failed: {type(e).__name__}: {e}")))
-        raise SystemExit(1) from None
-    finally:
-        core.close()
-        outputs.close(linger=2000)
-        inputs.close(linger=0)
-        ctx.term()
-
-
-def _busy_loop(core: EngineCore, inputs: zmq.Socket, outputs: zmq.Socket, encoder: msgspec.msgpack.Encoder,
-               parent: int) -> None:
-    decoder = msgspec.msgpack.Decoder(EngineCoreInput)
-    while True:
-        if not core.has_unfinished_requests():
-            while not inputs.poll(int(ORPHAN_CHECK_S * 1000)) and os.getppid() == parent:
-                pass
-        if os.getppid() != parent:  # nobody reads the outputs any more: a send would block for ever
-            logger.warning("the API process is gone; the engine core exits")
-            return
-        errors: list[EngineCoreOutput] = []
-        while True:
-            try:
-                msg = decoder.decode(inputs.recv(zmq.NOBLOCK))
-            except zmq.Again:
-                break
-            if isinstance(msg, Shutdown):
-                return
-            if isinstance(msg, AbortRequests):
-                for request_id in msg.request_ids:
-                    core.abort_request(request_id)
-                continue
-            if isinstance(msg, WatchKV):
-                core.watch_kv = msg.on
-                continue
-            try:
-                core.add_request(msg)
-            except ValueError as e:  # the API side validates first; this is a second line of defence
-                logger.warning("refused request %s: %s", msg.request_id, e)
-                errors.append(EngineCoreOutput(msg.request_id, [], time.perf_counter(), finish_reason="error"))
-        step = core.step() if core.has_unfinished_requests() else EngineCoreOutputs([], core.stats())
-        step.outputs[:0] = errors
-        step.kv = core.kv_snapshot(force=not core.has_unfinished_requests())  # an idle pool's last state
-        outputs.send(encoder.encode(step))
-
 
 # -- the API process's side ------------------------------------------------------------------------
 

@@ -12,9 +12,11 @@ import itertools
 import time
 from collections import deque
 
+from iterserve.config import EngineConfig
 from iterserve.engine.block_manager import BlockManager
-from iterserve.engine.core import Capacity, EngineConfig, EngineCore, StepStats, parse_size
-from iterserve.engine.messages import EngineCoreRequest
+from iterserve.engine.capacity import Capacity
+from iterserve.engine.core import EngineCore
+from iterserve.engine.messages import EngineCoreRequest, StepStats
 from iterserve.engine.output_processor import OutputProcessor, RequestOutputKind
 from iterserve.engine.scheduler import Scheduler
 from iterserve.engine.sequence import Sequence
@@ -22,16 +24,13 @@ from iterserve.models.loader import LoadedModel
 from iterserve.outputs import RequestOutput
 from iterserve.sampling_params import SamplingParams
 
-__all__ = ["EngineConfig", "LLMEngine", "StepStats", "parse_size"]
-
 
 class LLMEngine:
     def __init__(self, config: EngineConfig, loaded: LoadedModel | None = None) -> None:
         self.config = config
         self.core = EngineCore(config, loaded)
-        self.loaded = self.core.loaded
-        self.model_config = self.loaded.config
-        self.tokenizer = self.loaded.tokenizer
+        self.model_config = self.core.model_config
+        self.tokenizer = self.core.tokenizer
         self.max_model_len = self.core.max_model_len
         self.output_processor = OutputProcessor(self.tokenizer)
         self._ids = itertools.count()
@@ -51,7 +50,7 @@ class LLMEngine:
         request_id = request_id if request_id is not None else str(next(self._ids))
         if isinstance(prompt, str):
             if self.tokenizer is None:
-                raise ValueError(f"model {self.loaded.name!r} has no tokenizer; pass the prompt as token ids")
+                raise ValueError(f"model {self.core.model_name!r} has no tokenizer; pass the prompt as token ids")
             text, token_ids = prompt, self.tokenizer.encode(prompt)
         else:
             text, token_ids = None, list(prompt)

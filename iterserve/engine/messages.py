@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import msgspec
 
-from iterserve.engine.sequence import TokenLogprobs
+from iterserve.outputs import TokenLogprobs
 from iterserve.sampling_params import SamplingParams
 
 

@@ -9,18 +9,14 @@ token was computed in this step.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
 
 import torch
 
-from iterserve.attention import AttentionMetadata, KVCache
+from iterserve.attention import AttentionMetadata, KVCache, select_backend
+from iterserve.engine.sampler import Sampler, SampleResult, SamplingRow, bitmask_words, token_logprobs
 from iterserve.engine.scheduler import ScheduledSeq, sampling_seqs
 from iterserve.engine.sequence import Sequence
 from iterserve.models.llama import LlamaModel
-from iterserve.sampler import Sampler, SampleResult, SamplingRow, bitmask_words, token_logprobs
-
-if TYPE_CHECKING:
-    from iterserve.distributed.executor import Executor
 
 
 @dataclass
@@ -37,23 +33,41 @@ class StepInputs:
     block_copies: list[tuple[int, int]] = field(default_factory=list)
 
 
-class ModelRunner:
-    """``executor`` (tensor parallelism, on rank 0) receives each step's inputs before the forward pass
-    runs here, so that the workers run the same pass on their shards."""
+@dataclass
+class PreparedStep:
+    """One step's inputs and what sampling needs once the logits are back."""
 
-    def __init__(self, model: LlamaModel, num_blocks: int, block_size: int, seed: int = 0,
-                 executor: Executor | None = None) -> None:
+    inputs: StepInputs
+    scheduled: list[ScheduledSeq]
+    sampled: list[ScheduledSeq]  # the sequences that produce a token, in order
+    seqs: list[Sequence]  # one per sampling row (a forking parent is followed by its children)
+    num_sampling: int  # logits rows of sampled tokens; prompt-logprob rows follow
+    prompt_spans: list[tuple[int, int, int, int]]  # (scheduled index, first row, first token, count)
+    bitmask: torch.Tensor | None  # the grammars' allowed tokens, one row per sampling sequence
+
+
+class ModelRunner:
+    """Owns this rank's model and KV cache tensors; one step is :meth:`prepare` (rank 0), :meth:`forward`
+    (every rank) and :meth:`sample` (rank 0), which :meth:`execute` runs in a row in one process."""
+
+    def __init__(self, model: LlamaModel, num_blocks: int, block_size: int, seed: int = 0) -> None:
         self.model = model
         self.device = model.device
         self.block_size = block_size
         self.kv_caches: list[KVCache] = model.allocate_kv_cache(num_blocks, block_size)
+        self.attn_backend = select_backend(self.device)  # chosen once; passed to the model with each step
         self.sampler = Sampler(torch.Generator(device=self.device).manual_seed(seed))
-        self.executor = executor
 
     @torch.inference_mode()
     def execute(self, scheduled: list[ScheduledSeq],
                 block_copies: list[tuple[int, int]] | None = None) -> tuple[list[ScheduledSeq], SampleResult]:
-        """Run one step. Returns the sequences that produced a token (in order) and the samples.
+        """Run one step. Returns the sequences that produced a token (in order) and the samples."""
+        prepared = self.prepare(scheduled, block_copies)
+        return prepared.sampled, self.sample(prepared, self.forward(prepared.inputs))
+
+    @torch.inference_mode()
+    def prepare(self, scheduled: list[ScheduledSeq], block_copies: list[tuple[int, int]] | None = None) -> PreparedStep:
+        """Flatten the scheduled sequences into one step's inputs.
 
         ``block_copies`` (copy-on-write of blocks shared by forked sequences) are done first. A
         sequence that forks now is followed in the samples by its children, each drawing from the
@@ -90,25 +104,26 @@ class ModelRunner:
             list(block_copies or []),
         )
         seqs = sampling_seqs(scheduled)
-        bitmask = self._grammar_bitmask(seqs)
-        if self.executor is not None:
-            logits = self.executor.execute(inputs, self.forward)
-        else:
-            logits = self.forward(inputs)
+        return PreparedStep(inputs, scheduled, sampled, seqs, num_sampling, prompt_spans, self._grammar_bitmask(seqs))
+
+    @torch.inference_mode()
+    def sample(self, prepared: PreparedStep, logits: torch.Tensor) -> SampleResult:
+        """Sample each sampling row, then take the prompt logprobs asked for."""
+        bitmask, num_sampling = prepared.bitmask, prepared.num_sampling
         rows = [
             SamplingRow(seq.params, seq.prompt_token_ids, seq.output_token_ids, seq.stop_ids, seq.generator,
                         None if seq.grammar is None or bitmask is None else bitmask[i])
-            for i, seq in enumerate(seqs)
+            for i, seq in enumerate(prepared.seqs)
         ]
         result = self.sampler(logits[:num_sampling], rows) if rows else SampleResult([], [])
         offset = num_sampling
-        for k, _, first_token, count in prompt_spans:
-            seq = scheduled[k].seq
+        for k, _, first_token, count in prepared.prompt_spans:
+            seq = prepared.scheduled[k].seq
             logprobs = torch.log_softmax(logits[offset:offset + count].float(), dim=-1)
             tokens = seq.prompt_token_ids[first_token:first_token + count]
             result.prompt_logprobs[k] = (first_token, token_logprobs(logprobs, tokens, seq.params.prompt_logprobs or 0))
             offset += count
-        return sampled, result
+        return result
 
     @torch.inference_mode()
     def forward(self, inputs: StepInputs) -> torch.Tensor:
@@ -125,6 +140,7 @@ class ModelRunner:
             torch.tensor(inputs.positions, dtype=torch.long, device=dev),
             self.kv_caches,
             meta,
+            self.attn_backend,
             torch.tensor(inputs.logits_rows, dtype=torch.long, device=dev),
         )
 

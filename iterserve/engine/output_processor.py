@@ -16,8 +16,15 @@ import enum
 from dataclasses import dataclass, field
 
 from iterserve.engine.messages import EngineCoreOutput
-from iterserve.engine.sequence import RequestMetrics, TokenLogprobs
-from iterserve.outputs import CompletionOutput, Logprob, PromptLogprobs, RequestOutput, SampleLogprobs
+from iterserve.outputs import (
+    CompletionOutput,
+    Logprob,
+    PromptLogprobs,
+    RequestMetrics,
+    RequestOutput,
+    SampleLogprobs,
+    TokenLogprobs,
+)
 from iterserve.sampling_params import SamplingParams
 from iterserve.tokenizer import IncrementalDetokenizer, Tokenizer
 

@@ -23,8 +23,8 @@ from dataclasses import dataclass, field
 from iterserve.config import SchedulerConfig
 from iterserve.engine.block_manager import BlockManager
 from iterserve.engine.messages import BatchRow
+from iterserve.engine.sampler import SampleResult
 from iterserve.engine.sequence import Sequence, SequenceStatus
-from iterserve.sampler import SampleResult
 
 logger = logging.getLogger(__name__)
 

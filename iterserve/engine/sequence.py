@@ -8,67 +8,17 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from iterserve.outputs import RequestMetrics, TokenLogprobs
 from iterserve.sampling_params import SamplingParams
 
-# One token's logprobs: token id -> (logprob, rank in the vocabulary, 1 = most likely).
-TokenLogprobs = dict[int, tuple[float, int]]
 if TYPE_CHECKING:
-    from iterserve.structured_output import GrammarMatcher
+    from iterserve.engine.structured_output import GrammarMatcher
 
 
 class SequenceStatus(enum.Enum):
     WAITING = "waiting"
     RUNNING = "running"
     FINISHED = "finished"
-
-
-@dataclass
-class RequestMetrics:
-    """Wall-clock timestamps (seconds, ``time.perf_counter`` base) and counts for one request."""
-
-    arrival_time: float
-    first_scheduled_time: float | None = None
-    first_token_time: float | None = None
-    token_times: list[float] = field(default_factory=list)
-    finished_time: float | None = None
-    num_prompt_tokens: int = 0
-    num_cached_tokens: int = 0
-    num_output_tokens: int = 0
-    num_preemptions: int = 0
-
-    @property
-    def ttft(self) -> float | None:
-        """Time to first token: arrival to the first generated token."""
-        return None if self.first_token_time is None else self.first_token_time - self.arrival_time
-
-    @property
-    def queue_time(self) -> float | None:
-        return None if self.first_scheduled_time is None else self.first_scheduled_time - self.arrival_time
-
-    @property
-    def e2e_latency(self) -> float | None:
-        return None if self.finished_time is None else self.finished_time - self.arrival_time
-
-    @property
-    def itl(self) -> list[float]:
-        """Inter-token latencies: gaps between consecutive generated tokens."""
-        return [b - a for a, b in zip(self.token_times, self.token_times[1:])]
-
-    @property
-    def tpot(self) -> float | None:
-        """Time per output token after the first: (last - first token time) / (tokens - 1)."""
-        if len(self.token_times) < 2:
-            return None
-        return (self.token_times[-1] - self.token_times[0]) / (len(self.token_times) - 1)
-
-    def as_dict(self) -> dict[str, float | int | None]:
-        return {
-            "arrival_time": self.arrival_time, "first_scheduled_time": self.first_scheduled_time,
-            "first_token_time": self.first_token_time, "finished_time": self.finished_time,
-            "ttft": self.ttft, "tpot": self.tpot, "e2e_latency": self.e2e_latency, "queue_time": self.queue_time,
-            "num_prompt_tokens": self.num_prompt_tokens, "num_cached_tokens": self.num_cached_tokens,
-            "num_output_tokens": self.num_output_tokens, "num_preemptions": self.num_preemptions,
-        }
 
 
 @dataclass(eq=False)  # identity: the sequences of one request share most of their fields

@@ -19,8 +19,8 @@ from iterserve.planner.roofline import (
     DEFAULT_BLOCK_SIZE,
     DEFAULT_CONTEXT,
     DEFAULT_GPU_MEMORY_UTILIZATION,
-    Capacity,
     Cost,
+    MemoryPlan,
     Plan,
     RooflinePoint,
     SweepPoint,
@@ -43,7 +43,7 @@ from iterserve.planner.roofline import (
 
 __all__ = [
     "ACCELERATORS", "DEFAULT_BLOCK_SIZE", "DEFAULT_CONTEXT", "DEFAULT_GPU_MEMORY_UTILIZATION", "Accelerator",
-    "Capacity", "Cost",
+    "Cost", "MemoryPlan",
     "Plan", "RooflinePoint", "SweepPoint", "attention_flops_per_token", "build_plan", "check_context",
     "check_positive", "custom_accelerator", "decode_cost", "decode_knee", "default_batches",
     "find_preset", "get_accelerator", "kv_bytes_per_token", "kv_capacity", "layer_matmul_parameters",

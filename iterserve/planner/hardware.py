@@ -15,7 +15,7 @@ from dataclasses import asdict, dataclass, field
 from importlib import resources
 from typing import Any
 
-from iterserve.dtypes import canonical_dtype
+from iterserve.config.dtypes import canonical_dtype
 
 GiB = 2**30
 TFLOPS = 1e12

@@ -40,7 +40,7 @@ from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from iterserve.dtypes import canonical_dtype, dtype_bytes
+from iterserve.config.dtypes import canonical_dtype, dtype_bytes
 from iterserve.planner.hardware import Accelerator, GiB, Interconnect, get_interconnect
 
 if TYPE_CHECKING:
@@ -215,7 +215,9 @@ def decode_knee(
 
 
 @dataclass(frozen=True)
-class Capacity:
+class MemoryPlan:
+    """How an accelerator's memory splits between the weights and the KV cache, and what that cache holds."""
+
     memory_bytes: int
     usable_bytes: int  # memory x gpu_memory_utilization
     weight_bytes: int
@@ -236,7 +238,7 @@ def kv_capacity(
     kv_dtype: str | None = None,
     gpu_memory_utilization: float = DEFAULT_GPU_MEMORY_UTILIZATION,
     block_size: int = DEFAULT_BLOCK_SIZE,
-) -> Capacity:
+) -> MemoryPlan:
     """KV memory left after the weights, in tokens and in sequences of ``context`` tokens.
 
     Memory is handed out in blocks of ``block_size`` tokens, so a sequence holds
@@ -258,7 +260,7 @@ def kv_capacity(
     budget = usable - weights
     blocks = budget // (kv * block_size)
     per_seq_blocks = -(-context // block_size)
-    return Capacity(
+    return MemoryPlan(
         memory_bytes=hw.memory_bytes,
         usable_bytes=usable,
         weight_bytes=weights,
@@ -302,7 +304,7 @@ class Plan:
     peak_flops: float
     bandwidth: float
     ops_per_byte: float
-    capacity: Capacity
+    capacity: MemoryPlan
     knee_batch: int | None  # at `context`
     knee_batch_no_kv: int | None  # the weights-only limit (context -> 0)
     decode_intensity_limit: float  # intensity as batch -> infinity: per-sequence FLOPs / KV bytes
@@ -401,35 +403,16 @@ def build_plan(
     knee_point = point(knee) if knee is not None else None
     at_batch = next(p for p in sweep if p.batch == batch)
     return Plan(
-        model=model_label(whole),
-        hardware=hw,
-        dtype=dtype,
-        kv_dtype=kv_dtype,
-        context=context,
-        prompt_len=prompt_len,
-        batch=batch,
-        gpu_memory_utilization=gpu_memory_utilization,
-        num_parameters=whole.num_parameters(),
-        matmul_parameters=matmul_parameters(cfg),
-        weight_bytes=weight_bytes(cfg, dtype),
-        streamed_weight_bytes=streamed_weight_bytes(cfg, dtype),
-        kv_bytes_per_token=kv_bytes_per_token(cfg, kv_dtype),
-        peak_flops=peak,
-        bandwidth=hw.bandwidth,
-        ops_per_byte=ratio,
-        capacity=capacity,
-        knee_batch=knee,
-        knee_batch_no_kv=knee_no_kv,
+        model=model_label(whole), hardware=hw, dtype=dtype, kv_dtype=kv_dtype, context=context,
+        prompt_len=prompt_len, batch=batch, gpu_memory_utilization=gpu_memory_utilization,
+        num_parameters=whole.num_parameters(), matmul_parameters=matmul_parameters(cfg),
+        weight_bytes=weight_bytes(cfg, dtype), streamed_weight_bytes=streamed_weight_bytes(cfg, dtype),
+        kv_bytes_per_token=kv_bytes_per_token(cfg, kv_dtype), peak_flops=peak, bandwidth=hw.bandwidth,
+        ops_per_byte=ratio, capacity=capacity, knee_batch=knee, knee_batch_no_kv=knee_no_kv,
         decode_intensity_limit=limit,
         prefill=roofline(prefill_cost(cfg, prompt_len, 1, dtype, kv_dtype), hw, dtype,
                          tensor_parallel_comm_s(whole, prompt_len, 1, tp, link, dtype)),
-        decode=at_batch.decode,
-        ttft_s=at_batch.ttft_s,
-        tpot_s=at_batch.decode.time_s,
-        tokens_per_s=at_batch.tokens_per_s,
-        sweep=sweep,
-        knee_point=knee_point,
-        tensor_parallel_size=tp,
-        interconnect=link,
-        total_weight_bytes=weight_bytes(whole, dtype),
+        decode=at_batch.decode, ttft_s=at_batch.ttft_s, tpot_s=at_batch.decode.time_s,
+        tokens_per_s=at_batch.tokens_per_s, sweep=sweep, knee_point=knee_point, tensor_parallel_size=tp,
+        interconnect=link, total_weight_bytes=weight_bytes(whole, dtype),
     )

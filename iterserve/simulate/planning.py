@@ -38,6 +38,7 @@ def planner_terms(
     named one (``gpu``) with any of ``flops``/``bandwidth``/``memory`` replaced, or, without a name,
     ``flops`` and ``bandwidth`` given. Quantities are read as ``iterserve plan`` reads them ("312" is
     TFLOP/s, "2039" GB/s, "40" GiB, or with a unit)."""
+    from iterserve.config.units import parse_bandwidth, parse_flops, parse_size
     from iterserve.models.loader import load_model_config
     from iterserve.planner.hardware import GiB, custom_accelerator, get_accelerator
     from iterserve.planner.roofline import (
@@ -48,7 +49,6 @@ def planner_terms(
         streamed_weight_bytes,
         weight_bytes,
     )
-    from iterserve.planner_cli import parse_bandwidth, parse_flops, parse_memory
 
     cfg = load_model_config(model)
     layer = layer_matmul_parameters(cfg)
@@ -65,7 +65,7 @@ def planner_terms(
         return PlannerTerms(**terms)
     f = parse_flops(flops) if flops is not None else None
     bw = parse_bandwidth(bandwidth) if bandwidth is not None else None
-    mem = parse_memory(memory) if memory is not None else None
+    mem = parse_size(memory) if memory is not None else None
     if gpu is not None:
         hw = get_accelerator(gpu).with_overrides(flops=f, dtype=dtype, bandwidth=bw, memory_bytes=mem)
     elif f is None or bw is None:

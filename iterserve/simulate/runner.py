@@ -36,9 +36,10 @@ from iterserve.bench.workloads import FIRST_RANDOM_TOKEN_ID, Request, WorkloadSp
 from iterserve.config import Batching, KVAllocation, SchedulerConfig
 from iterserve.engine.block_manager import BlockManager
 from iterserve.engine.messages import StepStats
+from iterserve.engine.sampler import SampleResult
 from iterserve.engine.scheduler import ScheduledSeq, Scheduler, SchedulerOutput
-from iterserve.engine.sequence import RequestMetrics, Sequence
-from iterserve.sampler import SampleResult
+from iterserve.engine.sequence import Sequence
+from iterserve.outputs import RequestMetrics
 from iterserve.sampling_params import SamplingParams
 from iterserve.simulate.cost import CostModel, StepShape
 

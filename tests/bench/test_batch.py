@@ -9,7 +9,7 @@ import pytest
 from iterserve.bench.batch import BatchSweep, StepTimer, decode_step_timer, default_batch_sizes, sweep_batches
 from iterserve.bench.knee import measured_knee, non_monotone_steps, read_knee
 from iterserve.bench.validate import default_decode_timer
-from iterserve.cli import main
+from iterserve.cli.main import main
 from iterserve.models.loader import load_model
 
 TINY = "random:smollm2-135m?num_layers=2"

@@ -12,9 +12,8 @@ import pytest
 import uvicorn
 
 from iterserve.bench.workloads import WorkloadSpec, make_workload
-from iterserve.cli import main
-from iterserve.config import ServerConfig
-from iterserve.engine.core import EngineConfig
+from iterserve.cli.main import main
+from iterserve.config import EngineConfig, ServerConfig
 from iterserve.server.api_server import build_app
 
 TINY = "random:smollm2-135m?num_layers=2"

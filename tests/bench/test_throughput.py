@@ -11,12 +11,12 @@ import torch
 import transformers
 
 from iterserve.bench.charts import joins_chart, read_trace, sequence_spans, timeline_chart
-from iterserve.bench.cli import throughput_report
 from iterserve.bench.machine import MachineMonitor
 from iterserve.bench.throughput import run_hf_static, run_throughput, token_prompts
 from iterserve.bench.workloads import Request, WorkloadSpec, make_workload
-from iterserve.cli import main
-from iterserve.engine.llm_engine import EngineConfig
+from iterserve.cli.bench import throughput_report
+from iterserve.cli.main import main
+from iterserve.config import EngineConfig
 from iterserve.models.loader import load_model
 
 TINY = "random:smollm2-135m?num_layers=2"

@@ -6,7 +6,8 @@ import pytest
 
 from iterserve.engine.block_manager import BlockManager, chain_hash
 from iterserve.engine.messages import KV_CACHED, KV_FIRST_ROW, KV_FREE, KV_HELD, KV_SHARED
-from iterserve.engine.sequence import RequestMetrics, Sequence
+from iterserve.engine.sequence import Sequence
+from iterserve.outputs import RequestMetrics
 from iterserve.sampling_params import SamplingParams
 
 

@@ -9,9 +9,11 @@ import time
 import msgspec
 import pytest
 
+from iterserve.config import EngineConfig
 from iterserve.engine import core as core_module
-from iterserve.engine.core import FAULT_TOKEN_ENV, EngineConfig, EngineCore, check_prompt
+from iterserve.engine.core import FAULT_TOKEN_ENV, EngineCore
 from iterserve.engine.messages import KV_FIRST_ROW, BatchRow, EngineCoreRequest
+from iterserve.engine.validation import check_prompt
 from iterserve.errors import RequestError
 from iterserve.models.loader import load_model
 from iterserve.sampling_params import SamplingParams, SamplingParamsError

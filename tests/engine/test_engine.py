@@ -10,7 +10,8 @@ import pytest
 import torch
 
 from iterserve import LLM, SamplingParams
-from iterserve.engine.llm_engine import EngineConfig, LLMEngine
+from iterserve.config import EngineConfig
+from iterserve.engine.llm_engine import LLMEngine
 from iterserve.models.loader import load_model
 from tests.conftest import NUM_REFERENCE_TOKENS
 

@@ -9,7 +9,8 @@ import pytest
 import torch
 
 from iterserve import LLM, SamplingParams
-from iterserve.engine.llm_engine import EngineConfig, LLMEngine
+from iterserve.config import EngineConfig
+from iterserve.engine.llm_engine import LLMEngine
 from iterserve.engine.output_processor import RequestOutputKind
 
 PROMPT = "The three most important inventions of the last century were"

@@ -7,7 +7,8 @@ import pytest
 
 from iterserve.engine.block_manager import BlockManager
 from iterserve.engine.router import Replica, Router, prompt_block_hashes
-from iterserve.engine.sequence import RequestMetrics, Sequence
+from iterserve.engine.sequence import Sequence
+from iterserve.outputs import RequestMetrics
 from iterserve.sampling_params import SamplingParams
 
 BS = 4

@@ -7,9 +7,10 @@ import pytest
 
 from iterserve.config import SchedulerConfig
 from iterserve.engine.block_manager import BlockManager
+from iterserve.engine.sampler import SampleResult
 from iterserve.engine.scheduler import Scheduler, SchedulerOutput
-from iterserve.engine.sequence import RequestMetrics, Sequence, SequenceStatus
-from iterserve.sampler import SampleResult
+from iterserve.engine.sequence import Sequence, SequenceStatus
+from iterserve.outputs import RequestMetrics
 from iterserve.sampling_params import SamplingParams
 
 

@@ -14,8 +14,7 @@ from fastapi import FastAPI
 from prometheus_client.parser import text_string_to_metric_families
 
 from iterserve import LLM
-from iterserve.config import ServerConfig
-from iterserve.engine.core import EngineConfig
+from iterserve.config import EngineConfig, ServerConfig
 from iterserve.engine.core_client import EngineCoreClient
 from iterserve.server import build_app
 

@@ -20,8 +20,8 @@ from contextlib import contextmanager
 import httpx
 import pytest
 
-from iterserve.config import ServerConfig
-from iterserve.engine.core import FAULT_TOKEN_ENV, EngineConfig
+from iterserve.config import EngineConfig, ServerConfig
+from iterserve.engine.core import FAULT_TOKEN_ENV
 from iterserve.server import build_app
 from tests.server.conftest import MODEL, TINY_MODEL, ServerThread
 from tests.server.test_api import metric_samples, sse_events, wait_until_idle

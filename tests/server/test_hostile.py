@@ -14,8 +14,7 @@ from collections.abc import Callable, Iterator
 import httpx
 import pytest
 
-from iterserve.config import ServerConfig
-from iterserve.engine.core import EngineConfig
+from iterserve.config import EngineConfig, ServerConfig
 from iterserve.sampling_params import MAX_STOP_CHARS, MAX_STOP_STRINGS
 from iterserve.server import build_app
 from tests.server.conftest import API_KEY, MAX_MODEL_LEN, MODEL, ServerThread, metric_samples, wait_until_idle

@@ -11,8 +11,7 @@ import httpx
 import pytest
 
 from iterserve import LLM, SamplingParams
-from iterserve.config import ServerConfig
-from iterserve.engine.core import EngineConfig
+from iterserve.config import EngineConfig, ServerConfig
 from iterserve.server import build_app
 from tests.server.conftest import MAX_MODEL_LEN, MODEL, ServerThread
 

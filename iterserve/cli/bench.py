@@ -1,0 +1,441 @@
+"""``iterserve bench``: throughput (offline), serve (online), batch (sweep), ttft (prompt sweep) and plot."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import statistics
+import tempfile
+from collections.abc import Sequence
+from dataclasses import asdict
+from pathlib import Path
+from typing import Any
+
+from iterserve.bench.metrics import DEFAULT_PERCENTILES, parse_goodput, parse_percentiles, percentile_key
+from iterserve.cli.flags import add_config_args, config_from_args
+from iterserve.cli.tables import render_table
+from iterserve.cli.workload import add_workload_args, float_list, load_points, workload_spec_from_args
+from iterserve.config import DEFAULT_MODEL, EngineConfig
+
+# bench throughput's batch cap: the default 64 requests then span several static batches, which is
+# where static and continuous batching differ (with every request in one batch they would not)
+BENCH_MAX_NUM_SEQS = 16
+
+
+def write_json(path: str, result: dict[str, Any]) -> None:
+    Path(path).parent.mkdir(parents=True, exist_ok=True)
+    Path(path).write_text(json.dumps(result, indent=2) + "\n")
+    print(f"results written to {path}")
+
+
+def sibling_path(json_path: str, suffix: str) -> Path:
+    p = Path(json_path)
+    return p.with_name(f"{p.stem}{suffix}")
+
+
+# -- throughput -----------------------------------------------------------------------------------
+
+
+def _spread(values: Sequence[float]) -> str:
+    """``min-max`` of a repeated figure, or ``-`` for a single run."""
+    return f"{min(values):,.2f}-{max(values):,.2f}" if len(values) > 1 else "-"
+
+
+def throughput_report(result: dict[str, Any]) -> str:
+    """The ``bench throughput`` tables: counts first (the same on any machine), then wall-clock
+    medians with their spread over the repeats, then the ratios and any busy-machine warning."""
+    runs = result["runs"]
+    counts = render_table(
+        ["mode", "steps", "out tok/step", "peak running", "mean running", "slot occupancy", "peak KV blocks",
+         "mean KV blocks", "joined running batch", "preempted"],
+        [[r["mode"], r["num_steps"], r["output_tokens_per_step"], r["peak_running"], r["mean_running"],
+          f"{r['slot_occupancy']:.0%}", r["peak_kv_blocks"], r["mean_kv_blocks"], r["joined_running_batch"],
+          r["num_preemptions"]] for r in runs],
+    )
+
+    def lat(r: dict[str, Any], key: str) -> float | None:
+        return (r["latency"] or {}).get(key)
+
+    def lat_spread(r: dict[str, Any], key: str) -> str:
+        return _spread([run[key] for run in r["latency_runs"]]) if r["latency_runs"] else "-"
+
+    n = result["repeats"]
+    clock = render_table(
+        ["mode", "out tok/s", "min-max", "req/s", "median TTFT ms", "min-max", "median TPOT ms", "min-max",
+         "median E2EL ms"],
+        [[r["mode"], r["output_throughput"], _spread(r["output_throughput_runs"]), r["request_throughput"],
+          lat(r, "median_ttft_ms"), lat_spread(r, "median_ttft_ms"), lat(r, "median_tpot_ms"),
+          lat_spread(r, "median_tpot_ms"), lat(r, "median_e2el_ms")] for r in runs],
+    )
+    cap = result.get("max_tokens_cap")
+    lines = [
+        f"{result['num_requests']} requests, max_num_seqs {result['engine']['max_num_seqs']}"
+        + (f", max_tokens {cap} with an emulated end at each drawn length" if cap else ""),
+        "counts (machine-independent)", counts, "",
+        f"wall clock: median of {n} run{'s' if n > 1 else ''}" + (", min-max over the runs" if n > 1 else ""), clock,
+    ]
+    if "continuous_over_static" in result:
+        ratios = result["continuous_over_static_runs"]
+        spread = f" (runs: {', '.join(f'{x:.2f}' for x in ratios)})" if len(ratios) > 1 else ""
+        lines.append(f"continuous / static: {result['continuous_over_static_per_step']:.2f}x output tokens per step; "
+                     f"{result['continuous_over_static']:.2f}x output tokens/s{spread}")
+    if result.get("busy_warning"):
+        lines.append(result["busy_warning"])
+    return "\n".join(lines)
+
+
+# timeline panel titles, in panel order: the batching and how KV blocks are allocated
+TIMELINE_LABELS = {"static": "static, paged KV", "continuous": "continuous, paged KV",
+                   "reserved": "continuous, reserved KV"}
+
+
+def _cmd_throughput(args: argparse.Namespace) -> int:
+    from iterserve.bench.charts import joins_chart, timeline_chart
+    from iterserve.bench.progress import load_model_with_status
+    from iterserve.bench.throughput import ENGINE_MODES, HF_MODE, run_throughput
+    from iterserve.bench.workloads import make_workload
+
+    if args.step_trace:
+        raise ValueError("bench throughput writes one step trace per mode: use --trace-dir instead of --step-trace")
+    spec = workload_spec_from_args(args)
+    modes = [m for m in args.modes.split(",") if m] + ([HF_MODE] if args.hf_baseline else [])
+    percentiles = parse_percentiles(args.percentiles)
+    config = config_from_args(EngineConfig, args)
+    loaded = load_model_with_status(config.model, config.dtype, config.device, config.seed)
+    requests = make_workload(spec, tokenizer=loaded.tokenizer, vocab_size=loaded.config.vocab_size)
+    with tempfile.TemporaryDirectory() as tmp:
+        trace_dir = args.trace_dir or (tmp if args.timeline or args.joins else None)
+        result = run_throughput(loaded, config, requests, modes, temperature=args.temperature, trace_dir=trace_dir,
+                                max_tokens_cap=args.max_tokens_cap, repeats=args.repeats, percentiles=percentiles,
+                                use_tqdm=not args.disable_tqdm)
+        result["workload"] = asdict(spec)
+        traces = {r["mode"]: r["step_trace"] for r in result["runs"] if r["mode"] in ENGINE_MODES}
+        if args.timeline:
+            if not traces:
+                raise ValueError("--timeline draws the engine's modes; include continuous, static or reserved")
+            order = sorted(traces, key=list(TIMELINE_LABELS).index)
+            timeline_chart({TIMELINE_LABELS[m]: traces[m] for m in order}, args.timeline, x=args.timeline_x,
+                           max_num_seqs=config.max_num_seqs, busy=bool(result["busy_warning"]))
+            print(f"timeline written to {args.timeline}")
+        if args.joins:
+            if "continuous" not in traces:
+                raise ValueError("--joins draws the continuous run's step trace; include continuous in --modes")
+            joins_chart(traces["continuous"], args.joins, max_num_seqs=config.max_num_seqs)
+            print(f"joins chart written to {args.joins}")
+        if not args.trace_dir:
+            for run in result["runs"]:
+                run["step_trace"] = None
+    print(throughput_report(result))
+    if args.chart:
+        from iterserve.bench.charts import throughput_summary_chart
+
+        throughput_summary_chart(result, args.chart)
+        print(f"chart written to {args.chart}")
+    if args.output_json:
+        write_json(args.output_json, result)
+    return 0
+
+
+# -- serve ----------------------------------------------------------------------------------------
+
+
+def serve_table(result: dict[str, Any]) -> str:
+    p = percentile_key(result["percentiles"][-1])
+    goodput = result["goodput"] is not None
+    headers = ["rate", "concurrency", "done", "failed", "req/s", "out tok/s", "total tok/s",
+               *(["goodput req/s"] if goodput else []), "median TTFT", f"p{p} TTFT", "median TPOT", f"p{p} TPOT",
+               "median ITL", "median E2EL"]
+    rows = [
+        [str(r["request_rate"]), r["max_concurrency"], r["completed"], r["failed"], r["request_throughput"],
+         r["output_throughput"], r["total_token_throughput"], *([r["request_goodput"]] if goodput else []),
+         r["median_ttft_ms"], r[f"p{p}_ttft_ms"], r["median_tpot_ms"], r[f"p{p}_tpot_ms"], r["median_itl_ms"],
+         r["median_e2el_ms"]]
+        for r in result["runs"]
+    ]
+    return render_table(headers, rows) + "\n(latencies in ms)"
+
+
+def _cmd_serve(args: argparse.Namespace) -> int:
+    from iterserve.bench.charts import serve_charts
+    from iterserve.bench.serve import ServeConfig, run_serve
+    from iterserve.bench.workloads import make_workload
+    from iterserve.models.loader import load_tokenizer
+
+    spec = workload_spec_from_args(args)
+    percentiles = parse_percentiles(args.percentiles)
+    goodput = parse_goodput(args.goodput) if args.goodput else None
+    points = load_points(args)
+    tokenizer = None if args.tokenizer.lower() == "none" else load_tokenizer(args.tokenizer)
+    requests = make_workload(spec, tokenizer=tokenizer)
+    cfg = ServeConfig(
+        base_url=args.base_url, endpoint=args.endpoint, model=args.model, prompt_format=args.prompt_format,
+        temperature=args.temperature, ignore_eos=not args.no_ignore_eos, connect_timeout=args.connect_timeout,
+        read_timeout=args.timeout, api_key=args.api_key,
+    )
+    result = run_serve(cfg, requests, tokenizer, points, burstiness=args.burstiness, workload=spec,
+                       tokenizer_id=None if tokenizer is None else args.tokenizer, label=args.label,
+                       percentiles=percentiles, goodput=goodput, use_tqdm=not args.disable_tqdm)
+    print(f"{result['label']}: model {result['model_id']} at {cfg.base_url}{cfg.endpoint}")
+    print(serve_table(result))
+    if args.output_json:
+        write_json(args.output_json, result)
+        for chart in serve_charts([result], sibling_path(args.output_json, "")):
+            print(f"chart written to {chart}")
+    return 0
+
+
+# -- batch ----------------------------------------------------------------------------------------
+
+
+def _decode_bandwidth_line(loaded: Any, context: int, decode_s: float, device: str) -> str:
+    """Batch-1 decode as a memory stream: the bytes one step must read (every matmul weight and the
+    sequence's KV cache) over its time, beside this machine's measured bandwidth."""
+    from iterserve import planner
+    from iterserve.bench.microbench import measure_bandwidth
+
+    dtype = loaded.model.dtype.itemsize
+    read = planner.matmul_parameters(loaded.config) * dtype + context * loaded.config.kv_bytes_per_token(dtype)
+    measured = measure_bandwidth(device.split(":")[0] if device.startswith("cuda") else "cpu", budget_s=0.3)
+    peak = max(measured["copy"], measured["read"])
+    return (f"batch-1 decode reads {read / 1e6:,.3g} MB (weights + KV cache) per step in {decode_s * 1000:,.2f} ms: "
+            f"{read / decode_s / 1e9:,.3g} GB/s achieved, {read / decode_s / peak:.0%} of the {peak / 1e9:,.1f} GB/s "
+            "this machine's memory copy/read benchmark reached")
+
+
+def _cmd_batch(args: argparse.Namespace) -> int:
+    from iterserve.bench.batch import default_batch_sizes, sweep_batches
+    from iterserve.bench.charts import Series, throughput_latency_chart
+    from iterserve.bench.machine import MachineMonitor
+    from iterserve.bench.progress import load_model_with_status
+
+    loaded = load_model_with_status(args.model, args.dtype, args.device)
+    if args.batch_sizes:
+        values = float_list(args.batch_sizes, "--batch-sizes")
+        if not all(v == int(v) for v in values):
+            raise ValueError(f"--batch-sizes takes whole numbers, got {args.batch_sizes!r}")
+        batches = [int(v) for v in values]
+    else:
+        batches = default_batch_sizes(loaded, args.context, args.kv_cache_memory, args.max_batch, args.block_size)
+    monitor = MachineMonitor()
+    monitor.sample()
+    sweep = sweep_batches(loaded, batches, args.context, repeats=args.repeats, block_size=args.block_size,
+                          prefill=not args.no_prefill, elasticity=args.elasticity,
+                          use_tqdm=not args.disable_tqdm)
+    monitor.sample()
+    warning = monitor.check.warning()
+    print(f"{sweep.model} ({sweep.dtype}, {sweep.device}), context {sweep.context}, median of {sweep.repeats}")
+    print(render_table(
+        ["batch", "decode step ms", "decode tok/s", "ms per token", "prefill ms", "prefill tok/s"],
+        [[p.batch_size, p.decode_s * 1000, p.decode_tokens_per_s, p.ms_per_token,
+          None if p.prefill_s is None else p.prefill_s * 1000, p.prefill_tokens_per_s] for p in sweep.points],
+    ))
+    knee = sweep.knee_batch_size
+    if sweep.knee_refused:
+        print(f"knee: {sweep.knee_refused}")
+    else:
+        print(f"knee: batch {knee}" if knee is not None else "knee: none within the sweep",
+              f"(first batch whose decode step grew >= (B/B_prev)^{sweep.elasticity:g}; "
+              f"a doubling there adds < {sweep.max_gain_at_knee:.0%} tokens/s)")
+        if knee is not None:
+            print(f"reading: below batch {knee} a step costs about the same whatever the batch, so a larger batch "
+                  "is nearly free throughput; from it on, latency per token grows about as fast as throughput")
+    one = next((p for p in sweep.points if p.batch_size == 1), None)
+    if one is not None:
+        print(_decode_bandwidth_line(loaded, sweep.context, one.decode_s, args.device or "cpu"))
+    if warning:
+        print(warning)
+    chart = args.chart or (str(sibling_path(args.output_json, ".png")) if args.output_json else None)
+    if chart:
+        sizes = [p.batch_size for p in sweep.points]
+        throughput_latency_chart(
+            [Series(f"{sweep.model} ({sweep.dtype})", [p.decode_tokens_per_s for p in sweep.points],
+                    [p.decode_s * 1000 for p in sweep.points], [f"B={b}" for b in sizes],
+                    sizes.index(knee) if knee is not None else None)],
+            chart, xlabel="decode throughput (tokens/s)", ylabel="decode step = time per output token (ms)",
+            title=f"decode batch sweep at context {sweep.context} ({sweep.device})",
+        )
+        print(f"chart written to {chart}")
+    if args.output_json:
+        result = {"benchmark": "batch", **asdict(sweep), "max_gain_at_knee": sweep.max_gain_at_knee,
+                  "machine": monitor.check.to_dict(), "busy_warning": warning}
+        write_json(args.output_json, result)
+    return 0
+
+
+def _cmd_ttft(args: argparse.Namespace) -> int:
+    from iterserve.bench.charts import prompt_sweep_chart, request_steps_chart
+    from iterserve.bench.machine import MachineMonitor
+    from iterserve.bench.progress import load_model_with_status
+    from iterserve.bench.prompt_sweep import sweep_prompt_lengths
+
+    values = float_list(args.prompt_lens, "--prompt-lens")
+    if not all(v == int(v) for v in values):
+        raise ValueError(f"--prompt-lens takes whole numbers, got {args.prompt_lens!r}")
+    config = config_from_args(EngineConfig, args)
+    loaded = load_model_with_status(config.model, config.dtype, config.device, config.seed)
+    monitor = MachineMonitor()
+    monitor.sample()
+    points = sweep_prompt_lengths(loaded, config, [int(v) for v in values], args.output_len, args.repeats)
+    monitor.sample()
+    warning = monitor.check.warning()
+    print(f"{loaded.name}: one request at a time, {args.output_len} output tokens, median of {args.repeats}")
+    print(render_table(
+        ["prompt tokens", "steps per request", "tokens in first step", "TTFT ms", "min-max", "TPOT ms", "min-max"],
+        [[p.prompt_len, p.steps_per_request, p.first_step_tokens, p.ttft_ms, _spread(p.ttft_ms_runs), p.tpot_ms,
+          _spread(p.tpot_ms_runs)] for p in points],
+    ))
+    first, last = points[0], points[-1]
+    print(f"prompt {first.prompt_len} -> {last.prompt_len} tokens: TTFT x{last.ttft_ms / first.ttft_ms:.1f}, "
+          f"TPOT x{last.tpot_ms / first.tpot_ms:.1f}")
+    if warning:
+        print(warning)
+    if args.chart:
+        prompt_sweep_chart(points, args.chart, busy=warning is not None)
+        print(f"chart written to {args.chart}")
+    if args.steps_chart:
+        request_steps_chart(last, args.steps_chart, busy=warning is not None)
+        print(f"steps of one {last.prompt_len}-token request: {last.step_tokens[0]} tokens in its first pass "
+              f"({last.step_ms[0]:.1f} ms), then 1 token a pass (median {statistics.median(last.step_ms[1:]):.1f} ms)")
+        print(f"chart written to {args.steps_chart}")
+    if args.output_json:
+        write_json(args.output_json, {"benchmark": "ttft", "model": loaded.name, "output_len": args.output_len,
+                                       "repeats": args.repeats, "machine": monitor.check.to_dict(),
+                                       "busy_warning": warning, "points": [asdict(p) for p in points]})
+    return 0
+
+
+# -- plot -----------------------------------------------------------------------------------------
+
+
+def _cmd_plot(args: argparse.Namespace) -> int:
+    from iterserve.bench.charts import load_serve_results, serve_charts
+
+    results = [load_serve_results(p) for p in args.results]
+    if args.labels:
+        labels = args.labels.split(",")
+        if len(labels) != len(results):
+            raise ValueError(f"--labels names {len(labels)} results but {len(results)} files were given")
+        for r, label in zip(results, labels):
+            r["label"] = label
+    for chart in serve_charts(results, Path(args.output_prefix)):
+        print(f"chart written to {chart}")
+    return 0
+
+
+# -- parser ---------------------------------------------------------------------------------------
+
+
+def _add_percentiles_arg(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--percentiles", default=",".join(percentile_key(q) for q in DEFAULT_PERCENTILES),
+                   help="latency percentiles to report, comma-separated (default %(default)s)")
+
+
+def add_bench_parser(subparsers: argparse._SubParsersAction) -> None:
+    """Register ``iterserve bench`` and its subcommands."""
+    bench = subparsers.add_parser("bench", help="benchmark the engine or any OpenAI-compatible server")
+    sub = bench.add_subparsers(dest="bench_command", required=True)
+    _add_throughput_parser(sub)
+    _add_serve_parser(sub)
+    _add_batch_parser(sub)
+    _add_ttft_parser(sub)
+    _add_plot_parser(sub)
+
+
+def _add_throughput_parser(sub: argparse._SubParsersAction) -> None:
+    tp = sub.add_parser("throughput", help="offline: one workload through continuous and static batching in-process")
+    add_config_args(tp.add_argument_group("engine"), EngineConfig)
+    tp.set_defaults(max_num_seqs=BENCH_MAX_NUM_SEQS)
+    add_workload_args(tp)
+    tp.add_argument("--modes", default="continuous,static",
+                    help="comma-separated: continuous, static, reserved (default %(default)s)")
+    tp.add_argument("--hf-baseline", action="store_true",
+                    help="also run transformers' generate on padded batches of --max-num-seqs (needs transformers)")
+    tp.add_argument("--temperature", type=float, default=0.0, help="sampling temperature of every request")
+    _add_percentiles_arg(tp)
+    tp.add_argument("--output-json", default=None, help="write the result as JSON to this file")
+    tp.add_argument("--trace-dir", default=None, help="keep each mode's step trace as <dir>/<mode>.jsonl")
+    tp.add_argument("--timeline", default=None,
+                    help="PNG of every sequence's spans, one panel per engine mode, slot occupancy under each")
+    tp.add_argument("--timeline-x", choices=["steps", "time"], default="steps",
+                    help="timeline x-axis: engine steps (default; the same on any machine) or wall time")
+    tp.add_argument("--joins", default=None,
+                    help="PNG of the continuous run's steps: sequences already decoding and requests joining")
+    tp.add_argument("--chart", default=None, help="PNG of tokens per step, tokens/s and latency per mode")
+    tp.add_argument("--repeats", type=int, default=1,
+                    help="runs of every mode; wall-clock figures report the median and min-max (default 1)")
+    tp.add_argument("--max-tokens-cap", type=int, default=None,
+                    help="every request asks for this many tokens and ends at its drawn output length (an "
+                         "emulated end-of-sequence), so reserved allocation holds blocks for the cap")
+    tp.add_argument("--disable-tqdm", action="store_true", help="no progress bar")
+    tp.set_defaults(func=_cmd_throughput)
+
+
+def _add_serve_parser(sub: argparse._SubParsersAction) -> None:
+    sv = sub.add_parser("serve", help="online: load an OpenAI-compatible server and measure TTFT, TPOT, ITL")
+    sv.add_argument("--base-url", required=True, help="server root, e.g. http://127.0.0.1:8000")
+    sv.add_argument("--endpoint", default="/v1/completions", help="/v1/completions or /v1/chat/completions")
+    sv.add_argument("--model", default=None, help="model name to request (default: the first of GET /v1/models)")
+    sv.add_argument("--api-key", default=None, help="sent as 'Authorization: Bearer KEY'")
+    sv.add_argument("--tokenizer", default=DEFAULT_MODEL,
+                    help="model whose tokenizer builds prompts and counts tokens: an embedded name, .gguf or "
+                         "folder; 'none' for none (default %(default)s)")
+    sv.add_argument("--prompt-format", choices=["text", "ids"], default="text",
+                    help="send token-id prompts as decoded text (portable) or as ids (vLLM) (default %(default)s)")
+    add_workload_args(sv)
+    sv.add_argument("--request-rate", type=float, default=math.inf, help="requests/s (default inf: all at once)")
+    sv.add_argument("--burstiness", type=float, default=1.0, help="gamma shape of arrivals; 1 is Poisson")
+    sv.add_argument("--max-concurrency", type=int, default=None, help="cap on requests in flight")
+    sv.add_argument("--sweep-rates", default=None, help="run once per request rate, e.g. 1,2,4")
+    sv.add_argument("--sweep-concurrency", default=None, help="run once per concurrency cap, e.g. 1,4,16")
+    sv.add_argument("--temperature", type=float, default=0.0, help="sampling temperature of every request")
+    sv.add_argument("--no-ignore-eos", action="store_true", help="let requests stop at EOS (default: ignore it)")
+    _add_percentiles_arg(sv)
+    sv.add_argument("--goodput", nargs="+", default=None, metavar="METRIC:MS",
+                    help="SLOs for goodput, e.g. ttft:500 tpot:50 (metrics ttft, tpot, e2el)")
+    sv.add_argument("--label", default=None, help="name of this server in tables and charts")
+    sv.add_argument("--output-json", default=None, help="result JSON; charts are written beside it")
+    sv.add_argument("--connect-timeout", type=float, default=3.0, help="seconds to wait for a connection")
+    sv.add_argument("--timeout", type=float, default=600.0, help="seconds to wait for each streamed chunk")
+    sv.add_argument("--disable-tqdm", action="store_true", help="no progress bar")
+    sv.set_defaults(func=_cmd_serve)
+
+
+def _add_batch_parser(sub: argparse._SubParsersAction) -> None:
+    bt = sub.add_parser("batch", help="decode and prefill step latency against batch size, and the knee")
+    d = EngineConfig()
+    add_config_args(bt.add_argument_group("engine"), EngineConfig, include=("model", "dtype", "device", "block_size"))
+    bt.add_argument("--context", type=int, default=256, help="tokens each sequence holds (default %(default)s)")
+    bt.add_argument("--batch-sizes", default=None, help="comma-separated (default: 1, 2, 4, ... up to what fits)")
+    bound = "bounds the default sweep (default %(default)s)"
+    bt.add_argument("--kv-cache-memory", default=d.kv_cache_memory, help=bound)
+    bt.add_argument("--max-batch", type=int, default=d.max_num_seqs, help=bound)
+    bt.add_argument("--repeats", type=int, default=5, help="timed runs per point; the median is kept")
+    bt.add_argument("--elasticity", type=float, default=0.5,
+                    help="knee: first batch whose step time grows >= (B/B_prev)^elasticity (default %(default)s)")
+    bt.add_argument("--no-prefill", action="store_true", help="time decode steps only")
+    bt.add_argument("--output-json", default=None, help="write the result as JSON to this file")
+    bt.add_argument("--chart", default=None, help="PNG path (default: beside --output-json)")
+    bt.add_argument("--disable-tqdm", action="store_true", help="no progress bar")
+    bt.set_defaults(func=_cmd_batch)
+
+
+def _add_ttft_parser(sub: argparse._SubParsersAction) -> None:
+    tt = sub.add_parser("ttft", help="TTFT and TPOT of lone requests against prompt length (prefill vs decode)")
+    add_config_args(tt.add_argument_group("engine"), EngineConfig)
+    tt.add_argument("--prompt-lens", default="32,128,256,512", help="comma-separated (default %(default)s)")
+    tt.add_argument("--output-len", type=int, default=16, help="tokens each request generates (default %(default)s)")
+    tt.add_argument("--repeats", type=int, default=3, help="timed requests per prompt length (default %(default)s)")
+    tt.add_argument("--chart", default=None, help="PNG of TTFT and TPOT against prompt length")
+    tt.add_argument("--steps-chart", default=None,
+                    help="PNG of the longest prompt's request step by step: tokens per pass and step time")
+    tt.add_argument("--output-json", default=None, help="write the result as JSON to this file")
+    tt.set_defaults(func=_cmd_ttft)
+
+
+def _add_plot_parser(sub: argparse._SubParsersAction) -> None:
+    pl = sub.add_parser("plot", help="overlay bench serve (or vllm bench serve) results in charts")
+    pl.add_argument("results", nargs="+", help="result JSON files")
+    pl.add_argument("--labels", default=None, help="comma-separated names, one per file")
+    pl.add_argument("--output-prefix", default="bench", help="charts go to <prefix>_latency.png and _throughput.png")
+    pl.set_defaults(func=_cmd_plot)

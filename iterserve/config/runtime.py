@@ -1,0 +1,148 @@
+"""The engine's, the scheduler's and the server's settings.
+
+``EngineConfig``, ``SchedulerConfig`` and ``ServerConfig`` are frozen and validated once, when built;
+their fields' metadata carries the help text the command line shows, so a new setting is one new field
+(:func:`iterserve.cli.flags.add_config_args` turns fields into flags).
+"""
+
+from __future__ import annotations
+
+import typing
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+from iterserve.config.dtypes import parse_dtype
+from iterserve.config.model import DEFAULT_MODEL
+
+Dtype = Literal["auto", "float32", "bfloat16", "float16"]
+Batching = Literal["continuous", "static"]
+KVAllocation = Literal["paged", "reserved"]
+LogLevel = Literal["DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL"]
+LOG_LEVELS: tuple[str, ...] = typing.get_args(LogLevel)
+
+
+def _opt(default: Any, text: str, **cli: Any) -> Any:
+    """A field with its command-line help (and optional flag settings: ``flag``, ``env``, ``cli=False``)."""
+    return field(default=default, metadata={"help": text, **cli})
+
+
+def _same_as(cls: Any, name: str) -> Any:
+    """A field declared like ``cls``'s field ``name`` (one home for its default and help)."""
+    f = cls.__dataclass_fields__[name]
+    return field(default=f.default, metadata=f.metadata)
+
+
+def _canonical_dtype(name: str) -> str:
+    """'fp32', 'bf16', 'half', ... -> the canonical name; 'auto' stays (resolved when the model loads)."""
+    if str(name).lower() == "auto":
+        return "auto"
+    return str(parse_dtype(name)).removeprefix("torch.")
+
+
+def _check_positive(obj: Any, *names: str, allow_none: bool = False) -> None:
+    for name in names:
+        value = getattr(obj, name)
+        if value is None and allow_none:
+            continue
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
+
+
+def _check_choice(obj: Any, name: str, kind: Any) -> None:
+    choices = typing.get_args(kind)
+    if getattr(obj, name) not in choices:
+        raise ValueError(f"{name} must be one of {', '.join(map(repr, choices))}, got {getattr(obj, name)!r}")
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    """What the scheduler may put in one step, and how it admits and holds requests."""
+
+    max_num_seqs: int = _opt(256, "most sequences in one step's batch")
+    max_num_batched_tokens: int = _opt(2048, "most tokens (prefill chunks + decodes) computed in one step")
+    batching: Batching = _opt("continuous", "continuous: requests join and leave at every step; static: a new "
+                                            "batch starts only when the previous one has finished")
+    kv_allocation: KVAllocation = _opt("paged", "paged: KV blocks as tokens arrive; reserved: blocks for "
+                                                "prompt + max_tokens held from admission")
+    max_model_len: int | None = _opt(None, "a sequence reaching this many tokens finishes with 'length'", cli=False)
+
+    def __post_init__(self) -> None:
+        _check_positive(self, "max_num_seqs", "max_num_batched_tokens")
+        _check_positive(self, "max_model_len", allow_none=True)
+        _check_choice(self, "batching", Batching)
+        _check_choice(self, "kv_allocation", KVAllocation)
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    """One engine: the model, its precision and device, the KV pool and the scheduler's limits."""
+
+    model: str = _opt(DEFAULT_MODEL, "embedded model name, .gguf file, Hugging Face folder, or random:<preset>")
+    dtype: Dtype = _opt("auto", "weights and KV cache precision; auto is bfloat16 where the hardware computes in "
+                                "it, else float32")
+    device: str | None = _opt(None, "cpu, cuda or cuda:N (default: cuda when available)")
+    block_size: int = _opt(16, "tokens per KV cache block")
+    max_model_len: int | None = _opt(None, "longest prompt + output (default: the model's context, capped by "
+                                           "what the KV pool holds)")
+    max_num_seqs: int = _same_as(SchedulerConfig, "max_num_seqs")
+    max_num_batched_tokens: int = _same_as(SchedulerConfig, "max_num_batched_tokens")
+    enable_prefix_caching: bool = _opt(True, "reuse the KV blocks of prompt prefixes seen before",
+                                       flag="--prefix-caching")
+    kv_cache_memory: str | int = _opt("2GiB", "KV pool size, e.g. 2GiB or 512MiB")
+    num_kv_blocks: int | None = _opt(None, "KV pool size in blocks (overrides --kv-cache-memory)")
+    batching: Batching = _same_as(SchedulerConfig, "batching")
+    kv_allocation: KVAllocation = _same_as(SchedulerConfig, "kv_allocation")
+    tensor_parallel_size: int = _opt(1, "split every layer over this many processes (tensor parallelism); "
+                                        "under torchrun, the launcher's WORLD_SIZE")
+    seed: int = _opt(0, "seed of random weights and of sampling without a per-request seed")
+    step_trace: str | None = _opt(None, "write a JSON-lines trace of every step and request to this file")
+    step_history: int = _opt(0, "keep the last N steps' StepStats in memory (benchmarks, tests)", cli=False)
+
+    def __post_init__(self) -> None:
+        # aliases (fp32, bf16, half) are accepted and stored under their one canonical name
+        object.__setattr__(self, "dtype", _canonical_dtype(self.dtype))
+        _check_positive(self, "block_size", "tensor_parallel_size")
+        _check_positive(self, "max_model_len", "num_kv_blocks", allow_none=True)
+        if not isinstance(self.step_history, int) or self.step_history < 0:
+            raise ValueError(f"step_history must be an integer >= 0, got {self.step_history!r}")
+        self.scheduler_config(self.max_model_len)  # the scheduler's fields are checked where they are defined
+
+    def scheduler_config(self, max_model_len: int | None) -> SchedulerConfig:
+        """The scheduler's share of this config, with max_model_len resolved against the KV pool."""
+        return SchedulerConfig(self.max_num_seqs, self.max_num_batched_tokens, self.batching, self.kv_allocation,
+                               max_model_len)
+
+
+@dataclass(frozen=True)
+class ServerConfig:
+    """The HTTP side of ``iterserve serve``: where it listens, whom it lets in, and its limits."""
+
+    host: str = _opt("127.0.0.1", "address to bind (loopback unless told otherwise)")
+    port: int = _opt(8000, "port to listen on")
+    api_key: str | None = _opt(None, "require 'Authorization: Bearer KEY' on every route but /health, /metrics and "
+                                     "/version (default: $ITERSERVE_API_KEY)", env="ITERSERVE_API_KEY")
+    served_model_name: str | None = _opt(None, "model name clients use (default: the --model value)")
+    max_waiting: int = _opt(256, "requests allowed to wait for the batch; more are refused with 429")
+    # Room for a 128k-token prompt several times over, however the JSON spells it (a token id takes
+    # about 7 bytes, a non-ASCII character escaped as \uXXXX 6). FastAPI parses JSON on the event loop:
+    # the worst case this allows, 8 MiB of token ids, held it for 0.7 s on a busy two-core machine.
+    max_request_body_bytes: int = _opt(8 * 1024 * 1024, "request bodies larger than this are refused with 413")
+    shutdown_timeout: float = _opt(5.0, "seconds running requests may take to finish after SIGTERM before they "
+                                        "are ended")
+    data_parallel_size: int = _opt(1, "engine cores (replicas) behind this server, each with its own KV pool; "
+                                      "a request goes to the one most likely to hold its prompt's prefix, then "
+                                      "to the least loaded (on CUDA replica i runs on cuda:i)")
+    log_level: LogLevel = _opt("INFO", "log level of the server and its engine core", cli=False)
+
+    def __post_init__(self) -> None:
+        _check_positive(self, "max_waiting", "max_request_body_bytes", "data_parallel_size")
+        if not isinstance(self.port, int) or not 0 <= self.port <= 65535:
+            raise ValueError(f"port must be in [0, 65535], got {self.port!r}")
+        if self.shutdown_timeout < 0:
+            raise ValueError(f"shutdown_timeout must be >= 0, got {self.shutdown_timeout!r}")
+        object.__setattr__(self, "log_level", str(self.log_level).upper())
+        _check_choice(self, "log_level", LogLevel)
+
+    def model_name(self, engine: EngineConfig) -> str:
+        """The name clients ask for: ``served_model_name``, else the engine's model."""
+        return self.served_model_name or engine.model

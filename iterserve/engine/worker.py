@@ -1,0 +1,68 @@
+"""A worker: one rank's shard of the model, the KV pool sized for it, and the runner that drives them.
+
+The executor holds this process's worker (rank 0, or the only one). Under tensor parallelism every other rank
+is a worker process started by the engine on one node (``python -m iterserve.cli.worker``) or by the CLI
+under torchrun: :func:`run_worker` loads its shard, then runs the forward pass on every step rank 0 sends.
+It has no scheduler, no sampler and no HTTP; it ends when rank 0 says so, when rank 0 goes away (its
+collectives fail, or its parent process is gone), or on any error.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+import torch.distributed as dist
+
+from iterserve.config import EngineConfig
+from iterserve.distributed.group import Launch, join_group, leave_group, rank_device, share_cores
+from iterserve.distributed.parallel_state import ParallelState
+from iterserve.engine.capacity import Capacity
+from iterserve.engine.model_runner import ModelRunner, StepInputs
+from iterserve.engine.sampler import SampleResult
+from iterserve.engine.scheduler import ScheduledSeq
+from iterserve.models.loader import LoadedModel, load_model
+
+logger = logging.getLogger(__name__)
+
+
+class Worker:
+    """``loaded`` is this rank's shard (the whole model with one rank); the KV pool is sized from it."""
+
+    def __init__(self, config: EngineConfig, loaded: LoadedModel) -> None:
+        self.loaded = loaded
+        self.capacity = Capacity.of(config, loaded.config, loaded.model.dtype.itemsize)
+        self.runner = ModelRunner(loaded.model, self.capacity.num_blocks, config.block_size, config.seed)
+
+    @classmethod
+    def load(cls, config: EngineConfig, device: str | None, parallel: ParallelState | None = None) -> Worker:
+        """Load ``config.model`` (the shard ``parallel`` names) onto ``device``."""
+        return cls(config, load_model(config.model, config.dtype, device, config.seed, parallel=parallel))
+
+    def execute_model(self, scheduled: list[ScheduledSeq], block_copies: list[tuple[int, int]]) -> SampleResult:
+        """One whole step in this process: inputs, forward pass, samples."""
+        return self.runner.execute(scheduled, block_copies)[1]
+
+    def forward(self, inputs: StepInputs) -> torch.Tensor:
+        """The forward pass of inputs prepared elsewhere (on rank 0)."""
+        return self.runner.forward(inputs)
+
+
+def run_worker(config: EngineConfig, launch: Launch) -> int:
+    """Join the group as ``launch.rank`` and serve steps until rank 0 sends the end; the exit status."""
+    share_cores(launch.local_world_size)
+    device = rank_device(config.device, launch.local_rank)
+    parallel, steps = join_group(launch, device)
+    try:
+        worker = Worker.load(config, device, parallel)
+        logger.info("tensor-parallel rank %d of %d ready on %s", launch.rank, launch.world_size, device)
+        dist.barrier(group=steps)
+        while True:
+            box: list[StepInputs | None] = [None]
+            dist.broadcast_object_list(box, src=0, group=steps)
+            inputs = box[0]
+            if inputs is None:
+                return 0
+            worker.forward(inputs)
+    finally:
+        leave_group()

@@ -1,0 +1,92 @@
+"""dtype names, and ``auto`` choosing bf16 only where the hardware computes in it."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from iterserve import config
+from iterserve.config import dtypes, parse_dtype
+from iterserve.platforms.cpu import cpu_has_native_bf16
+
+AVX2_EPYC = "processor\t: 0\nflags\t\t: fpu sse sse2 avx avx2 fma f16c\n"
+SAPPHIRE_RAPIDS = "flags\t\t: fpu avx2 avx512f avx512_bf16 amx_bf16 amx_tile\n"
+GRAVITON3 = "Features\t: fp asimd sve bf16 i8mm\n"
+
+
+def test_bf16_instructions_are_read_from_cpu_flags():
+    assert not cpu_has_native_bf16(AVX2_EPYC)
+    assert cpu_has_native_bf16(SAPPHIRE_RAPIDS)
+    assert cpu_has_native_bf16(GRAVITON3)
+    assert not cpu_has_native_bf16("model name\t: bf16 in a name is not a flag\n")
+
+
+@pytest.mark.parametrize("native,expected", [(True, torch.bfloat16), (False, torch.float32)])
+def test_auto_is_bf16_only_where_it_is_native(monkeypatch, native, expected):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    monkeypatch.setattr(dtypes, "cpu_has_native_bf16", lambda: native)
+    assert parse_dtype("auto") == expected
+    assert parse_dtype("AUTO") == expected
+
+
+def test_named_dtypes_and_errors():
+    assert parse_dtype("bf16") == torch.bfloat16 and parse_dtype("float32") == torch.float32
+    assert parse_dtype(torch.float16) == torch.float16
+    with pytest.raises(ValueError, match="choose one of auto"):
+        parse_dtype("int4")
+
+
+# -- engine, scheduler and server settings ------------------------------------------------------------
+
+
+def test_settings_are_frozen_and_validated_when_built():
+    from dataclasses import FrozenInstanceError
+
+    from iterserve.config import EngineConfig, SchedulerConfig, ServerConfig
+
+    c = EngineConfig(dtype="fp32", max_num_seqs=4)
+    with pytest.raises(FrozenInstanceError):
+        c.max_num_seqs = 8  # type: ignore[misc]
+    assert c.dtype == "float32" and EngineConfig(dtype="half").dtype == "float16"  # aliases kept under one name
+    assert c.scheduler_config(128) == SchedulerConfig(max_num_seqs=4, max_model_len=128)
+    bad = [
+        (EngineConfig, {"batching": "dynamic"}, "batching must be one of 'continuous', 'static'"),
+        (EngineConfig, {"kv_allocation": "lazy"}, "kv_allocation must be one of 'paged', 'reserved'"),
+        (EngineConfig, {"dtype": "int8"}, "unknown dtype 'int8'"),
+        (EngineConfig, {"block_size": 0}, "block_size must be an integer >= 1"),
+        (EngineConfig, {"max_num_batched_tokens": -1}, "max_num_batched_tokens must be an integer >= 1"),
+        (EngineConfig, {"num_kv_blocks": 0}, "num_kv_blocks must be an integer >= 1"),
+        (EngineConfig, {"max_model_len": 1.5}, "max_model_len must be an integer >= 1"),
+        (SchedulerConfig, {"max_num_seqs": 0}, "max_num_seqs must be an integer >= 1"),
+        (ServerConfig, {"port": 70000}, "port must be in"),
+        (ServerConfig, {"max_waiting": 0}, "max_waiting must be an integer >= 1"),
+        (ServerConfig, {"data_parallel_size": 0}, "data_parallel_size must be an integer >= 1"),
+        (ServerConfig, {"log_level": "LOUD"}, "log_level must be one of"),
+        (ServerConfig, {"shutdown_timeout": -1.0}, "shutdown_timeout must be >= 0"),
+    ]
+    for cls, kwargs, message in bad:
+        with pytest.raises(ValueError, match=message):
+            cls(**kwargs)
+    assert ServerConfig(log_level="debug").log_level == "DEBUG"
+    assert ServerConfig().model_name(c) == c.model and ServerConfig(served_model_name="x").model_name(c) == "x"
+
+
+def test_config_imports_only_leaf_modules_and_the_server_nothing_from_the_cli():
+    """config/ sits under models/ and the engine (no circle through them): what it imports from the rest of
+    the package imports nothing from it in turn. The server takes its settings as objects, not from the CLI."""
+    import ast
+    from pathlib import Path
+
+    root = Path(config.__file__).parent.parent
+
+    def imports(path: Path) -> set[str]:
+        tree = ast.parse(path.read_text())
+        return {n.module for n in ast.walk(tree) if isinstance(n, ast.ImportFrom) and n.module} | {
+            a.name for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names}
+
+    for path in (root / "config").glob("*.py"):
+        for module in {m for m in imports(path) if m.startswith("iterserve") and not m.startswith("iterserve.config")}:
+            leaf = root.joinpath(*module.split(".")[1:]).with_suffix(".py")
+            assert not {m for m in imports(leaf) if m.startswith("iterserve")}, f"{path} imports {module}, not a leaf"
+    assert not {m for m in imports(root / "server" / "api_server.py") if m.startswith("iterserve.cli")}
+    assert "argparse" not in imports(root / "server" / "api_server.py")
