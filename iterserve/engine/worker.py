@@ -37,7 +37,8 @@ class Worker:
     @classmethod
     def load(cls, config: EngineConfig, device: str | None, parallel: ParallelState | None = None) -> Worker:
         """Load ``config.model`` (the shard ``parallel`` names) onto ``device``."""
-        return cls(config, load_model(config.model, config.dtype, device, config.seed, parallel=parallel))
+        return cls(config, load_model(config.model, config.dtype, device, config.seed, parallel=parallel,
+                                      quantization=config.quantization))
 
     def execute_model(self, scheduled: list[ScheduledSeq], block_copies: list[tuple[int, int]]) -> SampleResult:
         """One whole step in this process: inputs, forward pass, samples."""

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import logging
 import re
+import typing
 from collections import Counter
 from collections.abc import Iterable
 from dataclasses import dataclass
@@ -21,6 +22,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from iterserve.config.runtime import Quantization
 from iterserve.distributed.layers import (
     ColumnParallelLinear,
     LinearBase,
@@ -34,7 +36,7 @@ from iterserve.quantization.packed import GGUF_PACKED_TYPES, BlockWeight, Packed
 
 logger = logging.getLogger(__name__)
 
-QUANTIZATIONS = ("gguf", "int8")
+QUANTIZATIONS: tuple[str, ...] = typing.get_args(Quantization)
 
 
 def check_quantization(quantization: str | None) -> str | None:

@@ -158,7 +158,9 @@ def unpack(w: PackedWeight, rows: torch.Tensor | None = None) -> BlockWeight:
 
 
 def dequantize(w: PackedWeight, dtype: torch.dtype = torch.float32, rows: torch.Tensor | None = None) -> torch.Tensor:
-    """The float weight ``[n, k]``, or its ``rows`` (``[*rows.shape, k]``)."""
+    """The float weight ``[n, k]``, or its ``rows`` (``[*rows.shape, k]``: the C++ op on the CPU)."""
+    if rows is not None and kernels.ops is not None and w.data.is_cpu:
+        return torch.ops.iterserve_quant.qrows.default(w.data, rows, w.n, w.k, w.bits, dtype)
     out = unpack(w, rows).dequantize(dtype)
     return out if rows is None else out.view(*rows.shape, w.k)
 

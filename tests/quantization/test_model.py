@@ -13,7 +13,7 @@ import torch
 
 from iterserve import kernels
 from iterserve.distributed.parallel_state import ParallelState
-from iterserve.models.gguf_file import open_gguf
+from iterserve.formats.gguf_file import open_gguf
 from iterserve.models.llama import LlamaModel
 from iterserve.models.loader import _empty_model, _gguf_tensors, gguf_config, load_hf_state_dict, load_model
 from iterserve.quantization import packed as P

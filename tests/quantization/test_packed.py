@@ -47,7 +47,22 @@ def test_gguf_blocks_repack_without_loss(fmt, n, k):
     assert w.bits == (8 if fmt == "Q8_0" else 4) and w.fmt == fmt
     assert torch.equal(P.dequantize(w), ref)
     rows = torch.tensor([[n - 1, 0], [n // 2, n - 1]])
-    assert torch.equal(P.dequantize(w, rows=rows), ref[rows])
+    torch.testing.assert_close(P.dequantize(w, rows=rows), ref[rows], rtol=1e-6, atol=1e-6)  # the C++ op may fuse
+
+
+@needs_build
+@pytest.mark.parametrize("fmt", GGUF_TYPES + ["int8"])
+def test_row_lookup_op_matches_unpacking(fmt, monkeypatch):
+    w, ref = packed_weight(fmt, 40, 70 if fmt == "int8" else 64)
+    rows = torch.tensor([[39, 0, 16], [17, 17, 31]])
+    monkeypatch.setattr(kernels, "ops", OPS)
+    fast = P.dequantize(w, torch.bfloat16, rows=rows)
+    assert fast.shape == (2, 3, w.k) and fast.dtype == torch.bfloat16
+    torch.testing.assert_close(fast, ref[rows].to(torch.bfloat16))
+    with pytest.raises(RuntimeError, match="row 40 is outside a weight of 40 rows"):
+        P.dequantize(w, rows=torch.tensor([40]))
+    monkeypatch.setattr(kernels, "ops", None)
+    torch.testing.assert_close(P.dequantize(w, torch.bfloat16, rows=rows), fast)
 
 
 def test_packed_bytes_match_the_file():
