@@ -4,9 +4,9 @@ fits the last-level cache stays there; alternating every step would evict it), m
 
     /work/bin/cpu-exclusive .venv/bin/python scripts/bench_quant_decode.py --batches 1,64
 
-For each weight format (``float32`` dense, ``gguf`` blocks, ``int8`` blocks) and decode batch this prints ms
-per step, tokens/s, the speed-up over float32, the matmul weight bytes a step streams, and how close the step
-comes to its memory floor (those bytes at the streaming read bandwidth measured here, as a fraction).
+For each weight format (``none``: float32 dense, ``bf16`` dense, ``gguf`` blocks, ``int8`` blocks) and decode
+batch this prints ms per step, tokens/s, the speed-up over float32, the matmul weight bytes a step streams, and
+how close the step comes to its memory floor (those bytes at the streaming read bandwidth measured here, as a fraction).
 """
 
 from __future__ import annotations
@@ -38,7 +38,8 @@ def peak_read_gbs() -> float:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default="smollm2-135m")
-    ap.add_argument("--formats", default="none,gguf,int8", help="quantizations to load (none: float32)")
+    ap.add_argument("--formats", default="none,bf16,gguf,int8",
+                    help="quantizations to load (none: float32 weights, bf16: bfloat16 weights)")
     ap.add_argument("--batches", default="1,16,64")
     ap.add_argument("--context", type=int, default=128, help="tokens already cached per sequence")
     ap.add_argument("--rounds", type=int, default=5)
@@ -52,7 +53,9 @@ def main() -> None:
           f"streaming read {read:.1f} GB/s")
     models = {}
     for fmt in args.formats.split(","):
-        loaded = load_model(args.model, dtype="float32", device="cpu", quantization=None if fmt == "none" else fmt)
+        dense = fmt in ("none", "bf16")
+        loaded = load_model(args.model, dtype="bfloat16" if fmt == "bf16" else "float32", device="cpu",
+                            quantization=None if dense else fmt)
         models[fmt] = loaded.model
         print(f"{fmt}: {describe(weight_formats(loaded.model))}; streamed per step "
               f"{streamed_weight_bytes(loaded.model) / 1e6:.1f} MB")

@@ -1,4 +1,4 @@
-"""Time the quantized matmul against F.linear on the float weights, per shape and number of rows.
+"""Time the quantized matmul against F.linear on the float32 and bfloat16 weights, per shape and number of rows.
 
     /work/bin/cpu-exclusive .venv/bin/python scripts/bench_quant_matmul.py [--torch-ops]
 
@@ -57,15 +57,19 @@ def main() -> None:
         w = torch.randn(n, k) * 0.02
         q41 = P.pack(P.from_gguf(gguf.quants.quantize(w.numpy(), gguf.GGMLQuantizationType.Q4_1), "Q4_1", n, k))
         q8 = P.pack(P.quantize_int8(w))
+        wb = w.to(torch.bfloat16)
         fns: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
-            "f32": lambda x: F.linear(x, w), "Q4_1": lambda x: P.linear(x, q41), "int8": lambda x: P.linear(x, q8)}
+            "f32": lambda x: F.linear(x, w), "bf16": lambda x: F.linear(x, wb), "Q4_1": lambda x: P.linear(x, q41),
+            "int8": lambda x: P.linear(x, q8)}
         if args.torch_ops:
             fns.update(torch_ops(w, q41))
         for m in args.rows:
             x = torch.randn(m, k)
-            us = {name: median_us(lambda: fn(x)) for name, fn in fns.items()}
+            xs = {name: x.to(torch.bfloat16) if name == "bf16" else x for name in fns}
+            us = {name: median_us(lambda: fn(xs[name])) for name, fn in fns.items()}
             cells = " ".join(f"{name}={t:.0f}us" for name, t in us.items())
-            ratios = f"f32/Q4_1={us['f32'] / us['Q4_1']:.2f} f32/int8={us['f32'] / us['int8']:.2f}"
+            ratios = (f"f32/Q4_1={us['f32'] / us['Q4_1']:.2f} bf16/Q4_1={us['bf16'] / us['Q4_1']:.2f} "
+                      f"f32/int8={us['f32'] / us['int8']:.2f}")
             gbs = f"Q4_1 {q41.nbytes / us['Q4_1'] / 1e3:.1f} GB/s"
             print(f"{k}->{n} rows={m}: {cells}  {ratios}  {gbs}", flush=True)
 
