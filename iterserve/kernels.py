@@ -2,7 +2,7 @@
 
 ``scripts/setup.sh`` runs ``iterserve build-kernels``, which compiles the extension with
 ``torch.utils.cpp_extension`` into ``iterserve/_build/`` (git-ignored). Importing this module only
-loads that build, never compiles: the build's name carries a hash of the sources, the compiler flags
+loads that build, never compiles: the build's name carries a hash of the source, the compiler flags
 and the torch version, so an edited source or another torch finds no build and falls back instead
 of loading a stale one. Without a build, or with ``ITERSERVE_CPU_KERNELS=0``, ``ops`` is None and the
 CPU runs the PyTorch reference backend (:mod:`iterserve.attention.selector` chooses).
@@ -23,7 +23,8 @@ import torch
 logger = logging.getLogger(__name__)
 
 ENV_VAR = "ITERSERVE_CPU_KERNELS"
-SOURCES = sorted(Path(__file__).with_name("csrc").glob("*.cpp"))
+CSRC = Path(__file__).with_name("csrc")
+SOURCES = sorted(CSRC.glob("*.cpp"))
 BUILD_DIR = Path(__file__).with_name("_build")
 _PREFIX = "iterserve_cpu_ops_"
 
@@ -39,9 +40,9 @@ def _cflags() -> list[str]:
 
 
 def module_name() -> str:
-    """Name of the build that matches these sources, these flags and this torch."""
-    key = b"".join(s.name.encode() + s.read_bytes() for s in SOURCES)
-    key += " ".join(_cflags()).encode() + torch.__version__.encode()
+    """Name of the build that matches this source, these flags and this torch."""
+    files = sorted(CSRC.glob("*.cpp")) + sorted(CSRC.glob("*.h"))
+    key = b"".join(f.read_bytes() for f in files) + " ".join(_cflags()).encode() + torch.__version__.encode()
     return _PREFIX + hashlib.sha256(key).hexdigest()[:12]
 
 
@@ -90,3 +91,28 @@ def _load() -> ModuleType | None:
 
 
 ops: ModuleType | None = _load()
+
+
+_pool_threads: int | None = None
+
+
+def run_on_pool(threads: int | None = None) -> int:
+    """Give this process's intra-op threads to the kernels' own pool and leave torch one thread; returns the
+    pool's thread count (``threads``, by default the torch thread count before the first call).
+
+    torch's OpenMP team ends every parallel region at a barrier that waits for each of its threads. With
+    another process on one of the cores, the thread the scheduler took off arrives a time slice later, at
+    every one of the few hundred regions of a decode step. The pool's threads claim chunks of a loop as
+    they run, so the caller never waits for one that has not started (``csrc/parallel.h``). torch's own ops
+    in a step (the glue, prefill attention) then run on the calling thread, where no barrier can hold them.
+    Without the kernels torch keeps the threads.
+    """
+    global _pool_threads
+    n = threads or _pool_threads or torch.get_num_threads()
+    if ops is None:
+        torch.set_num_threads(n)
+        return n
+    ops.set_threads(n)
+    torch.set_num_threads(1)
+    _pool_threads = n
+    return n

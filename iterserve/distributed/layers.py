@@ -66,6 +66,15 @@ class LinearBase(nn.Linear):
         """This rank's ``x @ W^T (+ bias)``, before any communication."""
         return self.method.apply(self, x)
 
+    def dense_weight(self) -> torch.Tensor:
+        """This rank's ``[out, in]`` weight, whatever format the method keeps it in."""
+        return self.method.dense_weight(self)
+
+    def release_weight(self) -> None:
+        """Drop the plain weight's memory once the method holds its own copy; its shape and dtype stay."""
+        w = self.weight
+        self.weight = nn.Parameter(torch.empty(w.shape, dtype=w.dtype, device="meta"), requires_grad=False)
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.matmul(x)
 

@@ -31,6 +31,9 @@ class LinearMethod:
     """One way to compute a linear layer; stateless: whatever it prepares lives on the layer."""
 
     name: str = ""
+    keeps_weight: bool = True
+    """False when ``apply`` reads only what ``process_weights`` made: the plain weight is then released
+    (unless another module shares it, as a tied embedding does), so the model holds one copy of it."""
 
     def supports(self, layer: LinearBase) -> bool:
         """Whether this method can serve ``layer`` (its dtype, device, shape) on this machine."""
@@ -42,6 +45,11 @@ class LinearMethod:
     def apply(self, layer: LinearBase, x: torch.Tensor) -> torch.Tensor:
         """``x [rows, in_features] -> [rows, out_features]``: ``x @ layer.weight^T``, plus the bias if any."""
         raise NotImplementedError
+
+    def dense_weight(self, layer: LinearBase) -> torch.Tensor:
+        """The layer's ``[out, in]`` weight as ``F.linear`` takes it, rebuilt from the method's own format
+        if it released the plain one (for inspection and tests, not for the hot path)."""
+        return layer.weight
 
 
 class DenseLinear(LinearMethod):
@@ -63,11 +71,23 @@ def dense_chooser(layer: LinearBase) -> LinearMethod:
     return DENSE
 
 
-def process_weights(model: nn.Module, choose: MethodChooser = dense_chooser) -> dict[str, str]:
-    """Give every linear layer of ``model`` its method and let the method prepare the weights; returns
-    ``{layer name: method name}`` (also logged) so a run can say which kernels it used."""
+def default_chooser() -> MethodChooser:
+    """The CPU's methods chosen by measurement when the C++ kernels are built, else ``F.linear``."""
+    from iterserve.models import cpu_linear
+
+    return cpu_linear.chooser() or dense_chooser
+
+
+def process_weights(model: nn.Module, choose: MethodChooser | None = None) -> dict[str, str]:
+    """Give every linear layer of ``model`` its method (``choose``'s pick, :func:`default_chooser` when
+    None) and let the method prepare the weights; returns ``{layer name: method name}`` (also logged) so a
+    run can say which kernels it used."""
     from iterserve.distributed.layers import LinearBase
 
+    choose = choose or default_chooser()
+    uses: dict[int, int] = {}
+    for _, p in model.named_parameters(remove_duplicate=False):
+        uses[id(p)] = uses.get(id(p), 0) + 1
     chosen: dict[str, str] = {}
     for name, module in model.named_modules():
         if isinstance(module, LinearBase):
@@ -76,6 +96,8 @@ def process_weights(model: nn.Module, choose: MethodChooser = dense_chooser) -> 
                 raise ValueError(f"linear method {method.name!r} cannot serve layer {name!r}")
             module.method = method
             method.process_weights(module)
+            if not method.keeps_weight and uses[id(module.weight)] == 1:
+                module.release_weight()
             chosen[name] = method.name
     if chosen:
         counts: dict[str, int] = {}

@@ -30,6 +30,7 @@ from iterserve.config import DEFAULT_MODEL, PRESETS, ModelConfig, find_preset, g
 from iterserve.distributed.layers import ShardedLayer
 from iterserve.distributed.parallel_state import ParallelState
 from iterserve.formats.gguf_file import gguf_field, open_gguf
+from iterserve.models.linear import MethodChooser
 from iterserve.models.llama import LlamaModel, RotaryEmbedding
 from iterserve.quantization.model import (
     check_quantization,
@@ -129,13 +130,15 @@ def load_model(
     seed: int = 0,
     parallel: ParallelState | None = None,
     quantization: str | None = None,
+    linear: MethodChooser | None = None,
 ) -> LoadedModel:
     """Load weights and tokenizer for ``name`` onto ``device`` (CUDA when available by default).
 
     With ``parallel`` of several ranks only this rank's shard is kept: each whole tensor is read, sliced
     and dropped, so a rank's memory holds its shard plus one tensor at a time. Once loaded, every linear
-    layer gets its :class:`~iterserve.models.linear.LinearMethod` and prepares its weights for it: quantized
-    ones under ``quantization`` (:mod:`iterserve.quantization.model`).
+    layer gets its :class:`~iterserve.models.linear.LinearMethod` and prepares its weights for it: the
+    quantized method for the layers ``quantization`` keeps in blocks (:mod:`iterserve.quantization.model`),
+    ``linear``'s pick for the others (by default the fastest measured on this CPU).
     """
     quantization = check_quantization(quantization)
     torch_dtype = parse_dtype(dtype)
@@ -144,7 +147,7 @@ def load_model(
     if torch_dtype == torch.float16 and device.type == "cpu":
         logger.warning("float16 on CPU is slow and may be unsupported by some kernels; prefer bfloat16")
     loaded = _load(name, torch_dtype, device, seed, ps, quantization)
-    quantize_model(loaded.model, quantization)
+    quantize_model(loaded.model, quantization, linear)
     logger.info("%s: %s", loaded.name, describe(weight_formats(loaded.model)))
     return loaded
 

@@ -30,9 +30,17 @@ from iterserve.distributed.layers import (
     RowParallelLinear,
     VocabParallelEmbedding,
 )
-from iterserve.models.linear import LinearMethod, MethodChooser, dense_chooser, process_weights
+from iterserve.models.linear import LinearMethod, MethodChooser, default_chooser, process_weights
 from iterserve.models.llama import LlamaModel
-from iterserve.quantization.packed import GGUF_PACKED_TYPES, BlockWeight, PackedWeight, linear, pack, quantize_int8
+from iterserve.quantization.packed import (
+    GGUF_PACKED_TYPES,
+    BlockWeight,
+    PackedWeight,
+    dequantize,
+    linear,
+    pack,
+    quantize_int8,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -158,23 +166,29 @@ class QuantizedLinear(LinearMethod):
         out = linear(x, layer.qweight)
         return out if layer.bias is None else out + layer.bias
 
+    def dense_weight(self, layer: LinearBase) -> torch.Tensor:
+        assert layer.qweight is not None, "process_weights packs the weight first"
+        return dequantize(layer.qweight, layer.weight.dtype)
+
 
 QUANTIZED = QuantizedLinear()
 
 
 def quantize_model(model: LlamaModel, quantization: str | None,
-                   fallback: MethodChooser = dense_chooser) -> dict[str, str]:
+                   fallback: MethodChooser | None = None) -> dict[str, str]:
     """After loading: give the linear layers that loaded blocks (all of them for int8) :class:`QuantizedLinear`
-    and the others ``fallback``'s method (:func:`iterserve.models.linear.process_weights`); a tied
+    and the others ``fallback``'s method (by default :func:`iterserve.models.linear.default_chooser`'s); a tied
     embedding and LM head share one packed weight. Logs and returns what :func:`process_weights` does."""
     embed, head, tied = model.embed_tokens, model.lm_head, model.config.tie_word_embeddings
     if _pack_blocks(embed) is not None and tied:
         head.qweight, head.weight = embed.qweight, embed.weight
 
+    other = fallback or default_chooser()
+
     def choose(layer: LinearBase) -> LinearMethod:
         if layer.qweight is not None or "weight_blocks" in layer.__dict__ or quantization == "int8":
             return QUANTIZED
-        return fallback(layer)
+        return other(layer)
 
     chosen = process_weights(model, choose)
     if tied and head.qweight is not None:
@@ -214,9 +228,18 @@ def weight_formats(model: nn.Module) -> list[WeightFormat]:
         q = getattr(module, "qweight", None)
         if isinstance(q, PackedWeight):
             add(q, q.fmt, q.n * q.k, q.nbytes)
+        packed = getattr(module, "packed", None)  # a float weight re-laid out for the CPU kernel (cpu_linear)
+        weight = getattr(module, "weight", None)
+        if isinstance(packed, torch.Tensor) and isinstance(weight, torch.Tensor):
+            add(packed, _dtype_name(packed), weight.numel(), packed.nbytes)
     for p in model.parameters():
-        add(p, str(p.dtype).removeprefix("torch."), p.numel(), p.numel() * p.element_size())
+        if not p.is_meta:  # a released weight: its method holds it (above)
+            add(p, _dtype_name(p), p.numel(), p.numel() * p.element_size())
     return [WeightFormat(f, *t) for f, t in sorted(totals.items(), key=lambda kv: -kv[1][2])]
+
+
+def _dtype_name(t: torch.Tensor) -> str:
+    return str(t.dtype).removeprefix("torch.")
 
 
 def describe(formats: list[WeightFormat]) -> str:
@@ -234,7 +257,8 @@ def streamed_weight_bytes(model: nn.Module) -> int:
     total = 0
     for module in model.modules():
         if isinstance(module, LinearBase):
-            w = module.qweight if module.qweight is not None else module.weight
+            packed = getattr(module, "packed", None)
+            w = module.qweight if module.qweight is not None else packed if packed is not None else module.weight
             if id(w) not in seen:
                 seen.add(id(w))
                 total += w.nbytes
