@@ -18,7 +18,6 @@
 
 #include <torch/extension.h>
 
-#include <ATen/Parallel.h>
 #include <c10/util/Half.h>
 
 #include <immintrin.h>
@@ -28,6 +27,8 @@
 #include <cstring>
 #include <type_traits>
 #include <vector>
+
+#include "parallel.h"
 
 namespace {
 
@@ -97,7 +98,7 @@ void quantize_rows(const T* x, int64_t ldx, int64_t rows, int64_t k, QuantizedRo
   // Rows are read straight from x when they are float32 and whole blocks; otherwise through a buffer
   // (converted, and the ragged last block padded with zeros).
   const bool direct = std::is_same_v<T, float> && k % kBlock == 0;
-  at::parallel_for(0, rows, 32, [&](int64_t begin, int64_t end) {
+  iterserve::parallel_chunks(rows, 32, [&](int64_t begin, int64_t end) {
     std::vector<float> buf(direct ? 0 : out.blocks * kBlock, 0.f);
     for (int64_t r = begin; r < end; ++r) {
       const float* src;
@@ -329,7 +330,9 @@ at::Tensor qgemm(const at::Tensor& x, const at::Tensor& w, int64_t n, int64_t bi
   const int64_t tile_bytes = w.size(1) * w.size(2);
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, x.scalar_type(), "qgemm", [&] {
     scalar_t* op = out.data_ptr<scalar_t>();
-    at::parallel_for(0, tiles, 1, [&](int64_t begin, int64_t end) {
+    // The kernels' pool (parallel.h), not torch's OpenMP team: a CPU engine gives its threads to the pool.
+    // Four tiles (64 columns) a chunk, so a thread streams a few contiguous tiles between claims.
+    iterserve::parallel_chunks(tiles, 4, [&](int64_t begin, int64_t end) {
       float buf[kRowGroup * kCols];
       for (int64_t t = begin; t < end; ++t) {
         const int64_t cols = std::min(kCols, n - t * kCols);
@@ -364,7 +367,7 @@ at::Tensor qrows(const at::Tensor& w, const at::Tensor& ids, int64_t n, int64_t 
   const int64_t blocks = w.size(1), stride = w.size(2), qb = quant_bytes(bits);
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, dtype, "qrows", [&] {
     scalar_t* op = out.data_ptr<scalar_t>();
-    at::parallel_for(0, flat.numel(), 16, [&](int64_t begin, int64_t end) {
+    iterserve::parallel_chunks(flat.numel(), 16, [&](int64_t begin, int64_t end) {
       for (int64_t r = begin; r < end; ++r) {
         const int64_t col = id[r] % kCols;
         const uint8_t* tile = wp + (id[r] / kCols) * blocks * stride;
