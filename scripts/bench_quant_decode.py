@@ -18,8 +18,9 @@ import time
 
 import torch
 
-from iterserve.allocator import tune_allocator
 from iterserve.attention import AttentionMetadata
+from iterserve.attention.selector import select_backend
+from iterserve.engine.worker import prepare_cpu
 from iterserve.models.loader import load_model
 from iterserve.quantization.model import describe, streamed_weight_bytes, weight_formats
 
@@ -45,7 +46,7 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--steps", type=int, default=10, help="consecutive steps of one format per round")
     args = ap.parse_args()
-    tune_allocator()
+    prepare_cpu()  # as a CPU engine does: malloc tuning, the kernels' thread pool
     block = 16
     batches = [int(b) for b in args.batches.split(",")]
     read = peak_read_gbs()
@@ -67,8 +68,9 @@ def main() -> None:
         tables = [list(range(i * blocks_per_seq, (i + 1) * blocks_per_seq)) for i in range(b)]
         meta = AttentionMetadata.build(block_size=block, block_tables=tables, num_cached=[args.context] * b,
                                        query_lens=[1] * b, sliding_window=cfg.sliding_window)
-        ids, pos, rows = torch.randint(100, cfg.vocab_size, (b,)), torch.full((b,), args.context), torch.arange(b)
-        steps = {f: functools.partial(m, ids, pos, caches[f], meta, rows) for f, m in models.items()}
+        ids, pos = torch.randint(100, cfg.vocab_size, (b,)), torch.full((b,), args.context)
+        backend = select_backend("cpu")
+        steps = {f: functools.partial(m, ids, pos, caches[f], meta, backend) for f, m in models.items()}
         times: dict[str, list[float]] = {f: [] for f in models}
         for i in range(args.rounds + 1):  # the first round warms up
             for f, step in steps.items():

@@ -43,6 +43,7 @@ def test_perplexity_is_the_mean_nll_of_the_models_own_logits():
         perplexity(LLM(TINY, loaded=loaded, num_kv_blocks=8), "a", window=40)
 
 
+@pytest.mark.slow  # loads the model twice and scores the text twice
 def test_bench_perplexity_compares_formats(capsys):
     assert main(["bench", "perplexity", "--model", TINY, "--dtype", "float32", "--formats", "none,int8",
                  "--window", "64"]) == 0

@@ -41,6 +41,7 @@ def test_gguf_weights_take_under_0_3_of_float32(gguf_smollm, smollm):
     assert {f.fmt for f in weight_formats(gguf_smollm.model)} == {"Q4_1", "Q8_0", "float32"}  # norms stay float
 
 
+@pytest.mark.slow  # the reference dequantizes every weight at every step (the LM head: 28M values)
 def test_dequantized_reference_is_the_float_model(gguf_smollm, smollm, chat_prompt_ids, monkeypatch):
     """The blocks hold exactly the float model's numbers: multiplied as dequantize-then-F.linear, greedy
     decoding through the engine gives the float32 model's tokens."""
