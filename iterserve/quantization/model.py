@@ -25,12 +25,12 @@ from torch import nn
 from iterserve.config.runtime import Quantization
 from iterserve.distributed.layers import (
     ColumnParallelLinear,
-    LinearBase,
     ParallelLMHead,
     RowParallelLinear,
     VocabParallelEmbedding,
 )
-from iterserve.models.linear import LinearMethod, MethodChooser, default_chooser, process_weights
+from iterserve.models.cpu_linear import default_chooser
+from iterserve.models.linear import LinearBase, LinearMethod, MethodChooser, process_weights
 from iterserve.models.llama import LlamaModel
 from iterserve.quantization.packed import (
     GGUF_PACKED_TYPES,
@@ -177,7 +177,7 @@ QUANTIZED = QuantizedLinear()
 def quantize_model(model: LlamaModel, quantization: str | None,
                    fallback: MethodChooser | None = None) -> dict[str, str]:
     """After loading: give the linear layers that loaded blocks (all of them for int8) :class:`QuantizedLinear`
-    and the others ``fallback``'s method (by default :func:`iterserve.models.linear.default_chooser`'s); a tied
+    and the others ``fallback``'s method (by default :func:`iterserve.models.cpu_linear.default_chooser`'s); a tied
     embedding and LM head share one packed weight. Logs and returns what :func:`process_weights` does."""
     embed, head, tied = model.embed_tokens, model.lm_head, model.config.tie_word_embeddings
     if _pack_blocks(embed) is not None and tied:
