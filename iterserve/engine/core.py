@@ -18,6 +18,7 @@ import os
 import signal
 import time
 from collections import deque
+from collections.abc import Callable
 from typing import IO
 
 import msgspec
@@ -79,13 +80,18 @@ def stop_token_ids(params: SamplingParams, model_config: ModelConfig, tokenizer:
 class EngineCore:
     """The scheduler, the block manager and every request's state, over an :class:`Executor` that runs the
     model: in this process, or over tensor-parallel workers with this process as rank 0. ``executor``
-    plugs in another (built for ``config``); by default :func:`start_executor` picks one."""
+    plugs in another (built for ``config``); by default :func:`start_executor` picks one.
+
+    ``clock`` stamps every time the core records (first scheduled, each token, finish, the step trace):
+    ``time.perf_counter`` by default, which the API process's arrival stamps share; a simulator passes
+    its virtual clock, which its executor advances by each step's modelled time."""
 
     def __init__(self, config: EngineConfig, loaded: LoadedModel | None = None,
-                 executor: Executor | None = None) -> None:
+                 executor: Executor | None = None, clock: Callable[[], float] = time.perf_counter) -> None:
         if executor is not None and loaded is not None:
             raise ValueError("give the engine core a loaded model or an executor, not both")
         self.config = config
+        self.clock = clock
         self.executor = executor or start_executor(config, loaded)
         try:
             self.model_config = self.executor.model_config
@@ -180,7 +186,7 @@ class EngineCore:
         for member in seq.group:
             if not member.is_finished:
                 self.scheduler.finish(member, "abort")
-                member.metrics.finished_time = time.perf_counter()
+                member.metrics.finished_time = self.clock()
         self._trace_request(seq)
         return True
 
@@ -199,7 +205,7 @@ class EngineCore:
 
     def step(self) -> EngineCoreOutputs:
         """Schedule, run one forward pass, apply the samples; the deltas of requests that advanced."""
-        start = time.perf_counter()
+        start = self.clock()
         sched = self.scheduler.schedule()
         if sched.is_empty:
             self._last_step_tokens = 0
@@ -216,10 +222,11 @@ class EngineCore:
             raise  # a lost rank is fatal: failing this step's requests and going on would fail every step
         except Exception:  # noqa: BLE001 - a fault fails this step's requests, never the core
             logger.exception("step %d failed; failing its %d requests", self.num_steps + 1, len(sched.scheduled))
-            outputs = self._fail(sched, time.perf_counter())
-            record = self._record(sched, start, time.perf_counter() - start)
+            now = self.clock()
+            outputs = self._fail(sched, now)
+            record = self._record(sched, start, now - start)
             return EngineCoreOutputs(outputs, self.stats(), record if self.emit_steps else None)
-        now = time.perf_counter()
+        now = self.clock()
         outputs = []
         for seq in update.sampled:
             outputs.append(self._delta(seq, now))
@@ -319,7 +326,8 @@ class EngineCore:
 
     def kv_snapshot(self, force: bool = False) -> KVSnapshot | None:
         """Every KV block's state after the last step, rows numbered as in its StepStats; None unless
-        a dashboard watches and one is due (``force``: due now, e.g. when the engine falls idle)."""
+        a dashboard watches and one is due (``force``: due now, e.g. when the engine falls idle). Paced by
+        the wall clock, not ``clock``: the budget is the core's own time spent walking the blocks."""
         start = time.perf_counter()
         if not self.watch_kv or (start < self._next_kv_snapshot and not force):
             return None
@@ -415,7 +423,7 @@ def _busy_loop(core: EngineCore, inputs: zmq.Socket, outputs: zmq.Socket, encode
                 core.add_request(msg)
             except ValueError as e:  # the API side validates first; this is a second line of defence
                 logger.warning("refused request %s: %s", msg.request_id, e)
-                errors.append(EngineCoreOutput(msg.request_id, [], time.perf_counter(), finish_reason="error"))
+                errors.append(EngineCoreOutput(msg.request_id, [], core.clock(), finish_reason="error"))
         step = core.step() if core.has_unfinished_requests() else EngineCoreOutputs([], core.stats())
         step.outputs[:0] = errors
         step.kv = core.kv_snapshot(force=not core.has_unfinished_requests())  # an idle pool's last state
