@@ -20,6 +20,7 @@ import asyncio
 import dataclasses
 import hashlib
 import hmac
+import re
 import time
 from collections import deque
 from collections.abc import AsyncIterator
@@ -44,6 +45,7 @@ SESSION = "/dashboard/session"
 STATIC = "/dashboard/static/"
 COOKIE = "iterserve_dashboard"
 SESSION_TTL_S = 12 * 3600
+EXPIRY = re.compile(r"[0-9]{1,12}")  # a session cookie's expiry: Unix seconds, ASCII digits only
 FRAME_INTERVAL_S = 0.1  # a page gets at most ten frames a second, however fast the engine steps
 KEEPALIVE_S = 15.0  # an idle feed sends a comment this often, so a page that left is noticed
 BUCKET_S = 0.5  # the time series' resolution
@@ -230,7 +232,8 @@ class SessionAuth:
         if self._key is None or bearer_matches(request.headers.get("authorization", ""), self._key):
             return True
         expiry, _, signature = request.cookies.get(COOKIE, "").partition(".")
-        return (expiry.isdigit() and int(expiry) > time.time()
+        # str.isdigit() is true of superscripts and other scripts' digits, which int() refuses
+        return (EXPIRY.fullmatch(expiry) is not None and int(expiry) > time.time()
                 and hmac.compare_digest(signature.encode(), self._sign(expiry).encode()))
 
     @property

@@ -156,6 +156,16 @@ class _SamplingRequest(_Request):
     def structured_outputs_params(self) -> StructuredOutputsParams | None:
         """The output constraint the request asks for, if any; a 400 naming the parameter when it is
         malformed, does not compile, or more than one is given."""
+        source = self._structured_outputs_source()
+        return None if source is None else structured_outputs_from(*source)
+
+    @property
+    def structured_outputs_field(self) -> str | None:
+        """The field that gives the output constraint: what an error in its grammar names."""
+        source = self._structured_outputs_source()
+        return None if source is None else source[0]
+
+    def _structured_outputs_source(self) -> tuple[str, dict[str, Any]] | None:
         sources: list[tuple[str, dict[str, Any]]] = []
         if self.response_format is not None and self.response_format.get("type") != "text":
             sources.append(("response_format", _response_format_fields(self.response_format)))
@@ -173,7 +183,7 @@ class _SamplingRequest(_Request):
         if len(sources) > 1:
             names = ", ".join(name for name, _ in sources)
             raise bad_request(f"give at most one output constraint; got {names}", sources[1][0])
-        return structured_outputs_from(sources[0][0], sources[0][1])
+        return sources[0]
 
     def sampling_params(self, max_tokens: int | None, logprobs: int | None, **extra: Any) -> SamplingParams:
         """Build SamplingParams (``extra``: fields only one endpoint has), which checks every limit; an
@@ -230,18 +240,23 @@ class CompletionRequest(_SamplingRequest):
     echo: bool = False
     suffix: str | None = None
     best_of: Int | None = None
+    prompt_logprobs: Int | None = None  # vLLM extension: top alternatives for each prompt token
 
     def check_supported(self) -> None:
         super().check_supported()
         if self.suffix:
             raise bad_request("suffix (insertion) is not supported", "suffix")
+        if self.stream and self.prompt_logprobs is not None:  # as vLLM: they come with the final output
+            raise bad_request("prompt_logprobs are not available when stream is true", "prompt_logprobs")
         if self.stream and self.best_of is not None and self.best_of > self.n:
             raise bad_request("best_of greater than n cannot be streamed: the best are known only at the end",
                               "best_of")
 
     def completion_params(self, structured_outputs: StructuredOutputsParams | None = None) -> SamplingParams:
         """With echo and logprobs, the prompt's logprobs too (as OpenAI and vLLM return them)."""
-        prompt_logprobs = self.logprobs if self.echo and self.logprobs is not None else None
+        echoed = self.logprobs if self.echo and self.logprobs is not None else None
+        asked = [n for n in (echoed, self.prompt_logprobs) if n is not None]
+        prompt_logprobs = max(asked) if asked else None
         return self.sampling_params(self.max_tokens, self.logprobs, best_of=self.best_of,
                                     structured_outputs=structured_outputs,
                                     prompt_logprobs=prompt_logprobs)
@@ -351,12 +366,21 @@ class CompletionLogprobs(BaseModel):
     text_offset: list[int] = Field(default_factory=list)
 
 
+class PromptLogprob(BaseModel):
+    """vLLM's form of a prompt token's logprob (``prompt_logprobs`` maps token ids to these)."""
+
+    logprob: float
+    rank: int | None = None
+    decoded_token: str | None = None
+
+
 class CompletionChoice(BaseModel):
     index: int = 0
     text: str
     logprobs: CompletionLogprobs | None = None
     finish_reason: str | None = None
     stop_reason: int | str | None = None
+    prompt_logprobs: list[dict[int, PromptLogprob] | None] | None = None  # when asked for, as vLLM sends them
 
 
 class CompletionResponse(BaseModel):

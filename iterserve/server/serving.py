@@ -27,8 +27,9 @@ from iterserve.engine.core_client import EngineCoreClient, RequestStream
 from iterserve.engine.validation import check_prompt_ids
 from iterserve.errors import EngineDeadError, QueueFullError, RequestError, RequestFailedError
 from iterserve.outputs import CompletionOutput, Logprob, RequestOutput
-from iterserve.sampling_params import SamplingParams
+from iterserve.sampling_params import SamplingParams, grammar_checks_deferred
 from iterserve.server.errors import APIError, bad_request, engine_error, error_response, request_error
+from iterserve.server.grammars import GrammarChecker
 from iterserve.server.metrics import ServerMetrics
 from iterserve.server.protocol import (
     AssistantMessage,
@@ -47,6 +48,7 @@ from iterserve.server.protocol import (
     DetokenizeResponse,
     ModelCard,
     ModelList,
+    PromptLogprob,
     PromptTokensDetails,
     TokenizeRequest,
     TokenizeResponse,
@@ -83,6 +85,16 @@ def _new_logprobs(c: CompletionOutput) -> LogprobPairs:
     return list(zip(c.token_ids[-k:], c.logprobs[-k:]))
 
 
+def _prompt_logprobs(out: RequestOutput, n: int | None) -> list[dict[int, PromptLogprob] | None] | None:
+    """vLLM's ``prompt_logprobs`` of a choice: the prompt token's entry and its top ``n``, per prompt token."""
+    if n is None or out.prompt_logprobs is None:
+        return None
+    return [None if entry is None else {
+        t: PromptLogprob(logprob=_finite(v.logprob), rank=v.rank, decoded_token=v.decoded_token)
+        for t, v in entry.items() if t == token or v.rank is not None and v.rank <= n}
+        for token, entry in zip(out.prompt_token_ids, out.prompt_logprobs)]
+
+
 def _usage(out: RequestOutput) -> Usage:
     prompt, completion = len(out.prompt_token_ids), out.metrics.num_output_tokens
     return Usage(prompt_tokens=prompt, completion_tokens=completion, total_tokens=prompt + completion,
@@ -101,10 +113,12 @@ def _total_usage(outs: list[RequestOutput]) -> Usage:
 class OpenAIServing:
     """The route handlers, bound to one engine."""
 
-    def __init__(self, engine: EngineCoreClient, metrics: ServerMetrics, model_name: str) -> None:
+    def __init__(self, engine: EngineCoreClient, metrics: ServerMetrics, model_name: str,
+                 grammars: GrammarChecker) -> None:
         self.engine = engine
         self.metrics = metrics
         self.model_name = model_name
+        self.grammars = grammars
 
     # -- shared steps -------------------------------------------------------------------------
 
@@ -284,7 +298,10 @@ class OpenAIServing:
     async def completions(self, body: CompletionRequest, request: Request) -> Response:
         self._check_model(body.model)
         body.check_supported()
-        params = body.completion_params(body.structured_outputs_params())
+        with grammar_checks_deferred():  # checked by the grammar pool, off the event loop
+            constraint = body.structured_outputs_params()
+        params = body.completion_params(constraint)
+        await self.grammars.check(constraint, body.structured_outputs_field or "structured_outputs")
         prompts = await self._completion_prompts(body.prompt, body.echo)
         request_id = f"cmpl-{uuid.uuid4().hex}"
         streams = await self._submit_all(request_id, [ids for ids, _ in prompts], params, bool(body.stream))
@@ -302,7 +319,8 @@ class OpenAIServing:
                     logprobs = self._completion_logprobs(self._echo_logprobs(final, echo) + list(
                         zip(c.token_ids, c.logprobs or [])), body.logprobs, 0)
                 choices.append(CompletionChoice(index=i * body.n + c.index, text=echo + c.text, logprobs=logprobs,
-                                                finish_reason=c.finish_reason, stop_reason=c.stop_reason))
+                                                finish_reason=c.finish_reason, stop_reason=c.stop_reason,
+                                                prompt_logprobs=_prompt_logprobs(final, body.prompt_logprobs)))
         return JSONResponse(CompletionResponse(id=request_id, model=self.model_name, choices=choices,
                                                usage=_total_usage(finals)).model_dump())
 
@@ -353,13 +371,15 @@ class OpenAIServing:
         self._check_model(body.model)
         body.check_supported()
         max_tokens = body.requested_max_tokens
-        tool_plan = ToolCallPlan.of(body)
-        constraint = body.structured_outputs_params()
+        with grammar_checks_deferred():  # checked by the grammar pool, off the event loop
+            tool_plan = ToolCallPlan.of(body)
+            constraint = body.structured_outputs_params()
         if constraint is not None and tool_plan.constraint is not None:
             raise bad_request("a tool_choice that forces a call cannot be combined with another output constraint",
                               "tool_choice")
         params = body.sampling_params(max_tokens, body.requested_logprobs,
                                       structured_outputs=constraint or tool_plan.constraint)
+        await self.grammars.check(params.structured_outputs, body.structured_outputs_field or "tools")
         tools = None
         if tool_plan.mode != "none" and body.tools:
             tools = [t.model_dump(exclude_none=True) for t in body.tools]
@@ -468,9 +488,8 @@ class OpenAIServing:
         return DetokenizeResponse(prompt=await asyncio.to_thread(tokenizer.decode, body.tokens))
 
     async def health(self) -> Response:
-        if not self.engine.is_running:
-            reason = str(self.engine.error) if self.engine.error else "the engine is not running"
-            return error_response(APIError(503, reason, type="server_error"))
+        if (problem := self.engine.health_problem()) is not None:
+            return error_response(APIError(503, problem, type="server_error"))
         return JSONResponse({"status": "ok"})
 
     async def version(self) -> dict[str, str]:
