@@ -1,8 +1,9 @@
 """OpenAI-compatible HTTP API over one engine (one or more core replicas): the app and the server.
 
-:func:`build_app` assembles the engine's client, the routes (:mod:`.serving`), the error handlers
-(:mod:`.errors`), the middlewares (:mod:`.middleware`) and the dashboard; :func:`run_server` runs it
-under uvicorn, draining running requests on SIGINT/SIGTERM.
+:func:`build_app` assembles the engine's client, the routes (a ``serving_*`` module per endpoint over the
+shared steps of :mod:`.serving`), the error handlers (:mod:`.errors`), the middlewares
+(:mod:`.middleware`) and the dashboard; :func:`run_server` runs it under uvicorn, draining running
+requests on SIGINT/SIGTERM.
 
 Every refusal is an OpenAI-style ``{"error": {...}}`` body with a 4xx status; only genuine faults give
 a 5xx. Hostile input is refused before it costs much: bodies over a size limit are cut off as they
@@ -37,7 +38,10 @@ from iterserve.server.middleware import (
     BodySizeLimitMiddleware,
     JSONBodyMiddleware,
 )
-from iterserve.server.serving import OpenAIServing
+from iterserve.server.serving_chat import ChatServing
+from iterserve.server.serving_completions import CompletionServing
+from iterserve.server.serving_info import InfoServing
+from iterserve.server.serving_tokenize import TokenizeServing
 
 logger = logging.getLogger(__name__)
 
@@ -56,7 +60,10 @@ def build_app(config: EngineConfig, server: ServerConfig | None = None) -> FastA
     engine.observer = metrics
     grammars = GrammarChecker(engine.tokenizer, engine.model_config.vocab_size, server.grammar_workers,
                               server.grammar_timeout)
-    serving = OpenAIServing(engine, metrics, served_model_name, grammars)
+    completion = CompletionServing(engine, metrics, served_model_name, grammars)
+    chat = ChatServing(engine, metrics, served_model_name, grammars)
+    tokenize = TokenizeServing(engine, metrics, served_model_name)
+    info = InfoServing(engine, metrics, served_model_name)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
@@ -79,15 +86,15 @@ def build_app(config: EngineConfig, server: ServerConfig | None = None) -> FastA
     if api_key:
         app.add_middleware(APIKeyMiddleware, api_key=api_key)
 
-    app.post("/v1/completions", response_model=None)(serving.completions)
-    app.post("/v1/chat/completions", response_model=None)(serving.chat_completions)
-    app.get("/v1/models")(serving.models)
-    app.get("/v1/models/{model_id:path}")(serving.model)
-    app.post("/tokenize")(serving.tokenize)
-    app.post("/detokenize")(serving.detokenize)
-    app.get("/health", response_model=None)(serving.health)
-    app.get("/version")(serving.version)
-    app.get("/metrics", response_model=None)(serving.prometheus)
+    app.post("/v1/completions", response_model=None)(completion.completions)
+    app.post("/v1/chat/completions", response_model=None)(chat.chat_completions)
+    app.get("/v1/models")(info.models)
+    app.get("/v1/models/{model_id:path}")(info.model)
+    app.post("/tokenize")(tokenize.tokenize)
+    app.post("/detokenize")(tokenize.detokenize)
+    app.get("/health", response_model=None)(info.health)
+    app.get("/version")(info.version)
+    app.get("/metrics", response_model=None)(info.prometheus)
     add_dashboard(app, engine, served_model_name, api_key)
     return app
 
