@@ -95,7 +95,7 @@ def build_app(config: EngineConfig, server: ServerConfig | None = None) -> FastA
     app.get("/health", response_model=None)(info.health)
     app.get("/version")(info.version)
     app.get("/metrics", response_model=None)(info.prometheus)
-    add_dashboard(app, engine, served_model_name, api_key)
+    add_dashboard(app, engine, served_model_name, api_key, server.max_dashboard_viewers)
     return app
 
 
