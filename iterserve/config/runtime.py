@@ -139,7 +139,7 @@ class ServerConfig:
     engine_stall_timeout: float = _opt(60.0, "/health answers 503 when an engine core has requests and has sent "
                                              "nothing back for this many seconds")
     max_dashboard_viewers: int = _opt(16, "dashboard feeds open at once; more are refused with 429")
-    grammar_workers: int = _opt(2, "processes that check structured-output grammars before requests are admitted")
+    grammar_workers: int = _opt(2, "threads that check structured-output grammars before requests are admitted")
     grammar_timeout: float = _opt(10.0, "seconds a structured-output grammar may take to compile; slower ones are "
                                         "refused with 400")
     log_level: LogLevel = _opt("INFO", "log level of the server and its engine core", cli=False)

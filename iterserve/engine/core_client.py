@@ -52,6 +52,7 @@ from iterserve.engine.messages import (
     WatchKV,
 )
 from iterserve.engine.output_processor import OutputProcessor, RequestOutputKind
+from iterserve.engine.request_stream import RequestStream
 from iterserve.engine.router import Router
 from iterserve.engine.validation import check_prompt
 from iterserve.errors import EngineDeadError, QueueFullError, RequestFailedError
@@ -83,56 +84,6 @@ class StepObserver(Protocol):
     def record_step(self, step: StepStats | None, kv: KVSnapshot | None, stats: SchedulerStats) -> None: ...
 
     def record_finished(self, output: RequestOutput) -> None: ...
-
-
-class RequestStream:
-    """One request's outputs, consumed on the event loop.
-
-    A consumer that falls behind never makes the buffer grow by a step: unread deltas are merged into
-    one pending output, so what a stream holds is bounded by what the request generates.
-    """
-
-    def __init__(self, request_id: str, abort: Callable[[str], None]) -> None:
-        self.request_id = request_id
-        self.finished = False
-        self._pending: RequestOutput | None = None
-        self._error: BaseException | None = None
-        self._ready = asyncio.Event()
-        self._abort = abort
-
-    def __aiter__(self) -> RequestStream:
-        return self
-
-    async def __anext__(self) -> RequestOutput:
-        if self.finished:
-            raise StopAsyncIteration
-        while self._pending is None and self._error is None:
-            self._ready.clear()
-            await self._ready.wait()
-        if self._pending is not None:
-            out, self._pending = self._pending, None
-            self.finished = out.finished
-            return out
-        self.finished = True
-        raise self._error  # type: ignore[misc]
-
-    def close(self) -> None:
-        """Abort the request unless it already finished; safe to call more than once."""
-        if not self.finished:
-            self.finished = True
-            self._pending = None
-            self._abort(self.request_id)
-
-    def _put(self, output: RequestOutput) -> None:
-        if self._pending is None:
-            self._pending = output
-        else:
-            self._pending.add(output)
-        self._ready.set()
-
-    def _fail(self, error: BaseException) -> None:
-        self._error = error
-        self._ready.set()
 
 
 @dataclass
@@ -366,15 +317,21 @@ class EngineCoreClient:
         """Requests the cores have queued or will queue, over all replicas."""
         return sum(core.num_waiting for core in self._cores)
 
+    def check_request(self, prompt: list[int], params: SamplingParams) -> int:
+        """The request's max_tokens, once its prompt and params are proven to fit the model; RequestError if not."""
+        return check_prompt(prompt, params, self.model_config.vocab_size, self.max_model_len,
+                            self.config.max_num_seqs)
+
     def add_request(self, request_id: str, prompt: list[int], params: SamplingParams, arrival_time: float,
-                    stream: bool = True) -> RequestStream:
-        """Send a request to a core; raises EngineDeadError, RequestError, QueueFullError or ValueError at once."""
+                    stream: bool = True, admitted: bool = False) -> RequestStream:
+        """Send a request to a core; raises EngineDeadError, RequestError, QueueFullError or ValueError at once.
+        ``admitted``: a later prompt of a request the queue took already (its caller bounds their number),
+        sent whatever the queue holds."""
         if not self.is_running:
             raise EngineDeadError(str(self.error) if self.error else "the engine is not running")
-        max_tokens = check_prompt(prompt, params, self.model_config.vocab_size, self.max_model_len,
-                                  self.config.max_num_seqs)  # bad input first
+        max_tokens = self.check_request(prompt, params)  # bad input first
         waiting = self.num_waiting
-        if waiting >= self.max_waiting:
+        if waiting >= self.max_waiting and not admitted:
             raise QueueFullError(f"{waiting} requests are already waiting (limit {self.max_waiting})")
         if request_id in self._streams:
             raise ValueError(f"request id {request_id!r} is already in use")

@@ -6,7 +6,6 @@ known ones we cannot honour, so a client never silently gets something other tha
 
 from __future__ import annotations
 
-import json
 import time
 from typing import Annotated, Any, Literal, TypeVar, cast
 
@@ -20,44 +19,12 @@ from iterserve.sampling_params import (
     StructuredOutputsParams,
 )
 from iterserve.server.errors import bad_request
+from iterserve.server.text_checks import first_lone_surrogate
 
 COMPLETION_DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
 
 
 # -- requests -------------------------------------------------------------------------------------
-
-
-def _first_lone_surrogate(value: Any) -> tuple[str, int] | None:
-    """The first string in a validated field value holding a lone surrogate, with its index.
-
-    Costs little even on lists of millions: a validated list holds one type, so a list of numbers
-    or models (a token-id prompt, the messages) is not walked, and other lists and dicts are
-    checked by encoding them as JSON at C speed; only one that fails is searched.
-    """
-    if isinstance(value, str):
-        return _find_lone_surrogate(value)
-    if isinstance(value, list) and value and isinstance(value[0], list):
-        return next(filter(None, map(_first_lone_surrogate, value)), None)
-    if not isinstance(value, (list, dict)) or (value and isinstance(value, list) and
-                                                not isinstance(value[0], (str, dict))):
-        return None
-    try:
-        json.dumps(value, ensure_ascii=False).encode("utf-8")
-        return None
-    except (UnicodeEncodeError, TypeError, ValueError):
-        return _find_lone_surrogate(value)
-
-
-def _find_lone_surrogate(value: Any) -> tuple[str, int] | None:
-    """Search strings, lists and dicts (keys too) of any shape for a lone surrogate."""
-    if isinstance(value, str):
-        try:
-            value.encode("utf-8")
-        except UnicodeEncodeError as e:
-            return value, e.start
-        return None
-    items = [*value, *value.values()] if isinstance(value, dict) else value if isinstance(value, list) else []
-    return next(filter(None, map(_find_lone_surrogate, items)), None)
 
 
 def _prompt_kind(value: Any) -> str | None:
@@ -94,7 +61,7 @@ class _Request(BaseModel):
     def _valid_unicode(cls, value: Any) -> Any:
         """JSON can carry a lone surrogate (an unpaired \\ud800 escape): Python decodes it into a string
         that neither the tokenizer nor a UTF-8 response can encode, so it is refused, naming the field."""
-        if (found := _first_lone_surrogate(value)) is not None:
+        if (found := first_lone_surrogate(value)) is not None:
             text, index = found
             raise ValueError(f"contains a lone surrogate (U+{ord(text[index]):04X}) at index {index} of a string; "
                              "text must be valid Unicode")
@@ -281,6 +248,12 @@ class ChatMessage(_Request):
     tool_call_id: str | None = None  # a tool message: the call it answers
 
 
+# A conversation's messages: each costs pydantic a model and the chat template a turn, and 100,000 of
+# them (3.3 MB) took seconds to validate; no chat model's context holds this many turns.
+MAX_MESSAGES = 4096
+Messages = Annotated[ListOf[ChatMessage], Field(max_length=MAX_MESSAGES)]
+
+
 class FunctionDefinition(_Request):
     name: str = Field(min_length=1)
     description: str | None = None
@@ -294,7 +267,7 @@ class ChatTool(_Request):
 
 
 class ChatCompletionRequest(_SamplingRequest):
-    messages: ListOf[ChatMessage] = Field(min_length=1)
+    messages: Annotated[Messages, Field(min_length=1)]
     max_tokens: Int | None = None
     max_completion_tokens: Int | None = None
     logprobs: bool = False
@@ -326,14 +299,12 @@ class ChatCompletionRequest(_SamplingRequest):
     def requested_logprobs(self) -> int | None:
         return (self.top_logprobs or 0) if self.logprobs else None
 
-    def message_dicts(self) -> list[dict[str, Any]]:
-        return [m.model_dump(exclude_none=True) for m in self.messages]
 
 
 class TokenizeRequest(_Request):
     model: str | None = None
     prompt: str | None = None
-    messages: ListOf[ChatMessage] | None = None
+    messages: Messages | None = None
     add_special_tokens: bool = True
     add_generation_prompt: bool = True
 

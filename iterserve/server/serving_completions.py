@@ -6,16 +6,16 @@ from __future__ import annotations
 import time
 import uuid
 from collections.abc import AsyncIterator
-from typing import Any
+from typing import Annotated, Any
 
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response
 
-from iterserve.engine.core_client import RequestStream
 from iterserve.engine.validation import check_prompt_ids
 from iterserve.errors import EngineDeadError, RequestError, RequestFailedError
 from iterserve.outputs import RequestOutput
 from iterserve.sampling_params import grammar_checks_deferred
+from iterserve.server.admission import Outputs
 from iterserve.server.errors import bad_request, engine_error, request_error
 from iterserve.server.protocol import (
     CompletionChoice,
@@ -24,6 +24,7 @@ from iterserve.server.protocol import (
     CompletionResponse,
     PromptLogprob,
 )
+from iterserve.server.request_body import validated
 from iterserve.server.serving import (
     LogprobPairs,
     OpenAIServing,
@@ -91,7 +92,8 @@ class CompletionServing(OpenAIServing):
             out.append((list(p), tokenizer.decode(p, skip_special_tokens=False) if echo and tokenizer else ""))
         return out
 
-    async def completions(self, body: CompletionRequest, request: Request) -> Response:
+    async def completions(self, body: Annotated[CompletionRequest, validated(CompletionRequest)],
+                           request: Request) -> Response:
         self._check_model(body.model)
         body.check_supported()
         with grammar_checks_deferred():  # checked by the grammar pool, off the event loop
@@ -127,7 +129,7 @@ class CompletionServing(OpenAIServing):
             return []
         return list(zip(out.prompt_token_ids, out.prompt_logprobs))
 
-    async def _completion_events(self, request_id: str, streams: list[RequestStream], body: CompletionRequest,
+    async def _completion_events(self, request_id: str, streams: list[Outputs], body: CompletionRequest,
                                  echoes: list[str]) -> AsyncIterator[str]:
         created = int(time.time())
         offsets: dict[int, int] = {}  # choice index -> text offset of its next token

@@ -19,7 +19,15 @@ import pytest
 
 from iterserve.config import EngineConfig, ServerConfig
 from iterserve.server import build_app
-from tests.server.conftest import API_KEY, MODEL, TINY_MODEL, ServerThread, metric_samples, wait_until_idle
+from tests.server.conftest import (
+    API_KEY,
+    MODEL,
+    TINY_MODEL,
+    ServerThread,
+    aborted,
+    metric_samples,
+    wait_until_idle,
+)
 from tests.server.probes import others_served
 from tests.server.test_api import sse_events
 from tests.server.test_hostile import assert_error
@@ -84,6 +92,7 @@ def test_a_grammar_over_the_size_cap_gets_400_at_once(tiny):
         error = assert_error(post(tiny, "/v1/chat/completions", {"messages": CHAT, "guided_choice": choices}),
                              400, "guided_choice")
     assert "at most" in error["message"]
+    wait_until_idle(tiny)
 
 
 def test_a_grammar_slower_to_compile_than_the_limit_gets_400_while_others_are_served():
@@ -100,6 +109,7 @@ def test_a_grammar_slower_to_compile_than_the_limit_gets_400_while_others_are_se
         assert "did not compile within" in error["message"] and waited < GRAMMAR_TIMEOUT_S + 5
         ok = post(s, "/v1/completions", {"prompt": "Hi", "max_tokens": 8, "guided_regex": "[ab]{3}"})
         assert ok.status_code == 200 and len(ok.json()["choices"][0]["text"]) == 3  # the pool still works
+        wait_until_idle(s)
 
 
 @pytest.mark.parametrize("field,spec", [
@@ -143,6 +153,7 @@ def test_dashboard_viewers_past_the_limit_get_429_and_serving_goes_on(tiny):
     assert answers.count(200) <= MAX_VIEWERS * 3  # viewers leave after 2 s, so a few more get in
     with httpx.stream("GET", f"{tiny.url}/dashboard/events", headers=AUTH, timeout=60) as r:
         assert r.status_code == 200  # the crowd has left
+    wait_until_idle(tiny)
 
 
 # -- 5. big but legal bodies -------------------------------------------------------------------------
@@ -153,7 +164,8 @@ def test_100k_chat_messages_are_refused_while_others_are_served(tiny, path):
     messages = [{"role": "user", "content": "a message"}] * 100_000  # 3.3 MB
     with others_served(tiny.url, AUTH):
         error = assert_error(post(tiny, path, {"messages": messages}), 400, "messages")
-    assert "at most" in error["message"]
+    assert "at most 4096" in error["message"]
+    wait_until_idle(tiny)
 
 
 def test_a_thousand_long_messages_are_served_while_others_are_served(tiny):
@@ -162,6 +174,7 @@ def test_a_thousand_long_messages_are_served_while_others_are_served(tiny):
     with others_served(tiny.url, AUTH):
         r = post(tiny, "/tokenize", {"messages": messages})
     assert_error(r, 400, "messages", "context_length_exceeded")
+    wait_until_idle(tiny)
 
 
 # -- 7. the dashboard cookie -------------------------------------------------------------------------
@@ -174,6 +187,8 @@ def test_a_forged_cookie_is_refused_without_a_traceback(tiny, cookie):
             cookie_header = f"iterserve_dashboard={cookie}".encode("latin-1", "replace")  # as a client sends it
             r = httpx.get(f"{tiny.url}{path}", headers={"Cookie": cookie_header}, timeout=30)
             assert r.status_code == 401, r.text
+            assert r.json()["error"]["type"] == "authentication_error"
+    wait_until_idle(tiny)
 
 
 # -- also: half-sent bodies, liveness ----------------------------------------------------------------
@@ -196,6 +211,7 @@ def test_a_half_sent_body_is_timed_out_with_408(tiny):
             sock.close()
             assert answer.startswith(b"HTTP/1.1 408"), answer[:200]
             assert b"request_timeout" in answer
+    wait_until_idle(tiny)
 
 
 def test_health_reports_a_core_that_stopped_stepping():
@@ -227,21 +243,37 @@ def test_health_reports_a_core_that_stopped_stepping():
 # -- also: fair admission of many prompts ------------------------------------------------------------
 
 
-def test_a_request_of_many_prompts_leaves_room_for_others():
-    app = build_app(tiny_config(max_num_seqs=4), ServerConfig(served_model_name=MODEL, max_waiting=16))
-    with ServerThread(app) as s:
-        many = {"prompt": [[7, i + 1] for i in range(40)], "max_tokens": 400, "ignore_eos": True, "stream": True}
-        with httpx.stream("POST", f"{s.url}/v1/completions", json=many, timeout=300) as r:
+def finished_requests(server: ServerThread) -> float:
+    """Engine requests ended so far, whatever the reason: every one a core was sent."""
+    return sum(v for (name, _), v in metric_samples(server).items() if name == "vllm:request_success_total")
+
+
+def test_a_request_of_many_prompts_leaves_room_for_others(tiny):
+    """80 prompts where 64 may wait: they go 16 at a time (a quarter of the queue), and others get in."""
+    many = {"prompt": [[7, i + 1] for i in range(80)], "max_tokens": 8, "ignore_eos": True, "stream": True}
+    with others_served(tiny.url, AUTH):
+        with httpx.stream("POST", f"{tiny.url}/v1/completions", json=many, headers=AUTH, timeout=300) as r:
             assert r.status_code == 200
             lines = r.iter_lines()
             next(line for line in lines if line.startswith("data: "))
-            others = [httpx.post(f"{s.url}/v1/completions", json={"prompt": [5, i], "max_tokens": 2}, timeout=300)
-                      for i in range(3)]
+            others = [post(tiny, "/v1/completions", {"prompt": [5, i], "max_tokens": 2}) for i in range(3)]
             assert [o.status_code for o in others] == [200] * 3, [o.text for o in others]
             events = sse_events(lines)
-        finished = [c["index"] for e in events for c in e["choices"] if c.get("finish_reason") == "length"]
-        assert sorted(finished) == list(range(40))
-        wait_until_idle(s)
+    finished = [c["index"] for e in events for c in e["choices"] if c.get("finish_reason") == "length"]
+    assert sorted(finished) == list(range(80))
+    wait_until_idle(tiny)
+
+
+def test_a_request_of_many_prompts_that_leaves_sends_no_more_of_them(tiny):
+    """The prompts not yet sent when the client disconnects are never sent; nothing is left behind."""
+    sent_before, aborted_before = finished_requests(tiny), aborted(tiny)
+    many = {"prompt": [[7, i + 1] for i in range(80)], "max_tokens": 1500, "ignore_eos": True}
+    with pytest.raises(httpx.ReadTimeout):
+        post(tiny, "/v1/completions", many, timeout=3)
+    wait_until_idle(tiny, timeout=30)
+    assert finished_requests(tiny) - sent_before == 16  # its share of the queue (64 / 4); 64 never went
+    assert aborted(tiny) - aborted_before == 16
+    assert tiny.engine.num_requests == 0
 
 
 # -- also: prompt_logprobs ---------------------------------------------------------------------------
