@@ -187,7 +187,8 @@ def test_a_forged_cookie_is_refused_without_a_traceback(tiny, cookie):
             cookie_header = f"iterserve_dashboard={cookie}".encode("latin-1", "replace")  # as a client sends it
             r = httpx.get(f"{tiny.url}{path}", headers={"Cookie": cookie_header}, timeout=30)
             assert r.status_code == 401, r.text
-            assert r.json()["error"]["type"] == "authentication_error"
+            if path.endswith("events"):  # the page itself answers with its login form
+                assert r.json()["error"]["type"] == "authentication_error"
     wait_until_idle(tiny)
 
 
