@@ -138,14 +138,28 @@ class ServerConfig:
     data_parallel_size: int = _opt(1, "engine cores (replicas) behind this server, each with its own KV pool; "
                                       "a request goes to the one most likely to hold its prompt's prefix, then "
                                       "to the least loaded (on CUDA replica i runs on cuda:i)")
+    # 8 MiB at 300 KB/s; a client that sends less has its connection closed rather than held open
+    request_body_timeout: float = _opt(30.0, "seconds a client may take to send a request body; slower ones get "
+                                             "408 and the connection is closed")
+    # well above one step: a full prefill chunk on a busy CPU takes seconds, not a minute
+    engine_stall_timeout: float = _opt(60.0, "/health answers 503 when an engine core has requests and has sent "
+                                             "nothing back for this many seconds")
+    max_dashboard_viewers: int = _opt(16, "dashboard feeds open at once; more are refused with 429")
+    grammar_workers: int = _opt(2, "threads that check structured-output grammars before requests are admitted")
+    grammar_timeout: float = _opt(10.0, "seconds a structured-output grammar may take to compile; slower ones are "
+                                        "refused with 400")
     log_level: LogLevel = _opt("INFO", "log level of the server and its engine core", cli=False)
 
     def __post_init__(self) -> None:
-        _check_positive(self, "max_waiting", "max_request_body_bytes", "data_parallel_size")
+        _check_positive(self, "max_waiting", "max_request_body_bytes", "data_parallel_size", "max_dashboard_viewers",
+                        "grammar_workers")
         if not isinstance(self.port, int) or not 0 <= self.port <= 65535:
             raise ValueError(f"port must be in [0, 65535], got {self.port!r}")
         if self.shutdown_timeout < 0:
             raise ValueError(f"shutdown_timeout must be >= 0, got {self.shutdown_timeout!r}")
+        for name in ("request_body_timeout", "engine_stall_timeout", "grammar_timeout"):
+            if not getattr(self, name) > 0:
+                raise ValueError(f"{name} must be > 0, got {getattr(self, name)!r}")
         object.__setattr__(self, "log_level", str(self.log_level).upper())
         _check_choice(self, "log_level", LogLevel)
 

@@ -19,6 +19,7 @@ import signal
 import time
 from collections import deque
 from collections.abc import Callable
+from concurrent.futures import FIRST_COMPLETED, Future, wait
 from typing import IO
 
 import msgspec
@@ -44,12 +45,12 @@ from iterserve.engine.messages import (
 )
 from iterserve.engine.scheduler import Scheduler, SchedulerOutput
 from iterserve.engine.sequence import Sequence
-from iterserve.engine.structured_output import GrammarCompiler, GrammarMatcher
+from iterserve.engine.structured_output import GrammarMatcher, GrammarPool
 from iterserve.engine.validation import check_prompt
 from iterserve.errors import TensorParallelError
 from iterserve.models.loader import LoadedModel
 from iterserve.outputs import RequestMetrics
-from iterserve.sampling_params import SamplingParams
+from iterserve.sampling_params import SamplingParams, grammar_checks_deferred
 from iterserve.tokenizer import Tokenizer
 
 logger = logging.getLogger(__name__)
@@ -63,6 +64,7 @@ FAULT_TOKEN_ENV = "ITERSERVE_TEST_FAULT_TOKEN"
 KV_SNAPSHOT_MIN_INTERVAL_S = 0.1
 KV_SNAPSHOT_BUDGET = 0.005
 
+COMPILE_WAIT_S = 0.05  # an otherwise idle step waits this long for a grammar to compile
 ORPHAN_CHECK_S = 1.0  # how often an idle core checks that the API process is still there (a busy one: every step)
 
 
@@ -106,7 +108,9 @@ class EngineCore:
             self.executor.abort()
             raise
         self.requests: dict[str, Sequence] = {}
-        self._grammar_compiler: GrammarCompiler | None = None
+        # constrained requests whose grammars compile: (request, resolved max_tokens, the compile)
+        self._compiling: dict[str, tuple[EngineCoreRequest, int, Future[GrammarMatcher]]] = {}
+        self._grammar_pool = GrammarPool(self.tokenizer, self.model_config.vocab_size)
         self.num_requests_received = 0
         self.num_steps = 0
         self.num_preemptions = 0
@@ -133,22 +137,35 @@ class EngineCore:
 
     # -- requests -------------------------------------------------------------------------------
 
-    def add_request(self, request: EngineCoreRequest) -> None:
-        """Queue a tokenized request; raises ValueError (and queues nothing) for bad input."""
+    def add_request(self, request: EngineCoreRequest) -> Future[GrammarMatcher] | None:
+        """Queue a tokenized request; raises ValueError (and queues nothing) for bad input.
+
+        A constrained request waits while its grammar compiles on the grammar pool, and is scheduled at
+        the first step after; the compile's future is returned (it raises ValueError if the grammar
+        cannot run, and the request then ends with an error at that step).
+        """
         self.num_requests_received += 1
         rid, params = request.request_id, request.params
-        if rid in self.requests:
+        if rid in self.requests or rid in self._compiling:
             raise ValueError(f"request id {rid!r} is already in use")
-        ids = request.prompt_token_ids
-        max_tokens = check_prompt(ids, params, self.model_config.vocab_size, self.max_model_len,
-                                  self.config.max_num_seqs)
+        max_tokens = check_prompt(request.prompt_token_ids, params, self.model_config.vocab_size,
+                                  self.max_model_len, self.config.max_num_seqs)
+        if params.structured_outputs is None:
+            self._queue(request, max_tokens, None)
+            return None
+        future = self._grammar_pool.submit(params.structured_outputs)
+        self._compiling[rid] = (request, max_tokens, future)
+        return future
+
+    def _queue(self, request: EngineCoreRequest, max_tokens: int, grammar: GrammarMatcher | None) -> None:
+        """Hand a checked request to the scheduler (check_prompt allows one sequence per constrained one)."""
+        rid, params, ids = request.request_id, request.params, request.prompt_token_ids
         stop_ids = stop_token_ids(params, self.model_config, self.tokenizer)
         group = [
             Sequence(
                 request_id=rid, prompt=None, prompt_token_ids=list(ids), params=params, max_tokens=max_tokens,
                 metrics=RequestMetrics(arrival_time=request.arrival_time, num_prompt_tokens=len(ids)),
-                stop_ids=stop_ids, index=index, generator=self._generator(params.seed, index),
-                grammar=self._grammar_for(params),
+                stop_ids=stop_ids, index=index, generator=self._generator(params.seed, index), grammar=grammar,
             )
             for index in range(params.num_seqs)
         ]
@@ -156,6 +173,23 @@ class EngineCore:
         seq.forks, seq.group = group[1:], group
         self.requests[rid] = seq
         self.scheduler.add(seq)
+
+    def _admit_compiled(self) -> list[EngineCoreOutput]:
+        """Queue the requests whose grammars have compiled; fail those whose grammars cannot run. With
+        nothing else to run, wait a little for a compile rather than spin."""
+        if self._compiling and not self.scheduler.has_unfinished():
+            wait([future for _, _, future in self._compiling.values()], COMPILE_WAIT_S, FIRST_COMPLETED)
+        failed = []
+        for rid, (request, max_tokens, future) in list(self._compiling.items()):
+            if not future.done():
+                continue
+            del self._compiling[rid]
+            try:
+                self._queue(request, max_tokens, future.result())
+            except ValueError as e:
+                logger.warning("request %s: its grammar cannot run: %s", rid, e)
+                failed.append(EngineCoreOutput(rid, [], self.clock(), finish_reason="error"))
+        return failed
 
     def _generator(self, seed: int | None, index: int) -> torch.Generator | None:
         """A seeded request's own generator; sequence ``index`` of an n > 1 request gets one derived
@@ -165,21 +199,12 @@ class EngineCore:
         derived = seed if index == 0 else hash((seed, index)) % 2**63  # ints and tuples hash stably
         return torch.Generator(self.executor.device).manual_seed(derived % 2**64)
 
-    def _grammar_for(self, params: SamplingParams) -> GrammarMatcher | None:
-        """A fresh matcher for a constrained request (check_prompt allows one sequence per such request)."""
-        return None if params.structured_outputs is None else self._grammars().matcher(params.structured_outputs)
-
-    def _grammars(self) -> GrammarCompiler:
-        """The compiler for this model's vocabulary, built at the first constrained request (1.3-1.9 s
-        for SmolLM2's 49k vocabulary, holding the GIL) so that engines that never see one do not pay."""
-        if self._grammar_compiler is None:
-            if self.tokenizer is None:
-                raise ValueError(f"model {self.model_name!r} has no tokenizer, which structured output needs")
-            self._grammar_compiler = GrammarCompiler(self.tokenizer, self.model_config.vocab_size)
-        return self._grammar_compiler
-
     def abort_request(self, request_id: str) -> bool:
         """Stop a request wherever it is and free its blocks; False if it is unknown or done."""
+        compiling = self._compiling.pop(request_id, None)
+        if compiling is not None:
+            compiling[2].cancel()
+            return True
         seq = self.requests.pop(request_id, None)
         if seq is None:
             return False
@@ -191,7 +216,7 @@ class EngineCore:
         return True
 
     def has_unfinished_requests(self) -> bool:
-        return self.scheduler.has_unfinished()
+        return self.scheduler.has_unfinished() or bool(self._compiling)
 
     @property
     def num_running(self) -> int:
@@ -199,17 +224,19 @@ class EngineCore:
 
     @property
     def num_waiting(self) -> int:
-        return len(self.scheduler.waiting)
+        """Requests waiting for the batch, those whose grammars compile included."""
+        return len(self.scheduler.waiting) + len(self._compiling)
 
     # -- the step -------------------------------------------------------------------------------
 
     def step(self) -> EngineCoreOutputs:
         """Schedule, run one forward pass, apply the samples; the deltas of requests that advanced."""
+        refused = self._admit_compiled()
         start = self.clock()
         sched = self.scheduler.schedule()
         if sched.is_empty:
             self._last_step_tokens = 0
-            return EngineCoreOutputs([], self.stats())
+            return EngineCoreOutputs(refused, self.stats())
         for s in sched.scheduled:
             if s.seq.metrics.first_scheduled_time is None:
                 s.seq.metrics.first_scheduled_time = start
@@ -223,11 +250,11 @@ class EngineCore:
         except Exception:  # noqa: BLE001 - a fault fails this step's requests, never the core
             logger.exception("step %d failed; failing its %d requests", self.num_steps + 1, len(sched.scheduled))
             now = self.clock()
-            outputs = self._fail(sched, now)
+            outputs = refused + self._fail(sched, now)
             record = self._record(sched, start, now - start)
             return EngineCoreOutputs(outputs, self.stats(), record if self.emit_steps else None)
         now = self.clock()
-        outputs = []
+        outputs = refused
         for seq in update.sampled:
             outputs.append(self._delta(seq, now))
             if seq.is_finished:
@@ -343,6 +370,7 @@ class EngineCore:
             self._trace.flush()
 
     def close(self) -> None:
+        self._grammar_pool.close()
         if self._trace is not None:
             self._trace.close()
             self._trace = None
@@ -406,8 +434,9 @@ def _busy_loop(core: EngineCore, inputs: zmq.Socket, outputs: zmq.Socket, encode
             return
         errors: list[EngineCoreOutput] = []
         while True:
-            try:
-                msg = decoder.decode(inputs.recv(zmq.NOBLOCK))
+            try:  # the API process proved each grammar runs; the grammar pool compiles it, off this loop
+                with grammar_checks_deferred():
+                    msg = decoder.decode(inputs.recv(zmq.NOBLOCK))
             except zmq.Again:
                 break
             if isinstance(msg, Shutdown):

@@ -55,7 +55,13 @@ class LLMEngine:
         else:
             text, token_ids = None, list(prompt)
         arrival = arrival_time or time.perf_counter()
-        self.core.add_request(EngineCoreRequest(request_id, token_ids, params, arrival))
+        compiling = self.core.add_request(EngineCoreRequest(request_id, token_ids, params, arrival))
+        if compiling is not None:  # offline, a grammar that cannot run is the caller's error, raised here
+            try:
+                compiling.result()
+            except ValueError:
+                self.core.abort_request(request_id)
+                raise
         self.output_processor.add_request(request_id, text, token_ids, params, arrival, output_kind)
         return request_id
 

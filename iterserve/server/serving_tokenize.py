@@ -3,16 +3,18 @@
 from __future__ import annotations
 
 import asyncio
+from typing import Annotated
 
 from iterserve.server.errors import bad_request
 from iterserve.server.protocol import DetokenizeRequest, DetokenizeResponse, TokenizeRequest, TokenizeResponse
+from iterserve.server.request_body import validated
 from iterserve.server.serving import OpenAIServing
 
 
 class TokenizeServing(OpenAIServing):
     """The tokenize and detokenize routes."""
 
-    async def tokenize(self, body: TokenizeRequest) -> TokenizeResponse:
+    async def tokenize(self, body: Annotated[TokenizeRequest, validated(TokenizeRequest)]) -> TokenizeResponse:
         """Token ids of a prompt or conversation of up to max_model_len tokens (longer text is refused,
         so that this endpoint cannot be made to tokenize arbitrarily much)."""
         self._check_model(body.model)
@@ -21,7 +23,7 @@ class TokenizeServing(OpenAIServing):
         limit = self.engine.max_model_len
         if body.messages is not None:
             param = "messages"
-            ids = await self._encode_chat([m.model_dump(exclude_none=True) for m in body.messages],
+            ids = await self._encode_chat(body.messages,
                                           body.add_generation_prompt, limit)
         else:
             param = "prompt"
@@ -31,7 +33,7 @@ class TokenizeServing(OpenAIServing):
                               "context_length_exceeded")
         return TokenizeResponse(tokens=ids, count=len(ids), max_model_len=limit)
 
-    async def detokenize(self, body: DetokenizeRequest) -> DetokenizeResponse:
+    async def detokenize(self, body: Annotated[DetokenizeRequest, validated(DetokenizeRequest)]) -> DetokenizeResponse:
         """The text of up to max_model_len token ids, decoded in a worker thread."""
         self._check_model(body.model)
         tokenizer = self._tokenizer()
