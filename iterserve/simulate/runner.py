@@ -56,6 +56,7 @@ class SimConfig:
     max_num_seqs: int = 256
     max_num_batched_tokens: int = 2048
     batching: Batching = "continuous"
+    max_batch_wait: float = 0.05  # dynamic batching: the oldest request's longest wait for its batch to fill
     kv_allocation: KVAllocation = "paged"
     enable_prefix_caching: bool = True
     max_model_len: int | None = None  # None: what the pool holds
@@ -110,8 +111,12 @@ class _Run:
         self.cap = point.max_concurrency
         self.offsets = arrival_offsets(len(requests), point.request_rate, burstiness, seed)
         self.block_manager = BlockManager(cfg.num_kv_blocks, cfg.block_size, cfg.enable_prefix_caching)
-        self.scheduler = Scheduler(SchedulerConfig(cfg.max_num_seqs, cfg.max_num_batched_tokens, cfg.batching,
-                                                   cfg.kv_allocation, cfg.model_len), self.block_manager)
+        self.now = 0.0
+        self.scheduler = Scheduler(
+            SchedulerConfig(max_num_seqs=cfg.max_num_seqs, max_num_batched_tokens=cfg.max_num_batched_tokens,
+                            batching=cfg.batching, max_batch_wait=cfg.max_batch_wait, kv_allocation=cfg.kv_allocation,
+                            max_model_len=cfg.model_len),
+            self.block_manager, clock=lambda: self.now)
         self.results = [RequestResult(prompt_len=r.prompt_len) for r in requests]
         self.pending = deque(range(len(requests)))  # not sent yet, in send order
         self.in_transit: deque[tuple[float, Sequence]] = deque()  # sent, not at the scheduler yet; in arrival order
@@ -164,15 +169,19 @@ class _Run:
         times = [self.in_transit[0][0]] if self.in_transit else []
         if self.pending and (self.cap is None or self.in_flight < self.cap):
             times.append(self._arrival(max(self.offsets[self.pending[0]], self.freed_at)))
-        return min(times)
+        return min(times, default=math.inf)
 
     def run(self) -> float:
-        now, sched, seqs_run = 0.0, self.scheduler, 0
+        sched, seqs_run = self.scheduler, 0
         while self.pending or self.in_transit or sched.has_unfinished():
+            now = self.now
             self._send(now)
             if not sched.has_unfinished():
                 if self.pending or self.in_transit:
-                    now = max(now, self._next_event())
+                    self.now = max(now, self._next_event())
+                continue
+            if (hold := sched.hold_s()) > 0:  # a dynamic batch fills: until its wait ends or a request comes
+                self.now = min(now + hold, max(now, self._next_event()))
                 continue
             out = sched.schedule()
             if out.is_empty:  # cannot happen while max_model_len fits the pool; never spin on it
@@ -188,6 +197,7 @@ class _Run:
             update = sched.update_from_output(out, SampleResult(tokens, [None] * len(tokens)))
             self.stats.num_steps += 1
             self.stats.num_preemptions += len(out.preempted)
+            self.now = now
             self.stats.busy_s += now - start
             seqs_run += len(out.scheduled)
             if self.trace is not None:
@@ -203,7 +213,7 @@ class _Run:
         self.stats.mean_batch = seqs_run / max(self.stats.num_steps, 1)
         self.block_manager.check_no_leaks()
         ends = [r.start_time + r.latency if r.success else r.start_time for r in self.results]
-        return max([now, *ends])
+        return max([self.now, *ends])
 
     def _finish(self, seq: Sequence, now: float) -> None:
         """The engine is done with ``seq`` at ``now``; the client, half a round trip later. A request's

@@ -50,7 +50,8 @@ def test_settings_are_frozen_and_validated_when_built():
     assert c.dtype == "float32" and EngineConfig(dtype="half").dtype == "float16"  # aliases kept under one name
     assert c.scheduler_config(128) == SchedulerConfig(max_num_seqs=4, max_model_len=128)
     bad = [
-        (EngineConfig, {"batching": "dynamic"}, "batching must be one of 'continuous', 'static'"),
+        (EngineConfig, {"batching": "adaptive"}, "batching must be one of 'continuous', 'static', 'dynamic'"),
+        (EngineConfig, {"max_batch_wait": "soon"}, "max_batch_wait must be a number of seconds"),
         (EngineConfig, {"kv_allocation": "lazy"}, "kv_allocation must be one of 'paged', 'reserved'"),
         (EngineConfig, {"dtype": "int8"}, "unknown dtype 'int8'"),
         (EngineConfig, {"block_size": 0}, "block_size must be an integer >= 1"),
