@@ -1,4 +1,5 @@
-"""``iterserve bench``: throughput (offline), serve (online), batch (sweep), ttft (prompt sweep) and plot."""
+"""``iterserve bench``: throughput (offline), serve (online), batch (sweep), ttft (prompt sweep) and plot;
+load and timeline live in :mod:`iterserve.cli.bench_arrivals`."""
 
 from __future__ import annotations
 
@@ -343,6 +344,9 @@ def add_bench_parser(subparsers: argparse._SubParsersAction) -> None:
     _add_batch_parser(sub)
     _add_ttft_parser(sub)
     _add_plot_parser(sub)
+    from iterserve.cli.bench_arrivals import add_arrivals_parsers
+
+    add_arrivals_parsers(sub)
 
 
 def _add_throughput_parser(sub: argparse._SubParsersAction) -> None:
