@@ -214,6 +214,8 @@ def offered_load_chart(result: dict[str, Any], path: str | Path, *, stamp: str |
     served.set(xlabel=xlabel, ylabel="output tokens/s served", title="throughput", ylim=(0, None))
     ttft.set(xlabel=xlabel, ylabel="time to first token, ms (log)", yscale="log", title="TTFT: p50 and p99")
     served.legend(fontsize=8, loc="upper left")
+    top = max(p["p99_ttft_ms"] for p in points)
+    ttft.set_ylim(top=top * 6)  # room above the lines for the legend, on the log scale
     ttft.legend(fontsize=7, loc="upper left", ncols=3)
     for ax in (served, ttft):
         ax.grid(alpha=0.3, which="both")

@@ -207,8 +207,8 @@ def measure_local_repeated(device: str | None = None, dtype: str = "fp32", repea
         worst = max(spreads, key=spreads.__getitem__)
         shown = ", ".join(f"{v:.3g}" for v in series[worst])
         raise ValueError(f"{repeats} measurements of this machine disagree: {worst} {shown} (spread "
-                         f"{spreads[worst]:.0%}, more than {max_spread:.0%}); the machine is busy with other work, "
-                         "so no figure is printed: rerun when it is quiet")
+                         f"{spreads[worst]:.0%}, more than {max_spread:.0%}); a figure that does not repeat is not "
+                         "this machine's, so none is printed: rerun when the machine is quiet")
     first = runs[0]
     flops = {k: statistics.median(r.flops[k] for r in runs) for k in first.flops}
     details = {**first.details, "repeats": repeats, "spread": spreads,
