@@ -1,5 +1,5 @@
 """``iterserve bench``: throughput (offline), serve (online), batch (sweep), ttft (prompt sweep), perplexity
-(weight formats) and plot."""
+(weight formats) and plot; load and timeline live in :mod:`iterserve.cli.bench_arrivals`."""
 
 from __future__ import annotations
 
@@ -92,9 +92,10 @@ TIMELINE_LABELS = {"static": "static, paged KV", "continuous": "continuous, page
 
 
 def _cmd_throughput(args: argparse.Namespace) -> int:
-    from iterserve.bench.charts import joins_chart, timeline_chart
+    from iterserve.bench.machine import machine_stamp
     from iterserve.bench.progress import load_model_with_status
     from iterserve.bench.throughput import ENGINE_MODES, HF_MODE, run_throughput
+    from iterserve.bench.timeline import joins_chart, timeline_chart
     from iterserve.bench.workloads import make_workload
 
     if args.step_trace:
@@ -118,7 +119,8 @@ def _cmd_throughput(args: argparse.Namespace) -> int:
                 raise ValueError("--timeline draws the engine's modes; include continuous, static or reserved")
             order = sorted(traces, key=list(TIMELINE_LABELS).index)
             timeline_chart({TIMELINE_LABELS[m]: traces[m] for m in order}, args.timeline, x=args.timeline_x,
-                           max_num_seqs=config.max_num_seqs, busy=bool(result["busy_warning"]))
+                           max_num_seqs=config.max_num_seqs,
+                           stamp=machine_stamp(result["machine"]) if args.timeline_x == "time" else None)
             print(f"timeline written to {args.timeline}")
         if args.joins:
             if "continuous" not in traces:
@@ -132,7 +134,7 @@ def _cmd_throughput(args: argparse.Namespace) -> int:
     if args.chart:
         from iterserve.bench.charts import throughput_summary_chart
 
-        throughput_summary_chart(result, args.chart)
+        throughput_summary_chart(result, args.chart, stamp=machine_stamp(result["machine"]))
         print(f"chart written to {args.chart}")
     if args.output_json:
         write_json(args.output_json, result)
@@ -208,7 +210,7 @@ def _decode_bandwidth_line(loaded: Any, context: int, decode_s: float, device: s
 def _cmd_batch(args: argparse.Namespace) -> int:
     from iterserve.bench.batch import default_batch_sizes, sweep_batches
     from iterserve.bench.charts import Series, throughput_latency_chart
-    from iterserve.bench.machine import MachineMonitor
+    from iterserve.bench.machine import MachineMonitor, machine_stamp
     from iterserve.bench.progress import load_model_with_status
 
     loaded = load_model_with_status(args.model, args.dtype, args.device, quantization=args.quantization)
@@ -256,6 +258,7 @@ def _cmd_batch(args: argparse.Namespace) -> int:
                     sizes.index(knee) if knee is not None else None)],
             chart, xlabel="decode throughput (tokens/s)", ylabel="decode step = time per output token (ms)",
             title=f"decode batch sweep at context {sweep.context} ({sweep.device})",
+            stamp=machine_stamp(monitor.check.to_dict()),
         )
         print(f"chart written to {chart}")
     if args.output_json:
@@ -267,7 +270,7 @@ def _cmd_batch(args: argparse.Namespace) -> int:
 
 def _cmd_ttft(args: argparse.Namespace) -> int:
     from iterserve.bench.charts import prompt_sweep_chart, request_steps_chart
-    from iterserve.bench.machine import MachineMonitor
+    from iterserve.bench.machine import MachineMonitor, machine_stamp
     from iterserve.bench.progress import load_model_with_status
     from iterserve.bench.prompt_sweep import sweep_prompt_lengths
 
@@ -294,10 +297,10 @@ def _cmd_ttft(args: argparse.Namespace) -> int:
     if warning:
         print(warning)
     if args.chart:
-        prompt_sweep_chart(points, args.chart, busy=warning is not None)
+        prompt_sweep_chart(points, args.chart, stamp=machine_stamp(monitor.check.to_dict()))
         print(f"chart written to {args.chart}")
     if args.steps_chart:
-        request_steps_chart(last, args.steps_chart, busy=warning is not None)
+        request_steps_chart(last, args.steps_chart, stamp=machine_stamp(monitor.check.to_dict()))
         print(f"steps of one {last.prompt_len}-token request: {last.step_tokens[0]} tokens in its first pass "
               f"({last.step_ms[0]:.1f} ms), then 1 token a pass (median {statistics.median(last.step_ms[1:]):.1f} ms)")
         print(f"chart written to {args.steps_chart}")
@@ -344,6 +347,9 @@ def add_bench_parser(subparsers: argparse._SubParsersAction) -> None:
     _add_ttft_parser(sub)
     _add_perplexity_parser(sub)
     _add_plot_parser(sub)
+    from iterserve.cli.bench_arrivals import add_arrivals_parsers
+
+    add_arrivals_parsers(sub)
 
 
 def _add_throughput_parser(sub: argparse._SubParsersAction) -> None:
@@ -352,7 +358,8 @@ def _add_throughput_parser(sub: argparse._SubParsersAction) -> None:
     tp.set_defaults(max_num_seqs=BENCH_MAX_NUM_SEQS)
     add_workload_args(tp)
     tp.add_argument("--modes", default="continuous,static",
-                    help="comma-separated: continuous, static, reserved (default %(default)s)")
+                    help="comma-separated: continuous, static, dynamic, reserved (default %(default)s); every "
+                         "request is queued at once, so dynamic batches are full at once and run as static ones")
     tp.add_argument("--hf-baseline", action="store_true",
                     help="also run transformers' generate on padded batches of --max-num-seqs (needs transformers)")
     tp.add_argument("--temperature", type=float, default=0.0, help="sampling temperature of every request")

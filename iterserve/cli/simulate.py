@@ -39,7 +39,7 @@ def _add_run_parser(sub: Any) -> None:
     m.add_argument("--profile", default=None, help="calibrated step profile JSON (iterserve simulate calibrate)")
     e = p.add_argument_group("simulated engine")
     add_config_args(e, EngineConfig, include=("block_size", "max_num_seqs", "max_num_batched_tokens", "batching",
-                                              "kv_allocation", "enable_prefix_caching"))
+                                              "max_batch_wait", "kv_allocation", "enable_prefix_caching"))
     e.add_argument("--kv-cache-memory", default=None,
                    help="KV pool size, e.g. 2GiB (default: what fits beside the weights under --gpu, else 2GiB)")
     e.add_argument("--num-kv-blocks", type=int, default=None, help="KV pool size in blocks (overrides memory)")
@@ -135,9 +135,9 @@ def sim_config_from_args(args: argparse.Namespace, terms: PlannerTerms, cost: Co
         interval = measured.admission_interval_s if measured else 0.0
     return SimConfig(num_kv_blocks=blocks, block_size=args.block_size, max_num_seqs=args.max_num_seqs,
                      max_num_batched_tokens=args.max_num_batched_tokens, batching=args.batching,
-                     kv_allocation=args.kv_allocation, enable_prefix_caching=args.enable_prefix_caching,
-                     max_model_len=max_len, request_latency_s=latency,
-                     admission_interval_s=interval)
+                     max_batch_wait=args.max_batch_wait, kv_allocation=args.kv_allocation,
+                     enable_prefix_caching=args.enable_prefix_caching, max_model_len=max_len,
+                     request_latency_s=latency, admission_interval_s=interval)
 
 
 def _cmd_run(args: argparse.Namespace) -> int:

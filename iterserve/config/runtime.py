@@ -15,7 +15,7 @@ from iterserve.config.dtypes import parse_dtype
 from iterserve.config.model import DEFAULT_MODEL
 
 Dtype = Literal["auto", "float32", "bfloat16", "float16"]
-Batching = Literal["continuous", "static"]
+Batching = Literal["continuous", "static", "dynamic"]
 KVAllocation = Literal["paged", "reserved"]
 LogLevel = Literal["DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL"]
 Quantization = Literal["gguf", "int8"]
@@ -62,7 +62,11 @@ class SchedulerConfig:
     max_num_seqs: int = _opt(256, "most sequences in one step's batch")
     max_num_batched_tokens: int = _opt(2048, "most tokens (prefill chunks + decodes) computed in one step")
     batching: Batching = _opt("continuous", "continuous: requests join and leave at every step; static: a new "
-                                            "batch starts only when the previous one has finished")
+                                            "batch starts only when the previous one has finished; dynamic: as "
+                                            "static, but a new batch waits for --max-num-seqs requests or for its "
+                                            "first to have waited --max-batch-wait seconds")
+    max_batch_wait: float = _opt(0.05, "dynamic batching: seconds the oldest waiting request may wait for its batch "
+                                       "to fill before the batch starts")
     kv_allocation: KVAllocation = _opt("paged", "paged: KV blocks as tokens arrive; reserved: blocks for "
                                                 "prompt + max_tokens held from admission")
     max_model_len: int | None = _opt(None, "a sequence reaching this many tokens finishes with 'length'", cli=False)
@@ -72,6 +76,9 @@ class SchedulerConfig:
         _check_positive(self, "max_model_len", allow_none=True)
         _check_choice(self, "batching", Batching)
         _check_choice(self, "kv_allocation", KVAllocation)
+        if isinstance(self.max_batch_wait, bool) or not isinstance(self.max_batch_wait, (int, float)) \
+                or not 0 <= self.max_batch_wait < float("inf"):
+            raise ValueError(f"max_batch_wait must be a number of seconds >= 0, got {self.max_batch_wait!r}")
 
 
 @dataclass(frozen=True)
@@ -95,6 +102,7 @@ class EngineConfig:
     kv_cache_memory: str | int = _opt("2GiB", "KV pool size, e.g. 2GiB or 512MiB")
     num_kv_blocks: int | None = _opt(None, "KV pool size in blocks (overrides --kv-cache-memory)")
     batching: Batching = _same_as(SchedulerConfig, "batching")
+    max_batch_wait: float = _same_as(SchedulerConfig, "max_batch_wait")
     kv_allocation: KVAllocation = _same_as(SchedulerConfig, "kv_allocation")
     tensor_parallel_size: int = _opt(1, "split every layer over this many processes (tensor parallelism); "
                                         "under torchrun, the launcher's WORLD_SIZE")
@@ -115,8 +123,8 @@ class EngineConfig:
 
     def scheduler_config(self, max_model_len: int | None) -> SchedulerConfig:
         """The scheduler's share of this config, with max_model_len resolved against the KV pool."""
-        return SchedulerConfig(self.max_num_seqs, self.max_num_batched_tokens, self.batching, self.kv_allocation,
-                               max_model_len)
+        return SchedulerConfig(self.max_num_seqs, self.max_num_batched_tokens, self.batching, self.max_batch_wait,
+                               self.kv_allocation, max_model_len)
 
 
 @dataclass(frozen=True)

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 import os
 import signal
 import time
@@ -103,7 +104,7 @@ class EngineCore:
             self.max_model_len = self.capacity.max_model_len
             bs, num_blocks = config.block_size, self.capacity.num_blocks
             self.block_manager = BlockManager(num_blocks, bs, config.enable_prefix_caching)
-            self.scheduler = Scheduler(config.scheduler_config(self.max_model_len), self.block_manager)
+            self.scheduler = Scheduler(config.scheduler_config(self.max_model_len), self.block_manager, clock)
         except BaseException:
             self.executor.abort()
             raise
@@ -429,6 +430,8 @@ def _busy_loop(core: EngineCore, inputs: zmq.Socket, outputs: zmq.Socket, encode
         if not core.has_unfinished_requests():
             while not inputs.poll(int(ORPHAN_CHECK_S * 1000)) and os.getppid() == parent:
                 pass
+        elif (hold := core.scheduler.hold_s()) > 0:  # a dynamic batch waits to fill: until a request or its time
+            inputs.poll(math.ceil(min(hold, ORPHAN_CHECK_S) * 1000))
         if os.getppid() != parent:  # nobody reads the outputs any more: a send would block for ever
             logger.warning("the API process is gone; the engine core exits")
             return

@@ -76,7 +76,11 @@ class LLMEngine:
     # -- the step -------------------------------------------------------------------------------
 
     def step(self) -> list[RequestOutput]:
-        """One core step on this thread; outputs of the requests that advanced (per their output kind)."""
+        """One core step on this thread; outputs of the requests that advanced (per their output kind).
+
+        A dynamic batch still waiting to fill is waited for here: offline, no request can arrive meanwhile."""
+        if (hold := self.core.scheduler.hold_s()) > 0:
+            time.sleep(hold)
         processed = self.output_processor.process_outputs(self.core.step().outputs)
         for request_id in processed.to_abort:
             self.core.abort_request(request_id)

@@ -56,6 +56,7 @@ class SimConfig:
     max_num_seqs: int = 256
     max_num_batched_tokens: int = 2048
     batching: Batching = "continuous"
+    max_batch_wait: float = 0.05  # dynamic batching: the oldest request's longest wait for its batch to fill
     kv_allocation: KVAllocation = "paged"
     enable_prefix_caching: bool = True
     max_model_len: int | None = None  # None: what the pool holds
@@ -80,7 +81,8 @@ class SimConfig:
                             max_model_len=self.model_len, max_num_seqs=self.max_num_seqs,
                             max_num_batched_tokens=self.max_num_batched_tokens,
                             enable_prefix_caching=self.enable_prefix_caching, num_kv_blocks=self.num_kv_blocks,
-                            batching=self.batching, kv_allocation=self.kv_allocation, step_trace=step_trace)
+                            batching=self.batching, max_batch_wait=self.max_batch_wait,
+                            kv_allocation=self.kv_allocation, step_trace=step_trace)
 
 
 @dataclass
@@ -153,7 +155,7 @@ class _Client:
         times = [self.in_transit[0][0]] if self.in_transit else []
         if self.pending and (self.cap is None or self.in_flight < self.cap):
             times.append(self._arrival(max(self.offsets[self.pending[0]], self.freed_at)))
-        return min(times)
+        return min(times, default=math.inf)
 
     def run(self) -> float:
         """Every request sent, run and received; the run's duration."""
@@ -163,6 +165,9 @@ class _Client:
             if not core.has_unfinished_requests():
                 if self.pending or self.in_transit:
                     clock.advance_to(self._next_event())
+                continue
+            if (hold := core.scheduler.hold_s()) > 0:  # a dynamic batch fills: until its wait ends or a request comes
+                clock.advance_to(min(clock.now + hold, max(clock.now, self._next_event())))
                 continue
             steps = core.num_steps
             outputs = core.step().outputs

@@ -280,6 +280,7 @@ def test_browser_login_prompt_takes_the_key(server, browser):
     page.click("#login button")
     page.wait_for_selector("#panels:not([hidden])")
     page.wait_for_function("document.getElementById('facts').textContent.includes('KV bytes per token')")
+    assert "continuous batching: requests join and leave the batch at every step" in page.inner_text("#facts")
     assert page.is_hidden("#login")
     assert page.reload().status == 200  # the session cookie lets the page itself in now
     context.close()

@@ -146,6 +146,22 @@ def test_static_batching_finishes_later_and_waits_longer_than_continuous():
     assert compute_metrics(s_res, s_dur)["mean_ttft_ms"] > compute_metrics(c_res, c_dur)["mean_ttft_ms"]
 
 
+def test_dynamic_batching_on_arrivals_fills_larger_batches_than_static_and_waits_no_longer_than_its_window():
+    reqs = workload(32)
+    base = {"num_kv_blocks": 512, "block_size": 16, "max_num_seqs": 8}
+    point = LoadPoint(20.0)  # a request every 50 ms on average, a step of 10 ms: arrivals trickle in
+    runs = {b: simulate_point(reqs, point, ConstantCost(0.01), SimConfig(**base, batching=b, max_batch_wait=0.3))
+            for b in ("static", "dynamic", "continuous")}
+    (_, _, stat), (d_res, _, dyn), (_, _, cont) = runs["static"], runs["dynamic"], runs["continuous"]
+    assert all(r.success for r in d_res)
+    assert dyn.mean_batch > stat.mean_batch  # waiting for the batch to fill packs more sequences per step
+    assert cont.mean_batch > stat.mean_batch
+    assert dyn.num_steps < stat.num_steps
+    # a dynamic batch's first request never waits more than the window while the engine is idle, so no
+    # request of the first batch starts later than 0.3 s after it arrived
+    assert d_res[0].ttft < 0.3 + 2 * 0.01 + 1e-9
+
+
 def test_reserved_kv_admits_fewer_sequences_than_paged_on_a_small_pool():
     reqs = workload()
     base = {"num_kv_blocks": 24, "block_size": 16, "max_num_seqs": 16, "max_model_len": 128}
