@@ -12,6 +12,7 @@ from typing import Any
 
 from iterserve.cli.flags import add_config_args
 from iterserve.config import EngineConfig
+from iterserve.config.speculative import DEFAULT_DISABLE_BY_BATCH_SIZE
 from iterserve.simulate.cost import ConstantCost, CostModel, LinearCost, RooflineCost
 from iterserve.simulate.planning import PlannerTerms
 
@@ -49,6 +50,13 @@ def _add_run_parser(sub: Any) -> None:
     e.add_argument("--admission-interval", type=float, default=None,
                    help="least seconds between two requests reaching the scheduler (the API process admits one "
                         "at a time; default: the --profile's measured value, else 0)")
+    e.add_argument("--num-speculative-tokens", type=int, default=0,
+                   help="speculative decoding: drafts per decoding sequence and step (default 0: none)")
+    e.add_argument("--spec-acceptance", type=float, default=0.7,
+                   help="chance a draft is accepted given the ones before it were; bench throughput's per-position "
+                        "acceptance gives it (default %(default)s)")
+    e.add_argument("--spec-disable-by-batch-size", type=int, default=DEFAULT_DISABLE_BY_BATCH_SIZE,
+                   help="no drafts in a step whose running batch is larger (default %(default)s)")
     add_workload_args(p)
     p.add_argument("--tokenizer", default=None, help="tokenizer for text, JSONL-text and ShareGPT datasets")
     ld = p.add_argument_group("load (as bench serve)")
@@ -136,7 +144,8 @@ def sim_config_from_args(args: argparse.Namespace, terms: PlannerTerms, cost: Co
                      max_num_batched_tokens=args.max_num_batched_tokens, batching=args.batching,
                      kv_allocation=args.kv_allocation, enable_prefix_caching=args.enable_prefix_caching,
                      max_model_len=max_len, request_latency_s=latency,
-                     admission_interval_s=interval)
+                     admission_interval_s=interval, num_speculative_tokens=args.num_speculative_tokens,
+                     spec_acceptance=args.spec_acceptance, spec_disable_by_batch_size=args.spec_disable_by_batch_size)
 
 
 def _cmd_run(args: argparse.Namespace) -> int:

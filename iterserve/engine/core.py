@@ -323,7 +323,7 @@ class EngineCore:
             num_preemptions=len(sched.preempted),
             total_context=sum(s.seq.num_computed_tokens for s in sched.scheduled),
             seqs=sched.batch_rows(),
-            num_draft_tokens=spec.num_draft_tokens if spec else 0,
+            num_drafts=spec.num_drafts if spec else 0, num_draft_tokens=spec.num_draft_tokens if spec else 0,
             num_accepted_tokens=spec.num_accepted_tokens if spec else 0,
         )
         if self.step_history.maxlen:

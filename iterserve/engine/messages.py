@@ -107,8 +107,10 @@ class StepStats(msgspec.Struct, tag_field="type", tag="step"):
     num_preemptions: int
     total_context: int  # KV tokens the scheduled sequences hold after the step (what attention read)
     seqs: list[BatchRow] = []
-    num_draft_tokens: int = 0  # speculative decoding: drafts verified in this step (inside the decode tokens)
-    num_accepted_tokens: int = 0  # and those accepted
+    # speculative decoding: sequences that verified drafts, draft tokens (inside the decode tokens), accepted ones
+    num_drafts: int = 0
+    num_draft_tokens: int = 0
+    num_accepted_tokens: int = 0
 
 
 # KV block states in a KVSnapshot, one byte per block.

@@ -33,6 +33,7 @@ class StepInputs:
     query_lens: list[int]
     logits_rows: list[int]  # sampling rows first, then prompt-logprob rows
     block_copies: list[tuple[int, int]] = field(default_factory=list)
+    max_decode_query: int = 1  # 1 + the most drafts a sequence verifies: those are attended like decodes
 
 
 @dataclass
@@ -109,7 +110,7 @@ class ModelRunner:
         inputs = StepInputs(
             input_ids, positions, [list(s.seq.block_table) for s in scheduled],
             [s.seq.num_computed_tokens for s in scheduled], [s.num_tokens for s in scheduled], logits_rows,
-            list(block_copies or []),
+            list(block_copies or []), 1 + max((len(s.spec_token_ids) for s in scheduled), default=0),
         )
         seqs = sampling_seqs(scheduled)
         drafts = [s.spec_token_ids for s in sampled for _ in range(1 + len(s.seq.forks))]
@@ -147,6 +148,7 @@ class ModelRunner:
         meta = AttentionMetadata.build(
             block_size=self.block_size, block_tables=inputs.block_tables, num_cached=inputs.num_cached,
             query_lens=inputs.query_lens, device=self.device, sliding_window=self.model.config.sliding_window,
+            max_decode_query=inputs.max_decode_query,
         )
         dev = self.device
         logits = self.model(

@@ -169,14 +169,14 @@ class OutputProcessor:
         ids = o.new_token_ids
         # a stop token ends the request but adds no text
         text_ids = ids[:-1] if o.finish_reason == "stop" and not o.final_token_is_text else ids
-        check = o.finish_reason in (None, "length")
         for i, token in enumerate(text_ids):
             seq.text += seq.detokenizer.feed(token)
-            if check and i < len(ids) - 1 and self._check_stop_strings(params, seq, seq.num_output_tokens + i + 1):
+            # a token before the delta's last one ended nothing in the core: only its text can stop here
+            if i < len(ids) - 1 and self._check_stop_strings(params, seq, seq.num_output_tokens + i + 1):
                 return i + 1
         if o.finish_reason is not None:
             seq.text += seq.detokenizer.flush()
-        if check:
+        if o.finish_reason in (None, "length"):
             self._check_stop_strings(params, seq, seq.num_output_tokens + len(ids))
         return len(ids)
 

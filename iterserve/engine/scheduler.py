@@ -229,14 +229,14 @@ class Scheduler:
                 update.new_tokens[id(seq)] = self._append_run(seq, run)
             else:
                 self._append(seq, token, logprobs)
+            if id(seq) in drafts:  # the accepted drafts' KV was computed in this step: publish their blocks
+                seq.num_computed_tokens = seq.num_tokens - 1
+                self.block_manager.commit(seq)
             if seq.finish_reason is not None:
                 self.finish(seq, seq.finish_reason)
                 update.finished.append(seq)
-            elif id(seq) in drafts:  # the accepted drafts' KV was computed in this step
-                seq.num_computed_tokens = seq.num_tokens - 1
-                self.block_manager.commit(seq)
-                if self.config.kv_allocation != "reserved":  # a reservation keeps its blocks to the end
-                    self.block_manager.trim(seq)
+            elif id(seq) in drafts and self.config.kv_allocation != "reserved":  # a reservation keeps its blocks
+                self.block_manager.trim(seq)
         return update
 
     def _append(self, seq: Sequence, token: int, logprobs: TokenLogprobs | None) -> None:

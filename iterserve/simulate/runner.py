@@ -34,6 +34,7 @@ from iterserve.bench.metrics import DEFAULT_PERCENTILES, RequestResult, compute_
 from iterserve.bench.serve import LoadPoint, arrival_offsets
 from iterserve.bench.workloads import FIRST_RANDOM_TOKEN_ID, Request, WorkloadSpec
 from iterserve.config import Batching, KVAllocation, SchedulerConfig
+from iterserve.config.speculative import DEFAULT_DISABLE_BY_BATCH_SIZE
 from iterserve.engine.block_manager import BlockManager
 from iterserve.engine.messages import StepStats
 from iterserve.engine.sampler import SampleResult
@@ -42,6 +43,7 @@ from iterserve.engine.sequence import Sequence
 from iterserve.outputs import RequestMetrics
 from iterserve.sampling_params import SamplingParams
 from iterserve.simulate.cost import CostModel, StepShape
+from iterserve.simulate.speculation import SimSpeculation
 
 EOS = -1  # the emulated end-of-sequence token: outside any vocabulary, so no prompt holds it
 FILLER = 0  # every other sampled token
@@ -61,6 +63,11 @@ class SimConfig:
     max_model_len: int | None = None  # None: what the pool holds
     request_latency_s: float = 0.0  # client -> scheduler -> client round trip outside the steps
     admission_interval_s: float = 0.0  # least time between two requests reaching the scheduler
+    # speculative decoding: drafts per decoding sequence (0: none), each accepted with this probability
+    # given the ones before it were, and no drafts in a step whose running batch is larger than the cut-off
+    num_speculative_tokens: int = 0
+    spec_acceptance: float = 0.0
+    spec_disable_by_batch_size: int | None = DEFAULT_DISABLE_BY_BATCH_SIZE
 
     @property
     def model_len(self) -> int:
@@ -77,7 +84,7 @@ class SimConfig:
 
 def step_shape(scheduled: list[ScheduledSeq]) -> StepShape:
     """Summarise a scheduled step before it runs (the sequences' computed tokens have not moved yet)."""
-    prefill_tokens = decode = context = pairs = prefill_seqs = sampling = 0
+    prefill_tokens = decode = context = pairs = prefill_seqs = sampling = drafts = 0
     for s in scheduled:
         n, c0 = s.num_tokens, s.seq.num_computed_tokens
         if s.is_prefill:
@@ -85,10 +92,11 @@ def step_shape(scheduled: list[ScheduledSeq]) -> StepShape:
             prefill_seqs += 1
         else:
             decode += 1
+            drafts += len(s.spec_token_ids)
         context += c0 + n
         pairs += n * c0 + n * (n + 1) // 2
         sampling += s.samples
-    return StepShape(prefill_tokens, decode, context, pairs, prefill_seqs, sampling)
+    return StepShape(prefill_tokens, decode, context, pairs, prefill_seqs, sampling, drafts)
 
 
 @dataclass
@@ -123,6 +131,9 @@ class _Run:
         self.index: dict[str, int] = {}
         self.rng = np.random.default_rng(seed)
         self.stats = PointStats()
+        self.spec = (SimSpeculation(cfg.num_speculative_tokens, cfg.spec_acceptance, cfg.spec_disable_by_batch_size,
+                                    cfg.model_len, np.random.default_rng(seed + 1))
+                     if cfg.num_speculative_tokens else None)
 
     def _prompt_ids(self, r: Request) -> list[int]:
         p = r.prompt
@@ -183,9 +194,14 @@ class _Run:
                     s.seq.metrics.first_scheduled_time = start
             shape = step_shape(out.scheduled)
             now += self.cost.step_time(shape)
-            tokens = [EOS if len(s.seq.output_token_ids) + 1 >= self.requests[self.index[s.seq.request_id]].output_len
-                      else FILLER for s in out.scheduled if s.samples]
-            update = sched.update_from_output(out, SampleResult(tokens, [None] * len(tokens)))
+            verdicts = self.spec.verdicts(out.scheduled) if self.spec is not None else {}
+            tokens = []
+            for i, s in enumerate(x for x in out.scheduled if x.samples):
+                made = len(s.seq.output_token_ids) + 1 + (len(verdicts[i].accepted) if i in verdicts else 0)
+                tokens.append(EOS if made >= self.requests[self.index[s.seq.request_id]].output_len else FILLER)
+            update = sched.update_from_output(out, SampleResult(tokens, [None] * len(tokens), verdicts=verdicts))
+            if self.spec is not None:
+                self.spec.propose(sched.running)
             self.stats.num_steps += 1
             self.stats.num_preemptions += len(out.preempted)
             self.stats.busy_s += now - start
@@ -194,8 +210,9 @@ class _Run:
                 self._trace_step(out, shape, start, now)
             for seq in update.sampled:
                 m = seq.metrics
-                m.token_times.append(now)
-                m.num_output_tokens += 1
+                n = update.new_tokens.get(id(seq), 1)
+                m.token_times.extend([now] * n)
+                m.num_output_tokens += n
                 if m.first_token_time is None:
                     m.first_token_time = now
             for seq in update.finished:
@@ -229,10 +246,11 @@ class _Run:
         record = StepStats(
             step=self.stats.num_steps, start=start, duration=end - start,
             num_running=len(self.scheduler.running), num_waiting=len(self.scheduler.waiting),
-            num_prefill_tokens=shape.prefill_tokens, num_decode_tokens=shape.decode_seqs,
+            num_prefill_tokens=shape.prefill_tokens, num_decode_tokens=shape.decode_seqs + shape.draft_tokens,
             num_prefill_seqs=shape.prefill_seqs, num_decode_seqs=shape.decode_seqs,
             kv_blocks_used=self.block_manager.num_used_blocks, prefix_hit_tokens=out.prefix_hit_tokens,
             num_preemptions=len(out.preempted), total_context=shape.total_context, seqs=out.batch_rows(),
+            num_drafts=sum(1 for s in out.scheduled if s.spec_token_ids), num_draft_tokens=shape.draft_tokens,
         )
         self.trace.write(msgspec.json.encode(record).decode() + "\n")  # type: ignore[union-attr]
 

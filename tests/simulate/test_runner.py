@@ -160,3 +160,26 @@ def test_run_simulation_has_bench_serves_shape():
     assert expected <= set(result["runs"][0])
     assert result["runs"][0]["completed"] == 8
     assert result["simulation"]["cost_model"] == {"kind": "constant", "step_time_s": 0.01}
+
+
+def test_speculation_yields_accepted_tokens_per_pass():
+    """Every draft accepted: a 13-token output takes its prefill step, then passes of 1 + 3 tokens (4
+    tokens each) instead of 12 decode steps; none accepted: the step count of plain decoding."""
+    reqs = [req(list(range(101, 109)), 13)]
+    counts = {}
+    for name, k, acceptance in [("plain", 0, 0.0), ("all", 3, 1.0), ("none", 3, 0.0)]:
+        cfg = SimConfig(num_kv_blocks=16, block_size=4, num_speculative_tokens=k, spec_acceptance=acceptance)
+        results, duration, stats = simulate_point(reqs, ALL_AT_ONCE, ConstantCost(0.1), cfg)
+        assert results[0].output_len == 13
+        counts[name] = stats.num_steps
+    assert counts == {"plain": 13, "all": 1 + 3, "none": 13}
+
+
+def test_speculation_stays_off_above_the_batch_cut_off():
+    reqs = [req([100 + i, 200 + i], 9) for i in range(4)]
+    steps = {}
+    for limit in (3, 4):
+        cfg = SimConfig(num_kv_blocks=64, block_size=4, num_speculative_tokens=2, spec_acceptance=1.0,
+                        spec_disable_by_batch_size=limit)
+        steps[limit] = simulate_point(reqs, ALL_AT_ONCE, ConstantCost(0.1), cfg)[2].num_steps
+    assert steps == {3: 9, 4: 1 + 3}  # four running: drafts only when four are allowed (3 + 3 + 2 tokens)

@@ -60,10 +60,12 @@ class DraftModel:
         self.block_size = block_size
         self.kv_caches = model.allocate_kv_cache(num_blocks, block_size)
 
-    def _meta(self, block_tables: list[list[int]], num_cached: list[int], query_lens: list[int]) -> AttentionMetadata:
+    def _meta(self, block_tables: list[list[int]], num_cached: list[int], query_lens: list[int],
+              max_decode_query: int = 1) -> AttentionMetadata:
         return AttentionMetadata.build(block_size=self.block_size, block_tables=block_tables, num_cached=num_cached,
                                        query_lens=query_lens, device=self.model.device,
-                                       sliding_window=self.model.config.sliding_window)
+                                       sliding_window=self.model.config.sliding_window,
+                                       max_decode_query=max_decode_query)
 
     @torch.inference_mode()
     def mirror(self, inputs: StepInputs) -> None:
@@ -71,7 +73,7 @@ class DraftModel:
         dev = self.model.device
         self.model(torch.tensor(inputs.input_ids, dtype=torch.long, device=dev),
                    torch.tensor(inputs.positions, dtype=torch.long, device=dev), self.kv_caches,
-                   self._meta(inputs.block_tables, inputs.num_cached, inputs.query_lens),
+                   self._meta(inputs.block_tables, inputs.num_cached, inputs.query_lens, inputs.max_decode_query),
                    torch.empty(0, dtype=torch.long, device=dev))
 
     @torch.inference_mode()

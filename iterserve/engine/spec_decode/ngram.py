@@ -3,8 +3,10 @@
 When a model copies or edits text it was given (summaries quoting their source, code edits, a
 chat repeating earlier turns), the next tokens often continue an earlier occurrence of the last
 few. The proposer looks for the longest suffix of ``prompt_lookup_max`` down to
-``prompt_lookup_min`` tokens that occurred earlier in the prompt or output, takes its latest
-occurrence (the most recent context), and proposes up to k tokens that followed it. No model runs.
+``prompt_lookup_min`` tokens that occurred earlier in the prompt or output, takes its first
+occurrence, as vLLM does, and proposes up to k tokens that followed it. The first occurrence has
+the most tokens after it: in a run of repeated tokens the latest one sits right behind the suffix
+and would leave one token to propose. No model runs.
 """
 
 from __future__ import annotations
@@ -16,7 +18,7 @@ from iterserve.engine.sequence import Sequence
 
 
 def ngram_lookup(tokens: np.ndarray, min_n: int, max_n: int, k: int) -> list[int]:
-    """Up to ``k`` tokens that followed the latest earlier occurrence of the longest suffix of ``tokens``
+    """Up to ``k`` tokens that followed the first occurrence of the longest suffix of ``tokens``
     (``min_n`` to ``max_n`` long) that occurred before; [] when none did."""
     length = len(tokens)
     for n in range(min(max_n, length - 1), min_n - 1, -1):
@@ -24,7 +26,7 @@ def ngram_lookup(tokens: np.ndarray, min_n: int, max_n: int, k: int) -> list[int
         windows = sliding_window_view(tokens[:-1], n)
         hits = np.flatnonzero((windows == tokens[length - n:]).all(axis=1))
         if len(hits):
-            start = int(hits[-1]) + n
+            start = int(hits[0]) + n
             return tokens[start:start + k].tolist()
     return []
 

@@ -1,4 +1,4 @@
-"""N-gram lookup: the longest recent suffix match, its latest occurrence, at most k tokens after it."""
+"""N-gram lookup: the longest suffix that occurred before, its first occurrence, at most k tokens after it."""
 
 from __future__ import annotations
 
@@ -16,11 +16,13 @@ def test_proposes_what_followed_the_suffix_before():
     assert lookup([5, 6, 7, 8, 9, 5, 6], k=2) == [7, 8]
 
 
-def test_prefers_the_longest_suffix_then_the_latest_occurrence():
-    # suffix [1, 2] occurred twice, followed by 9 then 8: the latest wins
-    assert lookup([1, 2, 9, 1, 2, 8, 1, 2], max_n=2, k=2) == [8, 1]
-    # the 1-gram [3] last occurred before 7, but the 2-gram [4, 3] matches earlier, before 5
-    assert lookup([4, 3, 5, 3, 7, 4, 3], max_n=2, k=1) == [5]
+def test_prefers_the_longest_suffix_then_its_first_occurrence():
+    # suffix [1, 2] occurred twice, followed by 9 then 8: the first has the most tokens after it
+    assert lookup([1, 2, 9, 1, 2, 8, 1, 2], max_n=2, k=2) == [9, 1]
+    # the 1-gram [3] first occurred before 5, but the 2-gram [4, 3] matches, before 7
+    assert lookup([3, 5, 4, 3, 7, 4, 3], max_n=2, k=1) == [7]
+    # in a run of repeats the first occurrence leaves k tokens to propose, the latest only one
+    assert lookup([6, 6, 6, 6, 6, 6], max_n=2, k=3) == [6, 6, 6]
 
 
 def test_nothing_when_no_suffix_of_min_n_occurred():
