@@ -4,8 +4,8 @@
 ``torch.utils.cpp_extension`` into ``iterserve/_build/`` (git-ignored). Importing this module only
 loads that build, never compiles: the build's name carries a hash of the source, the compiler flags
 and the torch version, so an edited source or another torch finds no build and falls back instead
-of loading a stale one. Without a build, or with ``ITERSERVE_CPU_KERNELS=0``, ``ops`` is None and
-every caller runs its PyTorch reference path (which is also the path for CUDA tensors).
+of loading a stale one. Without a build, or with ``ITERSERVE_CPU_KERNELS=0``, ``ops`` is None and the
+CPU runs the PyTorch reference backend (:mod:`iterserve.attention.selector` chooses).
 """
 
 from __future__ import annotations
@@ -89,9 +89,3 @@ def _load() -> ModuleType | None:
 
 
 ops: ModuleType | None = _load()
-
-
-def ops_for(t: torch.Tensor) -> ModuleType | None:
-    """The fused CPU ops when they serve this tensor (built, not disabled, and on the CPU), else None."""
-    return ops if t.device.type == "cpu" else None
-

@@ -17,7 +17,8 @@ import time
 import torch
 
 from iterserve import kernels
-from iterserve.attention import AttentionMetadata, KVCache, decode_attention_reference
+from iterserve.attention import AttentionMetadata, KVCache
+from iterserve.attention.reference import decode_attention_reference
 
 
 def main() -> None:

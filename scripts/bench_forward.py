@@ -23,7 +23,9 @@ import torch
 import torch.nn.functional as F
 
 from iterserve import kernels
-from iterserve.attention import AttentionMetadata
+from iterserve.attention import AttentionBackend, AttentionMetadata
+from iterserve.attention.cpu import CpuBackend
+from iterserve.attention.reference import ReferenceBackend
 from iterserve.config.dtypes import canonical_dtype
 from iterserve.models.loader import load_model
 from iterserve.planner import decode_cost, prefill_cost
@@ -40,20 +42,15 @@ def median_time(fn, repeats: int) -> float:
     return statistics.median(times)
 
 
-def interleaved_medians(fn, paths: list[str], repeats: int) -> dict[str, float]:
-    """Median seconds of ``fn`` per path, the paths alternating pass by pass."""
-    built = kernels.ops
+def interleaved_medians(fn, paths: dict[str, AttentionBackend], repeats: int) -> dict[str, float]:
+    """Median seconds of ``fn(backend)`` per path, the paths alternating pass by pass."""
     times: dict[str, list[float]] = {p: [] for p in paths}
-    try:
-        for i in range(repeats + 1):  # the first round warms up
-            for path in paths:
-                kernels.ops = built if path == "fused" else None
-                start = time.perf_counter()
-                fn()
-                if i:
-                    times[path].append(time.perf_counter() - start)
-    finally:
-        kernels.ops = built
+    for i in range(repeats + 1):  # the first round warms up
+        for path, backend in paths.items():
+            start = time.perf_counter()
+            fn(backend)
+            if i:
+                times[path].append(time.perf_counter() - start)
     return {p: statistics.median(t) for p, t in times.items()}
 
 
@@ -86,7 +83,8 @@ def main() -> None:
     batches = [int(b) for b in args.batches.split(",")]
     chunks = [int(c) for c in args.prefill.split(",")]
     block = 16
-    paths = ["fused", "reference"] if kernels.ops is not None else ["reference"]
+    paths: dict[str, AttentionBackend] = {"fused": CpuBackend(kernels.ops)} if kernels.ops is not None else {}
+    paths["reference"] = ReferenceBackend()
     read_gbs = peak_read_gbs()
     print(f"model={args.model} context={args.context} threads={torch.get_num_threads()} paths={','.join(paths)}")
     print(f"measured peaks: streaming read {read_gbs:.1f} GB/s")
@@ -119,7 +117,8 @@ def main() -> None:
             ids = torch.randint(100, cfg.vocab_size, (b,))
             pos = torch.full((b,), args.context)
             rows = torch.arange(b)
-            t = interleaved_medians(functools.partial(model, ids, pos, caches, meta, rows), paths, args.repeats)
+            step = functools.partial(model, ids, pos, caches, meta, logits_indices=rows)  # called with a backend
+            t = interleaved_medians(step, paths, args.repeats)
             report(f"decode B={b}", t, b, decode_cost(cfg, b, args.context, pdt))
         for n in chunks:
             meta = AttentionMetadata.build(block_size=block, block_tables=[list(range(-(-n // block)))],
@@ -127,7 +126,8 @@ def main() -> None:
             ids = torch.randint(100, cfg.vocab_size, (n,))
             pos = torch.arange(n)
             last = torch.tensor([n - 1])
-            t = interleaved_medians(functools.partial(model, ids, pos, caches, meta, last), paths, args.repeats)
+            step = functools.partial(model, ids, pos, caches, meta, logits_indices=last)
+            t = interleaved_medians(step, paths, args.repeats)
             report(f"prefill N={n}", t, n, prefill_cost(cfg, n, 1, pdt))
         del caches, loaded, model
 

@@ -16,7 +16,8 @@ from collections.abc import Callable
 from typing import Any
 
 from iterserve import LLM, SamplingParams
-from iterserve.distributed import executor, parallel_state
+from iterserve.distributed import parallel_state
+from iterserve.engine import executor
 
 
 def _timed(owner: Any, name: str, bucket: list[float]) -> None:

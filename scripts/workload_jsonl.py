@@ -9,7 +9,8 @@ from __future__ import annotations
 import argparse
 import json
 
-from iterserve.bench.workloads import WorkloadSpec, load_tokenizer, synthetic_workload
+from iterserve.bench.workloads import WorkloadSpec, synthetic_workload
+from iterserve.models.loader import load_tokenizer
 
 
 def main() -> None:

@@ -1,8 +1,11 @@
-"""No import circle in the package, including circles hidden behind function-local imports.
+"""No import circle in the package, including circles hidden behind function-local or type-only imports,
+and the layout's rules: nothing imports the command lines, no private name crosses a package, and
+modules, functions and the package root stay small.
 
-Two checks: every module imported first, each in a fresh interpreter (so a module-level circle that a
-lucky import order hides fails), and the static graph of every import statement in the package (so
-a circle split across a function-local import, which only bites when that function runs, fails too).
+Two circle checks: every module imported first, each in a fresh interpreter (so a module-level circle that
+a lucky import order hides fails), and the static graph of every import statement in the package (so a
+circle split across a function-local or ``TYPE_CHECKING`` import, which only bites when that function
+runs or the type checker reads it, fails too).
 """
 
 from __future__ import annotations
@@ -37,17 +40,22 @@ def _is_type_checking(node: ast.If) -> bool:
     )
 
 
-def _imports(module: str, modules: set[str], top_level_only: bool = False) -> tuple[set[str], set[str]]:
-    """(package modules, other top-level packages) that ``module`` imports, less type-only imports;
-    inside functions too unless ``top_level_only``."""
+def _source(module: str) -> Path:
     path = ROOT.joinpath(*module.split(".")[1:])
-    source = path / "__init__.py" if path.is_dir() else path.with_suffix(".py")
+    return path / "__init__.py" if path.is_dir() else path.with_suffix(".py")
+
+
+def _imports(module: str, modules: set[str], top_level_only: bool = False,
+             type_only: bool = True) -> tuple[set[str], set[str]]:
+    """(package modules, other top-level packages) that ``module`` imports: inside functions too unless
+    ``top_level_only``, and under ``if TYPE_CHECKING:`` too unless not ``type_only``."""
+    source = _source(module)
     tree = ast.parse(source.read_text(), str(source))
     package = module if source.name == "__init__.py" else module.rpartition(".")[0]
     found: set[str] = set()
 
     def visit(node: ast.AST) -> None:
-        if isinstance(node, ast.If) and _is_type_checking(node):
+        if isinstance(node, ast.If) and _is_type_checking(node) and not type_only:
             for child in node.orelse:
                 visit(child)
             return
@@ -166,7 +174,7 @@ def test_every_module_imports_first_in_a_fresh_interpreter():
     """One fresh interpreter loads the third-party libraries, then forks a child per module, so each
     module is imported first, before any other of the package, as cheaply as a fork."""
     modules = package_modules()
-    external = set().union(*(_imports(m, set(modules), top_level_only=True)[1] for m in modules))
+    external = set().union(*(_imports(m, set(modules), top_level_only=True, type_only=False)[1] for m in modules))
     external -= set(sys.stdlib_module_names) | {"__future__"}
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT.parent), os.environ.get("PYTHONPATH", "")])}
     proc = subprocess.run([sys.executable, "-c", FIRST_IMPORTS, ",".join(modules), ",".join(sorted(external))],
@@ -186,6 +194,53 @@ def test_pure_modules_import_no_torch(module):
         m = todo.pop()
         if m not in seen:
             seen.add(m)
-            internal, external = _imports(m, modules, top_level_only=True)
+            internal, external = _imports(m, modules, top_level_only=True, type_only=False)
             assert "torch" not in external, f"{module} imports torch through {m}"
             todo += internal
+
+
+def test_the_scanner_sees_type_only_imports():
+    modules = set(package_modules())
+    assert "iterserve.engine.structured_output" in _imports("iterserve.engine.sequence", modules)[0]
+    assert "iterserve.engine.structured_output" not in _imports("iterserve.engine.sequence", modules,
+                                                                  type_only=False)[0]
+
+
+def test_nothing_imports_a_command_line():
+    """The command lines (iterserve/cli/) sit on top: the engine, the server and the tools take settings
+    as objects, so no module outside cli/ imports from it."""
+    modules = set(package_modules())
+    for m in modules:
+        if m != "iterserve.cli" and not m.startswith("iterserve.cli."):
+            found = {i for i in _imports(m, modules)[0] if i == "iterserve.cli" or i.startswith("iterserve.cli.")}
+            assert not found, f"{m} imports the command line {sorted(found)}"
+
+
+def _package(module: str) -> str:
+    return module if _source(module).name == "__init__.py" else module.rpartition(".")[0]
+
+
+def test_no_private_name_crosses_a_package():
+    """A ``_name`` is its package's business: importing one from another package means it is not private."""
+    modules = set(package_modules())
+    for m in modules:
+        for node in ast.walk(ast.parse(_source(m).read_text())):
+            if isinstance(node, ast.ImportFrom) and node.module and node.module.startswith("iterserve") \
+                    and not node.level:
+                target = node.module if node.module in modules else node.module.rpartition(".")[0]
+                private = [a.name for a in node.names if a.name.startswith("_") and not a.name.startswith("__")]
+                assert not private or _package(target) == _package(m), f"{m} imports {private} from {node.module}"
+
+
+def test_modules_and_functions_stay_small():
+    """No module over 500 lines, no function over 80, and at most 8 modules at the package root."""
+    for m in package_modules():
+        source = _source(m)
+        text = source.read_text()
+        assert len(text.splitlines()) <= 500, f"{source} has {len(text.splitlines())} lines"
+        for node in ast.walk(ast.parse(text)):
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                length = (node.end_lineno or node.lineno) - node.lineno + 1
+                assert length <= 80, f"{source}:{node.lineno} {node.name} has {length} lines"
+    root = sorted(p.name for p in ROOT.glob("*.py"))
+    assert len(root) <= 8, f"{len(root)} modules at the package root: {root}"

@@ -11,9 +11,10 @@ import torch
 import torch.nn.functional as F
 
 from iterserve import kernels
-from iterserve.attention import AttentionMetadata, KVCache, decode_attention_reference
+from iterserve.attention import AttentionMetadata, KVCache
+from iterserve.attention.reference import ReferenceBackend, apply_rope, decode_attention_reference
 from iterserve.config import ModelConfig
-from iterserve.models.llama import RMSNorm, RotaryEmbedding, apply_rope
+from iterserve.models.llama import RMSNorm, RotaryEmbedding
 
 OPS = kernels.ops or kernels.load_build()
 needs_build = pytest.mark.skipif(
@@ -99,23 +100,21 @@ def test_write_kv_matches_index_put(dtype):
     assert got.k.abs().sum() > 0
 
 
-def reference(monkeypatch, fn, *args):
-    """Run ``fn`` on the PyTorch path, as with ITERSERVE_CPU_KERNELS=0."""
-    with monkeypatch.context() as m:
-        m.setattr(kernels, "ops", None)
-        return fn(*args)
+def reference(norm, x, residual=None):
+    """``norm`` on the PyTorch path, as with ITERSERVE_CPU_KERNELS=0."""
+    return norm(x, ReferenceBackend(), residual)
 
 
 @needs_build
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_rms_norm_and_fused_residual_add(monkeypatch, dtype):
+def test_rms_norm_and_fused_residual_add(dtype):
     g = torch.Generator().manual_seed(1)
     norm = RMSNorm(100, 1e-5)
     norm.weight.data = torch.rand(100, generator=g) + 0.5
     norm.to(dtype)
     x, residual = (torch.randn(7, 100, generator=g).to(dtype) for _ in range(2))
-    torch.testing.assert_close(OPS.rms_norm(x, norm.weight, norm.eps), reference(monkeypatch, norm, x), **TOL[dtype])
-    want_out, want_res = reference(monkeypatch, norm, x.clone(), residual.clone())
+    torch.testing.assert_close(OPS.rms_norm(x, norm.weight, norm.eps), reference(norm, x), **TOL[dtype])
+    want_out, want_res = reference(norm, x.clone(), residual.clone())
     got_x, got_res = x.clone(), residual.clone()
     OPS.fused_add_rms_norm(got_x, got_res, norm.weight, norm.eps)
     assert torch.equal(got_res, want_res)  # the residual stream is the same rounded sum
@@ -123,13 +122,13 @@ def test_rms_norm_and_fused_residual_add(monkeypatch, dtype):
 
 
 @needs_build
-def test_rms_norm_of_strided_heads(monkeypatch):
+def test_rms_norm_of_strided_heads():
     """q/k norms (Qwen3) normalise [tokens, heads, D] views of the QKV output."""
     norm = RMSNorm(16, 1e-6)
     norm.weight.data.uniform_(0.5, 1.5)
     qkv = torch.randn(5, 3 * 16 + 8)
     q = qkv[:, :48].view(5, 3, 16)
-    torch.testing.assert_close(OPS.rms_norm(q, norm.weight, norm.eps), reference(monkeypatch, norm, q),
+    torch.testing.assert_close(OPS.rms_norm(q, norm.weight, norm.eps), reference(norm, q),
                                **TOL[torch.float32])
 
 

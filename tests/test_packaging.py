@@ -25,3 +25,14 @@ def test_package_data_covers_every_data_file():
                 rel = path.relative_to(root)
                 covered |= any(fnmatch.fnmatch(rel.as_posix(), pattern) for pattern in patterns)
         assert covered, f"{path.relative_to(PACKAGE.parent)} is not in pyproject's package-data"
+
+
+def test_every_folder_of_modules_is_a_package_the_install_finds():
+    """pyproject finds packages with setuptools' find_packages, which skips a folder without ``__init__.py``
+    (its modules would be missing from a non-editable install)."""
+    from setuptools import find_packages
+
+    found = set(find_packages(str(PACKAGE.parent), include=["iterserve*"]))
+    folders = {".".join(p.parent.relative_to(PACKAGE.parent).parts) for p in PACKAGE.rglob("*.py")
+               if "_build" not in p.parts and "__pycache__" not in p.parts}
+    assert folders <= found, f"folders of modules without __init__.py: {sorted(folders - found)}"

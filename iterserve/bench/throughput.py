@@ -377,16 +377,7 @@ def run_throughput(
         raise ValueError(f"repeats must be >= 1, got {repeats}")
     if max_tokens_cap is not None and max_tokens_cap < 1:
         raise ValueError(f"max_tokens cap must be >= 1, got {max_tokens_cap}")
-    prompts = token_prompts(requests, loaded.tokenizer)
-    # A few short requests through an engine of the same configuration first, so one-time costs
-    # do not land in the first mode timed; it also tells how long a sequence may be.
-    warm = LLMEngine(_engine_config(config, step_trace=None), loaded)
-    vocab = loaded.config.vocab_size
-    warm_prompts = [[(7 * i + 101) % vocab for i in range(n)] for n in (17, 40)]
-    drive(warm, [Request(p, len(p), 4) for p in warm_prompts], warm_prompts,
-          [SamplingParams(max_tokens=4, ignore_eos=True, temperature=0)] * 2, use_tqdm=False)
-    requests, prompts = fit_to_context(requests, prompts, warm.max_model_len, max_tokens_cap)
-    del warm
+    requests, prompts = _warm_up(loaded, config, requests, max_tokens_cap)
     monitor = monitor or MachineMonitor()
     with tempfile.TemporaryDirectory() as tmp:
         traces = Path(trace_dir if trace_dir is not None else tmp)
@@ -421,6 +412,24 @@ def run_throughput(
             c, n_out = counts[mode]
             trace_file = str(Path(trace_dir) / f"{mode}.jsonl") if trace_dir is not None else None
             runs.append(_make_run(mode, len(requests), n_in, n_out, c, timed[mode], trace_file))
+    return _result(loaded, config, requests, max_tokens_cap, repeats, monitor, runs)
+
+
+def _warm_up(loaded: LoadedModel, config: EngineConfig, requests: list[Request],
+             max_tokens_cap: int | None) -> tuple[list[Request], list[list[int]]]:
+    """A few short requests through an engine of the same configuration, so one-time costs do not land in
+    the first mode timed; it also tells how long a sequence may be. The requests that fit, as token ids."""
+    prompts = token_prompts(requests, loaded.tokenizer)
+    warm = LLMEngine(_engine_config(config, step_trace=None), loaded)
+    vocab = loaded.config.vocab_size
+    warm_prompts = [[(7 * i + 101) % vocab for i in range(n)] for n in (17, 40)]
+    drive(warm, [Request(p, len(p), 4) for p in warm_prompts], warm_prompts,
+          [SamplingParams(max_tokens=4, ignore_eos=True, temperature=0)] * 2, use_tqdm=False)
+    return fit_to_context(requests, prompts, warm.max_model_len, max_tokens_cap)
+
+
+def _result(loaded: LoadedModel, config: EngineConfig, requests: list[Request], max_tokens_cap: int | None,
+            repeats: int, monitor: MachineMonitor, runs: list[ThroughputRun]) -> dict[str, Any]:
     by_mode = {r.mode: r for r in runs}
     check = monitor.check
     result: dict[str, Any] = {

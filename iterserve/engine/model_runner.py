@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from iterserve.attention import AttentionMetadata, KVCache
+from iterserve.attention import AttentionMetadata, KVCache, select_backend
 from iterserve.engine.sampler import Sampler, SampleResult, SamplingRow, bitmask_words, token_logprobs
 from iterserve.engine.scheduler import ScheduledSeq, sampling_seqs
 from iterserve.engine.sequence import Sequence
@@ -60,6 +60,7 @@ class ModelRunner:
         self.device = model.device
         self.block_size = block_size
         self.kv_caches: list[KVCache] = model.allocate_kv_cache(num_blocks, block_size)
+        self.attn_backend = select_backend(self.device)  # chosen once; passed to the model with each step
         self.sampler = Sampler(torch.Generator(device=self.device).manual_seed(seed))
         self.draft = DraftModel(draft, num_blocks, block_size) if draft is not None else None
 
@@ -156,6 +157,7 @@ class ModelRunner:
             torch.tensor(inputs.positions, dtype=torch.long, device=dev),
             self.kv_caches,
             meta,
+            self.attn_backend,
             torch.tensor(inputs.logits_rows, dtype=torch.long, device=dev),
         )
         if self.draft is not None:

@@ -12,11 +12,9 @@ from __future__ import annotations
 import math
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
-from iterserve import kernels
-from iterserve.attention import AttentionMetadata, KVCache, paged_attention
+from iterserve.attention import AttentionBackend, AttentionMetadata, KVCache
 from iterserve.config import ModelConfig
 from iterserve.distributed.layers import (
     ColumnParallelLinear,
@@ -41,22 +39,11 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(
-        self, x: torch.Tensor, residual: torch.Tensor | None = None
+        self, x: torch.Tensor, backend: AttentionBackend, residual: torch.Tensor | None = None
     ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
-        ops = kernels.ops_for(x)
-        if ops is not None:
-            if residual is None:
-                return ops.rms_norm(x, self.weight, self.eps)
-            ops.fused_add_rms_norm(x, residual, self.weight, self.eps)  # in place on both
-            return x, residual
-        if residual is not None:
-            residual = x = x + residual
-        # Normalise in float32 and cast back before the weight, as the reference implementation does.
-        dtype = x.dtype
-        x32 = x.float()
-        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
-        out = self.weight * x32.to(dtype)
-        return out if residual is None else (out, residual)
+        if residual is None:
+            return backend.rms_norm(x, self.weight, self.eps)
+        return backend.fused_add_rms_norm(x, residual, self.weight, self.eps)
 
 
 def rope_inv_freq(config: ModelConfig) -> torch.Tensor:
@@ -102,15 +89,6 @@ class RotaryEmbedding(nn.Module):
         return self.cos[positions].to(dtype)[:, None, :], self.sin[positions].to(dtype)[:, None, :]
 
 
-def _rotate_half(x: torch.Tensor) -> torch.Tensor:
-    x1, x2 = x.chunk(2, dim=-1)
-    return torch.cat((-x2, x1), dim=-1)
-
-
-def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    return x * cos + _rotate_half(x) * sin
-
-
 class Attention(nn.Module):
     def __init__(self, config: ModelConfig, ps: ParallelState) -> None:
         super().__init__()
@@ -126,7 +104,8 @@ class Attention(nn.Module):
         self.scale = self.head_dim**-0.5
 
     def forward(
-        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache: KVCache, meta: AttentionMetadata
+        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache: KVCache, meta: AttentionMetadata,
+        backend: AttentionBackend,
     ) -> torch.Tensor:
         n = x.shape[0]
         q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
@@ -134,13 +113,9 @@ class Attention(nn.Module):
         k = k.view(n, self.num_kv_heads, self.head_dim)
         v = v.view(n, self.num_kv_heads, self.head_dim)
         if self.q_norm is not None and self.k_norm is not None:
-            q, k = self.q_norm(q), self.k_norm(k)
-        ops = kernels.ops_for(q)
-        if ops is not None:
-            ops.rope_(q, k, cos[:, 0], sin[:, 0])  # in place, one pass per row
-        else:
-            q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-        out = paged_attention(q, k, v, cache, meta, self.scale)
+            q, k = self.q_norm(q, backend), self.k_norm(k, backend)
+        q, k = backend.rotary(q, k, cos, sin)
+        out = backend.forward(q, k, v, cache, meta, self.scale)
         return self.o_proj(out.reshape(n, self.q_size))
 
 
@@ -148,17 +123,11 @@ class MLP(nn.Module):
     def __init__(self, config: ModelConfig, ps: ParallelState) -> None:
         super().__init__()
         width = even_shard(config.intermediate_size, ps)
-        self.intermediate_size = width.size
         self.gate_up_proj = ColumnParallelLinear(config.hidden_size, [width, width])
         self.down_proj = RowParallelLinear(config.intermediate_size, config.hidden_size, ps)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate_up = self.gate_up_proj(x)
-        ops = kernels.ops_for(gate_up)
-        if ops is not None:
-            return self.down_proj(ops.silu_and_mul(gate_up))
-        gate, up = gate_up.split(self.intermediate_size, dim=-1)
-        return self.down_proj(F.silu(gate) * up)
+    def forward(self, x: torch.Tensor, backend: AttentionBackend) -> torch.Tensor:
+        return self.down_proj(backend.silu_and_mul(self.gate_up_proj(x)))
 
 
 class DecoderLayer(nn.Module):
@@ -171,16 +140,16 @@ class DecoderLayer(nn.Module):
 
     def forward(
         self, x: torch.Tensor, residual: torch.Tensor | None, cos: torch.Tensor, sin: torch.Tensor, cache: KVCache,
-        meta: AttentionMetadata,
+        meta: AttentionMetadata, backend: AttentionBackend,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Returns this layer's output and the residual stream before it (the next norm adds them)."""
         if residual is None:
-            x, residual = self.input_layernorm(x), x
+            x, residual = self.input_layernorm(x, backend), x
         else:
-            x, residual = self.input_layernorm(x, residual)
-        x = self.self_attn(x, cos, sin, cache, meta)
-        x, residual = self.post_attention_layernorm(x, residual)
-        return self.mlp(x), residual
+            x, residual = self.input_layernorm(x, backend, residual)
+        x = self.self_attn(x, cos, sin, cache, meta, backend)
+        x, residual = self.post_attention_layernorm(x, backend, residual)
+        return self.mlp(x, backend), residual
 
 
 class LlamaModel(nn.Module):
@@ -225,6 +194,7 @@ class LlamaModel(nn.Module):
         positions: torch.Tensor,  # [num_tokens]
         kv_caches: list[KVCache],
         meta: AttentionMetadata,
+        backend: AttentionBackend,  # how attention and the fused operations are computed (chosen once, per device)
         logits_indices: torch.Tensor | None = None,  # rows whose next token is sampled
     ) -> torch.Tensor:
         """Returns float32 logits ``[len(logits_indices), vocab]`` (all rows when None); under tensor
@@ -233,9 +203,9 @@ class LlamaModel(nn.Module):
         cos, sin = self.rotary(positions, x.dtype)
         residual = None
         for layer, cache in zip(self.layers, kv_caches):
-            x, residual = layer(x, residual, cos, sin, cache, meta)
+            x, residual = layer(x, residual, cos, sin, cache, meta, backend)
         assert residual is not None  # every layer returns it
         if logits_indices is not None:
             x, residual = x[logits_indices], residual[logits_indices]
-        x, _ = self.norm(x, residual)
+        x, _ = self.norm(x, backend, residual)
         return self.lm_head(x).float()

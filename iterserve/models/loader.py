@@ -29,7 +29,7 @@ import torch
 from iterserve.config import DEFAULT_MODEL, PRESETS, ModelConfig, find_preset, get_preset, parse_dtype
 from iterserve.distributed.layers import ShardedLayer
 from iterserve.distributed.parallel_state import ParallelState
-from iterserve.models.gguf_file import gguf_field, open_gguf
+from iterserve.formats.gguf_file import gguf_field, open_gguf
 from iterserve.models.llama import LlamaModel, RotaryEmbedding
 from iterserve.tokenizer import Tokenizer
 

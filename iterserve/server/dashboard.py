@@ -36,7 +36,7 @@ from iterserve.engine.core_client import EngineCoreClient
 from iterserve.engine.messages import KVSnapshot, SchedulerStats, StepStats
 from iterserve.outputs import RequestOutput
 from iterserve.server.auth import bearer_matches
-from iterserve.server.protocol import APIError
+from iterserve.server.errors import APIError
 
 PAGE = "/dashboard"
 EVENTS = "/dashboard/events"

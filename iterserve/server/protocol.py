@@ -19,38 +19,9 @@ from iterserve.sampling_params import (
     SamplingParamsError,
     StructuredOutputsParams,
 )
+from iterserve.server.errors import bad_request
 
 COMPLETION_DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
-
-
-class APIError(Exception):
-    """An error that becomes an OpenAI-style ``{"error": {...}}`` body with this status."""
-
-    def __init__(
-        self,
-        status_code: int,
-        message: str,
-        *,
-        type: str = "invalid_request_error",
-        param: str | None = None,
-        code: str | None = None,
-        headers: dict[str, str] | None = None,
-    ) -> None:
-        super().__init__(message)
-        self.status_code = status_code
-        self.message = message
-        self.type = type
-        self.param = param
-        self.code = code
-        self.headers = headers
-
-    def body(self) -> dict[str, Any]:
-        return ErrorResponse(error=ErrorInfo(message=self.message, type=self.type, param=self.param,
-                                             code=self.code)).model_dump()
-
-
-def bad_request(message: str, param: str | None = None, code: str | None = None) -> APIError:
-    return APIError(400, message, param=param, code=code)
 
 
 # -- requests -------------------------------------------------------------------------------------
@@ -358,17 +329,6 @@ class DetokenizeRequest(_Request):
 
 
 # -- responses ------------------------------------------------------------------------------------
-
-
-class ErrorInfo(BaseModel):
-    message: str
-    type: str
-    param: str | None = None
-    code: str | None = None
-
-
-class ErrorResponse(BaseModel):
-    error: ErrorInfo
 
 
 class PromptTokensDetails(BaseModel):

@@ -20,13 +20,13 @@ from dataclasses import dataclass
 from typing import Any
 
 from iterserve.sampling_params import StructuredOutputsParams
+from iterserve.server.errors import bad_request
 from iterserve.server.protocol import (
     ChatCompletionRequest,
     DeltaFunctionCall,
     DeltaToolCall,
     FunctionCall,
     ToolCall,
-    bad_request,
     structured_outputs_from,
 )
 

@@ -14,7 +14,7 @@ import gguf
 from tokenizers import AddedToken, Regex, decoders, models, pre_tokenizers, processors
 from tokenizers import Tokenizer as BackendTokenizer
 
-from iterserve.models.gguf_file import gguf_field
+from iterserve.formats.gguf_file import gguf_field
 
 # llama.cpp token_type values (gguf.TokenType).
 _CONTROL = 3
@@ -23,7 +23,7 @@ _USER_DEFINED = 4
 # How text is split before byte-level BPE, by `tokenizer.ggml.pre`. A vocabulary's merges were
 # learned on pieces cut this way; any other `pre` (SmolLM2's "smollm", for one) gets GPT-2's split,
 # the ByteLevel default. The regexes are transformers' for the same names; only names tested against
-# transformers are listed (tests/test_tokenizer.py).
+# transformers are listed (tests/tokenizer/test_tokenizer.py).
 _LLAMA3_SPLIT = (
     r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}"
     r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"

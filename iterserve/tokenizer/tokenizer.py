@@ -22,7 +22,7 @@ from tokenizers import AddedToken
 from tokenizers import Tokenizer as BackendTokenizer
 from tokenizers.decoders import DecodeStream
 
-from iterserve.models.gguf_file import open_gguf
+from iterserve.formats.gguf_file import open_gguf
 from iterserve.tokenizer.chat_template import compile_template, normalize_messages
 from iterserve.tokenizer.gguf_vocab import gguf_vocabulary
 

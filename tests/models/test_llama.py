@@ -6,10 +6,11 @@ import pytest
 import torch
 import transformers
 
-from iterserve.attention import AttentionMetadata
+from iterserve.attention import AttentionMetadata, select_backend
 from iterserve.config import ModelConfig
 from iterserve.models.loader import _empty_model, load_hf_state_dict
 
+CPU = select_backend("cpu")  # what the engine runs on the CPU: the C++ kernels when built
 LLAMA3_SCALING = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
                   "original_max_position_embeddings": 32}
 
@@ -52,7 +53,7 @@ def run_ours(model, ids: torch.Tensor, steps: list[int], block_size: int = 4) ->
     for n in steps:
         meta = AttentionMetadata.build(block_size=block_size, block_tables=[table], num_cached=[done], query_lens=[n],
                                        sliding_window=model.config.sliding_window)
-        outs.append(model(ids[done:done + n], torch.arange(done, done + n), caches, meta))
+        outs.append(model(ids[done:done + n], torch.arange(done, done + n), caches, meta, CPU))
         done += n
     return torch.cat(outs)
 
@@ -79,7 +80,7 @@ def test_sequences_of_different_lengths_in_one_pass_match_separate_runs():
     meta = AttentionMetadata.build(block_size=4, block_tables=tables, num_cached=[0, 0, 0], query_lens=[9, 14, 3])
     ids = torch.cat([a, b, c])
     pos = torch.cat([torch.arange(9), torch.arange(14), torch.arange(3)])
-    together = ours(ids, pos, caches, meta, torch.tensor([8, 22, 25]))
+    together = ours(ids, pos, caches, meta, CPU, torch.tensor([8, 22, 25]))
     torch.testing.assert_close(together, torch.stack(alone), atol=1e-5, rtol=1e-5)
 
 
@@ -87,7 +88,7 @@ def test_logits_only_for_requested_rows():
     _, ours = hf_pair(FAMILIES["smollm2-tied"])
     caches = ours.allocate_kv_cache(8, 4)
     meta = AttentionMetadata.build(block_size=4, block_tables=[[0, 1]], num_cached=[0], query_lens=[6])
-    out = ours(torch.arange(6), torch.arange(6), caches, meta, torch.tensor([5]))
+    out = ours(torch.arange(6), torch.arange(6), caches, meta, CPU, torch.tensor([5]))
     assert out.shape == (1, 320) and out.dtype == torch.float32
 
 

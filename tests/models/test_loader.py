@@ -8,7 +8,7 @@ import pytest
 import torch
 import transformers
 
-from iterserve.attention import AttentionMetadata
+from iterserve.attention import AttentionMetadata, select_backend
 from iterserve.config import PRESETS, ModelConfig, parse_dtype
 from iterserve.models.loader import (
     ModelSource,
@@ -30,7 +30,7 @@ def test_gguf_logits_match_transformers(smollm, hf_smollm, chat_prompt_ids):
         ref = hf(torch.tensor([ids])).logits[0]
     caches = smollm.model.allocate_kv_cache(8, 16)
     meta = AttentionMetadata.build(block_size=16, block_tables=[[4, 2, 6, 0]], num_cached=[0], query_lens=[len(ids)])
-    got = smollm.model(torch.tensor(ids), torch.arange(len(ids)), caches, meta)
+    got = smollm.model(torch.tensor(ids), torch.arange(len(ids)), caches, meta, select_backend("cpu"))
     assert (got - ref).abs().max().item() < 1e-3
     assert torch.equal(got.argmax(-1), ref.argmax(-1))
 
@@ -56,7 +56,7 @@ def greedy_batched(model, prompts: list[list[int]], max_new: int, chunk: int, bl
         meta = AttentionMetadata.build(block_size=block_size, block_tables=[tables[i] for i in active],
                                        num_cached=[done[i] for i in active], query_lens=qlens)
         ends = torch.tensor(qlens).cumsum(0) - 1
-        logits = model(ids, pos, caches, meta, ends)
+        logits = model(ids, pos, caches, meta, select_backend(model.device), ends)
         for k, (i, q) in enumerate(zip(active, qlens)):
             done[i] += q
             if done[i] == len(tokens[i]):
@@ -97,7 +97,8 @@ def test_hf_folder_round_trip(tmp_path):
     meta = AttentionMetadata.build(block_size=16, block_tables=[[1]], num_cached=[0], query_lens=[10])
     with torch.no_grad():
         ref = hf(ids[None]).logits[0]
-    torch.testing.assert_close(loaded.model(ids, torch.arange(10), caches, meta), ref, atol=1e-4, rtol=1e-4)
+    logits = loaded.model(ids, torch.arange(10), caches, meta, select_backend("cpu"))
+    torch.testing.assert_close(logits, ref, atol=1e-4, rtol=1e-4)
 
 
 def test_random_presets_have_the_real_shapes():

@@ -7,7 +7,8 @@ import json
 
 import pytest
 
-from iterserve.server.protocol import APIError, ChatCompletionRequest
+from iterserve.server.errors import APIError
+from iterserve.server.protocol import ChatCompletionRequest
 from iterserve.server.tool_calls import ToolCallPlan, ToolCallStream, parse_hermes, render_tool_calls_as_text
 
 TOOL = {"type": "function", "function": {"name": "add", "parameters": {

@@ -1,4 +1,5 @@
-"""PagedAttention over a block-structured KV cache.
+"""The paged KV cache and each step's attention metadata: where every new token's K/V goes and what each
+sequence may attend to.
 
 Every layer owns one cache tensor per K and V shaped ``[num_blocks, kv_heads, block_size, head_dim]``.
 A sequence's tokens live in the blocks listed in its block table; token ``i`` of a sequence sits in
@@ -10,7 +11,8 @@ one contiguous ``[context, head_dim]`` matrix, ready for a matmul without any re
 One forward pass carries a flattened batch: first the decode tokens of many sequences (one token
 each), then the prompt chunks of prefilling sequences. New K/V are written to their slots, then
 attention reads each sequence's blocks only, so its cost follows the context of the sequences in
-the batch, never the size of the pool.
+the batch, never the size of the pool. How attention is computed over this layout is a backend's job
+(:mod:`iterserve.attention.backend`).
 """
 
 from __future__ import annotations
@@ -20,9 +22,6 @@ from dataclasses import dataclass, field
 
 import numpy as np
 import torch
-import torch.nn.functional as F
-
-from iterserve import kernels
 
 
 @dataclass
@@ -174,77 +173,8 @@ class AttentionMetadata:
         return meta
 
 
-def paged_attention(
-    q: torch.Tensor,  # [num_tokens, num_heads, head_dim]
-    k: torch.Tensor,  # [num_tokens, kv_heads, head_dim]
-    v: torch.Tensor,
-    cache: KVCache,
-    meta: AttentionMetadata,
-    scale: float,
-) -> torch.Tensor:
-    """Write this step's K/V into the cache, then attend; returns [num_tokens, num_heads, head_dim].
-
-    The one backend seam: CPU tensors go to the fused C++ kernels when they are built
-    (:mod:`iterserve.kernels`), everything else (CUDA, or ``ITERSERVE_CPU_KERNELS=0``) to PyTorch.
-    """
-    ops = kernels.ops_for(q)  # the fused kernels, or None for the PyTorch path
-    if ops is not None:
-        ops.write_kv(k, v, cache.k, cache.v, meta.slot_blocks, meta.slot_offsets)
-    else:
-        cache.k[meta.slot_blocks, :, meta.slot_offsets] = k
-        cache.v[meta.slot_blocks, :, meta.slot_offsets] = v
-    out = torch.empty_like(q)
-    n_dec = meta.num_decode_tokens
-    if n_dec:
-        if ops is not None:
-            # Reads each sequence's blocks in place: no gathered copy of K/V. Decode attention alone (bf16,
-            # context 512, one layer) measured the gather + two matmuls 5.6x / 4.7x / 6.1x slower at batch
-            # 1 / 16 / 64; torch.compile of that route took 0.7-1.2x the gather's time, still 7-20x the
-            # kernel's (scripts/bench_decode_attention.py, under heavy shared load, routes alternating).
-            ops.paged_decode(out[:n_dec], q[:n_dec], cache.k, cache.v, meta.decode_block_tables,
-                                     meta.decode_context_lens, scale, meta.sliding_window or 0)
-        else:
-            out[:n_dec] = decode_attention_reference(q[:n_dec], cache, meta, scale)
-    for span in meta.prefills:
-        qs = q[span.start:span.end].transpose(0, 1).unsqueeze(0)  # [1, H, chunk, D]
-        if span.num_cached == 0 and span.mask is None:
-            # The whole prompt is in this chunk: attend to the fresh K/V directly, causally.
-            ks = k[span.start:span.end].transpose(0, 1).unsqueeze(0)
-            vs = v[span.start:span.end].transpose(0, 1).unsqueeze(0)
-            o = F.scaled_dot_product_attention(qs, ks, vs, is_causal=True, scale=scale, enable_gqa=True)
-        else:
-            _, kv_heads, _, head_dim = cache.k.shape
-            rows = span.rows(kv_heads)
-            ks = _gather_rows(cache.k, rows).view(1, kv_heads, -1, head_dim)[:, :, : span.context_len]
-            vs = _gather_rows(cache.v, rows).view(1, kv_heads, -1, head_dim)[:, :, : span.context_len]
-            o = F.scaled_dot_product_attention(qs, ks, vs, attn_mask=span.mask, scale=scale, enable_gqa=True)
-        out[span.start:span.end] = o.squeeze(0).transpose(0, 1)
-    return out
-
-
-def decode_attention_reference(q: torch.Tensor, cache: KVCache, meta: AttentionMetadata, scale: float) -> torch.Tensor:
-    """Decode attention in PyTorch: gather every decode sequence's blocks head by head into
-    [S, kv_heads, T, D], then two batched matmuls; GQA groups share their K/V head without repeating it."""
-    _, kv_heads, _, head_dim = cache.k.shape
-    seqs = meta.decode_tables()[0].shape[0]
-    rows = meta.decode_rows(kv_heads)
-    keys = _gather_rows(cache.k, rows).view(seqs, kv_heads, -1, head_dim)
-    values = _gather_rows(cache.v, rows).view(seqs, kv_heads, -1, head_dim)
-    qd = q.reshape(seqs, kv_heads, -1, head_dim)
-    scores = torch.matmul(qd, keys.transpose(-1, -2)).float() * scale + meta.decode_bias
-    probs = scores.softmax(dim=-1).to(q.dtype)
-    return torch.matmul(probs, values).view(seqs, -1, head_dim)
-
-
 def _head_rows(tables: torch.Tensor, kv_heads: int) -> torch.Tensor:
     """Pool rows (one per block and head) for block tables ``[S, n]``, ordered (sequence, head, block)
     so that each head's rows of a sequence form its K or V as one ``[n * block_size, D]`` matrix."""
     heads = torch.arange(kv_heads, device=tables.device)
     return (tables[:, None, :] * kv_heads + heads[None, :, None]).reshape(-1)
-
-
-def _gather_rows(pool: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
-    """``[len(rows) * block_size, D]``: ``index_select`` copies whole contiguous (block, head) rows,
-    far cheaper than fancy indexing."""
-    num_blocks, kv_heads, block_size, head_dim = pool.shape
-    return pool.view(num_blocks * kv_heads, -1).index_select(0, rows).view(-1, head_dim)

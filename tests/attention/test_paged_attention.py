@@ -1,12 +1,27 @@
-"""PagedAttention against dense causal attention computed from the full K/V of each sequence."""
+"""PagedAttention against dense causal attention computed from the full K/V of each sequence, on every
+backend (the CUDA backend's computation runs on CPU tensors too)."""
 
 from __future__ import annotations
 
+import pytest
 import torch
 
-from iterserve.attention import AttentionMetadata, KVCache, paged_attention
+from iterserve import kernels
+from iterserve.attention import AttentionMetadata, KVCache
+from iterserve.attention.cpu import CpuBackend
+from iterserve.attention.cuda import CudaBackend
+from iterserve.attention.reference import ReferenceBackend
 
 H, KVH, D, BS = 4, 2, 8, 4
+
+BACKENDS = {"reference": ReferenceBackend(), "cuda": CudaBackend()}
+if kernels.ops is not None:
+    BACKENDS["cpu"] = CpuBackend(kernels.ops)
+
+
+@pytest.fixture(params=sorted(BACKENDS))
+def backend(request):
+    return BACKENDS[request.param]
 
 
 def dense_reference(q, k, v, window=None):
@@ -24,7 +39,7 @@ def dense_reference(q, k, v, window=None):
     return torch.einsum("hqk,khd->qhd", scores.softmax(-1), v)
 
 
-def run_steps(lengths, chunks, window=None, seed=0):
+def run_steps(backend, lengths, chunks, window=None, seed=0):
     """Feed sequences through paged attention in the given per-step chunk sizes; compare each
     produced row with the dense reference."""
     g = torch.Generator().manual_seed(seed)
@@ -53,7 +68,7 @@ def run_steps(lengths, chunks, window=None, seed=0):
         meta = AttentionMetadata.build(block_size=BS, block_tables=[tables[s] for s in order],
                                        num_cached=[done[s] for s in order],
                                        query_lens=[step_chunks[s] for s in order], sliding_window=window)
-        out = paged_attention(torch.cat(qs), torch.cat(ks), torch.cat(vs), cache, meta, D**-0.5)
+        out = backend.forward(torch.cat(qs), torch.cat(ks), torch.cat(vs), cache, meta, D**-0.5)
         row = 0
         for s in order:
             n = step_chunks[s]
@@ -65,28 +80,28 @@ def run_steps(lengths, chunks, window=None, seed=0):
         torch.testing.assert_close(got[s], ref, atol=1e-5, rtol=1e-5)
 
 
-def test_whole_prompts_in_one_batch():
-    run_steps([5, 9, 1], [[5, 9, 1]])
+def test_whole_prompts_in_one_batch(backend):
+    run_steps(backend, [5, 9, 1], [[5, 9, 1]])
 
 
-def test_chunked_prefill_then_decodes_mixed_with_prefills():
+def test_chunked_prefill_then_decodes_mixed_with_prefills(backend):
     # seq0 prefills 3+4 then decodes; seq1 starts later and prefills while seq0 decodes.
-    run_steps([10, 7], [[3, 0], [4, 0], [1, 5], [1, 2], [1, 0]])
+    run_steps(backend, [10, 7], [[3, 0], [4, 0], [1, 5], [1, 2], [1, 0]])
 
 
-def test_decode_batch_with_different_context_lengths():
-    run_steps([3, 17, 8], [[2, 16, 7], [1, 1, 1]])
+def test_decode_batch_with_different_context_lengths(backend):
+    run_steps(backend, [3, 17, 8], [[2, 16, 7], [1, 1, 1]])
 
 
-def test_sliding_window_in_prefill_and_decode():
-    run_steps([12, 6], [[9, 5], [1, 1], [1, 0], [1, 0]], window=4)
+def test_sliding_window_in_prefill_and_decode(backend):
+    run_steps(backend, [12, 6], [[9, 5], [1, 1], [1, 0], [1, 0]], window=4)
 
 
-def test_new_tokens_land_in_their_slots():
+def test_new_tokens_land_in_their_slots(backend):
     cache = KVCache.allocate(8, BS, KVH, D, torch.float32, "cpu")
     k = torch.randn(6, KVH, D)
     meta = AttentionMetadata.build(block_size=BS, block_tables=[[5, 2]], num_cached=[0], query_lens=[6])
-    paged_attention(torch.randn(6, H, D), k, torch.randn(6, KVH, D), cache, meta, 1.0)
+    backend.forward(torch.randn(6, H, D), k, torch.randn(6, KVH, D), cache, meta, 1.0)
     assert meta.slot_mapping.tolist() == [20, 21, 22, 23, 8, 9]
     torch.testing.assert_close(cache.k[5].transpose(0, 1), k[:4])  # [kv_heads, offset, D] per block
     torch.testing.assert_close(cache.k[2, :, :2].transpose(0, 1), k[4:])

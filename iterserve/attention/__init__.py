@@ -1,0 +1,9 @@
+"""PagedAttention over a block-structured KV cache: the cache and each step's metadata (:mod:`.metadata`),
+and the backends that compute attention and the fused operations around it (:mod:`.backend`), one chosen
+per device by :func:`~.selector.select_backend`."""
+
+from iterserve.attention.backend import AttentionBackend
+from iterserve.attention.metadata import AttentionMetadata, KVCache
+from iterserve.attention.selector import select_backend
+
+__all__ = ["AttentionBackend", "AttentionMetadata", "KVCache", "select_backend"]

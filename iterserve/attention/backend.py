@@ -1,0 +1,52 @@
+"""The attention backend: how one layer's attention, and the fused operations around it, are computed.
+
+A backend is chosen once, for the device the model runs on (:func:`iterserve.attention.selector.select_backend`),
+and travels with each step's :class:`~iterserve.attention.metadata.AttentionMetadata` as an argument of
+the model's forward pass; no layer reads a global to decide. Three exist:
+
+* :class:`~iterserve.attention.reference.ReferenceBackend`: PyTorch only, the ground truth the others are
+  tested against, and what runs without the C++ kernels (``ITERSERVE_CPU_KERNELS=0``);
+* :class:`~iterserve.attention.cpu.CpuBackend`: the C++ CPU kernels (:mod:`iterserve.kernels`);
+* :class:`~iterserve.attention.cuda.CudaBackend`: CUDA tensors, decode attention through PyTorch's SDPA.
+
+Besides attention a backend computes the decoder's other fused operations (RMSNorm with the residual
+add, RoPE, SiLU-and-multiply), so that the kernel-or-reference choice is made in this one place.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+
+import torch
+
+from iterserve.attention.metadata import AttentionMetadata, KVCache
+
+
+class AttentionBackend(ABC):
+    """One way of computing a decoder layer's attention and its fused operations."""
+
+    name: str
+
+    @abstractmethod
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache: KVCache, meta: AttentionMetadata,
+                scale: float) -> torch.Tensor:
+        """Write this step's K/V (``[num_tokens, kv_heads, head_dim]``) into the cache, then attend; returns
+        ``[num_tokens, num_heads, head_dim]`` for the queries ``q``."""
+
+    @abstractmethod
+    def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+        """RMSNorm of the last dimension, normalised in float32 and cast back before the weight."""
+
+    @abstractmethod
+    def fused_add_rms_norm(self, x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
+                           eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+        """``residual + x`` (the new residual stream) and its RMSNorm: ``(normed, new_residual)``."""
+
+    @abstractmethod
+    def rotary(self, q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor,
+               sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """``q`` and ``k`` rotated by RoPE (rotate-half convention); ``cos``/``sin`` are ``[tokens, 1, head_dim]``."""
+
+    @abstractmethod
+    def silu_and_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
+        """``silu(gate) * up`` of a ``[tokens, 2 * width]`` tensor holding ``[gate | up]``."""

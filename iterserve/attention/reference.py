@@ -1,0 +1,104 @@
+"""The PyTorch reference backend: every operation in plain PyTorch, the ground truth the kernels are tested
+against, and what runs where no kernel does (``ITERSERVE_CPU_KERNELS=0``, no build, other devices)."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from iterserve.attention.backend import AttentionBackend
+from iterserve.attention.metadata import AttentionMetadata, KVCache, PrefillSpan
+
+
+class ReferenceBackend(AttentionBackend):
+    """Decode attention gathers each sequence's blocks and runs two matmuls; prefill runs SDPA. The other
+    backends inherit what they do not replace."""
+
+    name = "reference"
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache: KVCache, meta: AttentionMetadata,
+                scale: float) -> torch.Tensor:
+        self.write_kv(k, v, cache, meta)
+        out = torch.empty_like(q)
+        n_dec = meta.num_decode_tokens
+        if n_dec:
+            self.decode(out[:n_dec], q[:n_dec], cache, meta, scale)
+        for span in meta.prefills:
+            out[span.start:span.end] = self.prefill(q, k, v, cache, span, scale)
+        return out
+
+    def write_kv(self, k: torch.Tensor, v: torch.Tensor, cache: KVCache, meta: AttentionMetadata) -> None:
+        """This step's K/V into their slots."""
+        cache.k[meta.slot_blocks, :, meta.slot_offsets] = k
+        cache.v[meta.slot_blocks, :, meta.slot_offsets] = v
+
+    def decode(self, out: torch.Tensor, q: torch.Tensor, cache: KVCache, meta: AttentionMetadata, scale: float) -> None:
+        """Attention of the decode tokens (the first ``meta.num_decode_tokens``), written into ``out``."""
+        out[:] = decode_attention_reference(q, cache, meta, scale)
+
+    def prefill(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache: KVCache, span: PrefillSpan,
+                scale: float) -> torch.Tensor:
+        """Attention of one sequence's prompt chunk: ``[chunk, num_heads, head_dim]``."""
+        qs = q[span.start:span.end].transpose(0, 1).unsqueeze(0)  # [1, H, chunk, D]
+        if span.num_cached == 0 and span.mask is None:
+            # The whole prompt is in this chunk: attend to the fresh K/V directly, causally.
+            ks = k[span.start:span.end].transpose(0, 1).unsqueeze(0)
+            vs = v[span.start:span.end].transpose(0, 1).unsqueeze(0)
+            o = F.scaled_dot_product_attention(qs, ks, vs, is_causal=True, scale=scale, enable_gqa=True)
+        else:
+            _, kv_heads, _, head_dim = cache.k.shape
+            rows = span.rows(kv_heads)
+            ks = gather_rows(cache.k, rows).view(1, kv_heads, -1, head_dim)[:, :, : span.context_len]
+            vs = gather_rows(cache.v, rows).view(1, kv_heads, -1, head_dim)[:, :, : span.context_len]
+            o = F.scaled_dot_product_attention(qs, ks, vs, attn_mask=span.mask, scale=scale, enable_gqa=True)
+        return o.squeeze(0).transpose(0, 1)
+
+    def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+        # Normalise in float32 and cast back before the weight, as the reference implementation does.
+        dtype = x.dtype
+        x32 = x.float()
+        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
+        return weight * x32.to(dtype)
+
+    def fused_add_rms_norm(self, x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
+                           eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+        residual = x + residual
+        return self.rms_norm(residual, weight, eps), residual
+
+    def rotary(self, q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor,
+               sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+
+    def silu_and_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
+        gate, up = gate_up.split(gate_up.shape[-1] // 2, dim=-1)
+        return F.silu(gate) * up
+
+
+def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+    x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat((-x2, x1), dim=-1)
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    return x * cos + _rotate_half(x) * sin
+
+
+def decode_attention_reference(q: torch.Tensor, cache: KVCache, meta: AttentionMetadata, scale: float) -> torch.Tensor:
+    """Decode attention in PyTorch: gather every decode sequence's blocks head by head into
+    [S, kv_heads, T, D], then two batched matmuls; GQA groups share their K/V head without repeating it."""
+    _, kv_heads, _, head_dim = cache.k.shape
+    seqs = meta.decode_tables()[0].shape[0]
+    rows = meta.decode_rows(kv_heads)
+    keys = gather_rows(cache.k, rows).view(seqs, kv_heads, -1, head_dim)
+    values = gather_rows(cache.v, rows).view(seqs, kv_heads, -1, head_dim)
+    qd = q.reshape(seqs, kv_heads, -1, head_dim)
+    scores = torch.matmul(qd, keys.transpose(-1, -2)).float() * scale + meta.decode_bias
+    probs = scores.softmax(dim=-1).to(q.dtype)
+    return torch.matmul(probs, values).view(seqs, -1, head_dim)
+
+
+def gather_rows(pool: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+    """``[len(rows) * block_size, D]``: ``index_select`` copies whole contiguous (block, head) rows,
+    far cheaper than fancy indexing."""
+    num_blocks, kv_heads, block_size, head_dim = pool.shape
+    return pool.view(num_blocks * kv_heads, -1).index_select(0, rows).view(-1, head_dim)

@@ -1,0 +1,117 @@
+"""The app's ASGI middlewares, plain ASGI so that streaming responses pass untouched: the API key, JSON-only
+POST bodies, and a request body size limit."""
+
+from __future__ import annotations
+
+from starlette.datastructures import Headers
+from starlette.responses import JSONResponse
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+from iterserve.server.auth import bearer_matches
+from iterserve.server.dashboard import checks_own_key
+from iterserve.server.errors import APIError, error_response
+
+# what a load balancer or monitor reaches without the API key
+PUBLIC_PATHS = frozenset({"/health", "/metrics", "/version"})
+
+
+class APIKeyMiddleware:
+    """Bearer-key check on everything but the probes and the dashboard's page, feed and scripts (which
+    take the key or a session cookie themselves); plain ASGI, so streaming is untouched."""
+
+    def __init__(self, app: ASGIApp, api_key: str) -> None:
+        self.app = app
+        self._key = api_key.encode()
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        path = scope.get("path", "")
+        if scope["type"] == "http" and path not in PUBLIC_PATHS and not checks_own_key(path):
+            if not bearer_matches(Headers(scope=scope).get("authorization", ""), self._key):
+                error = APIError(401, "invalid or missing API key; send 'Authorization: Bearer <key>'",
+                                 type="authentication_error", code="invalid_api_key",
+                                 headers={"WWW-Authenticate": "Bearer"})
+                await error_response(error)(scope, receive, send)
+                return
+        await self.app(scope, receive, send)
+
+
+class JSONBodyMiddleware:
+    """POST bodies must be declared ``application/json`` (415 otherwise).
+
+    A web page can make a visitor's browser send a cross-origin POST without asking first only with
+    no Content-Type or a form or text/plain one; refusing those keeps other sites from running
+    generations on a server the visitor can reach (a JSON POST needs a CORS preflight, which this
+    server does not grant).
+    """
+
+    def __init__(self, app: ASGIApp) -> None:
+        self.app = app
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] == "http" and scope["method"] == "POST":
+            content_type = Headers(scope=scope).get("content-type")
+            if content_type is None or content_type.partition(";")[0].strip().lower() != "application/json":
+                got = "no Content-Type" if content_type is None else f"Content-Type {content_type!r}"
+                error = APIError(415, f"the body must be JSON sent with 'Content-Type: application/json'; got {got}",
+                                 code="unsupported_media_type")
+                await error_response(error)(scope, receive, send)
+                return
+        await self.app(scope, receive, send)
+
+
+class _BodyTooLarge(Exception):
+    """Raised into the app when the body it is reading goes over the limit; the 413 is already sent."""
+
+
+class BodySizeLimitMiddleware:
+    """Refuse request bodies over ``max_bytes`` with a 413, without reading the rest.
+
+    A declared Content-Length over the limit is refused before the app runs. Otherwise the bytes
+    are counted as the app receives them; at the limit the 413 is sent and the app's read fails,
+    and whatever the app answers then is dropped. The server discards the unread remainder, so
+    the connection stays usable.
+    """
+
+    def __init__(self, app: ASGIApp, max_bytes: int) -> None:
+        self.app = app
+        self.max_bytes = max_bytes
+
+    def _error(self) -> JSONResponse:
+        return error_response(APIError(413, f"the request body is larger than the limit of {self.max_bytes} bytes",
+                                        code="request_too_large"))
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        declared = Headers(scope=scope).get("content-length", "")
+        if declared.isdigit() and int(declared) > self.max_bytes:
+            await self._error()(scope, receive, send)
+            return
+        received = 0
+        response_started = refused = False
+
+        async def counting_receive() -> Message:
+            nonlocal received, refused
+            message = await receive()
+            if message["type"] == "http.request":
+                received += len(message.get("body", b""))
+                if received > self.max_bytes:
+                    if not response_started:
+                        await self._error()(scope, receive, send)
+                        refused = True
+                    raise _BodyTooLarge
+            return message
+
+        async def guarded_send(message: Message) -> None:
+            nonlocal response_started
+            if refused:
+                return
+            response_started = response_started or message["type"] == "http.response.start"
+            await send(message)
+
+        try:
+            await self.app(scope, counting_receive, guarded_send)
+        except _BodyTooLarge:
+            if not refused:
+                raise

@@ -1,0 +1,201 @@
+"""The OpenAI routes' shared steps, bound to one engine: the model check, tokenizing and rendering chat
+templates, submitting to the engine, waiting for final outputs, streaming responses, and the usage
+and logprob helpers. Each endpoint's handlers subclass :class:`OpenAIServing` in a module of its own
+(``serving_completions``, ``serving_chat``, ``serving_tokenize``, ``serving_info``).
+
+Handlers validate on the event loop, tokenize and render chat templates in worker threads (the
+tokenizer is only read, never reconfigured, and releases the GIL while encoding), and hand token
+ids to :class:`EngineCoreClient`, whose core process owns the model; text, stop strings and
+streaming happen here. A prompt too long for the context is refused before it is tokenized when its
+length alone proves it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import math
+import time
+from collections.abc import AsyncIterator
+from typing import Any
+
+from fastapi import Request
+from fastapi.responses import StreamingResponse
+from starlette.background import BackgroundTask
+
+from iterserve.engine.core_client import EngineCoreClient, RequestStream
+from iterserve.errors import QueueFullError, RequestError
+from iterserve.outputs import CompletionOutput, Logprob, RequestOutput
+from iterserve.sampling_params import SamplingParams
+from iterserve.server.errors import APIError, bad_request, request_error
+from iterserve.server.metrics import ServerMetrics
+from iterserve.server.protocol import PromptTokensDetails, Usage
+from iterserve.server.streaming import wait_for_disconnect
+from iterserve.server.tool_calls import render_tool_calls_as_text
+from iterserve.tokenizer import Tokenizer
+
+logger = logging.getLogger(__name__)
+
+RETRY_AFTER_S = 1
+MIN_LOGPROB = -9999.0  # stands in for -inf, which JSON cannot carry
+
+LogprobPairs = list[tuple[int, dict[int, Logprob] | None]]  # (token, its logprobs entry) per token
+
+
+def finite(logprob: float) -> float:
+    return logprob if math.isfinite(logprob) else MIN_LOGPROB
+
+
+def best_logprobs(entry: dict[int, Logprob], n: int) -> list[tuple[int, Logprob]]:
+    return sorted(entry.items(), key=lambda kv: kv[1].logprob, reverse=True)[:n]
+
+
+def new_logprobs(c: CompletionOutput) -> LogprobPairs:
+    """The (token, logprobs) pairs of the tokens this step added."""
+    k = len(c.delta_token_ids)
+    if not k or not c.logprobs:
+        return []
+    return list(zip(c.token_ids[-k:], c.logprobs[-k:]))
+
+
+def usage_of(out: RequestOutput) -> Usage:
+    prompt, completion = len(out.prompt_token_ids), out.metrics.num_output_tokens
+    return Usage(prompt_tokens=prompt, completion_tokens=completion, total_tokens=prompt + completion,
+                 prompt_tokens_details=PromptTokensDetails(cached_tokens=out.num_cached_tokens))
+
+
+def total_usage_of(outs: list[RequestOutput]) -> Usage:
+    """The usage of a request that ran as several engine requests (a list of prompts)."""
+    usages = [usage_of(o) for o in outs]
+    prompt, completion = sum(u.prompt_tokens for u in usages), sum(u.completion_tokens for u in usages)
+    cached = sum(u.prompt_tokens_details.cached_tokens for u in usages)
+    return Usage(prompt_tokens=prompt, completion_tokens=completion, total_tokens=prompt + completion,
+                 prompt_tokens_details=PromptTokensDetails(cached_tokens=cached))
+
+
+class OpenAIServing:
+    """The steps every route shares, bound to one engine; each endpoint's handlers subclass it."""
+
+    def __init__(self, engine: EngineCoreClient, metrics: ServerMetrics, model_name: str) -> None:
+        self.engine = engine
+        self.metrics = metrics
+        self.model_name = model_name
+
+    # -- shared steps -------------------------------------------------------------------------
+
+    def _check_model(self, model: str | None) -> None:
+        if model is not None and model != self.model_name:
+            raise APIError(404, f"the model {model!r} does not exist; this server serves {self.model_name!r}",
+                           param="model", code="model_not_found")
+
+    def _tokenizer(self) -> Tokenizer:
+        if self.engine.tokenizer is None:
+            raise bad_request(f"model {self.model_name!r} has no tokenizer; send the prompt as token ids")
+        return self.engine.tokenizer
+
+    def _refuse_unfittable(self, tokenizer: Tokenizer, text: str, max_tokens: int, param: str) -> None:
+        """Refuse text that must make more than ``max_tokens`` tokens, judged without tokenizing it
+        (tokenizing megabytes takes seconds, and such a prompt cannot fit anyway)."""
+        at_least = tokenizer.min_num_tokens(text)
+        if at_least > max_tokens:
+            raise bad_request(f"the prompt has {len(text)} characters, which make at least {at_least} tokens: "
+                              f"more than max_model_len ({self.engine.max_model_len}) allows", param,
+                              "context_length_exceeded")
+
+    async def _encode(self, text: str, param: str, max_tokens: int, add_special_tokens: bool = True) -> list[int]:
+        """Token ids for ``text`` if it can be at most ``max_tokens`` long, found in a worker thread so
+        that the server keeps answering meanwhile."""
+        tokenizer = self._tokenizer()
+
+        def encode() -> list[int]:
+            self._refuse_unfittable(tokenizer, text, max_tokens, param)
+            return tokenizer.encode(text, add_special_tokens)
+
+        return await asyncio.to_thread(encode)
+
+    async def _encode_chat(self, messages: list[dict[str, Any]], add_generation_prompt: bool,
+                           max_tokens: int, tools: list[dict[str, Any]] | None = None) -> list[int]:
+        """Token ids of a conversation rendered by the chat template, both done in a worker thread.
+
+        The length check applies to the rendered prompt: a template may leave some content out.
+        """
+        tokenizer = self._tokenizer()
+        template = tokenizer.chat_templates.get("tool_use", tokenizer.chat_template)
+        messages = render_tool_calls_as_text(messages, template)
+
+        def render_and_encode() -> list[int]:
+            try:
+                prompt = tokenizer.apply_chat_template(messages, add_generation_prompt=add_generation_prompt,
+                                                       tools=tools)
+            except ValueError as e:
+                raise bad_request(str(e), "messages") from e
+            assert isinstance(prompt, str)
+            self._refuse_unfittable(tokenizer, prompt, max_tokens, "messages")
+            return tokenizer.encode(prompt, add_special_tokens=False)
+
+        return await asyncio.to_thread(render_and_encode)
+
+    async def _submit(self, request_id: str, prompt: list[int], params: SamplingParams, stream: bool,
+                      prompt_param: str = "prompt") -> RequestStream:
+        """Send the request to the engine: deltas when streaming, one final output otherwise. The
+        engine validates the prompt against its context; ``prompt_param`` is the field that carried it."""
+        try:
+            return self.engine.add_request(request_id, prompt, params, time.perf_counter(), stream)
+        except QueueFullError as e:
+            raise APIError(429, f"the server is at capacity: {e}; retry later", type="rate_limit_error",
+                           code="rate_limit_exceeded", headers={"Retry-After": str(RETRY_AFTER_S)}) from e
+        except RequestError as e:
+            raise request_error(e, prompt_param) from e
+        except ValueError as e:
+            raise bad_request(str(e)) from e
+
+    async def _final_outputs(self, streams: list[RequestStream], request: Request) -> list[RequestOutput] | None:
+        """Every stream's finished output, or None when the client disconnected first (all are aborted)."""
+
+        async def last(stream: RequestStream) -> RequestOutput:
+            final = None
+            async for output in stream:
+                final = output
+            assert final is not None
+            return final
+
+        results = asyncio.ensure_future(asyncio.gather(*map(last, streams)))
+        disconnect = asyncio.ensure_future(wait_for_disconnect(request))
+        waiting: list[asyncio.Future[Any]] = [results, disconnect]
+        try:
+            done, _ = await asyncio.wait(waiting, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            disconnect.cancel()
+            if not results.done():
+                results.cancel()
+            for stream in streams:
+                stream.close()
+        return list(results.result()) if results in done else None
+
+    def _token_text(self, token_id: int) -> str:
+        tokenizer = self.engine.tokenizer
+        return tokenizer.decode([token_id], skip_special_tokens=False) if tokenizer else f"token_id:{token_id}"
+
+    def _streaming(self, events: AsyncIterator[str], streams: list[RequestStream]) -> StreamingResponse:
+        # The background task aborts the requests when the client left before the generator ran.
+        def close() -> None:
+            for stream in streams:
+                stream.close()
+
+        return StreamingResponse(events, media_type="text/event-stream", headers={"Cache-Control": "no-cache"},
+                                 background=BackgroundTask(close))
+
+    async def _submit_all(self, request_id: str, prompts: list[list[int]], params: SamplingParams,
+                          stream: bool) -> list[RequestStream]:
+        """One engine request per prompt; if one is refused, those already sent are aborted."""
+        if len(prompts) == 1:
+            return [await self._submit(request_id, prompts[0], params, stream)]
+        streams: list[RequestStream] = []
+        try:
+            for i, prompt in enumerate(prompts):
+                streams.append(await self._submit(f"{request_id}-{i}", prompt, params, stream))
+        except BaseException:
+            for s in streams:
+                s.close()
+            raise
+        return streams

@@ -1,0 +1,123 @@
+"""``POST /v1/chat/completions``: a conversation rendered by the chat template, tool calls (forced by a
+grammar or parsed from the text), chat logprobs, streamed or whole."""
+
+from __future__ import annotations
+
+import time
+import uuid
+from collections.abc import AsyncIterator
+
+from fastapi import Request
+from fastapi.responses import JSONResponse, Response
+
+from iterserve.engine.core_client import RequestStream
+from iterserve.errors import EngineDeadError, RequestFailedError
+from iterserve.outputs import Logprob
+from iterserve.server.errors import bad_request, engine_error
+from iterserve.server.protocol import (
+    AssistantMessage,
+    ChatChoice,
+    ChatCompletionChunk,
+    ChatCompletionRequest,
+    ChatCompletionResponse,
+    ChatLogprobs,
+    ChatStreamChoice,
+    DeltaMessage,
+    TokenLogprob,
+    TopLogprob,
+    Usage,
+)
+from iterserve.server.serving import LogprobPairs, OpenAIServing, best_logprobs, finite, new_logprobs, usage_of
+from iterserve.server.streaming import sse
+from iterserve.server.tool_calls import ToolCallPlan, ToolCallStream
+
+
+class ChatServing(OpenAIServing):
+    """The chat completions route."""
+
+    def _chat_logprobs(self, pairs: LogprobPairs, n: int) -> ChatLogprobs:
+        def top_logprob(token: int, logprob: Logprob) -> TopLogprob:
+            text = self._token_text(token)
+            return TopLogprob(token=text, logprob=finite(logprob.logprob), bytes=list(text.encode()))
+
+        content = []
+        for token, entry in pairs:
+            assert entry is not None
+            sampled = top_logprob(token, entry[token])
+            alternatives = [top_logprob(*kv) for kv in best_logprobs(entry, n)]
+            content.append(TokenLogprob(**sampled.model_dump(), top_logprobs=alternatives))
+        return ChatLogprobs(content=content)
+
+    async def chat_completions(self, body: ChatCompletionRequest, request: Request) -> Response:
+        self._check_model(body.model)
+        body.check_supported()
+        max_tokens = body.requested_max_tokens
+        tool_plan = ToolCallPlan.of(body)
+        constraint = body.structured_outputs_params()
+        if constraint is not None and tool_plan.constraint is not None:
+            raise bad_request("a tool_choice that forces a call cannot be combined with another output constraint",
+                              "tool_choice")
+        params = body.sampling_params(max_tokens, body.requested_logprobs,
+                                      structured_outputs=constraint or tool_plan.constraint)
+        tools = None
+        if tool_plan.mode != "none" and body.tools:
+            tools = [t.model_dump(exclude_none=True) for t in body.tools]
+        prompt_ids = await self._encode_chat(body.message_dicts(), body.add_generation_prompt,
+                                             self.engine.max_model_len - 1, tools)
+        request_id = f"chatcmpl-{uuid.uuid4().hex}"
+        stream = await self._submit(request_id, prompt_ids, params, bool(body.stream), prompt_param="messages")
+        if body.stream:
+            return self._streaming(self._chat_events(stream, body, tool_plan), [stream])
+        finals = await self._final_outputs([stream], request)
+        if finals is None:
+            return Response(status_code=499)
+        final = finals[0]
+        choices = []
+        for c in final.outputs:
+            logprobs = None
+            if body.logprobs:
+                logprobs = self._chat_logprobs(list(zip(c.token_ids, c.logprobs or [])), body.top_logprobs or 0)
+            content, tool_calls = tool_plan.parse(c.text)
+            finish_reason = "tool_calls" if tool_calls and c.finish_reason == "stop" else c.finish_reason
+            choices.append(ChatChoice(index=c.index, message=AssistantMessage(content=content, tool_calls=tool_calls),
+                                      logprobs=logprobs, finish_reason=finish_reason, stop_reason=c.stop_reason))
+        return JSONResponse(ChatCompletionResponse(id=request_id, model=self.model_name, choices=choices,
+                                                   usage=usage_of(final)).model_dump())
+
+    async def _chat_events(self, stream: RequestStream, body: ChatCompletionRequest,
+                           plan: ToolCallPlan) -> AsyncIterator[str]:
+        created = int(time.time())
+        parsers: dict[int, ToolCallStream] = {}  # one tool-call parser per choice
+
+        def chunk(choices: list[ChatStreamChoice], usage: Usage | None = None) -> str:
+            return sse(ChatCompletionChunk(id=stream.request_id, created=created, model=self.model_name,
+                                            choices=choices, usage=usage))
+
+        final = None
+        try:
+            for index in range(body.n):
+                yield chunk([ChatStreamChoice(index=index, delta=DeltaMessage(role="assistant", content=""))])
+            async for out in stream:
+                final = out
+                for c in out.outputs:
+                    tools = parsers.setdefault(c.index, ToolCallStream(plan))
+                    logprobs = self._chat_logprobs(new_logprobs(c), body.top_logprobs or 0) if body.logprobs else None
+                    content, calls = tools.feed(c.delta_text)
+                    finish_reason = c.finish_reason
+                    if c.finished:
+                        rest, more = tools.finish()
+                        content, calls = content + rest, calls + more
+                        if tools.has_calls and finish_reason == "stop":
+                            finish_reason = "tool_calls"
+                    if not content and not calls and not c.finished and not (logprobs and logprobs.content):
+                        continue
+                    delta = DeltaMessage(content=content or None, tool_calls=calls or None)
+                    yield chunk([ChatStreamChoice(index=c.index, delta=delta, logprobs=logprobs,
+                                                  finish_reason=finish_reason, stop_reason=c.stop_reason)])
+            if body.include_usage and final is not None:
+                yield chunk([], usage_of(final))
+        except (EngineDeadError, RequestFailedError) as e:
+            yield sse(engine_error(e).body())
+        finally:
+            stream.close()
+        yield "data: [DONE]\n\n"

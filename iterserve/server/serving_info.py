@@ -1,0 +1,36 @@
+"""The server's own endpoints: the model list, health, version and Prometheus metrics."""
+
+from __future__ import annotations
+
+from fastapi.responses import JSONResponse, Response
+
+from iterserve import __version__
+from iterserve.server.errors import APIError, error_response
+from iterserve.server.protocol import ModelCard, ModelList
+from iterserve.server.serving import OpenAIServing
+
+
+class InfoServing(OpenAIServing):
+    """The models, health, version and metrics routes."""
+
+    def _model_card(self) -> ModelCard:
+        return ModelCard(id=self.model_name, root=self.engine.config.model, max_model_len=self.engine.max_model_len)
+
+    async def models(self) -> ModelList:
+        return ModelList(data=[self._model_card()])
+
+    async def model(self, model_id: str) -> ModelCard:
+        self._check_model(model_id)
+        return self._model_card()
+
+    async def health(self) -> Response:
+        if not self.engine.is_running:
+            reason = str(self.engine.error) if self.engine.error else "the engine is not running"
+            return error_response(APIError(503, reason, type="server_error"))
+        return JSONResponse({"status": "ok"})
+
+    async def version(self) -> dict[str, str]:
+        return {"version": __version__}
+
+    async def prometheus(self) -> Response:
+        return Response(self.metrics.render(), media_type="text/plain; version=0.0.4; charset=utf-8")
