@@ -54,6 +54,7 @@ def test_engine_config_takes_a_dict_json_or_its_own_dataclass_back():
 @pytest.mark.parametrize("command", ["generate", "serve"])
 def test_the_flag_takes_vllms_json(command):
     text = '{"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 2, "prompt_lookup_max": 5}'
-    args = build_parser().parse_args([command, "--speculative-config", text] + (["hi"] if command == "generate" else []))
+    prompt = ["hi"] if command == "generate" else []
+    args = build_parser().parse_args([command, "--speculative-config", text, *prompt])
     config = config_from_args(EngineConfig, args)
     assert config.speculative_config == SpeculativeConfig(4, "ngram", None, 2, 5)
