@@ -62,7 +62,7 @@ class ModelRunner:
         self.kv_caches: list[KVCache] = model.allocate_kv_cache(num_blocks, block_size)
         self.attn_backend = select_backend(self.device)  # chosen once; passed to the model with each step
         self.sampler = Sampler(torch.Generator(device=self.device).manual_seed(seed))
-        self.draft = DraftModel(draft, num_blocks, block_size) if draft is not None else None
+        self.draft = DraftModel(draft, num_blocks, block_size, self.attn_backend) if draft is not None else None
 
     @torch.inference_mode()
     def execute(self, scheduled: list[ScheduledSeq],
@@ -152,16 +152,19 @@ class ModelRunner:
             max_decode_query=inputs.max_decode_query,
         )
         dev = self.device
+        input_ids = torch.tensor(inputs.input_ids, dtype=torch.long, device=dev)
+        positions = torch.tensor(inputs.positions, dtype=torch.long, device=dev)
         logits = self.model(
-            torch.tensor(inputs.input_ids, dtype=torch.long, device=dev),
-            torch.tensor(inputs.positions, dtype=torch.long, device=dev),
+            input_ids,
+            positions,
             self.kv_caches,
             meta,
             self.attn_backend,
             torch.tensor(inputs.logits_rows, dtype=torch.long, device=dev),
         )
         if self.draft is not None:
-            self.draft.mirror(inputs)
+            self.draft.mirror(input_ids, positions, inputs.block_tables, inputs.num_cached, inputs.query_lens,
+                              inputs.max_decode_query)
         return logits
 
     def copy_blocks(self, copies: list[tuple[int, int]]) -> None:

@@ -14,19 +14,13 @@ rewrites every one of those slots in both caches.
 from __future__ import annotations
 
 import logging
-from typing import TYPE_CHECKING
 
 import torch
 
-from iterserve.attention import AttentionMetadata, KVCache
-from iterserve.engine.block_manager import BlockManager
+from iterserve.attention import AttentionBackend, AttentionMetadata, KVCache
 from iterserve.engine.sequence import Sequence
 from iterserve.models.llama import LlamaModel
 from iterserve.models.loader import LoadedModel, load_model
-
-if TYPE_CHECKING:
-    from iterserve.engine.executor import Executor
-    from iterserve.engine.model_runner import StepInputs
 
 logger = logging.getLogger(__name__)
 
@@ -55,8 +49,9 @@ def copy_kv_blocks(caches: list[KVCache], copies: list[tuple[int, int]], device:
 class DraftModel:
     """The draft's weights and its KV cache, as many blocks of the same size as the target's."""
 
-    def __init__(self, model: LlamaModel, num_blocks: int, block_size: int) -> None:
+    def __init__(self, model: LlamaModel, num_blocks: int, block_size: int, backend: AttentionBackend) -> None:
         self.model = model
+        self.backend = backend  # the target's: both models run on one device
         self.block_size = block_size
         self.kv_caches = model.allocate_kv_cache(num_blocks, block_size)
 
@@ -68,13 +63,12 @@ class DraftModel:
                                        max_decode_query=max_decode_query)
 
     @torch.inference_mode()
-    def mirror(self, inputs: StepInputs) -> None:
-        """Write the draft's K/V for the step's tokens into the slots the target just wrote."""
-        dev = self.model.device
-        self.model(torch.tensor(inputs.input_ids, dtype=torch.long, device=dev),
-                   torch.tensor(inputs.positions, dtype=torch.long, device=dev), self.kv_caches,
-                   self._meta(inputs.block_tables, inputs.num_cached, inputs.query_lens, inputs.max_decode_query),
-                   torch.empty(0, dtype=torch.long, device=dev))
+    def mirror(self, input_ids: torch.Tensor, positions: torch.Tensor, block_tables: list[list[int]],
+               num_cached: list[int], query_lens: list[int], max_decode_query: int) -> None:
+        """Write the draft's K/V for the step's tokens (the target's inputs) into the slots the target just wrote."""
+        self.model(input_ids, positions, self.kv_caches,
+                   self._meta(block_tables, num_cached, query_lens, max_decode_query),
+                   self.backend, torch.empty(0, dtype=torch.long, device=self.model.device))
 
     @torch.inference_mode()
     def propose(self, seqs: list[Sequence], limits: list[int]) -> list[list[int]]:
@@ -89,28 +83,8 @@ class DraftModel:
             logits = self.model(torch.tensor([last[i] for i in active], dtype=torch.long, device=dev),
                                 torch.tensor(positions, dtype=torch.long, device=dev), self.kv_caches,
                                 self._meta([seqs[i].block_table for i in active], positions, [1] * len(active)),
-                                torch.arange(len(active), device=dev))
+                                self.backend, torch.arange(len(active), device=dev))
             for i, token in zip(active, logits.argmax(dim=-1).tolist()):
                 drafts[i].append(token)
                 last[i] = token
         return drafts
-
-
-class DraftModelProposer:
-    """The engine core's side: blocks for the draft's writes, then the executor's draft model."""
-
-    def __init__(self, block_manager: BlockManager, executor: Executor) -> None:
-        self.block_manager = block_manager
-        self.executor = executor
-
-    def propose(self, seqs: list[Sequence], limits: list[int]) -> list[list[int]]:
-        """Drafts for the sequences whose blocks can be extended now; a full pool drafts nothing, so
-        that speculation never preempts a sequence."""
-        ready, ready_limits = [], []
-        for seq, limit in zip(seqs, limits):
-            if self.block_manager.allocate(seq, limit):  # slots for the newest token and limit - 1 drafts
-                ready.append(seq)
-                ready_limits.append(limit)
-        drafts = dict(zip(map(id, ready), self.executor.propose_drafts(ready, ready_limits,
-                                                                      self.block_manager.take_copies())))
-        return [drafts.get(id(seq), []) for seq in seqs]

@@ -48,8 +48,6 @@ class Speculator:
     def build(cls, config: SpeculativeConfig, block_manager: BlockManager, executor: Executor,
               max_model_len: int | None) -> Speculator:
         if config.uses_draft_model:
-            from iterserve.engine.spec_decode.draft import DraftModelProposer
-
             return cls(config, DraftModelProposer(block_manager, executor), max_model_len)
         assert config.prompt_lookup_min is not None and config.prompt_lookup_max is not None  # set when checked
         return cls(config, NgramProposer(config.prompt_lookup_min, config.prompt_lookup_max), max_model_len)
@@ -73,3 +71,23 @@ class Speculator:
         if seqs:
             for seq, drafts in zip(seqs, self.proposer.propose(seqs, limits)):
                 seq.spec_token_ids = drafts
+
+
+class DraftModelProposer:
+    """The engine core's side: blocks for the draft's writes, then the executor's draft model."""
+
+    def __init__(self, block_manager: BlockManager, executor: Executor) -> None:
+        self.block_manager = block_manager
+        self.executor = executor
+
+    def propose(self, seqs: list[Sequence], limits: list[int]) -> list[list[int]]:
+        """Drafts for the sequences whose blocks can be extended now; a full pool drafts nothing, so
+        that speculation never preempts a sequence."""
+        ready, ready_limits = [], []
+        for seq, limit in zip(seqs, limits):
+            if self.block_manager.allocate(seq, limit):  # slots for the newest token and limit - 1 drafts
+                ready.append(seq)
+                ready_limits.append(limit)
+        drafts = dict(zip(map(id, ready), self.executor.propose_drafts(ready, ready_limits,
+                                                                      self.block_manager.take_copies())))
+        return [drafts.get(id(seq), []) for seq in seqs]

@@ -15,6 +15,7 @@ import torch
 
 from iterserve import LLM, SamplingParams
 from iterserve.attention import AttentionMetadata
+from iterserve.attention.reference import ReferenceBackend
 from iterserve.models.loader import load_model
 
 VOCAB = 8
@@ -43,7 +44,8 @@ def exact_distribution(loaded) -> dict[tuple[int, ...], float]:
         ids = [*PROMPT, t1, t2]
         meta = AttentionMetadata.build(block_size=16, block_tables=[[0]], num_cached=[0], query_lens=[len(ids)])
         with torch.inference_mode():
-            logits = model(torch.tensor(ids), torch.arange(len(ids)), model.allocate_kv_cache(1, 16), meta)
+            logits = model(torch.tensor(ids), torch.arange(len(ids)), model.allocate_kv_cache(1, 16), meta,
+                           ReferenceBackend())
         p = torch.softmax(logits[-3:].double() / TEMPERATURE, dim=-1)
         for t3 in range(VOCAB):
             probs[(t1, t2, t3)] = float(p[0, t1] * p[1, t2] * p[2, t3])
