@@ -38,6 +38,7 @@ from iterserve.bench.metrics import DEFAULT_PERCENTILES, RequestResult, compute_
 from iterserve.bench.workloads import Request, is_token_ids
 from iterserve.config import EngineConfig
 from iterserve.engine.llm_engine import LLMEngine
+from iterserve.engine.spec_decode import stats as spec_stats
 from iterserve.models.loader import LoadedModel, resolve_model
 from iterserve.outputs import RequestOutput
 from iterserve.sampling_params import SamplingParams
@@ -75,11 +76,11 @@ class StepCounts:
 
     @property
     def acceptance_rate(self) -> float | None:
-        return self.num_accepted_tokens / self.num_draft_tokens if self.num_draft_tokens else None
+        return spec_stats.acceptance_rate(self.num_accepted_tokens, self.num_draft_tokens)
 
     @property
     def mean_accepted_length(self) -> float | None:
-        return 1 + self.num_accepted_tokens / self.num_drafts if self.num_drafts else None
+        return spec_stats.mean_accepted_length(self.num_accepted_tokens, self.num_drafts)
 
 
 def trace_counts(path: str | Path, max_num_seqs: int, output_tokens: int) -> StepCounts:

@@ -11,6 +11,14 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 
+def acceptance_rate(num_accepted_tokens: int, num_draft_tokens: int) -> float | None:
+    return num_accepted_tokens / num_draft_tokens if num_draft_tokens else None
+
+
+def mean_accepted_length(num_accepted_tokens: int, num_drafts: int) -> float | None:
+    return 1 + num_accepted_tokens / num_drafts if num_drafts else None
+
+
 @dataclass
 class SpecDecodeStats:
     num_drafts: int = 0
@@ -41,8 +49,8 @@ class SpecDecodeStats:
 
     @property
     def acceptance_rate(self) -> float | None:
-        return self.num_accepted_tokens / self.num_draft_tokens if self.num_draft_tokens else None
+        return acceptance_rate(self.num_accepted_tokens, self.num_draft_tokens)
 
     @property
     def mean_accepted_length(self) -> float | None:
-        return 1 + self.num_accepted_tokens / self.num_drafts if self.num_drafts else None
+        return mean_accepted_length(self.num_accepted_tokens, self.num_drafts)
