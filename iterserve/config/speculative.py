@@ -20,9 +20,9 @@ SpecMethod = Literal["ngram", "draft_model"]
 # vLLM's default n-gram window when neither bound is given.
 DEFAULT_PROMPT_LOOKUP = 5
 
-# Running sequences above which a step verifies no drafts. Measured with `bench spec-crossover` on
-# SmolLM2-135M (docs/benchmarks.md): below it a pass over k+1 tokens per sequence still costs about
-# what one token does; above it the step is compute-bound and rejected drafts are paid in full.
+# Running sequences above which a step verifies no drafts: while a pass is bound by reading the weights,
+# k+1 tokens per sequence cost about what one does; once it is compute-bound rejected drafts are paid in
+# full. An estimate, not yet measured on this machine (`plan --num-speculative-tokens` models the crossover).
 DEFAULT_DISABLE_BY_BATCH_SIZE = 8
 
 
