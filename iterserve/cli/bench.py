@@ -1,4 +1,5 @@
-"""``iterserve bench``: throughput (offline), serve (online), batch (sweep), ttft (prompt sweep) and plot."""
+"""``iterserve bench``: throughput (offline), serve (online), batch (sweep), ttft (prompt sweep), perplexity
+(weight formats) and plot."""
 
 from __future__ import annotations
 
@@ -119,7 +120,8 @@ def _cmd_throughput(args: argparse.Namespace) -> int:
     modes = [m for m in args.modes.split(",") if m] + ([HF_MODE] if args.hf_baseline else [])
     percentiles = parse_percentiles(args.percentiles)
     config = config_from_args(EngineConfig, args)
-    loaded = load_model_with_status(config.model, config.dtype, config.device, config.seed)
+    loaded = load_model_with_status(config.model, config.dtype, config.device, config.seed,
+                                    quantization=config.quantization)
     requests = make_workload(spec, tokenizer=loaded.tokenizer, vocab_size=loaded.config.vocab_size)
     with tempfile.TemporaryDirectory() as tmp:
         trace_dir = args.trace_dir or (tmp if args.timeline or args.joins else None)
@@ -226,7 +228,7 @@ def _cmd_batch(args: argparse.Namespace) -> int:
     from iterserve.bench.machine import MachineMonitor
     from iterserve.bench.progress import load_model_with_status
 
-    loaded = load_model_with_status(args.model, args.dtype, args.device)
+    loaded = load_model_with_status(args.model, args.dtype, args.device, quantization=args.quantization)
     if args.batch_sizes:
         values = float_list(args.batch_sizes, "--batch-sizes")
         if not all(v == int(v) for v in values):
@@ -290,7 +292,8 @@ def _cmd_ttft(args: argparse.Namespace) -> int:
     if not all(v == int(v) for v in values):
         raise ValueError(f"--prompt-lens takes whole numbers, got {args.prompt_lens!r}")
     config = config_from_args(EngineConfig, args)
-    loaded = load_model_with_status(config.model, config.dtype, config.device, config.seed)
+    loaded = load_model_with_status(config.model, config.dtype, config.device, config.seed,
+                                    quantization=config.quantization)
     monitor = MachineMonitor()
     monitor.sample()
     points = sweep_prompt_lengths(loaded, config, [int(v) for v in values], args.output_len, args.repeats)
@@ -356,6 +359,7 @@ def add_bench_parser(subparsers: argparse._SubParsersAction) -> None:
     _add_serve_parser(sub)
     _add_batch_parser(sub)
     _add_ttft_parser(sub)
+    _add_perplexity_parser(sub)
     _add_plot_parser(sub)
 
 
@@ -422,7 +426,8 @@ def _add_serve_parser(sub: argparse._SubParsersAction) -> None:
 def _add_batch_parser(sub: argparse._SubParsersAction) -> None:
     bt = sub.add_parser("batch", help="decode and prefill step latency against batch size, and the knee")
     d = EngineConfig()
-    add_config_args(bt.add_argument_group("engine"), EngineConfig, include=("model", "dtype", "device", "block_size"))
+    add_config_args(bt.add_argument_group("engine"), EngineConfig, include=("model", "dtype", "device", "quantization",
+                                                                                 "block_size"))
     bt.add_argument("--context", type=int, default=256, help="tokens each sequence holds (default %(default)s)")
     bt.add_argument("--batch-sizes", default=None, help="comma-separated (default: 1, 2, 4, ... up to what fits)")
     bound = "bounds the default sweep (default %(default)s)"
@@ -449,6 +454,37 @@ def _add_ttft_parser(sub: argparse._SubParsersAction) -> None:
                     help="PNG of the longest prompt's request step by step: tokens per pass and step time")
     tt.add_argument("--output-json", default=None, help="write the result as JSON to this file")
     tt.set_defaults(func=_cmd_ttft)
+
+
+def _add_perplexity_parser(sub: argparse._SubParsersAction) -> None:
+    pp = sub.add_parser("perplexity", help="perplexity of a fixed text under each weight format, side by side")
+    add_config_args(pp.add_argument_group("engine"), EngineConfig, include=("model", "dtype", "device", "seed"))
+    pp.add_argument("--formats", default="none,gguf,int8",
+                    help="comma-separated quantizations; none: float weights in --dtype (default %(default)s)")
+    pp.add_argument("--text", default=None, help="a UTF-8 text file (default: the shipped opening of Coriolanus)")
+    pp.add_argument("--window", type=int, default=512, help="tokens scored together (default %(default)s)")
+    pp.set_defaults(func=_cmd_perplexity)
+
+
+def _cmd_perplexity(args: argparse.Namespace) -> int:
+    from iterserve.bench.perplexity import SHIPPED_TEXT, perplexity
+    from iterserve.bench.progress import load_model_with_status
+    from iterserve.llm import LLM
+    from iterserve.quantization.model import check_quantization, weight_formats
+
+    text = Path(args.text or SHIPPED_TEXT).read_text(encoding="utf-8")
+    rows, first = [], None
+    for name in args.formats.split(","):
+        quantization = check_quantization(name)
+        loaded = load_model_with_status(args.model, args.dtype, args.device, args.seed, quantization=quantization)
+        result = perplexity(LLM(args.model, loaded=loaded, dtype=args.dtype, device=args.device), text, args.window)
+        first = first or result
+        weight_mb = sum(f.bytes for f in weight_formats(loaded.model)) / 1e6
+        rows.append([name, round(weight_mb, 1), f"{result.perplexity:.3f}",
+                     f"{100 * (result.perplexity / first.perplexity - 1):+.2f}%", f"{result.tokens_per_s:.0f}"])
+    print(f"{args.model}: {first.scored if first else 0} tokens scored in windows of {args.window}")
+    print(render_table(["format", "weights MB", "perplexity", f"vs {rows[0][0]}", "prefill tokens/s"], rows))
+    return 0
 
 
 def _add_plot_parser(sub: argparse._SubParsersAction) -> None:

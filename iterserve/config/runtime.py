@@ -19,6 +19,7 @@ Dtype = Literal["auto", "float32", "bfloat16", "float16"]
 Batching = Literal["continuous", "static"]
 KVAllocation = Literal["paged", "reserved"]
 LogLevel = Literal["DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL"]
+Quantization = Literal["gguf", "int8"]
 LOG_LEVELS: tuple[str, ...] = typing.get_args(LogLevel)
 
 
@@ -82,6 +83,9 @@ class EngineConfig:
     dtype: Dtype = _opt("auto", "weights and KV cache precision; auto is bfloat16 where the hardware computes in "
                                 "it, else float32")
     device: str | None = _opt(None, "cpu, cuda or cuda:N (default: cuda when available)")
+    quantization: Quantization | None = _opt(None, "weights kept quantized: gguf keeps a GGUF file's Q4_0/Q4_1/Q8_0 "
+                                                   "blocks, int8 quantizes a float checkpoint at load (default: "
+                                                   "float weights in --dtype)")
     block_size: int = _opt(16, "tokens per KV cache block")
     max_model_len: int | None = _opt(None, "longest prompt + output (default: the model's context, capped by "
                                            "what the KV pool holds)")
@@ -114,6 +118,8 @@ class EngineConfig:
                              "works with any")
         _check_positive(self, "block_size", "tensor_parallel_size")
         _check_positive(self, "max_model_len", "num_kv_blocks", allow_none=True)
+        if self.quantization is not None:
+            _check_choice(self, "quantization", Quantization)
         if not isinstance(self.step_history, int) or self.step_history < 0:
             raise ValueError(f"step_history must be an integer >= 0, got {self.step_history!r}")
         self.scheduler_config(self.max_model_len)  # the scheduler's fields are checked where they are defined

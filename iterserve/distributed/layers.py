@@ -22,6 +22,7 @@ from torch import nn
 
 from iterserve.distributed.parallel_state import ParallelState
 from iterserve.models.linear import DENSE, LinearMethod
+from iterserve.quantization.packed import PackedWeight, dequantize
 
 
 @dataclass(frozen=True)
@@ -59,6 +60,7 @@ class LinearBase(nn.Linear):
     :func:`iterserve.models.linear.process_weights` gives it another): the one place kernels plug in."""
 
     method: LinearMethod = DENSE
+    qweight: PackedWeight | None = None  # the weight in quantized blocks (iterserve.quantization), if it is
 
     def matmul(self, x: torch.Tensor) -> torch.Tensor:
         """This rank's ``x @ W^T (+ bias)``, before any communication."""
@@ -151,14 +153,21 @@ class VocabParallelEmbedding(nn.Embedding):
     def full_shape(self, name: str) -> tuple[int, ...]:
         return (self.rows.vocab_size, self.embedding_dim)
 
+    qweight: PackedWeight | None = None  # the rows in quantized blocks (iterserve.quantization) instead
+
     def load(self, name: str, tensor: torch.Tensor, part: int | None = None) -> None:
         self.rows.load(self.weight, name, tensor)
 
+    def lookup(self, ids: torch.Tensor) -> torch.Tensor:
+        if self.qweight is None:
+            return F.embedding(ids, self.weight)
+        return dequantize(self.qweight, self.weight.dtype, rows=ids)
+
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         if not self.ps.is_parallel:
-            return F.embedding(ids, self.weight)
+            return self.lookup(ids)
         mine = (ids >= self.rows.start) & (ids < self.rows.start + self.rows.valid)
-        out = F.embedding((ids - self.rows.start) * mine, self.weight) * mine.unsqueeze(-1)
+        out = self.lookup((ids - self.rows.start) * mine) * mine.unsqueeze(-1)
         return self.ps.all_reduce(out)
 
 
