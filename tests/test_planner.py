@@ -457,3 +457,14 @@ def test_plan_dtype_auto_is_what_the_engine_runs_on_this_cpu(monkeypatch):
         assert plan._plan_dtype("auto", on_this_cpu=True) == expected
     assert plan._plan_dtype("auto", on_this_cpu=False) == "bf16"  # a named GPU runs bf16
     assert plan._plan_dtype(None, on_this_cpu=True) == "bf16" and plan._plan_dtype("fp16", False) == "fp16"
+def test_speculation_multiplies_memory_bound_decode_and_stops_paying_once_compute_bound():
+    from iterserve.planner.speculative import crossover_batch, mean_accepted_length, speculative_sweep
+
+    assert mean_accepted_length(4, 0.0) == 1 and mean_accepted_length(4, 1.0) == 5
+    assert mean_accepted_length(2, 0.5) == pytest.approx(1 + 0.5 + 0.25)
+    cfg = planner.load_model_config("llama-3-8b")
+    hw = planner.get_accelerator("H100-SXM")
+    points = speculative_sweep(cfg, hw, [1, 64, 1024, 4096], 128, 4, 0.7)
+    assert points[0].verify_bound == "memory" and points[0].speedup == pytest.approx(mean_accepted_length(4, 0.7))
+    assert points[-1].verify_bound == "compute" and points[-1].speedup < 1
+    assert crossover_batch(points) in (1024, 4096)

@@ -4,8 +4,9 @@ Every request is queued at once with ``ignore_eos``, so each mode does exactly t
 and differs only in how it packs that work into forward passes. Continuous batching refills a
 finished sequence's slot at the next step; static batching waits for the whole batch; ``reserved``
 is continuous batching that holds KV blocks for ``prompt + max_tokens`` from admission, as servers
-did before paging. ``hf-static`` is the naive baseline: transformers' ``generate`` over padded
-batches.
+did before paging. ``no-spec`` is continuous batching with speculative decoding turned off, the
+baseline of an engine configured with ``--speculative-config``. ``hf-static`` is the naive
+baseline: transformers' ``generate`` over padded batches.
 
 A request's ``max_tokens`` is its drawn output length unless a cap is given: then it asks for the
 cap (as a client asking for 512 tokens does) and the driver ends it once it has produced its drawn
@@ -38,6 +39,7 @@ from iterserve.bench.timeline import joined_running_batch, read_trace
 from iterserve.bench.workloads import Request, is_token_ids
 from iterserve.config import EngineConfig
 from iterserve.engine.llm_engine import LLMEngine
+from iterserve.engine.spec_decode import stats as spec_stats
 from iterserve.models.loader import LoadedModel, resolve_model
 from iterserve.outputs import RequestOutput
 from iterserve.sampling_params import SamplingParams
@@ -51,6 +53,7 @@ ENGINE_MODES = {
     "static": ("static", "paged"),
     "dynamic": ("dynamic", "paged"),
     "reserved": ("continuous", "reserved"),
+    "no-spec": ("continuous", "paged"),  # and no speculative decoding
 }
 HF_MODE = "hf-static"
 
@@ -68,6 +71,18 @@ class StepCounts:
     mean_kv_blocks: float | None
     num_preemptions: int
     joined_running_batch: int | None  # requests whose prefill ran in a step that also decoded others
+    # speculative decoding, as vLLM counts it (engine/spec_decode/stats.py); zero without it
+    num_drafts: int = 0
+    num_draft_tokens: int = 0
+    num_accepted_tokens: int = 0
+
+    @property
+    def acceptance_rate(self) -> float | None:
+        return spec_stats.acceptance_rate(self.num_accepted_tokens, self.num_draft_tokens)
+
+    @property
+    def mean_accepted_length(self) -> float | None:
+        return spec_stats.mean_accepted_length(self.num_accepted_tokens, self.num_drafts)
 
 
 def trace_counts(path: str | Path, max_num_seqs: int, output_tokens: int) -> StepCounts:
@@ -83,6 +98,9 @@ def trace_counts(path: str | Path, max_num_seqs: int, output_tokens: int) -> Ste
         mean_running=mean_running, slot_occupancy=mean_running / max_num_seqs, peak_kv_blocks=max(blocks),
         mean_kv_blocks=statistics.fmean(blocks), num_preemptions=sum(s["num_preemptions"] for s in steps),
         joined_running_batch=joined_running_batch(steps),
+        num_drafts=sum(s.get("num_drafts", 0) for s in steps),
+        num_draft_tokens=sum(s.get("num_draft_tokens", 0) for s in steps),
+        num_accepted_tokens=sum(s.get("num_accepted_tokens", 0) for s in steps),
     )
 
 
@@ -114,6 +132,11 @@ class ThroughputRun:
     mean_kv_blocks: float | None
     num_preemptions: int
     joined_running_batch: int | None
+    num_drafts: int
+    num_draft_tokens: int
+    num_accepted_tokens: int
+    acceptance_rate: float | None
+    mean_accepted_length: float | None
     repeats: int
     elapsed_s: float
     request_throughput: float
@@ -134,7 +157,9 @@ def _make_run(mode: str, n_req: int, n_in: int, n_out: int, counts: StepCounts, 
     latency = ({k: statistics.median(run[k] for run in latencies) for k in latencies[0]} if latencies else None)
     return ThroughputRun(
         mode=mode, num_requests=n_req, total_input_tokens=n_in, total_output_tokens=n_out,
-        **dataclasses.asdict(counts), repeats=len(timed), elapsed_s=median, request_throughput=n_req / median,
+        **dataclasses.asdict(counts), acceptance_rate=counts.acceptance_rate,
+        mean_accepted_length=counts.mean_accepted_length, repeats=len(timed), elapsed_s=median,
+        request_throughput=n_req / median,
         output_throughput=n_out / median, total_token_throughput=(n_in + n_out) / median, elapsed_s_runs=elapsed,
         output_throughput_runs=[n_out / e for e in elapsed], latency=latency, latency_runs=latencies or None,
         step_trace=step_trace,
@@ -249,7 +274,8 @@ def run_engine_mode(
     writing its step trace to ``step_trace``; returns the counts, the timing and the output tokens.
     ``arrivals`` are the requests' arrival times in seconds from the start (default: all at once)."""
     batching, kv_allocation = ENGINE_MODES[mode]
-    cfg = _engine_config(config, batching=batching, kv_allocation=kv_allocation, step_trace=step_trace)
+    cfg = _engine_config(config, batching=batching, kv_allocation=kv_allocation, step_trace=step_trace,
+                         **({"speculative_config": None} if mode == "no-spec" else {}))
     engine = LLMEngine(cfg, loaded)
     params = [SamplingParams(max_tokens=max_tokens(r, max_tokens_cap), ignore_eos=True, temperature=temperature,
                              seed=config.seed + i) for i, r in enumerate(requests)]
@@ -435,4 +461,9 @@ def _result(loaded: LoadedModel, config: EngineConfig, requests: list[Request], 
         result["continuous_over_static_runs"] = [a / b for a, b in zip(cont.output_throughput_runs,
                                                                         stat.output_throughput_runs)]
         result["continuous_over_static_per_step"] = cont.output_tokens_per_step / stat.output_tokens_per_step
+    if "continuous" in by_mode and "no-spec" in by_mode:
+        spec, plain = by_mode["continuous"], by_mode["no-spec"]
+        result["spec_over_no_spec"] = spec.output_throughput / plain.output_throughput
+        result["spec_over_no_spec_runs"] = [a / b for a, b in zip(spec.output_throughput_runs,
+                                                                   plain.output_throughput_runs)]
     return result

@@ -160,7 +160,7 @@ def text_tokens(rng: np.random.Generator, n: int, tokenizer: Tokenizer) -> list[
 class WorkloadSpec:
     """Everything that determines a workload; stored with results so a run can be repeated."""
 
-    dataset: str = "random"  # random | text | jsonl | sharegpt
+    dataset: str = "random"  # random | text | copy | jsonl | sharegpt
     num_prompts: int = 64
     input_len: str = "uniform:32:256"
     output_len: str = "lognormal:64:1:384"
@@ -170,7 +170,22 @@ class WorkloadSpec:
     seed: int = 0
 
 
-DATASETS = ("random", "text", "jsonl", "sharegpt")
+DATASETS = ("random", "text", "copy", "jsonl", "sharegpt")
+
+COPY_INSTRUCTION = "Repeat the following text exactly, word for word:\n\n"
+
+
+def copy_workload(spec: WorkloadSpec, tokenizer: Tokenizer) -> list[Request]:
+    """Chat requests asking to repeat a passage of corpus text (input_len tokens), each asking for as
+    many tokens as the passage has: the copy-heavy work n-gram speculation drafts well for."""
+    rng = np.random.default_rng(spec.seed)
+    requests = []
+    for n_in in LengthDist.parse(spec.input_len).sample(rng, spec.num_prompts):
+        passage = tokenizer.decode(text_tokens(rng, n_in, tokenizer))
+        messages = [{"role": "user", "content": COPY_INSTRUCTION + passage}]
+        prompt_len = len(tokenizer.apply_chat_template(messages, tokenize=True))
+        requests.append(Request(messages, prompt_len, len(tokenizer.encode(passage, add_special_tokens=False))))
+    return requests
 
 
 def synthetic_workload(
@@ -329,6 +344,10 @@ def make_workload(
     """The requests a spec describes: synthetic, or drawn from the dataset file it names."""
     if spec.dataset in ("random", "text"):
         return synthetic_workload(spec, vocab_size=vocab_size, tokenizer=tokenizer)
+    if spec.dataset == "copy":
+        if tokenizer is None:
+            raise ValueError("copy prompts are text: they need a model with a tokenizer")
+        return copy_workload(spec, tokenizer)
     if spec.dataset not in DATASETS:
         raise ValueError(f"unknown dataset {spec.dataset!r}; use one of {', '.join(DATASETS)}")
     if spec.dataset_path is None:

@@ -81,14 +81,31 @@ def throughput_report(result: dict[str, Any]) -> str:
         spread = f" (runs: {', '.join(f'{x:.2f}' for x in ratios)})" if len(ratios) > 1 else ""
         lines.append(f"continuous / static: {result['continuous_over_static_per_step']:.2f}x output tokens per step; "
                      f"{result['continuous_over_static']:.2f}x output tokens/s{spread}")
+    lines += _spec_lines(result)
     if result.get("busy_warning"):
         lines.append(result["busy_warning"])
     return "\n".join(lines)
 
 
+def _spec_lines(result: dict[str, Any]) -> list[str]:
+    """Speculative decoding's counts per mode that verified drafts, and its speed-up over no-spec."""
+    runs = [r for r in result["runs"] if r.get("num_drafts")]
+    if not runs:
+        return []
+    lines = ["", "speculative decoding", render_table(
+        ["mode", "drafts", "draft tokens", "accepted", "acceptance rate", "mean accepted length"],
+        [[r["mode"], r["num_drafts"], r["num_draft_tokens"], r["num_accepted_tokens"], f"{r['acceptance_rate']:.1%}",
+          f"{r['mean_accepted_length']:.2f}"] for r in runs])]
+    if "spec_over_no_spec" in result:
+        ratios = result["spec_over_no_spec_runs"]
+        spread = f" (runs: {', '.join(f'{x:.2f}' for x in ratios)})" if len(ratios) > 1 else ""
+        lines.append(f"speculative / no-spec: {result['spec_over_no_spec']:.2f}x output tokens/s{spread}")
+    return lines
+
+
 # timeline panel titles, in panel order: the batching and how KV blocks are allocated
 TIMELINE_LABELS = {"static": "static, paged KV", "continuous": "continuous, paged KV",
-                   "reserved": "continuous, reserved KV"}
+                   "reserved": "continuous, reserved KV", "no-spec": "continuous, no speculation"}
 
 
 def _cmd_throughput(args: argparse.Namespace) -> int:
@@ -358,7 +375,8 @@ def _add_throughput_parser(sub: argparse._SubParsersAction) -> None:
     tp.set_defaults(max_num_seqs=BENCH_MAX_NUM_SEQS)
     add_workload_args(tp)
     tp.add_argument("--modes", default="continuous,static",
-                    help="comma-separated: continuous, static, dynamic, reserved (default %(default)s); every "
+                    help="comma-separated: continuous, static, dynamic, reserved, no-spec (continuous without "
+                         "the --speculative-config; with it, the speed-up is reported) (default %(default)s); every "
                          "request is queued at once, so dynamic batches are full at once and run as static ones")
     tp.add_argument("--hf-baseline", action="store_true",
                     help="also run transformers' generate on padded batches of --max-num-seqs (needs transformers)")

@@ -48,6 +48,7 @@ def add_config_args(parser: argparse.ArgumentParser | argparse._ArgumentGroup, c
                                 help=f.metadata["help"])
             continue
         kind, choices = _flag_type(hints[f.name])
+        kind = f.metadata.get("type", kind)  # a field whose flag is parsed from text (JSON, say)
         parser.add_argument(flag, dest=f.name, type=kind, choices=choices, default=default, help=f.metadata["help"])
 
 

@@ -15,9 +15,11 @@ from typing import TYPE_CHECKING, Any, TextIO
 
 from iterserve import planner
 from iterserve.cli.tables import render_table
+from iterserve.config import ModelConfig
 from iterserve.config.dtypes import canonical_dtype
 from iterserve.config.units import parse_bandwidth, parse_flops, parse_size
 from iterserve.planner.hardware import ACCELERATORS, INTERCONNECTS, Accelerator, GiB, get_accelerator, get_interconnect
+from iterserve.planner.speculative import crossover_batch, mean_accepted_length, speculative_sweep
 
 if TYPE_CHECKING:
     from iterserve.bench.validate import Validation
@@ -83,6 +85,11 @@ def _add_arguments(p: argparse.ArgumentParser) -> None:
                     help="fraction of device memory for weights + KV cache (default 0.9)")
     wl.add_argument("--block-size", type=int, default=planner.DEFAULT_BLOCK_SIZE,
                     help="KV-cache block size in tokens (default 16)")
+    wl.add_argument("--num-speculative-tokens", type=int, default=0,
+                    help="speculative decoding: drafts verified per sequence and step; adds a table of decode "
+                         "tokens/s with and without it and the batch where it stops paying (default 0: none)")
+    wl.add_argument("--spec-acceptance", type=float, default=0.7,
+                    help="chance a draft is accepted given the ones before it were (default %(default)s)")
     out = p.add_argument_group("output")
     out.add_argument("--json", action="store_true", help="print JSON instead of tables")
     out.add_argument("--chart", metavar="PNG", help="write a chart of tokens/s and latency vs batch")
@@ -229,6 +236,23 @@ def print_plans(plans: list[planner.Plan], out: TextIO) -> None:
         print(f"{p.hardware.name}: {p.hardware.source}", file=out)
         if p.interconnect is not None:
             print(f"{p.interconnect.name}: {p.interconnect.source}", file=out)
+
+
+def print_speculation(plans: list[planner.Plan], shard: ModelConfig, k: int, acceptance: float, out: TextIO) -> None:
+    """Decode tokens/s with and without speculative decoding over each plan's sweep (``shard``: what one
+    device holds), and the batch where speculation stops paying."""
+    length = mean_accepted_length(k, acceptance)
+    for p in plans:
+        points = speculative_sweep(shard, p.hardware, [s.batch for s in p.sweep], p.context, k, acceptance,
+                                   p.dtype, p.kv_dtype)
+        rows = [(str(q.batch), f"{q.plain_tokens_per_s:,.0f}", f"{q.spec_tokens_per_s:,.0f}", f"{q.speedup:.2f}x",
+                 q.verify_bound) for q in points]
+        _print_table(f"Speculative decoding on {p.hardware.name}: k={k}, acceptance {acceptance:.2f} "
+                     f"({length:.2f} tokens per pass)",
+                     ["batch", "plain tok/s", "speculative tok/s", "speed-up", "verify step"], rows, out)
+        cross = crossover_batch(points)
+        print(f"speculation stops paying at batch {cross}" if cross else
+              "speculation pays at every batch of the sweep", file=out)
 
 
 def print_validation(v: Validation, out: TextIO) -> None:
@@ -393,6 +417,8 @@ def _run(args: argparse.Namespace, out: TextIO, err: TextIO) -> int:
         print(json.dumps({"plans": [p.to_dict() for p in plans], "skipped": skipped}, indent=2), file=out)
     else:
         print_plans(plans, out)
+        if args.num_speculative_tokens:
+            print_speculation(plans, shard, args.num_speculative_tokens, args.spec_acceptance, out)
         for line in skipped:
             print(f"skipped {line}", file=err)
         for chart in (args.chart, args.roofline_chart, args.capacity_chart):

@@ -23,8 +23,9 @@ def add_workload_args(p: argparse.ArgumentParser) -> None:
     d = WorkloadSpec()
     g = p.add_argument_group("workload")
     g.add_argument("--dataset", choices=DATASETS, default=d.dataset,
-                   help="random: random token ids; text: sentences of a built-in corpus; jsonl or sharegpt: "
-                        "a file named by --dataset-path")
+                   help="random: random token ids; text: sentences of a built-in corpus; copy: chat requests to "
+                        "repeat a corpus passage of --input-len tokens (output: the passage's length); jsonl or "
+                        "sharegpt: a file named by --dataset-path")
     g.add_argument("--dataset-path", default=None, help="JSONL of {prompt|messages[, output_len]}, or ShareGPT JSON")
     g.add_argument("--num-prompts", type=int, default=d.num_prompts, help="requests in the workload")
     g.add_argument("--input-len", default=d.input_len,

@@ -14,7 +14,8 @@ from iterserve.config.runtime import (
     SchedulerConfig,
     ServerConfig,
 )
+from iterserve.config.speculative import SpeculativeConfig
 
 __all__ = ["DEFAULT_MODEL", "LOG_LEVELS", "PRESETS", "RUNNABLE_DTYPES", "SUPPORTED_ARCHITECTURES", "Batching", "Dtype",
-           "EngineConfig", "KVAllocation", "LogLevel", "ModelConfig", "SchedulerConfig", "ServerConfig", "find_preset",
-           "get_preset", "parse_dtype"]
+           "EngineConfig", "KVAllocation", "LogLevel", "ModelConfig", "SchedulerConfig", "ServerConfig",
+           "SpeculativeConfig", "find_preset", "get_preset", "parse_dtype"]

@@ -13,6 +13,7 @@ from typing import Any, Literal
 
 from iterserve.config.dtypes import parse_dtype
 from iterserve.config.model import DEFAULT_MODEL
+from iterserve.config.speculative import SpeculativeConfig
 
 Dtype = Literal["auto", "float32", "bfloat16", "float16"]
 Batching = Literal["continuous", "static", "dynamic"]
@@ -109,10 +110,20 @@ class EngineConfig:
     seed: int = _opt(0, "seed of random weights and of sampling without a per-request seed")
     step_trace: str | None = _opt(None, "write a JSON-lines trace of every step and request to this file")
     step_history: int = _opt(0, "keep the last N steps' StepStats in memory (benchmarks, tests)", cli=False)
+    speculative_config: SpeculativeConfig | None = _opt(
+        None, 'speculative decoding, as vLLM\'s JSON: {"method": "ngram", "num_speculative_tokens": 4, '
+              '"prompt_lookup_min": 2, "prompt_lookup_max": 5} or {"model": "<draft>", "num_speculative_tokens": 4}',
+        type=SpeculativeConfig.parse)
 
     def __post_init__(self) -> None:
         # aliases (fp32, bf16, half) are accepted and stored under their one canonical name
         object.__setattr__(self, "dtype", _canonical_dtype(self.dtype))
+        # a dict (LLM(speculative_config={...}), a worker's JSON copy) or JSON text (the command line)
+        spec = SpeculativeConfig.parse(self.speculative_config)
+        object.__setattr__(self, "speculative_config", spec)
+        if spec is not None and spec.uses_draft_model and self.tensor_parallel_size > 1:
+            raise ValueError("a speculative draft model runs with tensor_parallel_size=1 only; n-gram speculation "
+                             "works with any")
         _check_positive(self, "block_size", "tensor_parallel_size")
         _check_positive(self, "max_model_len", "num_kv_blocks", allow_none=True)
         if self.quantization is not None:

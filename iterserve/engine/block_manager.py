@@ -183,7 +183,21 @@ class BlockManager:
     def free(self, seq: Sequence) -> None:
         """Drop ``seq``'s references; unreferenced blocks join the free queue, tail blocks first in
         line for eviction so a shared prefix outlives the suffixes hanging off it."""
-        for block_id in reversed(seq.block_table):
+        self._release(seq.block_table)
+        seq.block_table = []
+        seq.block_hashes = []
+        seq.num_hashed_blocks = 0
+
+    def trim(self, seq: Sequence) -> None:
+        """Return the blocks past ``seq``'s computed tokens: those allocated for drafts it rejected.
+        They hold no accepted token, so none of them was published to the prefix cache."""
+        keep = self.blocks_needed(seq.num_computed_tokens)
+        if len(seq.block_table) > keep:
+            self._release(seq.block_table[keep:])
+            del seq.block_table[keep:]
+
+    def _release(self, block_ids: list[int]) -> None:
+        for block_id in reversed(block_ids):
             block = self.blocks[block_id]
             block.ref_count -= 1
             if block.ref_count == 0:
@@ -193,9 +207,6 @@ class BlockManager:
                     self.free_queue.move_to_end(block_id, last=False)
                 else:
                     self.free_queue[block_id] = None
-        seq.block_table = []
-        seq.block_hashes = []
-        seq.num_hashed_blocks = 0
 
     def block_states(self, batch: list[Sequence]) -> bytes:
         """One byte per block (the ``KV_*`` codes of :mod:`iterserve.engine.messages`): free, cached

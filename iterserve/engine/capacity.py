@@ -20,24 +20,27 @@ class Capacity:
     max_full_length_seqs: int
 
     @classmethod
-    def of(cls, config: EngineConfig, model_config: ModelConfig, dtype_bytes: int | None = None) -> Capacity:
+    def of(cls, config: EngineConfig, model_config: ModelConfig, dtype_bytes: int | None = None,
+           draft: ModelConfig | None = None) -> Capacity:
         """Raises ValueError when the pool cannot hold one block or one max_model_len sequence.
 
         Under tensor parallelism the pool is one rank's: ``kv_cache_memory`` is per rank, and a rank's
-        token holds only its KV heads, so the same memory holds more tokens.
+        token holds only its KV heads, so the same memory holds more tokens. A speculative ``draft``
+        model keeps its K/V in the same blocks, so a token costs both models' bytes.
         """
         bs = config.block_size
         shard = model_config.tensor_parallel_shard(config.tensor_parallel_size)
-        per_token = shard.kv_bytes_per_token(dtype_bytes or parse_dtype(config.dtype).itemsize)
+        itemsize = dtype_bytes or parse_dtype(config.dtype).itemsize
+        per_token = shard.kv_bytes_per_token(itemsize) + (draft.kv_bytes_per_token(itemsize) if draft else 0)
         num_blocks = config.num_kv_blocks or parse_size(config.kv_cache_memory) // (bs * per_token)
         if num_blocks < 1:
             raise ValueError(f"KV cache memory {config.kv_cache_memory!r} does not hold a single block of {bs} tokens")
         capacity = num_blocks * bs
-        max_len = config.max_model_len or min(model_config.max_position_embeddings, capacity)
-        if max_len > model_config.max_position_embeddings:
-            raise ValueError(
-                f"max_model_len {max_len} exceeds the model's maximum context ({model_config.max_position_embeddings})"
-            )
+        context = min(model_config.max_position_embeddings,
+                      draft.max_position_embeddings if draft else model_config.max_position_embeddings)
+        max_len = config.max_model_len or min(context, capacity)
+        if max_len > context:
+            raise ValueError(f"max_model_len {max_len} exceeds the model's maximum context ({context})")
         if max_len > capacity:
             raise ValueError(
                 f"max_model_len {max_len} needs more KV cache than the pool holds ({capacity} tokens in "

@@ -46,6 +46,8 @@ from iterserve.engine.messages import (
 )
 from iterserve.engine.scheduler import Scheduler, SchedulerOutput
 from iterserve.engine.sequence import Sequence
+from iterserve.engine.spec_decode.proposer import Speculator
+from iterserve.engine.spec_decode.stats import SpecDecodeStats
 from iterserve.engine.structured_output import GrammarMatcher, GrammarPool
 from iterserve.engine.validation import check_prompt
 from iterserve.errors import TensorParallelError
@@ -105,6 +107,9 @@ class EngineCore:
             bs, num_blocks = config.block_size, self.capacity.num_blocks
             self.block_manager = BlockManager(num_blocks, bs, config.enable_prefix_caching)
             self.scheduler = Scheduler(config.scheduler_config(self.max_model_len), self.block_manager, clock)
+            spec = config.speculative_config
+            self.speculator = (Speculator.build(spec, self.block_manager, self.executor, self.max_model_len)
+                               if spec is not None else None)
         except BaseException:
             self.executor.abort()
             raise
@@ -120,6 +125,7 @@ class EngineCore:
         self.num_prompt_tokens = 0
         self.num_generation_tokens = 0
         self.peak_running = 0
+        self.spec_stats = SpecDecodeStats()  # drafts verified and tokens accepted since start
         self._last_step_tokens = 0
         self.step_history: deque[StepStats] = deque(maxlen=config.step_history)
         self.emit_steps = False  # attach each step's StepStats to its outputs (the server's core does)
@@ -254,26 +260,30 @@ class EngineCore:
             outputs = refused + self._fail(sched, now)
             record = self._record(sched, start, now - start)
             return EngineCoreOutputs(outputs, self.stats(), record if self.emit_steps else None)
+        self.spec_stats.add(update.spec)
+        if self.speculator is not None:
+            self.speculator.propose(self.scheduler.running)
         now = self.clock()
         outputs = refused
         for seq in update.sampled:
-            outputs.append(self._delta(seq, now))
+            outputs.append(self._delta(seq, now, update.new_tokens.get(id(seq), 1)))
             if seq.is_finished:
                 self._retire(seq, now)
-        record = self._record(sched, start, now - start)
+        record = self._record(sched, start, now - start, update.spec)
         return EngineCoreOutputs(outputs, self.stats(), record if self.emit_steps else None)
 
-    def _delta(self, seq: Sequence, now: float) -> EngineCoreOutput:
+    def _delta(self, seq: Sequence, now: float, n: int) -> EngineCoreOutput:
+        """The ``n`` tokens ``seq`` got this step (more than one where it accepted drafts)."""
         m = seq.metrics
-        m.token_times.append(now)
-        m.num_output_tokens += 1
+        m.token_times.extend([now] * n)
+        first = m.num_output_tokens == 0
+        m.num_output_tokens += n
         if m.first_token_time is None:
             m.first_token_time = now
-        self.num_generation_tokens += 1
-        first = m.num_output_tokens == 1
+        self.num_generation_tokens += n
         return EngineCoreOutput(
-            request_id=seq.request_id, new_token_ids=[seq.output_token_ids[-1]], timestamp=now, index=seq.index,
-            new_logprobs=[seq.output_logprobs[-1]] if seq.params.logprobs is not None else None,
+            request_id=seq.request_id, new_token_ids=seq.output_token_ids[-n:], timestamp=now, index=seq.index,
+            new_logprobs=seq.output_logprobs[-n:] if seq.params.logprobs is not None else None,
             cumulative_logprob=seq.cumulative_logprob if seq.params.needs_logprobs else None,
             prompt_logprobs=seq.prompt_logprobs if first and seq.index == 0 and seq.prompt_logprobs else None,
             finish_reason=seq.finish_reason, stop_reason=seq.stop_reason if isinstance(seq.stop_reason, int) else None,
@@ -319,9 +329,13 @@ class EngineCore:
             num_steps=self.num_steps, num_preemptions=self.num_preemptions, num_prompt_tokens=self.num_prompt_tokens,
             num_generation_tokens=self.num_generation_tokens, prefix_hit_tokens=self.prefix_hit_tokens,
             prefix_query_tokens=self.prefix_query_tokens, step_tokens=self._last_step_tokens,
+            spec_num_drafts=self.spec_stats.num_drafts, spec_num_draft_tokens=self.spec_stats.num_draft_tokens,
+            spec_num_accepted_tokens=self.spec_stats.num_accepted_tokens,
+            spec_accepted_per_pos=list(self.spec_stats.accepted_per_pos),
         )
 
-    def _record(self, sched: SchedulerOutput, start: float, duration: float) -> StepStats | None:
+    def _record(self, sched: SchedulerOutput, start: float, duration: float,
+                spec: SpecDecodeStats | None = None) -> StepStats | None:
         """Count the step; its StepStats when someone keeps them (history, trace or the server)."""
         self.num_steps += 1
         self.num_preemptions += len(sched.preempted)
@@ -344,6 +358,8 @@ class EngineCore:
             num_preemptions=len(sched.preempted),
             total_context=sum(s.seq.num_computed_tokens for s in sched.scheduled),
             seqs=sched.batch_rows(),
+            num_drafts=spec.num_drafts if spec else 0, num_draft_tokens=spec.num_draft_tokens if spec else 0,
+            num_accepted_tokens=spec.num_accepted_tokens if spec else 0,
         )
         if self.step_history.maxlen:
             self.step_history.append(stats)

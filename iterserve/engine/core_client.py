@@ -56,7 +56,7 @@ from iterserve.engine.request_stream import RequestStream
 from iterserve.engine.router import Router
 from iterserve.engine.validation import check_prompt
 from iterserve.errors import EngineDeadError, QueueFullError, RequestFailedError
-from iterserve.models.loader import load_model_info
+from iterserve.models.loader import load_model_config, load_model_info
 from iterserve.outputs import RequestOutput
 from iterserve.sampling_params import SamplingParams
 from iterserve.tokenizer import Tokenizer
@@ -166,7 +166,9 @@ class EngineCoreClient:
         self.model_config: ModelConfig
         self.tokenizer: Tokenizer | None
         self.model_config, self.tokenizer = load_model_info(config.model)
-        self.capacity = Capacity.of(config, self.model_config)  # each replica's
+        spec = config.speculative_config
+        draft = load_model_config(spec.model) if spec is not None and spec.model else None  # shares the blocks
+        self.capacity = Capacity.of(config, self.model_config, draft=draft)  # each replica's
         self.max_model_len = self.capacity.max_model_len
         self.on_dead: Callable[[], None] | None = None
         self.error: EngineDeadError | None = None

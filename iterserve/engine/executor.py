@@ -52,6 +52,7 @@ from iterserve.distributed.parallel_state import ParallelState
 from iterserve.engine.capacity import Capacity
 from iterserve.engine.sampler import SampleResult
 from iterserve.engine.scheduler import ScheduledSeq
+from iterserve.engine.sequence import Sequence
 from iterserve.engine.worker import Worker
 from iterserve.errors import TensorParallelError
 from iterserve.models.loader import LoadedModel, load_model_info
@@ -82,6 +83,11 @@ class Executor(ABC):
     def execute_model(self, scheduled: list[ScheduledSeq], block_copies: list[tuple[int, int]]) -> SampleResult:
         """One step: copy ``block_copies`` (copy-on-write), run the forward pass of ``scheduled``, sample."""
 
+    def propose_drafts(self, seqs: list[Sequence], limits: list[int],
+                       block_copies: list[tuple[int, int]]) -> list[list[int]]:
+        """Speculative decoding's draft model: after ``block_copies``, up to ``limits[i]`` drafts for ``seqs[i]``."""
+        raise ValueError(f"{type(self).__name__} runs no draft model")
+
     @abstractmethod
     def close(self) -> None:
         """Release what the executor holds (its worker processes)."""
@@ -108,6 +114,10 @@ class UniProcExecutor(Executor):
 
     def execute_model(self, scheduled: list[ScheduledSeq], block_copies: list[tuple[int, int]]) -> SampleResult:
         return self.worker.execute_model(scheduled, block_copies)
+
+    def propose_drafts(self, seqs: list[Sequence], limits: list[int],
+                       block_copies: list[tuple[int, int]]) -> list[list[int]]:
+        return self.worker.propose_drafts(seqs, limits, block_copies)
 
     def close(self) -> None:
         """Nothing to release: the model and its KV cache go with the worker."""

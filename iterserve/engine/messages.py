@@ -72,6 +72,11 @@ class SchedulerStats(msgspec.Struct, array_like=True):
     prefix_hit_tokens: int
     prefix_query_tokens: int
     step_tokens: int  # tokens computed in the last step (0 when no step ran)
+    # speculative decoding since start, as vLLM counts it (engine/spec_decode/stats.py)
+    spec_num_drafts: int = 0
+    spec_num_draft_tokens: int = 0
+    spec_num_accepted_tokens: int = 0
+    spec_accepted_per_pos: list[int] = []
 
 
 class BatchRow(msgspec.Struct, array_like=True):
@@ -102,6 +107,10 @@ class StepStats(msgspec.Struct, tag_field="type", tag="step"):
     num_preemptions: int
     total_context: int  # KV tokens the scheduled sequences hold after the step (what attention read)
     seqs: list[BatchRow] = []
+    # speculative decoding: sequences that verified drafts, draft tokens (inside the decode tokens), accepted ones
+    num_drafts: int = 0
+    num_draft_tokens: int = 0
+    num_accepted_tokens: int = 0
 
 
 # KV block states in a KVSnapshot, one byte per block.

@@ -3,7 +3,8 @@
 It owns the model and the KV cache tensors; the block manager owns the bookkeeping of which
 blocks belong to whom. Here the scheduled sequences are flattened into one token batch with
 positions, slot mapping and block tables, and logits are taken only for sequences whose last
-token was computed in this step.
+token was computed in this step: at that token, and at each of its draft tokens when it verifies
+some (a verification is a short prompt-like chunk over the sequence's cached context).
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ from iterserve.attention import AttentionMetadata, KVCache, select_backend
 from iterserve.engine.sampler import Sampler, SampleResult, SamplingRow, bitmask_words, token_logprobs
 from iterserve.engine.scheduler import ScheduledSeq, sampling_seqs
 from iterserve.engine.sequence import Sequence
+from iterserve.engine.spec_decode.draft import DraftModel, copy_kv_blocks
 from iterserve.models.llama import LlamaModel
 
 
@@ -31,6 +33,7 @@ class StepInputs:
     query_lens: list[int]
     logits_rows: list[int]  # sampling rows first, then prompt-logprob rows
     block_copies: list[tuple[int, int]] = field(default_factory=list)
+    max_decode_query: int = 1  # 1 + the most drafts a sequence verifies: those are attended like decodes
 
 
 @dataclass
@@ -40,7 +43,8 @@ class PreparedStep:
     inputs: StepInputs
     scheduled: list[ScheduledSeq]
     sampled: list[ScheduledSeq]  # the sequences that produce a token, in order
-    seqs: list[Sequence]  # one per sampling row (a forking parent is followed by its children)
+    seqs: list[Sequence]  # the sampling sequences (a forking parent is followed by its children)
+    drafts: list[list[int]]  # per sampling sequence, the drafts it verifies (each adds a logits row)
     num_sampling: int  # logits rows of sampled tokens; prompt-logprob rows follow
     prompt_spans: list[tuple[int, int, int, int]]  # (scheduled index, first row, first token, count)
     bitmask: torch.Tensor | None  # the grammars' allowed tokens, one row per sampling sequence
@@ -50,13 +54,15 @@ class ModelRunner:
     """Owns this rank's model and KV cache tensors; one step is :meth:`prepare` (rank 0), :meth:`forward`
     (every rank) and :meth:`sample` (rank 0), which :meth:`execute` runs in a row in one process."""
 
-    def __init__(self, model: LlamaModel, num_blocks: int, block_size: int, seed: int = 0) -> None:
+    def __init__(self, model: LlamaModel, num_blocks: int, block_size: int, seed: int = 0,
+                 draft: LlamaModel | None = None) -> None:
         self.model = model
         self.device = model.device
         self.block_size = block_size
         self.kv_caches: list[KVCache] = model.allocate_kv_cache(num_blocks, block_size)
         self.attn_backend = select_backend(self.device)  # chosen once; passed to the model with each step
         self.sampler = Sampler(torch.Generator(device=self.device).manual_seed(seed))
+        self.draft = DraftModel(draft, num_blocks, block_size, self.attn_backend) if draft is not None else None
 
     @torch.inference_mode()
     def execute(self, scheduled: list[ScheduledSeq],
@@ -80,16 +86,20 @@ class ModelRunner:
         prompt_spans: list[tuple[int, int, int, int]] = []  # (scheduled index, first row, first token, count)
         for k, s in enumerate(scheduled):
             seq, start = s.seq, s.seq.num_computed_tokens
-            end = start + s.num_tokens
+            end = start + s.num_tokens - len(s.spec_token_ids)  # the sequence's own tokens; drafts follow
             n_prompt = len(seq.prompt_token_ids)
             first_row = len(input_ids)
             if start >= n_prompt:
                 input_ids.extend(seq.output_token_ids[start - n_prompt:end - n_prompt])
             else:
                 input_ids.extend((seq.prompt_token_ids + seq.output_token_ids)[start:end])
-            positions.extend(range(start, end))
+            input_ids.extend(s.spec_token_ids)
+            positions.extend(range(start, start + s.num_tokens))
             if end == seq.num_tokens:
-                logits_rows.extend([len(input_ids) - 1] * (1 + len(seq.forks)))
+                if s.spec_token_ids:  # its last token's row, then one per draft
+                    logits_rows.extend(range(len(input_ids) - 1 - len(s.spec_token_ids), len(input_ids)))
+                else:
+                    logits_rows.extend([len(input_ids) - 1] * (1 + len(seq.forks)))
                 sampled.append(s)
             if seq.params.prompt_logprobs is not None and seq.index == 0 and start < n_prompt - 1 \
                     and len(seq.prompt_logprobs) < n_prompt:  # not again when recomputed after preemption
@@ -101,21 +111,27 @@ class ModelRunner:
         inputs = StepInputs(
             input_ids, positions, [list(s.seq.block_table) for s in scheduled],
             [s.seq.num_computed_tokens for s in scheduled], [s.num_tokens for s in scheduled], logits_rows,
-            list(block_copies or []),
+            list(block_copies or []), 1 + max((len(s.spec_token_ids) for s in scheduled), default=0),
         )
         seqs = sampling_seqs(scheduled)
-        return PreparedStep(inputs, scheduled, sampled, seqs, num_sampling, prompt_spans, self._grammar_bitmask(seqs))
+        drafts = [s.spec_token_ids for s in sampled for _ in range(1 + len(s.seq.forks))]
+        return PreparedStep(inputs, scheduled, sampled, seqs, drafts, num_sampling, prompt_spans,
+                            self._grammar_bitmask(seqs))
 
     @torch.inference_mode()
     def sample(self, prepared: PreparedStep, logits: torch.Tensor) -> SampleResult:
         """Sample each sampling row, then take the prompt logprobs asked for."""
         bitmask, num_sampling = prepared.bitmask, prepared.num_sampling
-        rows = [
-            SamplingRow(seq.params, seq.prompt_token_ids, seq.output_token_ids, seq.stop_ids, seq.generator,
-                        None if seq.grammar is None or bitmask is None else bitmask[i])
-            for i, seq in enumerate(prepared.seqs)
+        rows = [  # a sequence verifying drafts has one row per draft position, its output extended by them
+            SamplingRow(seq.params, seq.prompt_token_ids,
+                        seq.output_token_ids + drafts[:j] if j else seq.output_token_ids,  # no copy for a plain row
+                        seq.stop_ids, seq.generator, None if seq.grammar is None or bitmask is None else bitmask[i])
+            for i, (seq, drafts) in enumerate(zip(prepared.seqs, prepared.drafts))
+            for j in range(len(drafts) + 1)
         ]
-        result = self.sampler(logits[:num_sampling], rows) if rows else SampleResult([], [])
+        verifying = any(prepared.drafts)
+        result = (self.sampler(logits[:num_sampling], rows, prepared.drafts if verifying else None) if rows
+                  else SampleResult([], []))
         offset = num_sampling
         for k, _, first_token, count in prepared.prompt_spans:
             seq = prepared.scheduled[k].seq
@@ -133,26 +149,38 @@ class ModelRunner:
         meta = AttentionMetadata.build(
             block_size=self.block_size, block_tables=inputs.block_tables, num_cached=inputs.num_cached,
             query_lens=inputs.query_lens, device=self.device, sliding_window=self.model.config.sliding_window,
+            max_decode_query=inputs.max_decode_query,
         )
         dev = self.device
-        return self.model(
-            torch.tensor(inputs.input_ids, dtype=torch.long, device=dev),
-            torch.tensor(inputs.positions, dtype=torch.long, device=dev),
+        input_ids = torch.tensor(inputs.input_ids, dtype=torch.long, device=dev)
+        positions = torch.tensor(inputs.positions, dtype=torch.long, device=dev)
+        logits = self.model(
+            input_ids,
+            positions,
             self.kv_caches,
             meta,
             self.attn_backend,
             torch.tensor(inputs.logits_rows, dtype=torch.long, device=dev),
         )
+        if self.draft is not None:
+            self.draft.mirror(input_ids, positions, inputs.block_tables, inputs.num_cached, inputs.query_lens,
+                              inputs.max_decode_query)
+        return logits
 
     def copy_blocks(self, copies: list[tuple[int, int]]) -> None:
-        """Copy whole KV blocks, every layer: a forked sequence's private copy of a shared block."""
-        if not copies:
-            return
-        src = torch.tensor([c[0] for c in copies], dtype=torch.long, device=self.device)
-        dst = torch.tensor([c[1] for c in copies], dtype=torch.long, device=self.device)
-        for cache in self.kv_caches:
-            cache.k[dst] = cache.k[src]
-            cache.v[dst] = cache.v[src]
+        """Copy whole KV blocks, every layer (the draft model's too): a forked sequence's private copy of a
+        shared block."""
+        copy_kv_blocks(self.kv_caches, copies, self.device)
+        if self.draft is not None:
+            copy_kv_blocks(self.draft.kv_caches, copies, self.device)
+
+    def propose_drafts(self, seqs: list[Sequence], limits: list[int],
+                       block_copies: list[tuple[int, int]]) -> list[list[int]]:
+        """The draft model's proposals (after the copy-on-write its blocks for them needed)."""
+        if self.draft is None:
+            raise ValueError("this engine has no draft model")
+        self.copy_blocks(block_copies)
+        return self.draft.propose(seqs, limits)
 
     def _grammar_bitmask(self, seqs: list[Sequence]) -> torch.Tensor | None:
         """The tokens each constrained sequence's grammar allows next, one packed row per sampling

@@ -129,7 +129,16 @@ class OutputProcessor:
         m = state.metrics
         if o.first_scheduled_time is not None and m.first_scheduled_time is None:
             m.first_scheduled_time = o.first_scheduled_time
-        n = len(o.new_token_ids)
+        seq.finish_reason, seq.stop_reason = o.finish_reason, o.stop_reason
+        seq.core_finished = o.finish_reason is not None
+        if o.finish_reason == "error":  # a failure fails the whole request
+            for s in state.seqs:
+                if s.finish_reason is None:
+                    s.finish_reason, s.core_finished = "error", True
+        delta_ids = o.new_token_ids
+        if seq.detokenizer is not None:
+            delta_ids = delta_ids[:self._detokenize(state.params, seq, o)]
+        n = len(delta_ids)
         if n:
             m.first_token_time = m.first_token_time or o.timestamp
             m.token_times.extend([o.timestamp] * n)
@@ -143,43 +152,50 @@ class OutputProcessor:
             state.prompt_logprobs = [None if e is None else self._decode_logprobs(e) for e in o.prompt_logprobs]
         if o.cumulative_logprob is not None:
             seq.cumulative_logprob = o.cumulative_logprob
-        delta_ids = o.new_token_ids
-        delta_logprobs = [self._decode_logprobs(e) for e in o.new_logprobs] if o.new_logprobs else None
+        delta_logprobs = [self._decode_logprobs(e) for e in o.new_logprobs[:n]] if o.new_logprobs else None
         if state.kind is not RequestOutputKind.DELTA:
             seq.token_ids.extend(delta_ids)
             if seq.logprobs is not None and delta_logprobs:
                 seq.logprobs.extend(delta_logprobs)
-        seq.finish_reason, seq.stop_reason = o.finish_reason, o.stop_reason
-        seq.core_finished = o.finish_reason is not None
-        if o.finish_reason == "error":  # a failure fails the whole request
-            for s in state.seqs:
-                if s.finish_reason is None:
-                    s.finish_reason, s.core_finished = "error", True
-        if seq.detokenizer is not None:
-            # a stop token ends the request but adds no text
-            text_ids = delta_ids[:-1] if o.finish_reason == "stop" and not o.final_token_is_text else delta_ids
-            seq.text += "".join(seq.detokenizer.feed(t) for t in text_ids)
-            if o.finish_reason is not None:
-                seq.text += seq.detokenizer.flush()
-            if o.finish_reason in (None, "length"):
-                self._check_stop_strings(state.params, seq)
         if state.finished:
             m.finished_time = o.timestamp
         return self._output(state, seq, delta_ids, delta_logprobs)
 
-    def _check_stop_strings(self, params: SamplingParams, seq: SeqState) -> None:
+    def _detokenize(self, params: SamplingParams, seq: SeqState, o: EngineCoreOutput) -> int:
+        """Add the delta's text token by token, checking stop strings after each, as if the tokens had
+        come one per step; returns how many of the delta's tokens stand (those after a stop string that
+        ends inside the delta were never generated, as far as the request is concerned)."""
+        assert seq.detokenizer is not None
+        ids = o.new_token_ids
+        # a stop token ends the request but adds no text
+        text_ids = ids[:-1] if o.finish_reason == "stop" and not o.final_token_is_text else ids
+        for i, token in enumerate(text_ids):
+            seq.text += seq.detokenizer.feed(token)
+            # a token before the delta's last one ended nothing in the core: only its text can stop here
+            if i < len(ids) - 1 and self._check_stop_strings(params, seq, seq.num_output_tokens + i + 1):
+                return i + 1
+        if o.finish_reason is not None:
+            seq.text += seq.detokenizer.flush()
+        if o.finish_reason in (None, "length"):
+            self._check_stop_strings(params, seq, seq.num_output_tokens + len(ids))
+        return len(ids)
+
+    def _check_stop_strings(self, params: SamplingParams, seq: SeqState, num_output_tokens: int) -> bool:
+        """End ``seq`` at the first stop string in its text (cut off there); whether one was found."""
         stops = params.stop
-        if not stops or seq.num_output_tokens < params.min_tokens:
-            return
+        if not stops or num_output_tokens < params.min_tokens:
+            return False
         search_from = max(0, seq.sent - max(map(len, stops)))
         best: tuple[int, str] | None = None
         for s in stops:
             i = seq.text.find(s, search_from)
             if i != -1 and (best is None or i < best[0]):
                 best = (i, s)
-        if best is not None:
-            seq.text = seq.text[: best[0]]
-            seq.finish_reason, seq.stop_reason = "stop", best[1]
+        if best is None:
+            return False
+        seq.text = seq.text[: best[0]]
+        seq.finish_reason, seq.stop_reason = "stop", best[1]
+        return True
 
     def _releasable(self, params: SamplingParams, seq: SeqState) -> int:
         """How much text may be released: hold back a tail that could still become a stop string."""

@@ -9,10 +9,12 @@ batch. Logprobs are those of the raw logits (vLLM's default), each with its rank
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
 
+from iterserve.engine.spec_decode.rejection_sampler import accept_drafts
 from iterserve.outputs import TokenLogprobs
 from iterserve.sampling_params import SamplingParams
 
@@ -30,11 +32,22 @@ class SamplingRow:
 
 
 @dataclass
+class Verdict:
+    """What verification made of one sequence's drafts: those accepted (they precede its sampled token)."""
+
+    accepted: list[int]
+    logprobs: list[TokenLogprobs | None]  # one per accepted draft, as for a sampled token
+
+
+@dataclass
 class SampleResult:
+    """One sampled token per sampling sequence; a sequence that verified drafts gets its accepted ones first."""
+
     token_ids: list[int]
     logprobs: list[TokenLogprobs | None]  # sampled token's logprob plus the top-N alternatives
     # scheduled index -> (index of the first prompt token covered, its logprobs and those after it)
     prompt_logprobs: dict[int, tuple[int, list[TokenLogprobs]]] = field(default_factory=dict)
+    verdicts: dict[int, Verdict] = field(default_factory=dict)  # sampling index -> its drafts' verdict
 
 
 def token_logprobs(logprobs: torch.Tensor, tokens: list[int], num_top: int) -> list[TokenLogprobs]:
@@ -135,15 +148,50 @@ def _draw(probs: torch.Tensor, generator: torch.Generator) -> int:
 
 
 class Sampler:
-    """Samples one token per row; ``generator`` serves requests that have no seed of their own."""
+    """Samples one token per sequence; ``generator`` serves requests that have no seed of their own."""
 
     def __init__(self, generator: torch.Generator) -> None:
         self.generator = generator
 
-    def __call__(self, logits: torch.Tensor, rows: list[SamplingRow]) -> SampleResult:
+    def __call__(self, logits: torch.Tensor, rows: list[SamplingRow],
+                 drafts: list[list[int]] | None = None) -> SampleResult:
+        """One token per sequence. Without ``drafts`` each row is a sequence; with them, sequence i
+        owns ``len(drafts[i]) + 1`` consecutive rows, row j holding its logits after its draft j - 1
+        (and ``rows[j]`` its output with those drafts appended), and its drafts are verified."""
         logits = logits.float()
         want_logprobs = any(r.params.needs_logprobs for r in rows)
         raw_logprobs = torch.log_softmax(logits, dim=-1) if want_logprobs else None
+        self._process(logits, rows)
+        greedy = logits.argmax(dim=-1).tolist()
+
+        def draw(r: int) -> int:
+            row = rows[r]
+            return greedy[r] if row.params.greedy else _draw(_truncate(logits[r], row.params),
+                                                             row.generator or self.generator)
+
+        def logprobs_of(r: int, token: int) -> TokenLogprobs | None:
+            if raw_logprobs is None or not rows[r].params.needs_logprobs:
+                return None
+            return token_logprobs(raw_logprobs[r:r + 1], [token], rows[r].params.logprobs or 0)[0]
+
+        def draw_from(first: int) -> Callable[[int], int]:
+            return lambda j: draw(first + j)
+
+        result = SampleResult([], [])
+        first = 0
+        for i, proposed in enumerate(drafts if drafts is not None else [[]] * len(rows)):
+            accepted, token = accept_drafts(draw_from(first), proposed)
+            result.token_ids.append(token)
+            result.logprobs.append(logprobs_of(first + len(accepted), token))
+            if proposed:
+                result.verdicts[i] = Verdict(accepted, [logprobs_of(first + j, t) for j, t in enumerate(accepted)])
+            first += len(proposed) + 1
+        return result
+
+    @staticmethod
+    def _process(logits: torch.Tensor, rows: list[SamplingRow]) -> None:
+        """Everything that acts on the logits before the draw, in place: logit_bias, penalties, the
+        stop tokens ``min_tokens`` holds back, and the grammars' masks."""
         apply_logit_bias(logits, rows)
         apply_penalties(logits, rows)
         for i, row in enumerate(rows):
@@ -153,14 +201,3 @@ class Sampler:
         masks = [(i, row.allowed_tokens) for i, row in enumerate(rows) if row.allowed_tokens is not None]
         if masks:
             apply_token_bitmask(logits, [i for i, _ in masks], torch.stack([m for _, m in masks]))
-        tokens = logits.argmax(dim=-1).tolist()
-        for i, row in enumerate(rows):
-            if not row.params.greedy:
-                probs = _truncate(logits[i], row.params)
-                tokens[i] = _draw(probs, row.generator or self.generator)
-        logprobs: list[TokenLogprobs | None] = [None] * len(rows)
-        if raw_logprobs is not None:
-            for i, row in enumerate(rows):
-                if row.params.needs_logprobs:
-                    logprobs[i] = token_logprobs(raw_logprobs[i:i + 1], [tokens[i]], row.params.logprobs or 0)[0]
-        return SampleResult(tokens, logprobs)

@@ -10,6 +10,12 @@ After the forward pass, :meth:`Scheduler.update_from_output` is the one place a 
 moves: computed tokens advance, full blocks are published to the prefix cache, the sampled token is
 appended, token-level stops are applied and finished sequences leave the batch.
 
+With speculative decoding a decoding sequence may carry draft tokens: it is scheduled for 1 + k
+tokens (its next token and the k drafts, all inside the step's token budget) and gets back the
+drafts the verifier accepted followed by one sampled token. Only accepted tokens count as computed;
+the KV slots of rejected drafts are simply overwritten later, and blocks allocated past the new end
+are returned at once. Stops apply token by token along the accepted run.
+
 Static batching runs on the same machinery but admits a new batch only when the previous one has
 completely finished; that is the behaviour continuous batching removes. Dynamic batching (as TGI's
 and Triton's request batchers do) also runs each batch to completion, but forms it as requests
@@ -31,6 +37,8 @@ from iterserve.engine.block_manager import BlockManager
 from iterserve.engine.messages import BatchRow
 from iterserve.engine.sampler import SampleResult
 from iterserve.engine.sequence import Sequence, SequenceStatus
+from iterserve.engine.spec_decode.stats import SpecDecodeStats
+from iterserve.outputs import TokenLogprobs
 
 logger = logging.getLogger(__name__)
 
@@ -42,7 +50,8 @@ HOLD_RESOLUTION_S = 1e-9
 @dataclass
 class ScheduledSeq:
     seq: Sequence
-    num_tokens: int  # tokens of this sequence computed in this step
+    num_tokens: int  # tokens of this sequence computed in this step (drafts included)
+    spec_token_ids: list[int] = field(default_factory=list)  # the drafts this step verifies (they come last)
     is_prefill: bool = field(init=False)  # fixed when scheduled: the sequence moves on after the step
 
     def __post_init__(self) -> None:
@@ -51,7 +60,7 @@ class ScheduledSeq:
     @property
     def samples(self) -> bool:
         """This step computes the sequence's last token, so the model samples its next one."""
-        return self.seq.num_computed_tokens + self.num_tokens == self.seq.num_tokens
+        return self.seq.num_computed_tokens + self.num_tokens == self.seq.num_tokens + len(self.spec_token_ids)
 
 
 @dataclass
@@ -93,6 +102,8 @@ class SchedulerUpdate:
 
     sampled: list[Sequence] = field(default_factory=list)
     finished: list[Sequence] = field(default_factory=list)
+    new_tokens: dict[int, int] = field(default_factory=dict)  # id(seq) -> tokens it got, where more than one
+    spec: SpecDecodeStats = field(default_factory=SpecDecodeStats)  # this step's drafts and acceptances
 
 
 class Scheduler:
@@ -132,6 +143,7 @@ class Scheduler:
         self.running.remove(seq)
         self.block_manager.free(seq)
         seq.num_computed_tokens = 0
+        seq.spec_token_ids = []
         seq.status = SequenceStatus.WAITING
         seq.metrics.num_preemptions += 1
         self.waiting.appendleft(seq)
@@ -142,13 +154,20 @@ class Scheduler:
         budget = self.config.max_num_batched_tokens
         bm = self.block_manager
         decodes: list[ScheduledSeq] = []
+        verifies: list[ScheduledSeq] = []  # decodes with drafts: after the one-token decodes, as attention wants
         prefills: list[ScheduledSeq] = []
 
-        # 1. Running sequences, oldest first: their next token, or the next chunk of their prompt.
+        # 1. Running sequences, oldest first: their next token (and its drafts), or the next chunk of their prompt.
         i = 0
         while i < len(self.running) and budget > 0:
             seq = self.running[i]
             num_new = min(seq.num_tokens - seq.num_computed_tokens, budget)
+            drafts = self._fit_drafts(seq, budget - num_new)
+            if drafts:
+                verifies.append(ScheduledSeq(seq, num_new + len(drafts), drafts))
+                budget -= num_new + len(drafts)
+                i += 1
+                continue
             while not bm.allocate(seq, num_new):
                 victim = self.running[-1]
                 self._preempt(victim, out)
@@ -191,17 +210,28 @@ class Scheduler:
             prefills.append(ScheduledSeq(seq, num_new))
             budget -= num_new
 
-        out.scheduled = decodes + prefills
+        out.scheduled = decodes + verifies + prefills
         out.block_copies = bm.take_copies()
         return out
 
+    def _fit_drafts(self, seq: Sequence, budget: int) -> list[int]:
+        """The drafts of a decoding sequence that this step verifies, its KV blocks allocated: as many as
+        the token budget left over leaves room for; none when the pool cannot hold them, so that drafts
+        never preempt anyone (the sequence then decodes one token as usual)."""
+        drafts, seq.spec_token_ids = seq.spec_token_ids[:max(0, budget)], []
+        if drafts and self.block_manager.allocate(seq, 1 + len(drafts)):
+            return drafts
+        return []
+
     def update_from_output(self, out: SchedulerOutput, result: SampleResult) -> SchedulerUpdate:
         """Apply a step's results: ``result`` holds one sample per scheduled sequence that computed its
-        last token, in scheduled order. Finished sequences are freed and returned."""
+        last token, in scheduled order, preceded by the drafts it accepted where it verified some.
+        Finished sequences are freed and returned."""
         update = SchedulerUpdate()
         sampling = sampling_seqs(out.scheduled)
         if len(sampling) != len(result.token_ids):
             raise ValueError(f"{len(result.token_ids)} samples for {len(sampling)} sampling sequences")
+        drafts: dict[int, list[int]] = {}  # id(seq) -> the drafts it verified
         for i, s in enumerate(out.scheduled):
             seq, samples = s.seq, s.samples  # before its progress moves
             first, entries = result.prompt_logprobs.get(i, (1, []))
@@ -210,21 +240,50 @@ class Scheduler:
             for k, entry in enumerate(entries):
                 if first + k == len(seq.prompt_logprobs):  # a recompute after preemption adds nothing twice
                     seq.prompt_logprobs.append(entry)
-            seq.num_computed_tokens += s.num_tokens
+            seq.num_computed_tokens += s.num_tokens - len(s.spec_token_ids)  # drafts count once accepted
             self.block_manager.commit(seq)
+            if s.spec_token_ids:
+                drafts[id(seq)] = s.spec_token_ids
             if samples and seq.forks:
                 self._fork(seq)
-        for seq, token, logprobs in zip(sampling, result.token_ids, result.logprobs):
-            seq.output_token_ids.append(token)
-            if logprobs is not None:
-                seq.output_logprobs.append(logprobs)
-                seq.cumulative_logprob += logprobs[token][0]
+        for k, (seq, token, logprobs) in enumerate(zip(sampling, result.token_ids, result.logprobs)):
+            verdict = result.verdicts.get(k)
+            run = [*zip(verdict.accepted, verdict.logprobs), (token, logprobs)] if verdict else [(token, logprobs)]
+            if id(seq) in drafts:
+                update.spec.observe(len(drafts[id(seq)]), len(run) - 1)
             update.sampled.append(seq)
-            reason = self._stop_reason(seq, token)
-            if reason is not None:
-                self.finish(seq, reason)
+            if len(run) > 1:
+                update.new_tokens[id(seq)] = self._append_run(seq, run)
+            else:
+                self._append(seq, token, logprobs)
+            if id(seq) in drafts:  # the accepted drafts' KV was computed in this step: publish their blocks
+                seq.num_computed_tokens = seq.num_tokens - 1
+                self.block_manager.commit(seq)
+            if seq.finish_reason is not None:
+                self.finish(seq, seq.finish_reason)
                 update.finished.append(seq)
+            elif id(seq) in drafts and self.config.kv_allocation != "reserved":  # a reservation keeps its blocks
+                self.block_manager.trim(seq)
         return update
+
+    def _append(self, seq: Sequence, token: int, logprobs: TokenLogprobs | None) -> None:
+        """Append one sampled token; a token-level stop sets the sequence's finish reason."""
+        seq.output_token_ids.append(token)
+        if logprobs is not None:
+            seq.output_logprobs.append(logprobs)
+            seq.cumulative_logprob += logprobs[token][0]
+        reason = self._stop_reason(seq, token)
+        if reason is not None:
+            seq.finish_reason = reason
+
+    def _append_run(self, seq: Sequence, run: list[tuple[int, TokenLogprobs | None]]) -> int:
+        """Append accepted drafts and the token sampled after them, one at a time, so a stop within the
+        run ends the sequence exactly where decoding one token per step would have; how many went in."""
+        for n, (token, logprobs) in enumerate(run, start=1):
+            self._append(seq, token, logprobs)
+            if seq.finish_reason is not None:
+                return n
+        return len(run)
 
     def _fork(self, parent: Sequence) -> None:
         """The parent's prompt is computed: its children join the batch holding the same blocks."""

@@ -26,6 +26,8 @@ class Sequence:
     """One request's mutable state. ``num_computed_tokens`` of ``token_ids`` have K/V in the cache.
 
     Progress (computed tokens, output tokens, status, finish) is written only by the scheduler.
+    With speculative decoding a decoding sequence also carries draft tokens for its next step; they
+    are no part of its tokens until the target model accepts them.
     A request with n or best_of above 1 is a group: the parent (``index`` 0) prefills the prompt,
     and when it samples its first token the ``forks`` waiting on it join the batch sharing its
     blocks, each sampling its own first token from the same logits.
@@ -53,6 +55,7 @@ class Sequence:
     block_table: list[int] = field(default_factory=list)
     block_hashes: list[int] = field(default_factory=list)
     num_hashed_blocks: int = 0
+    spec_token_ids: list[int] = field(default_factory=list)  # drafts proposed for the next step to verify
     finish_reason: str | None = None
     stop_reason: str | int | None = None
 

@@ -22,6 +22,8 @@ from iterserve.engine.capacity import Capacity
 from iterserve.engine.model_runner import ModelRunner, StepInputs
 from iterserve.engine.sampler import SampleResult
 from iterserve.engine.scheduler import ScheduledSeq
+from iterserve.engine.sequence import Sequence
+from iterserve.engine.spec_decode.draft import load_draft
 from iterserve.models.loader import LoadedModel, load_model
 from iterserve.platforms.malloc import tune_allocator
 
@@ -35,8 +37,12 @@ class Worker:
         if loaded.model.device.type == "cpu":
             prepare_cpu()
         self.loaded = loaded
-        self.capacity = Capacity.of(config, loaded.config, loaded.model.dtype.itemsize)
-        self.runner = ModelRunner(loaded.model, self.capacity.num_blocks, config.block_size, config.seed)
+        spec = config.speculative_config
+        self.draft = load_draft(spec.model, loaded, config.seed) if spec and spec.model else None
+        self.capacity = Capacity.of(config, loaded.config, loaded.model.dtype.itemsize,
+                                    self.draft.config if self.draft else None)
+        self.runner = ModelRunner(loaded.model, self.capacity.num_blocks, config.block_size, config.seed,
+                                  self.draft.model if self.draft else None)
 
     @classmethod
     def load(cls, config: EngineConfig, device: str | None, parallel: ParallelState | None = None) -> Worker:
@@ -53,6 +59,11 @@ class Worker:
     def forward(self, inputs: StepInputs) -> torch.Tensor:
         """The forward pass of inputs prepared elsewhere (on rank 0)."""
         return self.runner.forward(inputs)
+
+    def propose_drafts(self, seqs: list[Sequence], limits: list[int],
+                       block_copies: list[tuple[int, int]]) -> list[list[int]]:
+        """The draft model's next tokens for decoding sequences (speculative decoding)."""
+        return self.runner.propose_drafts(seqs, limits, block_copies)
 
 
 def prepare_cpu() -> None:

@@ -56,7 +56,9 @@ def build_app(config: EngineConfig, server: ServerConfig | None = None) -> FastA
     served_model_name, api_key = server.model_name(config), server.api_key
     engine = EngineCoreClient(config, max_waiting=server.max_waiting, log_level=server.log_level,
                               data_parallel_size=server.data_parallel_size, stall_timeout=server.engine_stall_timeout)
-    metrics = ServerMetrics(served_model_name, engine.capacity.max_model_len, server.data_parallel_size)
+    spec = config.speculative_config
+    metrics = ServerMetrics(served_model_name, engine.capacity.max_model_len, server.data_parallel_size,
+                            spec.num_speculative_tokens if spec else 0)
     engine.observer = metrics
     grammars = GrammarChecker(engine.tokenizer, engine.model_config.vocab_size, server.grammar_workers,
                               server.grammar_timeout)

@@ -36,6 +36,14 @@ _CORE_COUNTERS = {
 }
 
 
+# Speculative decoding's counters (only where it is configured, as vLLM registers them).
+_SPEC_COUNTERS = {
+    "spec_num_drafts": ("vllm:spec_decode_num_drafts", "Draft proposals verified (one per sequence per step)."),
+    "spec_num_draft_tokens": ("vllm:spec_decode_num_draft_tokens", "Draft tokens verified."),
+    "spec_num_accepted_tokens": ("vllm:spec_decode_num_accepted_tokens", "Draft tokens accepted."),
+}
+
+
 def count_buckets(max_value: int) -> tuple[int, ...]:
     """vLLM's 1-2-5 buckets for token counts, up to ``max_value``: 1, 2, 5, 10, 20, 50, ..."""
     buckets: list[int] = []
@@ -49,7 +57,8 @@ def count_buckets(max_value: int) -> tuple[int, ...]:
 
 
 class ServerMetrics:
-    def __init__(self, model_name: str, max_model_len: int, num_engines: int = 1) -> None:
+    def __init__(self, model_name: str, max_model_len: int, num_engines: int = 1,
+                 num_speculative_tokens: int = 0) -> None:
         self.registry = CollectorRegistry()
         self._labels = [{"model_name": model_name, "engine": str(i)} for i in range(num_engines)]
         names = ["model_name", "engine"]
@@ -106,13 +115,24 @@ class ServerMetrics:
                                       REQUEST_LATENCY_BUCKETS)
         self.decode_time = histogram("vllm:request_decode_time_seconds", "First token to last token.",
                                      REQUEST_LATENCY_BUCKETS)
-        self._last = [dict.fromkeys(_CORE_COUNTERS, 0) for _ in self._labels]  # each core starts from zero
+        spec = _SPEC_COUNTERS if num_speculative_tokens else {}
+        self._counters.update({field: Counter(name, doc, names, registry=self.registry)
+                               for field, (name, doc) in spec.items()})
+        self._accepted_per_pos = Counter(
+            "vllm:spec_decode_num_accepted_tokens_per_pos", "Draft tokens accepted, by position in the proposal.",
+            [*names, "position"], registry=self.registry) if num_speculative_tokens else None
+        self._num_positions = num_speculative_tokens
+        self._last = [dict.fromkeys(self._counters, 0) for _ in self._labels]  # each core starts from zero
+        self._last_per_pos = [[0] * num_speculative_tokens for _ in self._labels]
         self._last_step = [0 for _ in self._labels]
         for labels in self._labels:  # every engine's series is there from the start, at zero
             for family in [*families, *self._counters.values()]:
                 family.labels(**labels)
             for reason in FINISH_REASONS:
                 self._request_success.labels(**labels, finished_reason=reason)
+            if self._accepted_per_pos is not None:
+                for pos in range(self._num_positions):
+                    self._accepted_per_pos.labels(**labels, position=str(pos))
 
     def record_stats(self, engine: int, stats: SchedulerStats, num_waiting: int) -> None:
         """Refresh the engine's gauges and counters from its core's latest stats."""
@@ -127,6 +147,11 @@ class ServerMetrics:
             value = getattr(stats, field)
             counter.labels(**labels).inc(value - last[field])
             last[field] = value
+        if self._accepted_per_pos is not None:
+            seen = self._last_per_pos[engine]
+            for pos, value in enumerate(stats.spec_accepted_per_pos[:self._num_positions]):
+                self._accepted_per_pos.labels(**labels, position=str(pos)).inc(value - seen[pos])
+                seen[pos] = value
         if stats.num_steps > self._last_step[engine]:  # stats also arrive between steps, repeating the last one's
             self.iteration_tokens.labels(**labels).observe(stats.step_tokens)
             self._last_step[engine] = stats.num_steps

@@ -39,10 +39,16 @@ class StepShape:
     attention_pairs: int = 0
     prefill_seqs: int = 0
     sampling_seqs: int = 0  # sequences whose last token ran: the LM head runs for these
+    draft_tokens: int = 0  # speculative drafts the decoding sequences verify, beside their own token
 
     @property
     def tokens(self) -> int:
-        return self.prefill_tokens + self.decode_seqs
+        return self.prefill_tokens + self.decode_seqs + self.draft_tokens
+
+    @property
+    def logits_rows(self) -> int:
+        """Rows through the LM head: one per sampling sequence, and one per draft it verifies."""
+        return self.sampling_seqs + self.draft_tokens
 
 
 class CostModel(Protocol):
@@ -84,7 +90,7 @@ class RooflineCost:
 
     def compute_s(self, shape: StepShape) -> float:
         t = self.terms
-        flops = (2 * t.layer_matmul_params * shape.tokens + 2 * t.lm_head_params * shape.sampling_seqs
+        flops = (2 * t.layer_matmul_params * shape.tokens + 2 * t.lm_head_params * shape.logits_rows
                  + t.attention_flops_per_pair * shape.attention_pairs)
         return flops / t.peak_flops  # type: ignore[operator]
 
@@ -133,7 +139,8 @@ class LinearCost:
         return table[-1] + self.per_decode_seq_s * (batch - len(table) + 1)
 
     def step_time(self, shape: StepShape) -> float:
-        work = self.per_prefill_token_s * shape.prefill_tokens + self.decode_s(shape.decode_seqs)
+        # a verified draft runs like a prompt token: one more row through every matmul, over cached context
+        work = self.per_prefill_token_s * (shape.prefill_tokens + shape.draft_tokens) + self.decode_s(shape.decode_seqs)
         return self.intercept_s + work + self.per_context_token_s * shape.total_context
 
     def describe(self) -> dict[str, Any]:

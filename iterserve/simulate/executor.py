@@ -40,7 +40,7 @@ class VirtualClock:
 
 def step_shape(scheduled: list[ScheduledSeq]) -> StepShape:
     """Summarise a scheduled step before it runs (the sequences' computed tokens have not moved yet)."""
-    prefill_tokens = decode = context = pairs = prefill_seqs = sampling = 0
+    prefill_tokens = decode = context = pairs = prefill_seqs = sampling = drafts = 0
     for s in scheduled:
         n, c0 = s.num_tokens, s.seq.num_computed_tokens
         if s.is_prefill:
@@ -48,10 +48,11 @@ def step_shape(scheduled: list[ScheduledSeq]) -> StepShape:
             prefill_seqs += 1
         else:
             decode += 1
+            drafts += len(s.spec_token_ids)
         context += c0 + n
         pairs += n * c0 + n * (n + 1) // 2
         sampling += s.samples
-    return StepShape(prefill_tokens, decode, context, pairs, prefill_seqs, sampling)
+    return StepShape(prefill_tokens, decode, context, pairs, prefill_seqs, sampling, drafts)
 
 
 class CostModelExecutor(Executor):

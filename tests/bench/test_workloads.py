@@ -179,3 +179,18 @@ def test_sampling_a_dataset_is_seeded_and_can_repeat(tmp_path):
     assert make_workload(spec, tokenizer=None) == make_workload(spec, tokenizer=None)
     with pytest.raises(ValueError, match="needs --dataset-path"):
         make_workload(WorkloadSpec(dataset="sharegpt"), tokenizer=None)
+
+
+def test_copy_prompts_ask_to_repeat_a_passage_as_long_as_the_output(tokenizer):
+    from iterserve.bench.workloads import COPY_INSTRUCTION, SENTENCES
+
+    requests = make_workload(WorkloadSpec(dataset="copy", num_prompts=3, input_len="uniform:40:60", seed=1),
+                             tokenizer=tokenizer)
+    for r in requests:
+        (message,) = r.prompt
+        passage = message["content"].removeprefix(COPY_INSTRUCTION)
+        assert message["content"].startswith(COPY_INSTRUCTION) and any(s.startswith(passage[:30]) for s in SENTENCES)
+        assert r.output_len == len(tokenizer.encode(passage, add_special_tokens=False))
+        assert r.prompt_len == len(tokenizer.apply_chat_template(r.prompt, tokenize=True)) > r.output_len
+    with pytest.raises(ValueError, match="tokenizer"):
+        make_workload(WorkloadSpec(dataset="copy"), tokenizer=None)

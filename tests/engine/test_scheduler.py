@@ -7,7 +7,7 @@ import pytest
 
 from iterserve.config import SchedulerConfig
 from iterserve.engine.block_manager import BlockManager
-from iterserve.engine.sampler import SampleResult
+from iterserve.engine.sampler import SampleResult, Verdict
 from iterserve.engine.scheduler import Scheduler, SchedulerOutput
 from iterserve.engine.sequence import Sequence, SequenceStatus
 from iterserve.outputs import RequestMetrics
@@ -253,3 +253,72 @@ def test_finish_frees_blocks_wherever_the_sequence_is():
     sched.finish(a, "error")  # running
     assert (a.finish_reason, b.finish_reason) == ("error", "abort") and not sched.has_unfinished()
     sched.block_manager.check_no_leaks()
+
+
+def verify(sched: Scheduler, out: SchedulerOutput, accepted: dict[str, int], token: int = 9):
+    """The engine after a verification pass: each sequence accepts its first ``accepted[id]`` drafts."""
+    verdicts, n = {}, 0
+    for s in out.scheduled:
+        if s.samples:
+            if s.spec_token_ids:
+                keep = s.spec_token_ids[:accepted[s.seq.request_id]]
+                verdicts[n] = Verdict(keep, [None] * len(keep))
+            n += 1
+    return sched.update_from_output(out, SampleResult([token] * n, [None] * n, verdicts=verdicts))
+
+
+def test_drafts_are_verified_inside_the_budget_after_plain_decodes():
+    sched = make(max_num_batched_tokens=9)
+    for rid in "abc":
+        sched.add(seq(rid, 3, max_tokens=20))
+    simulate(sched, sched.schedule())
+    sched.running[0].spec_token_ids = [1, 2, 3]
+    sched.running[2].spec_token_ids = [4, 5, 6, 7, 8]
+    out = sched.schedule()
+    # a verifies 1 + 3 tokens; b decodes; c's drafts are cut to the 3 tokens of budget left after its own
+    assert summary(out) == [("b", 1), ("a", 4), ("c", 4)]
+    assert out.scheduled[2].spec_token_ids == [4, 5, 6]
+    assert all(not s.is_prefill for s in out.scheduled) and out.num_tokens == 9
+    assert all(not s.seq.spec_token_ids for s in out.scheduled)  # drafts are used once
+
+
+def test_only_accepted_tokens_count_and_blocks_past_them_return():
+    sched = make(block_size=4, prefix=True, max_num_batched_tokens=64)
+    sched.add(s := seq("a", 6, max_tokens=20))
+    simulate(sched, sched.schedule())  # 6 computed, 7 tokens
+    s.spec_token_ids = [20, 21, 22, 23, 24]
+    out = sched.schedule()
+    assert summary(out) == [("a", 6)] and len(s.block_table) == 3  # slots for tokens 6..11
+    update = verify(sched, out, {"a": 1})
+    assert s.output_token_ids == [7, 20, 9] and s.num_computed_tokens == 8
+    assert update.new_tokens[id(s)] == 2 and update.spec.num_accepted_tokens == 1
+    assert len(s.block_table) == 2  # the block held only rejected drafts' slots is free again
+    assert s.num_hashed_blocks == 2  # tokens 0..7 are real: both full blocks are published
+    assert sched.block_manager.num_used_blocks == 2
+
+
+def test_a_stop_inside_the_accepted_run_ends_the_sequence_there():
+    sched = make(max_num_batched_tokens=64)
+    sched.add(s := seq("a", 4, max_tokens=20, stop_ids=frozenset({31})))
+    simulate(sched, sched.schedule())
+    s.spec_token_ids = [30, 31, 32]
+    update = verify(sched, sched.schedule(), {"a": 3})
+    assert s.output_token_ids == [7, 30, 31] and s.finish_reason == "stop"
+    assert update.finished == [s] and update.new_tokens[id(s)] == 2
+    sched.block_manager.check_no_leaks()
+    sched.add(t := seq("b", 4, max_tokens=3))
+    simulate(sched, sched.schedule())
+    t.spec_token_ids = [1, 2]  # more than max_tokens allows: the run is cut at the length limit
+    verify(sched, sched.schedule(), {"b": 2})
+    assert t.output_token_ids == [7, 1, 2] and t.finish_reason == "length"
+
+
+def test_drafts_never_preempt():
+    sched = make(num_blocks=3, block_size=4, max_num_batched_tokens=64)
+    sched.add(a := seq("a", 4, max_tokens=20))
+    sched.add(seq("b", 3, max_tokens=20))
+    simulate(sched, sched.schedule())  # a holds 2 blocks (5 tokens), b 1 (4 tokens): the pool is full
+    a.spec_token_ids = [1, 2, 3, 4]
+    out = sched.schedule()
+    assert summary(out) == [("a", 1), ("b", 1)] and not out.preempted  # a decodes plainly instead
+    assert out.scheduled[0].spec_token_ids == []

@@ -79,3 +79,31 @@ def test_every_series_vllms_dashboard_queries_is_served():
     assert value("vllm:gpu_cache_usage_perc") == 0 and value("vllm:num_preemptions_total") == 0
     # one home per series: only what vLLM has no name for stays under iterserve:
     assert {s.name for s in samples if s.name.startswith("iterserve:")} == {"iterserve:prefix_cache_hit_rate"}
+    assert not any(s.name.startswith("vllm:spec_decode") for s in samples)  # registered only with speculation
+
+
+def test_speculative_decoding_counters_under_vllms_names():
+    spec = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1, "prompt_lookup_max": 2}
+    config = EngineConfig(model=TINY_MODEL, dtype="float32", num_kv_blocks=64, max_model_len=256,
+                          speculative_config=spec)
+    with ServerThread(build_app(config, ServerConfig(served_model_name=MODEL))) as s:
+        r = httpx.post(f"{s.url}/v1/completions", timeout=60,
+                       json={"model": MODEL, "prompt": [5, 6, 7, 8] * 8, "max_tokens": 40, "ignore_eos": True,
+                             "temperature": 0})  # a random model repeats itself: n-gram lookup drafts
+        assert r.status_code == 200, r.text
+        wait_until_idle(s)
+        text = httpx.get(f"{s.url}/metrics").text
+    samples = [sample for family in text_string_to_metric_families(text) for sample in family.samples]
+
+    def value(name: str, **labels: str) -> float:
+        return sum(s.value for s in samples if s.name == name and labels.items() <= s.labels.items())
+
+    drafts, drafted = value("vllm:spec_decode_num_drafts_total"), value("vllm:spec_decode_num_draft_tokens_total")
+    accepted = value("vllm:spec_decode_num_accepted_tokens_total")
+    per_pos = [value("vllm:spec_decode_num_accepted_tokens_per_pos_total", position=str(i)) for i in range(3)]
+    assert {s.labels["position"] for s in samples if "per_pos" in s.name} == {"0", "1", "2"}
+    assert 0 < drafts <= drafted <= 3 * drafts and 0 <= accepted <= drafted
+    assert sum(per_pos) == accepted and per_pos == sorted(per_pos, reverse=True)
+    assert value("vllm:generation_tokens_total") == 40
+    # each verification pass yields its accepted drafts plus one token: fewer steps than tokens
+    assert value("vllm:iteration_tokens_total_count") == 40 - accepted
