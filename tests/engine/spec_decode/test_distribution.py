@@ -16,6 +16,7 @@ import torch
 from iterserve import LLM, SamplingParams
 from iterserve.attention import AttentionMetadata
 from iterserve.attention.reference import ReferenceBackend
+from iterserve.models.linear import dense_chooser
 from iterserve.models.loader import load_model
 
 VOCAB = 8
@@ -30,7 +31,8 @@ LENGTH = 4  # the first token comes from the prefill; drafts cover tokens 2-4
 
 @pytest.fixture(scope="module")
 def tiny():
-    loaded = load_model(TINY, dtype="float32", device="cpu", seed=0)
+    # F.linear on the plain weights: a method that packs its own copy at load would keep the tied head below
+    loaded = load_model(TINY, dtype="float32", device="cpu", seed=0, linear=dense_chooser)
     embed = loaded.model.embed_tokens.weight
     loaded.model.lm_head.weight = torch.nn.Parameter(embed.detach().roll(1, dims=0).clone())  # unties the head
     return loaded
