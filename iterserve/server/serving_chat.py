@@ -95,12 +95,16 @@ class ChatServing(OpenAIServing):
 
         final = None
         try:
-            for index in range(body.n):
-                yield chunk([ChatStreamChoice(index=index, delta=DeltaMessage(role="assistant", content=""))])
             async for out in stream:
                 final = out
                 for c in out.outputs:
-                    tools = parsers.setdefault(c.index, ToolCallStream(plan))
+                    if c.index not in parsers:
+                        # the role comes with the choice's first token, as vLLM sends it: clients that time
+                        # the first chunk with choices (vLLM's benchmark) then measure the real TTFT
+                        parsers[c.index] = ToolCallStream(plan)
+                        yield chunk([ChatStreamChoice(index=c.index, delta=DeltaMessage(role="assistant",
+                                                                                        content=""))])
+                    tools = parsers[c.index]
                     logprobs = self._chat_logprobs(new_logprobs(c), body.top_logprobs or 0) if body.logprobs else None
                     content, calls = tools.feed(c.delta_text)
                     finish_reason = c.finish_reason
