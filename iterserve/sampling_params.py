@@ -54,11 +54,41 @@ def _as_int(name: str, value: object) -> int:
         raise SamplingParamsError(name, f"{name} must be an integer, got {value!r}") from None
 
 
+def close_objects(schema: Any, in_all_of: bool = False) -> Any:
+    """``schema`` with ``additionalProperties: false`` on every object schema that has ``properties``
+    and does not say: a model is then held to the keys the schema names. Left open, a grammar lets
+    it add keys (even one twice) until max_tokens runs out, which is what a client sending a schema
+    without the flag rarely wants; vLLM's default backend compiles schemas the same way. Members of
+    an ``allOf`` stay open, since each must accept the others' keys."""
+    if isinstance(schema, list):
+        return [close_objects(s) for s in schema]
+    if not isinstance(schema, dict):
+        return schema
+    out = {}
+    for key, value in schema.items():
+        if key in ("properties", "$defs", "definitions", "patternProperties", "dependentSchemas"):
+            out[key] = {k: close_objects(v) for k, v in value.items()} if isinstance(value, dict) else value
+        elif key in ("items", "prefixItems", "additionalProperties", "anyOf", "oneOf", "not", "if", "then",
+                     "else", "contains"):
+            out[key] = close_objects(value)
+        elif key == "allOf" and isinstance(value, list):
+            out[key] = [close_objects(s, in_all_of=True) for s in value]
+        else:
+            out[key] = value
+    if "properties" in out and "additionalProperties" not in out and not in_all_of:
+        out["additionalProperties"] = False
+    return out
+
+
 @dataclass
 class StructuredOutputsParams:
     """Constrain the output to a grammar (vLLM's names): exactly one of ``json`` (a JSON schema, as a
     dict or a string), ``json_object`` (any JSON object), ``regex``, ``choice`` (one of these strings)
-    or ``grammar`` (a Lark grammar).
+    or ``grammar`` (a Lark or a GBNF grammar, as llama.cpp and vLLM's examples write them).
+
+    A schema's objects allow only the properties they name unless they say otherwise
+    (``disable_additional_properties``, vLLM's option, defaults to true here: see
+    :func:`close_objects`); set it false to compile schemas as written.
 
     The spec is normalised to a string and checked when built, so a bad schema or regex is refused
     before the request is queued (:class:`SamplingParamsError` naming the field); the engine core
@@ -70,6 +100,7 @@ class StructuredOutputsParams:
     choice: list[str] | None = None
     grammar: str | None = None
     json_object: bool = False
+    disable_additional_properties: bool = True
 
     def __post_init__(self) -> None:
         given = [name for name in ("json", "regex", "choice", "grammar") if getattr(self, name) is not None]
@@ -105,8 +136,10 @@ class StructuredOutputsParams:
 
         kind = self.kind
         if kind == "json":
-            assert self.json is not None
-            return llguidance.LLMatcher.grammar_from_json_schema(self.json, defaults=JSON_OPTIONS)
+            assert isinstance(self.json, str)  # normalised when built
+            schema = json.dumps(close_objects(json.loads(self.json))) if self.disable_additional_properties \
+                else self.json
+            return llguidance.LLMatcher.grammar_from_json_schema(schema, defaults=JSON_OPTIONS)
         if kind == "json_object":
             return llguidance.LLMatcher.grammar_from_json_schema({"type": "object"}, defaults=JSON_OPTIONS)
         if kind == "regex":
@@ -116,7 +149,7 @@ class StructuredOutputsParams:
             assert self.choice is not None
             alternatives = " | ".join(json.dumps(c, ensure_ascii=False) for c in self.choice)
             return llguidance.LLMatcher.grammar_from_lark(f"start: {alternatives}")
-        return llguidance.LLMatcher.grammar_from_lark(self.grammar or "")
+        return llguidance.grammar_from("grammar", self.grammar or "")  # Lark or GBNF, told apart by llguidance
 
     def _check_grammar(self) -> None:
         """Raise SamplingParamsError (naming the field) when this constraint does not compile to a grammar."""

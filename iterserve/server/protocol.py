@@ -167,6 +167,8 @@ class _SamplingRequest(_Request):
                 raise bad_request("structured_outputs.structural_tag is not supported", "structured_outputs")
             fields = {k: v for k, v in self.structured_outputs.items()
                       if k in STRUCTURED_OUTPUT_KINDS and v not in (None, False)}
+            if self.structured_outputs.get("disable_additional_properties") is not None:
+                fields["disable_additional_properties"] = self.structured_outputs["disable_additional_properties"]
             sources.append(("structured_outputs", fields))
         if not sources:
             return None
