@@ -7,15 +7,17 @@ protection as the HTTP server.
 
 from __future__ import annotations
 
+import enum
 import json
 import math
 import operator
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol
 
 from iterserve.errors import SamplingParamsError
 
-__all__ = ["SamplingParams", "SamplingParamsError", "StructuredOutputsParams"]
+__all__ = ["RequestOutputKind", "SamplingParams", "SamplingParamsError",
+           "StructuredOutputsParams"]
 
 # Below this temperature sampling is indistinguishable from greedy, and dividing logits by it
 # overflows float32; such requests are decoded greedily (as vLLM does).
@@ -38,6 +40,8 @@ MAX_STOP_TOKEN_IDS = 1024
 MAX_LOGIT_BIAS = 300
 # n and best_of sequences share one prompt and one batch; the scheduler also caps them at max_num_seqs.
 MAX_N = 128
+# Each bad word is matched against every constrained row's last tokens at every step.
+MAX_BAD_WORDS = 128
 
 # Compact JSON ("," and ":" separators, no whitespace): a model cannot pad the output with
 # whitespace until max_tokens runs out, and the text is what json.dumps would write.
@@ -165,6 +169,35 @@ class StructuredOutputsParams:
             raise SamplingParamsError(kind, f"invalid {kind}: {messages[0]}")
 
 
+class RequestOutputKind(enum.Enum):
+    """What each output of a request carries (vLLM's names): everything so far, only what is new, or
+    one output at the end."""
+
+    CUMULATIVE = 0
+    DELTA = 1
+    FINAL_ONLY = 2
+
+
+class _Encoder(Protocol):
+    def encode(self, text: str, add_special_tokens: bool = ...) -> list[int]: ...
+
+
+# vLLM options this engine accepts at their defaults only, with the reason any other value is refused
+# (docs/compatibility.md lists them).
+_UNSUPPORTED: dict[str, tuple[Any, str]] = {
+    "stream_interval": (None, "every step's tokens are streamed as they come"),
+    "logprob_token_ids": (None, "logprobs come for the sampled token and the top alternatives only"),
+    "prompt_logprob_token_ids": (None, "prompt logprobs come for the prompt token and the top alternatives only"),
+    "prompt_logprob_start": (None, "prompt logprobs cover the whole prompt"),
+    "flat_logprobs": (False, "logprobs are returned as vLLM's list of dicts"),
+    "thinking_token_budget": (None, "no reasoning parser is implemented"),
+    "repetition_detection": (None, "repetition is not detected; use stop strings or max_tokens"),
+    "routed_experts_prompt_start": (0, "no mixture-of-experts model is served"),
+    "trace_decode_token_ids": (None, "decoding samples its tokens"),
+    "skip_reading_prefix_cache": (None, "the prefix cache is skipped exactly when prompt logprobs are asked for"),
+}
+
+
 @dataclass
 class SamplingParams:
     """How to pick each next token and when to stop.
@@ -193,9 +226,56 @@ class SamplingParams:
     best_of: int | None = None  # generate this many, return the n with the highest cumulative logprob
     logit_bias: dict[int, float] | None = None  # added to the raw logits of these token ids
     structured_outputs: StructuredOutputsParams | None = None
+    include_stop_str_in_output: bool = False  # keep the stop string (or stop token's text) in the output
+    detokenize: bool = True  # False: token ids only, no text (and no stop strings)
+    # accepted for vLLM's sake: this tokenizer library (like vLLM's fast detokenizer) decodes special tokens as
+    # they are spelled, with no spaces added between them
+    spaces_between_special_tokens: bool = True
+    allowed_token_ids: list[int] | None = None  # sample only among these
+    bad_words: list[str] = field(default_factory=list)  # never complete one of these words
+    output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE  # what LLMEngine's outputs carry
+    extra_args: dict[str, Any] | None = None  # for plugins, as in vLLM: carried, not read
+    skip_clone: bool = False  # vLLM's hint that params may be shared; they are never copied here
+    # the bad words as token id sequences (set by update_from_tokenizer, where the tokenizer is)
+    bad_words_token_ids: list[list[int]] | None = None
+    stream_interval: int | None = None
+    logprob_token_ids: list[int] | None = None
+    prompt_logprob_token_ids: list[int] | None = None
+    prompt_logprob_start: int | None = None
+    flat_logprobs: bool = False
+    thinking_token_budget: int | None = None
+    repetition_detection: Any = None
+    routed_experts_prompt_start: int = 0
+    trace_decode_token_ids: list[int] | None = None
+    skip_reading_prefix_cache: bool | None = None
+
+    @staticmethod
+    def from_optional(**kwargs: Any) -> SamplingParams:
+        """vLLM's constructor for request fields that may be null: a None penalty, temperature, top_p or n
+        takes its default."""
+        defaults: dict[str, Any] = {"n": 1, "presence_penalty": 0.0, "frequency_penalty": 0.0,
+                                    "repetition_penalty": 1.0, "temperature": 1.0, "top_p": 1.0}
+        given: dict[str, Any] = {k: defaults[k] if v is None and k in defaults else v for k, v in kwargs.items()}
+        return SamplingParams(**given)
+
+    def update_from_tokenizer(self, tokenizer: _Encoder) -> None:
+        """Tokenize the bad words, each as it starts the text and as it follows a space (vLLM's rule);
+        called where the request is tokenized, before it is queued."""
+        if not self.bad_words or self.bad_words_token_ids is not None:
+            return
+        sequences: list[list[int]] = []
+        for word in self.bad_words:
+            for prefix in ("", " "):
+                ids = tokenizer.encode(prefix + word.lstrip(), add_special_tokens=False)
+                if ids and ids not in sequences:
+                    sequences.append(ids)
+        self.bad_words_token_ids = sequences
 
     def __post_init__(self) -> None:
+        if self.seed == -1:
+            self.seed = None
         self._check_types()
+        self._check_vllm_options()
         if self.top_k == -1:
             self.top_k = 0
         if self.temperature < GREEDY_TEMPERATURE and self.temperature >= 0:
@@ -270,6 +350,31 @@ class SamplingParams:
             if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
                 raise SamplingParamsError(name, f"{name} must be a finite number, got {value!r}")
 
+    def _check_vllm_options(self) -> None:
+        """vLLM's further options: the implemented ones' values, and the rest refused unless at their
+        defaults, naming the reason."""
+        for name, (default, reason) in _UNSUPPORTED.items():
+            if getattr(self, name) != default:
+                raise SamplingParamsError(name, f"{name} is not supported: {reason}")
+        if not isinstance(self.output_kind, RequestOutputKind):
+            raise SamplingParamsError("output_kind", "output_kind must be a RequestOutputKind")
+        words = [] if self.bad_words is None else self.bad_words
+        if isinstance(words, str) or not all(isinstance(w, str) and w.strip() for w in words):
+            raise SamplingParamsError("bad_words", "bad_words must be a list of non-empty strings")
+        self.bad_words = list(dict.fromkeys(words))
+        if len(self.bad_words) > MAX_BAD_WORDS:
+            raise SamplingParamsError("bad_words", f"bad_words has {len(self.bad_words)} words; at most "
+                                                   f"{MAX_BAD_WORDS} are allowed")
+        if self.allowed_token_ids is not None:
+            self.allowed_token_ids = [_as_int("allowed_token_ids", t) for t in self.allowed_token_ids]
+            if not self.allowed_token_ids or min(self.allowed_token_ids) < 0:
+                raise SamplingParamsError("allowed_token_ids", "allowed_token_ids must be a non-empty list of "
+                                                               "token ids")
+        if self.stop and not self.detokenize:
+            raise SamplingParamsError("stop", "stop strings need detokenize=True: they are found in the text")
+        if self.extra_args is not None and not isinstance(self.extra_args, dict):
+            raise SamplingParamsError("extra_args", "extra_args must be a dict")
+
     def _check_logit_bias(self) -> None:
         """``{token id: bias}`` with ids as ints (OpenAI sends them as strings) and biases in [-100, 100]."""
         if self.logit_bias is None:
@@ -310,3 +415,4 @@ class SamplingParams:
     @property
     def has_penalties(self) -> bool:
         return self.repetition_penalty != 1 or self.presence_penalty != 0 or self.frequency_penalty != 0
+

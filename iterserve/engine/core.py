@@ -45,7 +45,7 @@ from iterserve.engine.scheduler import Scheduler, SchedulerOutput
 from iterserve.engine.sequence import Sequence
 from iterserve.engine.structured_output import GrammarCompiler, GrammarMatcher
 from iterserve.engine.validation import check_prompt
-from iterserve.errors import TensorParallelError
+from iterserve.errors import SamplingParamsError, TensorParallelError
 from iterserve.models.loader import LoadedModel
 from iterserve.outputs import RequestMetrics
 from iterserve.sampling_params import SamplingParams
@@ -137,6 +137,10 @@ class EngineCore:
         max_tokens = check_prompt(ids, params, self.model_config.vocab_size, self.max_model_len,
                                   self.config.max_num_seqs)
         stop_ids = stop_token_ids(params, self.model_config, self.tokenizer)
+        if params.bad_words:
+            if self.tokenizer is None:
+                raise SamplingParamsError("bad_words", f"model {self.model_name!r} has no tokenizer to read bad_words")
+            params.update_from_tokenizer(self.tokenizer)
         group = [
             Sequence(
                 request_id=rid, prompt=None, prompt_token_ids=list(ids), params=params, max_tokens=max_tokens,
