@@ -133,6 +133,8 @@ class ServerConfig:
                                       "a request goes to the one most likely to hold its prompt's prefix, then "
                                       "to the least loaded (on CUDA replica i runs on cuda:i)")
     log_level: LogLevel = _opt("INFO", "log level of the server and its engine core", cli=False)
+    chat_template: str | None = _opt(None, "chat template used instead of the model's: a file, or the template "
+                                           "itself (as vLLM takes it); a request's chat_template still wins")
 
     def __post_init__(self) -> None:
         _check_positive(self, "max_waiting", "max_request_body_bytes", "data_parallel_size")

@@ -29,7 +29,7 @@ from iterserve.outputs import CompletionOutput, Logprob, RequestOutput
 from iterserve.sampling_params import SamplingParams
 from iterserve.server.errors import APIError, bad_request, request_error
 from iterserve.server.metrics import ServerMetrics
-from iterserve.server.protocol import PromptTokensDetails, Usage
+from iterserve.server.response_bodies import PromptTokensDetails, Usage
 from iterserve.server.streaming import wait_for_disconnect
 from iterserve.server.tool_calls import render_tool_calls_as_text
 from iterserve.tokenizer import Tokenizer
@@ -80,6 +80,7 @@ class OpenAIServing:
         self.engine = engine
         self.metrics = metrics
         self.model_name = model_name
+        self.chat_template: str | None = None  # the server's --chat-template, used where a request gives none
 
     # -- shared steps -------------------------------------------------------------------------
 
@@ -113,20 +114,22 @@ class OpenAIServing:
 
         return await asyncio.to_thread(encode)
 
-    async def _encode_chat(self, messages: list[dict[str, Any]], add_generation_prompt: bool,
-                           max_tokens: int, tools: list[dict[str, Any]] | None = None) -> list[int]:
-        """Token ids of a conversation rendered by the chat template, both done in a worker thread.
-
-        The length check applies to the rendered prompt: a template may leave some content out.
+    async def _encode_chat(self, messages: list[dict[str, Any]], max_tokens: int,
+                           tools: list[dict[str, Any]] | None = None, **options: Any) -> list[int]:
+        """Token ids of a conversation rendered by the chat template, both done in a worker thread;
+        ``options`` go to :meth:`Tokenizer.apply_chat_template` (a request's own template runs in the same
+        sandbox as the model's). The length check applies to the rendered prompt: a template may leave
+        some content out.
         """
         tokenizer = self._tokenizer()
+        if options.get("chat_template") is None:
+            options["chat_template"] = self.chat_template
         template = tokenizer.chat_templates.get("tool_use", tokenizer.chat_template)
         messages = render_tool_calls_as_text(messages, template)
 
         def render_and_encode() -> list[int]:
             try:
-                prompt = tokenizer.apply_chat_template(messages, add_generation_prompt=add_generation_prompt,
-                                                       tools=tools)
+                prompt = tokenizer.apply_chat_template(messages, tools=tools, **options)
             except ValueError as e:
                 raise bad_request(str(e), "messages") from e
             assert isinstance(prompt, str)

@@ -14,11 +14,11 @@ from iterserve.engine.core_client import RequestStream
 from iterserve.errors import EngineDeadError, RequestFailedError
 from iterserve.outputs import Logprob
 from iterserve.server.errors import bad_request, engine_error
-from iterserve.server.protocol import (
+from iterserve.server.protocol import ChatCompletionRequest
+from iterserve.server.response_bodies import (
     AssistantMessage,
     ChatChoice,
     ChatCompletionChunk,
-    ChatCompletionRequest,
     ChatCompletionResponse,
     ChatLogprobs,
     ChatStreamChoice,
@@ -62,8 +62,8 @@ class ChatServing(OpenAIServing):
         tools = None
         if tool_plan.mode != "none" and body.tools:
             tools = [t.model_dump(exclude_none=True) for t in body.tools]
-        prompt_ids = await self._encode_chat(body.message_dicts(), body.add_generation_prompt,
-                                             self.engine.max_model_len - 1, tools)
+        prompt_ids = await self._encode_chat(body.message_dicts(), self.engine.max_model_len - 1, tools,
+                                             **body.template_options())
         request_id = f"chatcmpl-{uuid.uuid4().hex}"
         stream = await self._submit(request_id, prompt_ids, params, bool(body.stream), prompt_param="messages")
         if body.stream:
@@ -78,6 +78,8 @@ class ChatServing(OpenAIServing):
             if body.logprobs:
                 logprobs = self._chat_logprobs(list(zip(c.token_ids, c.logprobs or [])), body.top_logprobs or 0)
             content, tool_calls = tool_plan.parse(c.text)
+            if body.echoed:
+                content = body.echoed + (content or "")
             finish_reason = "tool_calls" if tool_calls and c.finish_reason == "stop" else c.finish_reason
             choices.append(ChatChoice(index=c.index, message=AssistantMessage(content=content, tool_calls=tool_calls),
                                       logprobs=logprobs, finish_reason=finish_reason, stop_reason=c.stop_reason))
@@ -103,7 +105,7 @@ class ChatServing(OpenAIServing):
                         # the first chunk with choices (vLLM's benchmark) then measure the real TTFT
                         parsers[c.index] = ToolCallStream(plan)
                         yield chunk([ChatStreamChoice(index=c.index, delta=DeltaMessage(role="assistant",
-                                                                                        content=""))])
+                                                                                        content=body.echoed))])
                     tools = parsers[c.index]
                     logprobs = self._chat_logprobs(new_logprobs(c), body.top_logprobs or 0) if body.logprobs else None
                     content, calls = tools.feed(c.delta_text)

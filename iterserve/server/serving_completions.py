@@ -16,7 +16,8 @@ from iterserve.engine.validation import check_prompt_ids
 from iterserve.errors import EngineDeadError, RequestError, RequestFailedError
 from iterserve.outputs import RequestOutput
 from iterserve.server.errors import bad_request, engine_error, request_error
-from iterserve.server.protocol import CompletionChoice, CompletionLogprobs, CompletionRequest, CompletionResponse
+from iterserve.server.protocol import CompletionRequest
+from iterserve.server.response_bodies import CompletionChoice, CompletionLogprobs, CompletionResponse
 from iterserve.server.serving import (
     LogprobPairs,
     OpenAIServing,

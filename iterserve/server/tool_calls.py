@@ -23,14 +23,8 @@ import jiter
 
 from iterserve.sampling_params import StructuredOutputsParams
 from iterserve.server.errors import bad_request
-from iterserve.server.protocol import (
-    ChatCompletionRequest,
-    DeltaFunctionCall,
-    DeltaToolCall,
-    FunctionCall,
-    ToolCall,
-    structured_outputs_from,
-)
+from iterserve.server.protocol import ChatCompletionRequest, FunctionCall, ToolCall, structured_outputs_from
+from iterserve.server.response_bodies import DeltaFunctionCall, DeltaToolCall
 
 HERMES_OPEN, HERMES_CLOSE = "<tool_call>", "</tool_call>"
 _HERMES_CALL = re.compile(re.escape(HERMES_OPEN) + r"\s*(.*?)\s*(?:" + re.escape(HERMES_CLOSE) + r"|$)", re.DOTALL)
