@@ -1,4 +1,4 @@
-"""The optional C++ CPU kernels (``csrc/cpu_ops.cpp``): build once at set-up, load at import.
+"""The optional C++ CPU kernels (``csrc/*.cpp``, one extension): build once at set-up, load at import.
 
 ``scripts/setup.sh`` runs ``iterserve build-kernels``, which compiles the extension with
 ``torch.utils.cpp_extension`` into ``iterserve/_build/`` (git-ignored). Importing this module only
@@ -23,7 +23,8 @@ import torch
 logger = logging.getLogger(__name__)
 
 ENV_VAR = "ITERSERVE_CPU_KERNELS"
-SOURCE = Path(__file__).with_name("csrc") / "cpu_ops.cpp"
+CSRC = Path(__file__).with_name("csrc")
+SOURCES = sorted(CSRC.glob("*.cpp"))
 BUILD_DIR = Path(__file__).with_name("_build")
 _PREFIX = "iterserve_cpu_ops_"
 
@@ -40,7 +41,8 @@ def _cflags() -> list[str]:
 
 def module_name() -> str:
     """Name of the build that matches this source, these flags and this torch."""
-    key = SOURCE.read_bytes() + " ".join(_cflags()).encode() + torch.__version__.encode()
+    files = sorted(CSRC.glob("*.cpp")) + sorted(CSRC.glob("*.h"))
+    key = b"".join(f.read_bytes() for f in files) + " ".join(_cflags()).encode() + torch.__version__.encode()
     return _PREFIX + hashlib.sha256(key).hexdigest()[:12]
 
 
@@ -52,7 +54,7 @@ def build(verbose: bool = False) -> ModuleType:
     directory = BUILD_DIR / name
     directory.mkdir(parents=True, exist_ok=True)
     module = cpp_extension.load(
-        name=name, sources=[str(SOURCE)], extra_cflags=_cflags(), extra_ldflags=["-fopenmp"],
+        name=name, sources=[str(s) for s in SOURCES], extra_cflags=_cflags(), extra_ldflags=["-fopenmp"],
         build_directory=str(directory), verbose=verbose,
     )
     for old in BUILD_DIR.glob(_PREFIX + "*"):
@@ -89,3 +91,28 @@ def _load() -> ModuleType | None:
 
 
 ops: ModuleType | None = _load()
+
+
+_pool_threads: int | None = None
+
+
+def run_on_pool(threads: int | None = None) -> int:
+    """Give this process's intra-op threads to the kernels' own pool and leave torch one thread; returns the
+    pool's thread count (``threads``, by default the torch thread count before the first call).
+
+    torch's OpenMP team ends every parallel region at a barrier that waits for each of its threads. With
+    another process on one of the cores, the thread the scheduler took off arrives a time slice later, at
+    every one of the few hundred regions of a decode step. The pool's threads claim chunks of a loop as
+    they run, so the caller never waits for one that has not started (``csrc/parallel.h``). torch's own ops
+    in a step (the glue, prefill attention) then run on the calling thread, where no barrier can hold them.
+    Without the kernels torch keeps the threads.
+    """
+    global _pool_threads
+    n = threads or _pool_threads or torch.get_num_threads()
+    if ops is None:
+        torch.set_num_threads(n)
+        return n
+    ops.set_threads(n)
+    torch.set_num_threads(1)
+    _pool_threads = n
+    return n

@@ -6,8 +6,10 @@ machine's peaks measured by the same script: a streaming read (sum of a 512 MiB 
 F.linear in the benchmarked dtype.
 
 When the C++ CPU kernels are built, each shape runs on both paths, alternating pass by pass so
-that load from other processes hits both alike: ``fused`` (the kernels) and ``reference`` (PyTorch,
-as with ITERSERVE_CPU_KERNELS=0).
+that load from other processes hits both alike: ``fused`` (the kernels, the linear methods chosen at
+load, listed first, and the kernels' thread pool as an engine runs them) and ``reference`` (PyTorch
+and F.linear on torch's threads, as with ITERSERVE_CPU_KERNELS=0). ``--busy N`` runs N busy-looping
+processes beside the steps: what a step costs on a shared machine.
 
     .venv/bin/python scripts/bench_forward.py --dtypes float32,bfloat16 --context 512
 """
@@ -15,9 +17,13 @@ as with ITERSERVE_CPU_KERNELS=0).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import functools
 import statistics
+import subprocess
+import sys
 import time
+from collections.abc import Iterator
 
 import torch
 import torch.nn.functional as F
@@ -27,6 +33,8 @@ from iterserve.attention import AttentionBackend, AttentionMetadata
 from iterserve.attention.cpu import CpuBackend
 from iterserve.attention.reference import ReferenceBackend
 from iterserve.config.dtypes import canonical_dtype
+from iterserve.models import cpu_linear
+from iterserve.models.linear import dense_chooser
 from iterserve.models.loader import load_model
 from iterserve.planner import decode_cost, prefill_cost
 from iterserve.platforms.malloc import tune_allocator
@@ -42,16 +50,30 @@ def median_time(fn, repeats: int) -> float:
     return statistics.median(times)
 
 
-def interleaved_medians(fn, paths: dict[str, AttentionBackend], repeats: int) -> dict[str, float]:
-    """Median seconds of ``fn(backend)`` per path, the paths alternating pass by pass."""
-    times: dict[str, list[float]] = {p: [] for p in paths}
+def interleaved_medians(fns: dict[str, functools.partial], threads: dict[str, int],
+                        repeats: int) -> dict[str, float]:
+    """Median seconds of each path's ``fn`` (on its torch thread count), the paths alternating pass by pass."""
+    times: dict[str, list[float]] = {p: [] for p in fns}
     for i in range(repeats + 1):  # the first round warms up
-        for path, backend in paths.items():
+        for path, fn in fns.items():
+            torch.set_num_threads(threads[path])
             start = time.perf_counter()
-            fn(backend)
+            fn()
             if i:
                 times[path].append(time.perf_counter() - start)
     return {p: statistics.median(t) for p, t in times.items()}
+
+
+@contextlib.contextmanager
+def busy_processes(n: int) -> Iterator[None]:
+    """``n`` processes spinning on a core each, as other work on a shared machine does."""
+    procs = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(n)]
+    try:
+        yield
+    finally:
+        for p in procs:
+            p.kill()
+            p.wait()
 
 
 def peak_read_gbs() -> float:
@@ -76,60 +98,76 @@ def main() -> None:
     ap.add_argument("--prefill", default="128,512", help="prefill chunk lengths")
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--threads", type=int, default=None)
+    ap.add_argument("--busy", type=int, default=0, help="busy-looping processes to run beside the benchmark")
     args = ap.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
     tune_allocator()
     batches = [int(b) for b in args.batches.split(",")]
     chunks = [int(c) for c in args.prefill.split(",")]
-    block = 16
     paths: dict[str, AttentionBackend] = {"fused": CpuBackend(kernels.ops)} if kernels.ops is not None else {}
     paths["reference"] = ReferenceBackend()
     read_gbs = peak_read_gbs()
-    print(f"model={args.model} context={args.context} threads={torch.get_num_threads()} paths={','.join(paths)}")
+    threads = {"reference": torch.get_num_threads()}
+    if "fused" in paths:
+        kernels.run_on_pool()  # as an engine does: the kernels' pool gets the threads, torch keeps one
+        threads["fused"] = 1
+    print(f"model={args.model} context={args.context} threads={threads['reference']} paths={','.join(paths)} "
+          f"busy={args.busy}")
     print(f"measured peaks: streaming read {read_gbs:.1f} GB/s")
     linear = {dtype: peak_linear_gflops(getattr(torch, dtype)) for dtype in args.dtypes.split(",")}
     for dtype, gflops in linear.items():
         print(f"measured peaks: {dtype} F.linear {gflops:.1f} GFLOP/s")
+    models = {dtype: {path: load_model(args.model, dtype=dtype, device="cpu",
+                                       linear=None if path == "fused" else dense_chooser) for path in paths}
+              for dtype in linear}
+    torch.set_num_threads(threads["fused" if "fused" in paths else "reference"])
+    chooser = cpu_linear.chooser()
+    for line in chooser.report() if isinstance(chooser, cpu_linear.MeasuredChooser) else []:
+        print(f"linear method: {line}")
     print(f"{'dtype':<9} {'step':<14} {'path':<10} {'ms':>9} {'tokens/s':>10} {'GB/s':>7} {'%read':>6} "
           f"{'GFLOP/s':>8} {'%linear':>7}")
-    for dtype, linear_gflops in linear.items():
-        loaded = load_model(args.model, dtype=dtype, device="cpu")
-        model, cfg = loaded.model, loaded.config
-        blocks_per_seq = -(-(args.context + 1) // block)
-        num_blocks = max(max(batches) * blocks_per_seq, -(-max(chunks) // block))
-        caches = model.allocate_kv_cache(num_blocks, block)
-        pdt = canonical_dtype(dtype)
+    with busy_processes(args.busy):
+        for dtype, linear_gflops in linear.items():
+            run_dtype(args, dtype, models.pop(dtype), paths, threads, (linear_gflops, read_gbs), batches, chunks)
 
-        def report(label: str, medians: dict[str, float], tokens: int, cost) -> None:
-            for path, seconds in medians.items():
-                gbs, gflops = cost.bytes / seconds / 1e9, cost.flops / seconds / 1e9
-                print(f"{dtype:<9} {label:<14} {path:<10} {seconds * 1e3:9.1f} {tokens / seconds:10.1f} "
-                      f"{gbs:7.2f} {100 * gbs / read_gbs:5.0f}% {gflops:8.1f} {100 * gflops / linear_gflops:6.0f}%")
-            if len(medians) == 2:
-                print(f"{'':<9} {label:<14} {'speed-up':<10} {medians['reference'] / medians['fused']:8.2f}x")
 
-        for b in batches:
-            perm = torch.randperm(num_blocks).tolist()
-            tables = [perm[i * blocks_per_seq:(i + 1) * blocks_per_seq] for i in range(b)]
-            meta = AttentionMetadata.build(block_size=block, block_tables=tables, num_cached=[args.context] * b,
-                                           query_lens=[1] * b, sliding_window=cfg.sliding_window)
-            ids = torch.randint(100, cfg.vocab_size, (b,))
-            pos = torch.full((b,), args.context)
-            rows = torch.arange(b)
-            step = functools.partial(model, ids, pos, caches, meta, logits_indices=rows)  # called with a backend
-            t = interleaved_medians(step, paths, args.repeats)
-            report(f"decode B={b}", t, b, decode_cost(cfg, b, args.context, pdt))
-        for n in chunks:
-            meta = AttentionMetadata.build(block_size=block, block_tables=[list(range(-(-n // block)))],
-                                           num_cached=[0], query_lens=[n], sliding_window=cfg.sliding_window)
-            ids = torch.randint(100, cfg.vocab_size, (n,))
-            pos = torch.arange(n)
-            last = torch.tensor([n - 1])
-            step = functools.partial(model, ids, pos, caches, meta, logits_indices=last)
-            t = interleaved_medians(step, paths, args.repeats)
-            report(f"prefill N={n}", t, n, prefill_cost(cfg, n, 1, pdt))
-        del caches, loaded, model
+def run_dtype(args, dtype: str, loaded: dict, paths: dict[str, AttentionBackend], threads: dict[str, int],
+              peaks: tuple[float, float], batches: list[int], chunks: list[int]) -> None:
+    """Every decode batch and prefill chunk of one dtype, each path on its own copy of the model (sharing
+    one KV cache: each pass rewrites the slots it reads)."""
+    linear_gflops, read_gbs = peaks
+    block = 16
+    cfg = next(iter(loaded.values())).config
+    blocks_per_seq = -(-(args.context + 1) // block)
+    num_blocks = max(max(batches) * blocks_per_seq, -(-max(chunks) // block))
+    caches = next(iter(loaded.values())).model.allocate_kv_cache(num_blocks, block)
+    pdt = canonical_dtype(dtype)
+
+    def run(tokens: int, label: str, cost, ids, pos, meta, rows) -> None:
+        fns = {path: functools.partial(m.model, ids, pos, caches, meta, paths[path], logits_indices=rows)
+               for path, m in loaded.items()}
+        medians = interleaved_medians(fns, threads, args.repeats)
+        for path, seconds in medians.items():
+            gbs, gflops = cost.bytes / seconds / 1e9, cost.flops / seconds / 1e9
+            print(f"{dtype:<9} {label:<14} {path:<10} {seconds * 1e3:9.1f} {tokens / seconds:10.1f} "
+                  f"{gbs:7.2f} {100 * gbs / read_gbs:5.0f}% {gflops:8.1f} {100 * gflops / linear_gflops:6.0f}%")
+        if len(medians) == 2:
+            print(f"{'':<9} {label:<14} {'speed-up':<10} {medians['reference'] / medians['fused']:8.2f}x")
+
+    for b in batches:
+        perm = torch.randperm(num_blocks).tolist()
+        tables = [perm[i * blocks_per_seq:(i + 1) * blocks_per_seq] for i in range(b)]
+        meta = AttentionMetadata.build(block_size=block, block_tables=tables, num_cached=[args.context] * b,
+                                       query_lens=[1] * b, sliding_window=cfg.sliding_window)
+        ids = torch.randint(100, cfg.vocab_size, (b,))
+        run(b, f"decode B={b}", decode_cost(cfg, b, args.context, pdt), ids, torch.full((b,), args.context), meta,
+            torch.arange(b))
+    for n in chunks:
+        meta = AttentionMetadata.build(block_size=block, block_tables=[list(range(-(-n // block)))],
+                                       num_cached=[0], query_lens=[n], sliding_window=cfg.sliding_window)
+        ids = torch.randint(100, cfg.vocab_size, (n,))
+        run(n, f"prefill N={n}", prefill_cost(cfg, n, 1, pdt), ids, torch.arange(n), meta, torch.tensor([n - 1]))
 
 
 if __name__ == "__main__":

@@ -1,5 +1,6 @@
-"""Process-wide settings are explicit: allocator tuning is the CLI's (building an engine does not do it), and
-importing the chart module leaves matplotlib's backend alone."""
+"""Process-wide settings are explicit: allocator tuning is the CLI's and a CPU worker's (tests/engine/test_worker.py),
+never a side effect of building a model or its runner, and importing the chart module leaves matplotlib's backend
+alone."""
 
 from __future__ import annotations
 

@@ -11,6 +11,8 @@
 #include <ATen/cpu/vec/functional.h>
 #include <ATen/cpu/vec/vec.h>
 
+#include "parallel.h"
+
 #include <algorithm>
 #include <cmath>
 #include <limits>
@@ -127,52 +129,59 @@ void paged_decode_impl(at::Tensor& out, const at::Tensor& q, const at::Tensor& k
   const float fscale = static_cast<float>(scale);
 
   // One task per (sequence, KV head): the task reads that head's K/V once for its whole GQA group.
-  at::parallel_for(0, seqs * kv_heads, 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> qf(group * dim), acc(group * dim), rows(kTile * dim), scores(group * kTile);
-    std::vector<float> m(group), l(group);
+  iterserve::parallel_chunks(seqs * kv_heads, 1, [&](int64_t begin, int64_t end) {
+    // Per-thread scratch, grown once: a chunk is one task, and a malloc per task showed at batch 64.
+    thread_local std::vector<float> scratch;
+    scratch.resize(2 * group * dim + kTile * dim + group * kTile + 2 * group);
+    float* qf = scratch.data();
+    float* acc = qf + group * dim;
+    float* rows = acc + group * dim;
+    float* scores = rows + kTile * dim;
+    float* m = scores + group * kTile;
+    float* l = m + group;
     for (int64_t task = begin; task < end; ++task) {
       const int64_t s = task / kv_heads, h = task % kv_heads;
       const int64_t ctx = ctx_lens[s];
       const int64_t first = sliding_window > 0 ? std::max<int64_t>(0, ctx - sliding_window) : 0;
       const int64_t* table = tables + s * table_stride;
       for (int64_t g = 0; g < group; ++g) {
-        to_float(q_ptr + s * q_s0 + (h * group + g) * q_s1, qf.data() + g * dim, dim);
-        scale_(qf.data() + g * dim, fscale, dim);
+        to_float(q_ptr + s * q_s0 + (h * group + g) * q_s1, qf + g * dim, dim);
+        scale_(qf + g * dim, fscale, dim);
       }
-      std::fill(acc.begin(), acc.end(), 0.f);
-      std::fill(m.begin(), m.end(), -std::numeric_limits<float>::infinity());
-      std::fill(l.begin(), l.end(), 0.f);
+      std::fill(acc, acc + group * dim, 0.f);
+      std::fill(m, m + group, -std::numeric_limits<float>::infinity());
+      std::fill(l, l + group, 0.f);
       for (int64_t t0 = first; t0 < ctx; t0 += kTile) {
         const int64_t n = std::min(kTile, ctx - t0);
         for (int64_t j = 0; j < n; ++j) {
           const int64_t pos = t0 + j;
           const T* row = k_ptr + table[pos / block_size] * kc_s0 + h * kc_s1 + (pos % block_size) * kc_s2;
-          to_float(row, rows.data() + j * dim, dim);
+          to_float(row, rows + j * dim, dim);
         }
         for (int64_t g = 0; g < group; ++g) {
-          float* sc = scores.data() + g * kTile;
+          float* sc = scores + g * kTile;
           float tile_max = -std::numeric_limits<float>::infinity();
           for (int64_t j = 0; j < n; ++j) {
-            sc[j] = dot(qf.data() + g * dim, rows.data() + j * dim, dim);
+            sc[j] = dot(qf + g * dim, rows + j * dim, dim);
             tile_max = std::max(tile_max, sc[j]);
           }
           const float new_m = std::max(m[g], tile_max);
           const float correction = std::exp(m[g] - new_m);  // 0 on the first tile (m = -inf)
           l[g] = l[g] * correction + exp_sum_(sc, new_m, n);
-          scale_(acc.data() + g * dim, correction, dim);
+          scale_(acc + g * dim, correction, dim);
           m[g] = new_m;
         }
         for (int64_t j = 0; j < n; ++j) {
           const int64_t pos = t0 + j;
           const T* row = v_ptr + table[pos / block_size] * vc_s0 + h * vc_s1 + (pos % block_size) * vc_s2;
-          to_float(row, rows.data() + j * dim, dim);
+          to_float(row, rows + j * dim, dim);
         }
         for (int64_t g = 0; g < group; ++g)
-          for (int64_t j = 0; j < n; ++j) axpy(acc.data() + g * dim, scores[g * kTile + j], rows.data() + j * dim, dim);
+          for (int64_t j = 0; j < n; ++j) axpy(acc + g * dim, scores[g * kTile + j], rows + j * dim, dim);
       }
       for (int64_t g = 0; g < group; ++g) {
-        scale_(acc.data() + g * dim, 1.f / l[g], dim);
-        from_float(acc.data() + g * dim, out_ptr + s * o_s0 + (h * group + g) * o_s1, dim);
+        scale_(acc + g * dim, 1.f / l[g], dim);
+        from_float(acc + g * dim, out_ptr + s * o_s0 + (h * group + g) * o_s1, dim);
       }
     }
   });
@@ -220,7 +229,7 @@ void write_kv(const at::Tensor& k, const at::Tensor& v, at::Tensor k_cache, at::
   auto* kc = static_cast<char*>(k_cache.data_ptr());
   auto* vc = static_cast<char*>(v_cache.data_ptr());
   const int64_t es = k.element_size();
-  at::parallel_for(0, tokens, 16, [&](int64_t begin, int64_t end) {
+  iterserve::parallel_chunks(tokens, 16, [&](int64_t begin, int64_t end) {
     for (int64_t i = begin; i < end; ++i) {
       for (int64_t h = 0; h < kv_heads; ++h) {
         std::memcpy(kc + (blocks[i] * k_cache.stride(0) + h * k_cache.stride(1) + offsets[i] * k_cache.stride(2)) * es,
@@ -243,7 +252,7 @@ template <typename T>
 void rms_norm_impl(at::Tensor& out, const at::Tensor& x, at::Tensor* residual, const at::Tensor& weight, double eps) {
   const int64_t dim = x.size(-1), rows = x.numel() / dim;
   const T* w = weight.data_ptr<T>();
-  at::parallel_for(0, rows, 16, [&](int64_t begin, int64_t end) {
+  iterserve::parallel_chunks(rows, 16, [&](int64_t begin, int64_t end) {
     std::vector<float> buf(dim), wf(dim), res(dim);
     to_float(w, wf.data(), dim);
     for (int64_t r = begin; r < end; ++r) {
@@ -295,7 +304,7 @@ namespace {
 template <typename T>
 void rope_impl(at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin) {
   const int64_t tokens = x.size(0), heads = x.size(1), dim = x.size(2), half = dim / 2;
-  at::parallel_for(0, tokens, 16, [&](int64_t begin, int64_t end) {
+  iterserve::parallel_chunks(tokens, 16, [&](int64_t begin, int64_t end) {
     std::vector<float> c(dim), s(dim), v(dim), o(dim);
     for (int64_t i = begin; i < end; ++i) {
       to_float(cos.data_ptr<T>() + i * cos.stride(0), c.data(), dim);
@@ -336,7 +345,7 @@ at::Tensor silu_and_mul(const at::Tensor& x) {
   at::Tensor out = at::empty({tokens, inter}, x.options());
   DISPATCH_FLOAT_TYPES(x.scalar_type(), "silu_and_mul", [&] {
     using T = scalar_t;
-    at::parallel_for(0, tokens, 1, [&](int64_t begin, int64_t end) {
+    iterserve::parallel_chunks(tokens, 8, [&](int64_t begin, int64_t end) {
       std::vector<float> g(inter), u(inter);
       for (int64_t i = begin; i < end; ++i) {
         const T* row = x.data_ptr<T>() + i * x.stride(0);
@@ -356,6 +365,8 @@ at::Tensor silu_and_mul(const at::Tensor& x) {
   return out;
 }
 
+void register_linear(pybind11::module& m);  // linear.cpp
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("paged_decode", &paged_decode, "Paged decode attention reading K/V blocks in place");
   m.def("write_kv", &write_kv, "Store this step's K/V rows into their cache slots");
@@ -363,4 +374,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("fused_add_rms_norm", &fused_add_rms_norm, "residual += x; x = RMSNorm(residual), in place");
   m.def("rope_", &rope_, "Rotate-half RoPE on q and k in place");
   m.def("silu_and_mul", &silu_and_mul, "SiLU(gate) * up");
+  register_linear(m);
+  m.def("set_threads", [](int64_t n) { iterserve::ChunkPool::get().resize(static_cast<int>(n)); },
+        "Run the kernels' parallel loops on n threads (the caller included)");
+  m.def("threads", [] { return iterserve::ChunkPool::get().threads(); }, "Threads of the kernels' pool");
 }

@@ -7,8 +7,9 @@ LM head split the vocabulary; the logits are gathered on rank 0, where the sampl
 
 Every layer loads the *whole* checkpoint tensor and keeps its own rows (``load``), so a loader only names
 the tensor; ``full_shape`` says what a whole tensor looks like (random weights are drawn at that shape, so a
-model splits into the same numbers at any tensor-parallel size). With one rank each layer is the plain
-``nn.Linear`` / ``nn.Embedding`` it derives from.
+model splits into the same numbers at any tensor-parallel size). With one rank each layer computes what the
+plain ``nn.Linear`` / ``nn.Embedding`` it derives from does; a linear layer's product goes through its
+:class:`~iterserve.models.linear.LinearMethod`.
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from iterserve.distributed.parallel_state import ParallelState
+from iterserve.models.linear import DENSE, LinearMethod
 
 
 @dataclass(frozen=True)
@@ -52,7 +54,30 @@ def _check_shape(name: str, tensor: torch.Tensor, expected: tuple[int, ...]) -> 
         raise ValueError(f"{name} has shape {tuple(tensor.shape)}, expected {expected}")
 
 
-class ColumnParallelLinear(nn.Linear):
+class LinearBase(nn.Linear):
+    """A linear layer whose product is computed by its :class:`LinearMethod` (``F.linear`` until
+    :func:`iterserve.models.linear.process_weights` gives it another): the one place kernels plug in."""
+
+    method: LinearMethod = DENSE
+
+    def matmul(self, x: torch.Tensor) -> torch.Tensor:
+        """This rank's ``x @ W^T (+ bias)``, before any communication."""
+        return self.method.apply(self, x)
+
+    def dense_weight(self) -> torch.Tensor:
+        """This rank's ``[out, in]`` weight, whatever format the method keeps it in."""
+        return self.method.dense_weight(self)
+
+    def release_weight(self) -> None:
+        """Drop the plain weight's memory once the method holds its own copy; its shape and dtype stay."""
+        w = self.weight
+        self.weight = nn.Parameter(torch.empty(w.shape, dtype=w.dtype, device="meta"), requires_grad=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.matmul(x)
+
+
+class ColumnParallelLinear(LinearBase):
     """Output rows split across ranks; ``shards`` lists the fused parts (q, k, v or gate, up) in order,
     each holding its own slice, so a fused matmul still yields ``[q_local | k_local | v_local]``."""
 
@@ -78,7 +103,7 @@ class ColumnParallelLinear(nn.Linear):
             getattr(self, name)[offset:offset + s.size].copy_(tensor[s.start:s.start + s.size])
 
 
-class RowParallelLinear(nn.Linear):
+class RowParallelLinear(LinearBase):
     """Input columns split across ranks; the partial products are summed with one all-reduce."""
 
     def __init__(self, input_size: int, output_size: int, ps: ParallelState) -> None:
@@ -95,7 +120,7 @@ class RowParallelLinear(nn.Linear):
             self.weight.copy_(tensor[:, self.shard.start:self.shard.start + self.shard.size])
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.ps.all_reduce(F.linear(x, self.weight))
+        return self.ps.all_reduce(self.matmul(x))
 
 
 class _VocabRows:
@@ -137,7 +162,7 @@ class VocabParallelEmbedding(nn.Embedding):
         return self.ps.all_reduce(out)
 
 
-class ParallelLMHead(nn.Linear):
+class ParallelLMHead(LinearBase):
     """Each rank scores its slice of the vocabulary; the logits are gathered on rank 0 (empty elsewhere)."""
 
     def __init__(self, hidden_size: int, vocab_size: int, ps: ParallelState) -> None:
@@ -152,7 +177,7 @@ class ParallelLMHead(nn.Linear):
         self.rows.load(self.weight, name, tensor)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        logits = self.ps.gather_last_dim(F.linear(x, self.weight))
+        logits = self.ps.gather_last_dim(self.matmul(x))
         return logits[..., :self.rows.vocab_size] if self.ps.is_parallel else logits
 
 

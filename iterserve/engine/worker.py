@@ -14,6 +14,7 @@ import logging
 import torch
 import torch.distributed as dist
 
+from iterserve import kernels
 from iterserve.config import EngineConfig
 from iterserve.distributed.group import Launch, join_group, leave_group, rank_device, share_cores
 from iterserve.distributed.parallel_state import ParallelState
@@ -22,6 +23,7 @@ from iterserve.engine.model_runner import ModelRunner, StepInputs
 from iterserve.engine.sampler import SampleResult
 from iterserve.engine.scheduler import ScheduledSeq
 from iterserve.models.loader import LoadedModel, load_model
+from iterserve.platforms.malloc import tune_allocator
 
 logger = logging.getLogger(__name__)
 
@@ -30,6 +32,8 @@ class Worker:
     """``loaded`` is this rank's shard (the whole model with one rank); the KV pool is sized from it."""
 
     def __init__(self, config: EngineConfig, loaded: LoadedModel) -> None:
+        if loaded.model.device.type == "cpu":
+            prepare_cpu()
         self.loaded = loaded
         self.capacity = Capacity.of(config, loaded.config, loaded.model.dtype.itemsize)
         self.runner = ModelRunner(loaded.model, self.capacity.num_blocks, config.block_size, config.seed)
@@ -37,6 +41,8 @@ class Worker:
     @classmethod
     def load(cls, config: EngineConfig, device: str | None, parallel: ParallelState | None = None) -> Worker:
         """Load ``config.model`` (the shard ``parallel`` names) onto ``device``."""
+        if (device or ("cuda" if torch.cuda.is_available() else "cpu")).startswith("cpu"):
+            prepare_cpu()  # before loading: the linear methods are timed on the threads they will run on
         return cls(config, load_model(config.model, config.dtype, device, config.seed, parallel=parallel))
 
     def execute_model(self, scheduled: list[ScheduledSeq], block_copies: list[tuple[int, int]]) -> SampleResult:
@@ -46,6 +52,14 @@ class Worker:
     def forward(self, inputs: StepInputs) -> torch.Tensor:
         """The forward pass of inputs prepared elsewhere (on rank 0)."""
         return self.runner.forward(inputs)
+
+
+def prepare_cpu() -> None:
+    """A CPU worker's process set-up: glibc's malloc tuning (the ``iterserve`` command's, so that ``LLM``
+    users get it too) and the C++ kernels' thread pool in place of torch's OpenMP team
+    (:func:`iterserve.kernels.run_on_pool`). Both are idempotent."""
+    tune_allocator()
+    kernels.run_on_pool()
 
 
 def run_worker(config: EngineConfig, launch: Launch) -> int:

@@ -30,6 +30,7 @@ from iterserve.config import DEFAULT_MODEL, PRESETS, ModelConfig, find_preset, g
 from iterserve.distributed.layers import ShardedLayer
 from iterserve.distributed.parallel_state import ParallelState
 from iterserve.formats.gguf_file import gguf_field, open_gguf
+from iterserve.models.linear import MethodChooser, process_weights
 from iterserve.models.llama import LlamaModel, RotaryEmbedding
 from iterserve.tokenizer import Tokenizer
 
@@ -122,26 +123,35 @@ def load_model(
     device: str | torch.device | None = None,
     seed: int = 0,
     parallel: ParallelState | None = None,
+    linear: MethodChooser | None = None,
 ) -> LoadedModel:
     """Load weights and tokenizer for ``name`` onto ``device`` (CUDA when available by default).
 
     With ``parallel`` of several ranks only this rank's shard is kept: each whole tensor is read, sliced
-    and dropped, so a rank's memory holds its shard plus one tensor at a time.
+    and dropped, so a rank's memory holds its shard plus one tensor at a time. Once loaded, every linear
+    layer gets its :class:`~iterserve.models.linear.LinearMethod` (``linear``'s pick; by default the
+    fastest measured on this CPU) and prepares its weights for it.
     """
     torch_dtype = parse_dtype(dtype)
     ps = parallel or ParallelState()
     device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
     if torch_dtype == torch.float16 and device.type == "cpu":
         logger.warning("float16 on CPU is slow and may be unsupported by some kernels; prefer bfloat16")
+    loaded = _load(name, torch_dtype, device, seed, ps)
+    process_weights(loaded.model, linear)
+    return loaded
+
+
+def _load(name: str, dtype: torch.dtype, device: torch.device, seed: int, ps: ParallelState) -> LoadedModel:
     source = resolve_model(name)
     if source.kind == "random":
-        return _load_random(name, torch_dtype, device, seed, ps)
+        return _load_random(name, dtype, device, seed, ps)
     if source.kind in ("config", "preset"):
         raise _without_weights(source)
     assert source.path is not None
     if source.kind == "gguf":
-        return _load_gguf(source.path, source.name, torch_dtype, device, ps)
-    return _load_hf_folder(source.path, torch_dtype, device, ps)
+        return _load_gguf(source.path, source.name, dtype, device, ps)
+    return _load_hf_folder(source.path, dtype, device, ps)
 
 
 def load_model_config(model: str | os.PathLike[str] | ModelConfig) -> ModelConfig:

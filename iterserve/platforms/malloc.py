@@ -1,4 +1,4 @@
-"""Allocator tuning for CPU inference: a launcher setting, applied by the ``iterserve`` command.
+"""Allocator tuning for CPU inference: applied by the ``iterserve`` command and by every CPU engine.
 
 A step allocates the same large activations and gathered K/V every time; by default glibc serves
 them with fresh mmaps and unmaps them on free, so every step pays page faults for tens of megabytes
@@ -8,9 +8,10 @@ the allocations reuse warm pages, the effect TCMalloc has for other CPU inferenc
 The settings are glibc's own environment variables, :data:`MALLOC_ENV`. glibc reads them when a
 process starts, so :func:`tune_allocator` applies them to the running process with ``mallopt`` and
 leaves them in the environment for the processes it starts (the engine core). The CLI calls it once
-at start-up; a program that embeds the engine can call it too, or start Python with the variables
-set (``MALLOC_MMAP_MAX_=0 MALLOC_TRIM_THRESHOLD_=1073741824 python ...``). Values already in the
-environment win, so a user can choose others; nothing here runs on import.
+at start-up and an engine on the CPU when it is built (so ``LLM`` users get it too); a program can
+also start Python with the variables set (``MALLOC_MMAP_MAX_=0 MALLOC_TRIM_THRESHOLD_=1073741824
+python ...``). Values already in the environment win, so a user can choose others; nothing here runs
+on import.
 """
 
 from __future__ import annotations

@@ -42,10 +42,11 @@ def test_each_rank_holds_a_third_of_smollm2_weights_and_kv_cache():
     # the shards put side by side are the whole model: q and k rows, o columns, vocabulary rows
     q, kv, d = whole.config.q_size, whole.config.kv_size, whole.config.head_dim
     attn = [s.layers[1].self_attn for s in shards]
-    w = whole.layers[1].self_attn.qkv_proj.weight
-    assert torch.equal(torch.cat([a.qkv_proj.weight[:3 * d] for a in attn]), w[:q])
-    assert torch.equal(torch.cat([a.qkv_proj.weight[3 * d:4 * d] for a in attn]), w[q:q + kv])
-    assert torch.equal(torch.cat([a.o_proj.weight for a in attn], dim=1), whole.layers[1].self_attn.o_proj.weight)
+    w = whole.layers[1].self_attn.qkv_proj.dense_weight()
+    assert torch.equal(torch.cat([a.qkv_proj.dense_weight()[:3 * d] for a in attn]), w[:q])
+    assert torch.equal(torch.cat([a.qkv_proj.dense_weight()[3 * d:4 * d] for a in attn]), w[q:q + kv])
+    o = whole.layers[1].self_attn.o_proj.dense_weight()
+    assert torch.equal(torch.cat([a.o_proj.dense_weight() for a in attn], dim=1), o)
     assert torch.equal(torch.cat([s.embed_tokens.weight for s in shards]), whole.embed_tokens.weight)
     assert all(s.lm_head.weight is s.embed_tokens.weight for s in shards)  # tied, shard for shard
 
@@ -67,9 +68,9 @@ def test_kv_heads_are_replicated_when_fewer_than_ranks():
     name = "random:smollm2-135m?num_layers=1&vocab_size=999&intermediate_size=1152"  # 1152 splits 9 ways
     whole = load_model(name, "float32", "cpu").model
     d, q = whole.config.head_dim, whole.config.q_size
-    w = whole.layers[0].self_attn.qkv_proj.weight
+    w = whole.layers[0].self_attn.qkv_proj.dense_weight()
     for rank, shard in enumerate(_shards(name, 9)):  # 9 heads, 3 KV heads: each KV head on three ranks
-        local = shard.layers[0].self_attn.qkv_proj.weight
+        local = shard.layers[0].self_attn.qkv_proj.dense_weight()
         assert torch.equal(local[:d], w[rank * d:(rank + 1) * d])
         kv_head = rank // 3  # query head `rank` reads KV head rank // (9 / 3), as in the whole model
         assert torch.equal(local[d:2 * d], w[q + kv_head * d:q + (kv_head + 1) * d])

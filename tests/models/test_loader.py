@@ -113,7 +113,7 @@ def test_random_weights_are_seeded():
     name = "random:qwen3-0.6b?num_layers=1&vocab_size=512&hidden_size=64&intermediate_size=128&num_heads=4" \
            "&num_kv_heads=2&head_dim=16"
     a, b, c = (load_model(name, dtype="float32", device="cpu", seed=s) for s in (1, 1, 2))
-    wa, wb, wc = (m.model.layers[0].self_attn.qkv_proj.weight for m in (a, b, c))
+    wa, wb, wc = (m.model.layers[0].self_attn.qkv_proj.dense_weight() for m in (a, b, c))
     assert torch.equal(wa, wb) and not torch.equal(wa, wc)
     assert a.config.qk_norm and a.tokenizer is None
 

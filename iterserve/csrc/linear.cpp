@@ -1,0 +1,325 @@
+// A linear layer for the few rows of a decode step, y = x W^T (+ b), on a weight re-laid out once at load.
+//
+// W [N, K] is packed into blocks of V output columns (V = the float vector width: 16 on AVX-512, 8 on
+// AVX2), each block [K, V] contiguous: one vector load gives one k for V outputs. The kernel broadcasts
+// x[m, k] and accumulates rows x NB blocks in registers, so there is no horizontal reduction and each
+// weight element feeds every row while it is in a register: the weight streams from memory once per
+// call, at the read bandwidth, for 1 row as for 8. More rows are done 8 at a time while a thread's
+// blocks are still in its L2.
+//
+// Arithmetic is float32 (bf16/fp16 weights widen on load) with one rounding to the output dtype. With
+// AVX512-BF16 (the compiler's __AVX512BF16__) a bf16 weight is packed as k-pairs, [K/2, 16, 2] per block,
+// for vdpbf16ps: 32 exact bf16 products summed into 16 float32 lanes per instruction.
+
+#include <torch/extension.h>
+
+#include <ATen/Parallel.h>
+#include <ATen/cpu/vec/functional.h>
+#include <ATen/cpu/vec/vec.h>
+
+#include "parallel.h"
+
+#include <algorithm>
+#include <vector>
+
+#if defined(__AVX512BF16__) && defined(__AVX512F__)
+#include <immintrin.h>
+#define ITERSERVE_DPBF16 1
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__)
+#include <sys/syscall.h>
+#include <unistd.h>
+#define ITERSERVE_AMX 1
+#endif
+#endif
+
+namespace {
+
+using Vec = at::vec::Vectorized<float>;
+constexpr int64_t kV = Vec::size();
+constexpr int kMaxMR = 8;  // rows per register tile
+constexpr int kGroup = 12;  // blocks per tile column walk: a multiple of both tile widths (3 and 4)
+
+inline Vec load_w(const float* p) { return Vec::loadu(p); }
+template <typename T>
+inline Vec load_w(const T* p) {
+  Vec out;
+  at::vec::load_to_float(p, out);
+  return out;
+}
+
+// Blocks per register tile: MR x NB accumulators plus NB weight vectors stay within 32 (16 on AVX2) registers.
+constexpr int nb_for(int mr) { return kV == 16 ? (mr <= 4 ? 4 : 3) : (mr <= 2 ? 4 : mr <= 4 ? 2 : 1); }
+
+template <typename T>
+constexpr bool pairs() {
+#ifdef ITERSERVE_DPBF16
+  return std::is_same_v<T, c10::BFloat16>;
+#else
+  return false;
+#endif
+}
+
+// out[m, j*V + v] = sum_k x[m, k] * block_j[k, v] for MR rows and NB blocks (the last `nb` real).
+template <typename T, int MR, int NB>
+inline void tile(const float* x, int64_t xs, const T* p, int64_t bstride, int64_t K, int nb, float* out) {
+  Vec acc[MR][NB];
+  for (int m = 0; m < MR; ++m)
+    for (int j = 0; j < NB; ++j) acc[m][j] = Vec(0.f);
+  const T* blk[NB];
+  for (int j = 0; j < NB; ++j) blk[j] = p + std::min(j, nb - 1) * bstride;  // a short tile repeats its last block
+  for (int64_t k = 0; k < K; ++k) {
+    Vec w[NB];
+    for (int j = 0; j < NB; ++j) w[j] = load_w(blk[j] + k * kV);
+    for (int m = 0; m < MR; ++m) {
+      const Vec xb(x[m * xs + k]);
+      for (int j = 0; j < NB; ++j) acc[m][j] = at::vec::fmadd(xb, w[j], acc[m][j]);
+    }
+  }
+  for (int m = 0; m < MR; ++m)
+    for (int j = 0; j < nb; ++j) acc[m][j].store(out + m * NB * kV + j * kV);
+}
+
+#ifdef ITERSERVE_DPBF16
+// The same tile on k-pair packed bf16: x holds each row's bf16 pairs as 32-bit words.
+template <int MR, int NB>
+inline void tile_pairs(const uint32_t* x, int64_t xs, const c10::BFloat16* p, int64_t bstride, int64_t K2, int nb,
+                       float* out) {
+  __m512 acc[MR][NB];
+  for (int m = 0; m < MR; ++m)
+    for (int j = 0; j < NB; ++j) acc[m][j] = _mm512_setzero_ps();
+  const c10::BFloat16* blk[NB];
+  for (int j = 0; j < NB; ++j) blk[j] = p + std::min(j, nb - 1) * bstride;
+  for (int64_t k = 0; k < K2; ++k) {
+    __m512bh w[NB];
+    for (int j = 0; j < NB; ++j) w[j] = (__m512bh)_mm512_loadu_si512(blk[j] + k * 32);
+    for (int m = 0; m < MR; ++m) {
+      const __m512bh xb = (__m512bh)_mm512_set1_epi32(static_cast<int>(x[m * xs + k]));
+      for (int j = 0; j < NB; ++j) acc[m][j] = _mm512_dpbf16_ps(acc[m][j], xb, w[j]);
+    }
+  }
+  for (int m = 0; m < MR; ++m)
+    for (int j = 0; j < nb; ++j) _mm512_storeu_ps(out + m * NB * 16 + j * 16, acc[m][j]);
+}
+#endif
+
+// y[m, c0 + c] = out[m, c] + bias[c0 + c] for the tile's rows and real columns, rounded to T.
+template <typename T>
+inline void store_rows(const float* out, int64_t out_stride, int rows, int64_t c0, int64_t cols, const float* bias,
+                       T* y, int64_t N) {
+  for (int m = 0; m < rows; ++m) {
+    T* yr = y + m * N + c0;
+    const float* o = out + m * out_stride;
+    for (int64_t c = 0; c < cols; ++c) yr[c] = static_cast<T>(o[c] + (bias ? bias[c0 + c] : 0.f));
+  }
+}
+
+// Rows [0, MR) against blocks [b0, b0 + nb) into y (plus bias), through a float tile.
+template <typename T, int MR>
+void rows_tile(const void* xin, int64_t xs, const T* packed, int64_t bstride, int64_t K, int64_t b0, int nb,
+               const float* bias, T* y, int64_t N) {
+  constexpr int NB = nb_for(MR);
+  alignas(64) float out[MR * NB * kV];
+  const T* p = packed + b0 * bstride;
+  if constexpr (pairs<T>()) {
+#ifdef ITERSERVE_DPBF16
+    tile_pairs<MR, NB>(static_cast<const uint32_t*>(xin), xs, p, bstride, K, nb, out);
+#endif
+  } else {
+    tile<T, MR, NB>(static_cast<const float*>(xin), xs, p, bstride, K, nb, out);
+  }
+  store_rows(out, NB * kV, MR, b0 * kV, std::min<int64_t>(nb * kV, N - b0 * kV), bias, y, N);
+}
+
+template <typename T, int MR>
+void rows_walk(const void* x, int64_t xs, const T* packed, int64_t bstride, int64_t K, int64_t b0, int64_t b1,
+               const float* bias, T* y, int64_t N) {
+  constexpr int NB = nb_for(MR);
+  for (int64_t b = b0; b < b1; b += NB)
+    rows_tile<T, MR>(x, xs, packed, bstride, K, b, static_cast<int>(std::min<int64_t>(NB, b1 - b)), bias, y, N);
+}
+
+#ifdef ITERSERVE_AMX
+// AMX: the k-pair blocks are B tiles as they lie (16 k-pairs x 16 columns = 1 KiB contiguous), K2 padded to 16.
+constexpr int64_t kPairAlign = 16;
+constexpr int kAmxRows = 16, kAmxNB = 4;
+
+struct TileConfig {
+  uint8_t palette_id = 1, start_row = 0, reserved[14] = {};
+  uint16_t colsb[16] = {};
+  uint8_t rows[16] = {};
+};
+
+// Linux hands out the AMX tile state only on request, once per process (torch's oneDNN asks the same way).
+bool amx_permitted() {
+  static const bool ok = syscall(SYS_arch_prctl, 0x1023 /* ARCH_REQ_XCOMP_PERM */, 18 /* XTILEDATA */) == 0;
+  return ok;
+}
+
+// Tiles 0-3: C (rows x 16 floats); 4: A (rows x 32 bf16 of x); 5-7: B (16 k-pairs x 16 columns).
+void amx_configure(int rows) {
+  TileConfig cfg;
+  for (int t = 0; t < 8; ++t) {
+    cfg.colsb[t] = 64;
+    cfg.rows[t] = t < 5 ? rows : 16;
+  }
+  _tile_loadconfig(&cfg);
+}
+
+// out [rows, 4 * 16] = x [rows, 2 * K2] . blocks [b, b + 4) (a short group repeats its last block).
+inline void amx_tile(const c10::BFloat16* x, int64_t x_row_bytes, const c10::BFloat16* p, int64_t bstride, int64_t K2,
+                     int nb, float* out) {
+  const c10::BFloat16* blk[kAmxNB];
+  for (int j = 0; j < kAmxNB; ++j) blk[j] = p + std::min(j, nb - 1) * bstride;
+  _tile_zero(0);
+  _tile_zero(1);
+  _tile_zero(2);
+  _tile_zero(3);
+  for (int64_t s = 0; s < K2; s += 16) {
+    _tile_loadd(4, x + 2 * s, x_row_bytes);
+    _tile_loadd(5, blk[0] + 32 * s, 64);
+    _tile_loadd(6, blk[1] + 32 * s, 64);
+    _tile_loadd(7, blk[2] + 32 * s, 64);
+    _tile_dpbf16ps(0, 4, 5);
+    _tile_dpbf16ps(1, 4, 6);
+    _tile_dpbf16ps(2, 4, 7);
+    _tile_loadd(5, blk[3] + 32 * s, 64);
+    _tile_dpbf16ps(3, 4, 5);
+  }
+  constexpr int64_t stride = kAmxNB * 16 * sizeof(float);
+  _tile_stored(0, out, stride);
+  _tile_stored(1, out + 16, stride);
+  _tile_stored(2, out + 32, stride);
+  _tile_stored(3, out + 48, stride);
+}
+
+// One thread's blocks [b0, b1) for every row, 16 rows at a time, on AMX tiles.
+void run_blocks_amx(const char* x, int64_t x_row_bytes, int64_t M, const c10::BFloat16* packed, int64_t bstride,
+                    int64_t K2, int64_t b0, int64_t b1, const float* bias, c10::BFloat16* y, int64_t N) {
+  alignas(64) float out[kAmxRows * kAmxNB * 16];
+  int configured = 0;
+  for (int64_t g = b0; g < b1; g += kGroup) {
+    const int64_t g1 = std::min(b1, g + kGroup);
+    for (int64_t r = 0; r < M; r += kAmxRows) {
+      const int rows = static_cast<int>(std::min<int64_t>(kAmxRows, M - r));
+      if (rows != configured) amx_configure(configured = rows);
+      const auto* xr = reinterpret_cast<const c10::BFloat16*>(x + r * x_row_bytes);
+      for (int64_t b = g; b < g1; b += kAmxNB) {
+        const int nb = static_cast<int>(std::min<int64_t>(kAmxNB, g1 - b));
+        amx_tile(xr, x_row_bytes, packed + b * bstride, bstride, K2, nb, out);
+        store_rows(out, kAmxNB * 16, rows, b * 16, std::min<int64_t>(nb * 16, N - b * 16), bias, y + r * N, N);
+      }
+    }
+  }
+  _tile_release();
+}
+#else
+constexpr int64_t kPairAlign = 1;
+#endif
+
+// One thread's blocks [b0, b1) for every row, 8 rows at a time, kGroup blocks at a time (kept in L2).
+template <typename T>
+void run_blocks(const char* x, int64_t x_row_bytes, int64_t xs, int64_t M, const T* packed, int64_t bstride,
+                int64_t K, int64_t b0, int64_t b1, const float* bias, T* y, int64_t N) {
+  for (int64_t g = b0; g < b1; g += kGroup) {
+    const int64_t g1 = std::min(b1, g + kGroup);
+    for (int64_t r = 0; r < M; r += kMaxMR) {
+      const void* xr = x + r * x_row_bytes;
+      T* yr = y + r * N;
+      switch (std::min<int64_t>(kMaxMR, M - r)) {
+        case 1: rows_walk<T, 1>(xr, xs, packed, bstride, K, g, g1, bias, yr, N); break;
+        case 2: rows_walk<T, 2>(xr, xs, packed, bstride, K, g, g1, bias, yr, N); break;
+        case 3: rows_walk<T, 3>(xr, xs, packed, bstride, K, g, g1, bias, yr, N); break;
+        case 4: rows_walk<T, 4>(xr, xs, packed, bstride, K, g, g1, bias, yr, N); break;
+        case 5: rows_walk<T, 5>(xr, xs, packed, bstride, K, g, g1, bias, yr, N); break;
+        case 6: rows_walk<T, 6>(xr, xs, packed, bstride, K, g, g1, bias, yr, N); break;
+        case 7: rows_walk<T, 7>(xr, xs, packed, bstride, K, g, g1, bias, yr, N); break;
+        default: rows_walk<T, 8>(xr, xs, packed, bstride, K, g, g1, bias, yr, N); break;
+      }
+    }
+  }
+}
+
+template <typename T>
+void packed_linear_impl(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& bias, at::Tensor& y,
+                        int64_t amx_min_rows) {
+  const int64_t M = x.size(0), K = x.size(1), N = y.size(1);
+  const int64_t blocks = packed.size(0), bstride = packed.numel() / blocks, Kw = packed.size(1);
+  // x as the kernel reads it: bf16 k-pairs as 32-bit words (K padded as the weight is), or widened to float32.
+  at::Tensor xk;
+  int64_t xs = K;
+  if constexpr (pairs<T>()) {
+    xk = Kw * 2 != K ? at::constant_pad_nd(x, {0, Kw * 2 - K}) : x.contiguous();
+    xs = Kw;
+  } else {
+    xk = x.to(at::kFloat).contiguous();
+  }
+  const char* xp = static_cast<const char*>(xk.data_ptr());
+  const int64_t x_row_bytes = xk.stride(0) * xk.element_size();
+  const at::Tensor bf = bias.defined() ? bias.to(at::kFloat).contiguous() : bias;
+  const float* bp = bf.defined() ? bf.data_ptr<float>() : nullptr;
+  const T* wp = packed.data_ptr<T>();
+  T* yp = y.data_ptr<T>();
+  // Chunks of whole register tiles, at least four per thread so that a thread that starts late or runs
+  // slower leaves less of the weight to the others; at most kGroup blocks, so a chunk stays in L2 across rows.
+  const int64_t want = 4 * iterserve::ChunkPool::get().threads();
+  int64_t chunk = kGroup;
+  for (int64_t c : {6, 4, 3, 2, 1})
+    if (blocks / chunk < want) chunk = c;
+  iterserve::parallel_chunks(blocks, chunk, [&](int64_t b0, int64_t b1) {
+#ifdef ITERSERVE_AMX
+    if constexpr (pairs<T>()) {
+      if (M >= amx_min_rows && amx_permitted()) {
+        run_blocks_amx(xp, x_row_bytes, M, wp, bstride, Kw, b0, b1, bp, yp, N);
+        return;
+      }
+    }
+#endif
+    run_blocks<T>(xp, x_row_bytes, xs, M, wp, bstride, Kw, b0, b1, bp, yp, N);
+  });
+}
+
+}  // namespace
+
+// W [N, K] -> the packed layout packed_linear reads: [ceil(N / V), K, V], or [ceil(N / 16), ceil(K / 2), 16, 2]
+// for bf16 on a CPU with AVX512-BF16; zero padded.
+at::Tensor pack_linear_weight(const at::Tensor& w) {
+  TORCH_CHECK(w.dim() == 2, "pack_linear_weight: a 2-D [N, K] weight expected");
+  const int64_t N = w.size(0), K = w.size(1), blocks = (N + kV - 1) / kV;
+  bool use_pairs = false;
+  AT_DISPATCH_SWITCH(w.scalar_type(), "pack_linear_weight",
+                     AT_DISPATCH_CASE(at::kFloat, [&] { use_pairs = pairs<scalar_t>(); })
+                     AT_DISPATCH_CASE(at::kBFloat16, [&] { use_pairs = pairs<scalar_t>(); })
+                     AT_DISPATCH_CASE(at::kHalf, [&] { use_pairs = pairs<scalar_t>(); }));
+  if (use_pairs) {
+    const int64_t K2 = ((K + 1) / 2 + kPairAlign - 1) / kPairAlign * kPairAlign;
+    at::Tensor padded = at::constant_pad_nd(w, {0, K2 * 2 - K, 0, blocks * kV - N});
+    return padded.view({blocks, kV, K2, 2}).permute({0, 2, 1, 3}).contiguous();
+  }
+  at::Tensor padded = at::constant_pad_nd(w, {0, 0, 0, blocks * kV - N});
+  return padded.view({blocks, kV, K}).transpose(1, 2).contiguous();
+}
+
+// x [M, K] @ W^T (+ bias) -> [M, N] in x's dtype, W given as pack_linear_weight(W).
+at::Tensor packed_linear(const at::Tensor& x, const at::Tensor& packed, int64_t N, const c10::optional<at::Tensor>& bias,
+                         int64_t amx_min_rows) {
+  TORCH_CHECK(x.dim() == 2 && x.stride(1) == 1, "packed_linear: x [rows, K] with contiguous rows expected");
+  TORCH_CHECK(packed.scalar_type() == x.scalar_type() && packed.is_contiguous(), "packed_linear: weight dtype != x");
+  TORCH_CHECK(packed.size(0) == (N + kV - 1) / kV && (packed.size(1) == x.size(1) || (packed.dim() == 4 &&
+              packed.size(1) * 2 >= x.size(1) && packed.size(1) * 2 < x.size(1) + 2 * kPairAlign)),
+              "packed_linear: weight packed for another shape or vector width");
+  const at::Tensor b = bias.has_value() ? *bias : at::Tensor();
+  TORCH_CHECK(!b.defined() || b.numel() == N, "packed_linear: bias must have N elements");
+  at::Tensor y = at::empty({x.size(0), N}, x.options());
+  if (x.size(0) == 0) return y;
+  AT_DISPATCH_SWITCH(x.scalar_type(), "packed_linear",
+                     AT_DISPATCH_CASE(at::kFloat, [&] { packed_linear_impl<scalar_t>(x, packed, b, y, amx_min_rows); })
+                     AT_DISPATCH_CASE(at::kBFloat16, [&] { packed_linear_impl<scalar_t>(x, packed, b, y, amx_min_rows); })
+                     AT_DISPATCH_CASE(at::kHalf, [&] { packed_linear_impl<scalar_t>(x, packed, b, y, amx_min_rows); }));
+  return y;
+}
+
+void register_linear(pybind11::module& m) {
+  m.def("pack_linear_weight", &pack_linear_weight, "Re-lay out W [N, K] for packed_linear");
+  m.def("packed_linear", &packed_linear, "x @ W^T (+ bias) on a packed weight, streaming it once",
+        pybind11::arg("x"), pybind11::arg("packed"), pybind11::arg("N"), pybind11::arg("bias") = pybind11::none(), pybind11::arg("amx_min_rows") = 8);
+}

@@ -1,0 +1,107 @@
+"""How a linear layer multiplies: the seam between the model's layers and the matmul kernels.
+
+Every linear layer (:class:`iterserve.distributed.layers.LinearBase`: q/k/v, o, gate/up, down, the LM head)
+holds a :class:`LinearMethod`, in the shape vLLM gives its own: ``process_weights(layer)`` runs once after the
+weights are loaded (to pre-pack or re-lay them out for a kernel, or to quantize them), and
+``apply(layer, x)`` computes ``x @ W^T (+ bias)`` at run time. The layer never calls a matmul itself, so a
+new weight format (packed for a BLAS, quantized blocks) is one new method, not an edit of every layer.
+
+:func:`process_weights` walks a loaded model and gives each layer its method: the one a
+:class:`MethodChooser` picked for the layer's shape and dtype, which by default is :class:`DenseLinear`.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from typing import TYPE_CHECKING
+
+import torch
+import torch.nn.functional as F
+
+if TYPE_CHECKING:
+    from torch import nn
+
+    from iterserve.distributed.layers import LinearBase
+
+logger = logging.getLogger(__name__)
+
+
+class LinearMethod:
+    """One way to compute a linear layer; stateless: whatever it prepares lives on the layer."""
+
+    name: str = ""
+    keeps_weight: bool = True
+    """False when ``apply`` reads only what ``process_weights`` made: the plain weight is then released
+    (unless another module shares it, as a tied embedding does), so the model holds one copy of it."""
+
+    def supports(self, layer: LinearBase) -> bool:
+        """Whether this method can serve ``layer`` (its dtype, device, shape) on this machine."""
+        return True
+
+    def process_weights(self, layer: LinearBase) -> None:
+        """Prepare the layer's weights once, after loading (pack, re-lay out, quantize); nothing by default."""
+
+    def apply(self, layer: LinearBase, x: torch.Tensor) -> torch.Tensor:
+        """``x [rows, in_features] -> [rows, out_features]``: ``x @ layer.weight^T``, plus the bias if any."""
+        raise NotImplementedError
+
+    def dense_weight(self, layer: LinearBase) -> torch.Tensor:
+        """The layer's ``[out, in]`` weight as ``F.linear`` takes it, rebuilt from the method's own format
+        if it released the plain one (for inspection and tests, not for the hot path)."""
+        return layer.weight
+
+
+class DenseLinear(LinearMethod):
+    """``F.linear`` on the plain ``[out, in]`` weight: the reference every other method must match."""
+
+    name = "dense"
+
+    def apply(self, layer: LinearBase, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, layer.weight, layer.bias)
+
+
+DENSE = DenseLinear()
+
+MethodChooser = Callable[["LinearBase"], LinearMethod]
+"""Picks the method of one layer (called once per layer, after loading)."""
+
+
+def dense_chooser(layer: LinearBase) -> LinearMethod:
+    return DENSE
+
+
+def default_chooser() -> MethodChooser:
+    """The CPU's methods chosen by measurement when the C++ kernels are built, else ``F.linear``."""
+    from iterserve.models import cpu_linear
+
+    return cpu_linear.chooser() or dense_chooser
+
+
+def process_weights(model: nn.Module, choose: MethodChooser | None = None) -> dict[str, str]:
+    """Give every linear layer of ``model`` its method (``choose``'s pick, :func:`default_chooser` when
+    None) and let the method prepare the weights; returns ``{layer name: method name}`` (also logged) so a
+    run can say which kernels it used."""
+    from iterserve.distributed.layers import LinearBase
+
+    choose = choose or default_chooser()
+    uses: dict[int, int] = {}
+    for _, p in model.named_parameters(remove_duplicate=False):
+        uses[id(p)] = uses.get(id(p), 0) + 1
+    chosen: dict[str, str] = {}
+    for name, module in model.named_modules():
+        if isinstance(module, LinearBase):
+            method = choose(module)
+            if not method.supports(module):
+                raise ValueError(f"linear method {method.name!r} cannot serve layer {name!r}")
+            module.method = method
+            method.process_weights(module)
+            if not method.keeps_weight and uses[id(module.weight)] == 1:
+                module.release_weight()
+            chosen[name] = method.name
+    if chosen:
+        counts: dict[str, int] = {}
+        for m in chosen.values():
+            counts[m] = counts.get(m, 0) + 1
+        logger.info("linear methods: %s", ", ".join(f"{m} x{n}" for m, n in sorted(counts.items())))
+    return chosen
