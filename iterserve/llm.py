@@ -37,7 +37,7 @@ IGNORED_VLLM_OPTIONS = frozenset({
 })
 # vLLM options accepted only at the value this engine implements; any other value is an error.
 FIXED_VLLM_OPTIONS: dict[str, Any] = {
-    "pipeline_parallel_size": 1, "quantization": None, "kv_cache_dtype": "auto",
+    "pipeline_parallel_size": 1, "kv_cache_dtype": "auto",
 }
 
 
@@ -88,7 +88,8 @@ class LLM:
 
     Keyword arguments are :class:`EngineConfig` fields (``dtype``, ``block_size``,
     ``max_model_len``, ``max_num_seqs``, ``max_num_batched_tokens``, ``enable_prefix_caching``,
-    ``kv_cache_memory`` or ``num_kv_blocks``, ``batching``, ``kv_allocation``, ``seed``, ...), or
+    ``kv_cache_memory`` or ``num_kv_blocks``, ``batching``, ``kv_allocation``, ``seed``, ``quantization``
+    (``"gguf"``: a GGUF's Q4/Q8 blocks multiplied as stored; ``"int8"``: quantized at load), ...), or
     vLLM's options: ``gpu_memory_utilization`` sizes the KV cache as that fraction of the memory
     free once the weights are loaded (device memory on a GPU, available RAM on a CPU).
     Pass ``loaded=`` to share already-loaded weights between engines.
@@ -106,7 +107,8 @@ class LLM:
                 raise ValueError("gpu_memory_utilization is measured on one process's loaded model; with "
                                  "tensor_parallel_size > 1 give kv_cache_memory (per rank) instead")
             config = EngineConfig(model=model, **engine_kwargs)
-            loaded = loaded or load_model(config.model, config.dtype, config.device, config.seed)
+            loaded = loaded or load_model(config.model, config.dtype, config.device, config.seed,
+                                          quantization=config.quantization)
             engine_kwargs["kv_cache_memory"] = int(fraction * _free_memory(loaded.model.device))
         self.llm_engine = LLMEngine(EngineConfig(model=model, **engine_kwargs), loaded)
 

@@ -3,13 +3,16 @@
 For each dtype this prints ms per step, tokens/s, and the achieved memory bandwidth and FLOP/s
 implied by the planner's cost model (weights streamed once per step plus the K/V read), beside this
 machine's peaks measured by the same script: a streaming read (sum of a 512 MiB tensor) and a large
-F.linear in the benchmarked dtype.
+F.linear in the benchmarked dtype. ``floor ms`` is the step's bytes at the streaming read bandwidth,
+``floor`` that time over the measured one (1.0: the step runs at the memory floor), ``xB=1`` a decode
+step's time over the batch-1 step's on the same path.
 
 When the C++ CPU kernels are built, each shape runs on both paths, alternating pass by pass so
 that load from other processes hits both alike: ``fused`` (the kernels, the linear methods chosen at
 load, listed first, and the kernels' thread pool as an engine runs them) and ``reference`` (PyTorch
 and F.linear on torch's threads, as with ITERSERVE_CPU_KERNELS=0). ``--busy N`` runs N busy-looping
-processes beside the steps: what a step costs on a shared machine.
+processes beside the steps: what a step costs on a shared machine. ``--paths fused`` keeps one copy of the
+weights in memory, as an engine does (two copies evict each other from the last-level cache).
 
     .venv/bin/python scripts/bench_forward.py --dtypes float32,bfloat16 --context 512
 """
@@ -95,18 +98,23 @@ def main() -> None:
     ap.add_argument("--dtypes", default="float32,bfloat16")
     ap.add_argument("--batches", default="1,16,64,256")
     ap.add_argument("--context", type=int, default=512, help="tokens already cached per decoding sequence")
-    ap.add_argument("--prefill", default="128,512", help="prefill chunk lengths")
+    ap.add_argument("--prefill", default="128,512", help="prefill chunk lengths ('' for none)")
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--threads", type=int, default=None)
+    ap.add_argument("--paths", default="fused,reference", help="fused (when built) and/or reference")
     ap.add_argument("--busy", type=int, default=0, help="busy-looping processes to run beside the benchmark")
     args = ap.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
     tune_allocator()
     batches = [int(b) for b in args.batches.split(",")]
-    chunks = [int(c) for c in args.prefill.split(",")]
-    paths: dict[str, AttentionBackend] = {"fused": CpuBackend(kernels.ops)} if kernels.ops is not None else {}
-    paths["reference"] = ReferenceBackend()
+    chunks = [int(c) for c in args.prefill.split(",") if c]
+    wanted = args.paths.split(",")
+    paths: dict[str, AttentionBackend] = {}
+    if "fused" in wanted and kernels.ops is not None:
+        paths["fused"] = CpuBackend(kernels.ops)
+    if "reference" in wanted or not paths:
+        paths["reference"] = ReferenceBackend()
     read_gbs = peak_read_gbs()
     threads = {"reference": torch.get_num_threads()}
     if "fused" in paths:
@@ -125,8 +133,8 @@ def main() -> None:
     chooser = cpu_linear.chooser()
     for line in chooser.report() if isinstance(chooser, cpu_linear.MeasuredChooser) else []:
         print(f"linear method: {line}")
-    print(f"{'dtype':<9} {'step':<14} {'path':<10} {'ms':>9} {'tokens/s':>10} {'GB/s':>7} {'%read':>6} "
-          f"{'GFLOP/s':>8} {'%linear':>7}")
+    print(f"{'dtype':<9} {'step':<14} {'path':<10} {'ms':>9} {'tokens/s':>10} {'GB/s':>7} {'floor ms':>8} "
+          f"{'floor':>6} {'GFLOP/s':>8} {'%linear':>7} {'xB=1':>6}")
     with busy_processes(args.busy):
         for dtype, linear_gflops in linear.items():
             run_dtype(args, dtype, models.pop(dtype), paths, threads, (linear_gflops, read_gbs), batches, chunks)
@@ -140,18 +148,25 @@ def run_dtype(args, dtype: str, loaded: dict, paths: dict[str, AttentionBackend]
     block = 16
     cfg = next(iter(loaded.values())).config
     blocks_per_seq = -(-(args.context + 1) // block)
-    num_blocks = max(max(batches) * blocks_per_seq, -(-max(chunks) // block))
+    num_blocks = max(max(batches) * blocks_per_seq, -(-max(chunks, default=1) // block))
     caches = next(iter(loaded.values())).model.allocate_kv_cache(num_blocks, block)
     pdt = canonical_dtype(dtype)
+
+    batch1: dict[str, float] = {}  # each path's batch-1 decode step
 
     def run(tokens: int, label: str, cost, ids, pos, meta, rows) -> None:
         fns = {path: functools.partial(m.model, ids, pos, caches, meta, paths[path], logits_indices=rows)
                for path, m in loaded.items()}
         medians = interleaved_medians(fns, threads, args.repeats)
+        floor = cost.bytes / (read_gbs * 1e9)
         for path, seconds in medians.items():
             gbs, gflops = cost.bytes / seconds / 1e9, cost.flops / seconds / 1e9
+            if label == "decode B=1":
+                batch1[path] = seconds
+            vs1 = f"{seconds / batch1[path]:6.2f}" if label.startswith("decode") and path in batch1 else ""
             print(f"{dtype:<9} {label:<14} {path:<10} {seconds * 1e3:9.1f} {tokens / seconds:10.1f} "
-                  f"{gbs:7.2f} {100 * gbs / read_gbs:5.0f}% {gflops:8.1f} {100 * gflops / linear_gflops:6.0f}%")
+                  f"{gbs:7.2f} {floor * 1e3:8.1f} {floor / seconds:6.2f} {gflops:8.1f} "
+                  f"{100 * gflops / linear_gflops:6.0f}% {vs1:>6}")
         if len(medians) == 2:
             print(f"{'':<9} {label:<14} {'speed-up':<10} {medians['reference'] / medians['fused']:8.2f}x")
 

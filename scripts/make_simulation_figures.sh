@@ -33,7 +33,7 @@ run "${SWEEP[@]}" --batching static --kv-allocation reserved --label "static, re
 for mode in continuous static; do
     run --num-prompts 40 --request-rate 2 --batching "$mode" --step-trace "$WORK/timeline_$mode.jsonl" >/dev/null
 done
-"$PY" -c "import sys; from iterserve.bench.charts import timeline_chart
+"$PY" -c "import sys; from iterserve.bench.timeline import timeline_chart
 timeline_chart({'continuous': sys.argv[1], 'static': sys.argv[2]}, sys.argv[3], x='time')" \
     "$WORK/timeline_continuous.jsonl" "$WORK/timeline_static.jsonl" "$OUT/a100_13b_timeline.png"
 echo "chart written to $OUT/a100_13b_timeline.png"

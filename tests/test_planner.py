@@ -7,6 +7,7 @@ import math
 from pathlib import Path
 
 import pytest
+import torch
 
 from iterserve import planner
 from iterserve.bench.knee import measured_knee
@@ -364,7 +365,8 @@ def test_validate_with_injected_timer(tmp_path):
     # same curve shape, same detected bend; the detector needs one doubling past the knee
     assert v.measured_knee == v.predicted_knee_on_sweep == 64
 
-    from iterserve.cli.plan import chart_validation, print_validation
+    from iterserve.cli.plan import print_validation
+    from iterserve.cli.plan_charts import chart_validation
 
     chart = tmp_path / "validate.png"
     chart_validation(v, str(chart))
@@ -412,3 +414,46 @@ def test_plan_tp_cli_prints_per_gpu_memory_and_the_all_reduce_share(capsys):
     assert main(["llama-3-70b", "--gpu", "H100-SXM", "--tp", "3"]) == 2
     assert "64 attention heads" in capsys.readouterr().err
     assert main(["llama-3-70b", "--gpu", "H100-SXM", "--tp", "8", "--interconnect", "carrier-pigeon"]) == 2
+
+
+def _measured(bandwidth: float, fp32: float):
+    return get_accelerator("A100-80GB").with_overrides(dtype="fp32", flops=fp32, bandwidth=bandwidth)
+
+
+def test_repeated_measurement_keeps_the_medians_and_refuses_a_wide_spread(monkeypatch):
+    from iterserve.bench import microbench
+
+    runs = iter([_measured(10e9, 100e9), _measured(11e9, 104e9), _measured(10.5e9, 98e9)])
+    monkeypatch.setattr(microbench, "measure_local", lambda device=None: next(runs))
+    hw = microbench.measure_local_repeated("cpu", "fp32", repeats=3)
+    assert hw.bandwidth == 10.5e9 and hw.flops["fp32"] == 100e9
+    assert len(hw.details["runs"]) == 3 and "3 runs, spread 10%" in hw.source
+
+    # ops:byte 0.4, 39 and 7.4 from three runs of one machine: no figure is printed
+    runs = iter([_measured(250e9, 100e9), _measured(2.5e9, 97.5e9), _measured(13e9, 96e9)])
+    monkeypatch.setattr(microbench, "measure_local", lambda device=None: next(runs))
+    with pytest.raises(ValueError, match="3 measurements of this machine disagree: bandwidth"):
+        microbench.measure_local_repeated("cpu", "fp32", repeats=3)
+    with pytest.raises(ValueError, match="repeats must be >= 1"):
+        microbench.measure_local_repeated("cpu", "fp32", repeats=0)
+
+
+def test_roofline_and_capacity_charts_are_written_into_new_folders(tmp_path, capsys):
+    roof, cap = tmp_path / "a" / "roofline.png", tmp_path / "b" / "capacity.png"
+    assert main(["llama-3-8b", "--gpu", "H100-SXM", "--context", "4096", "--roofline-chart", str(roof),
+                 "--capacity-chart", str(cap)]) == 0
+    out = capsys.readouterr().out
+    assert f"chart written to {roof}" in out and f"chart written to {cap}" in out
+    assert roof.read_bytes()[:4] == cap.read_bytes()[:4] == b"\x89PNG"
+
+
+def test_plan_dtype_auto_is_what_the_engine_runs_on_this_cpu(monkeypatch):
+    from iterserve.cli import plan
+    from iterserve.config import dtypes
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    for native, expected in ((True, "bf16"), (False, "fp32")):
+        monkeypatch.setattr(dtypes, "cpu_has_native_bf16", lambda native=native: native)
+        assert plan._plan_dtype("auto", on_this_cpu=True) == expected
+    assert plan._plan_dtype("auto", on_this_cpu=False) == "bf16"  # a named GPU runs bf16
+    assert plan._plan_dtype(None, on_this_cpu=True) == "bf16" and plan._plan_dtype("fp16", False) == "fp16"

@@ -1,5 +1,7 @@
 """PNG charts of benchmark results: throughput against latency over a sweep, latency percentiles
-against load for one or more servers, and a per-sequence timeline from the engine's step trace."""
+against load for one or more servers, and the summaries of bench throughput, load and ttft (the step
+trace's timeline is :mod:`iterserve.bench.timeline`). A timing chart carries a stamp: the machine it
+was measured on and its load."""
 
 from __future__ import annotations
 
@@ -16,6 +18,7 @@ from matplotlib.figure import Figure
 from matplotlib.patches import Patch
 
 from iterserve.bench.knee import read_knee
+from iterserve.bench.machine import stamp_figure
 
 logger = logging.getLogger(__name__)
 
@@ -25,6 +28,16 @@ def subplots(*grid: int, figsize: tuple[float, float], **kwargs: Any) -> tuple[F
     fig = Figure(figsize=figsize)
     FigureCanvasAgg(fig)
     return fig, fig.subplots(*grid, **kwargs)
+
+
+def save_figure(fig: Figure, path: str | Path, *, dpi: int = 110, stamp: str | None = None,
+                top: float = 1.0) -> None:
+    """Lay the figure out (below ``top``, above the stamp's line when there is one) and write it,
+    creating the folder it goes in."""
+    stamp_figure(fig, stamp)
+    fig.tight_layout(rect=(0, 0.03 if stamp else 0, 1, top))
+    Path(path).parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=dpi)
 
 
 @dataclass
@@ -38,7 +51,8 @@ class Series:
     knee: int | None = None  # index into the points
 
 
-def throughput_latency_chart(series: list[Series], path: str | Path, *, xlabel: str, ylabel: str, title: str) -> None:
+def throughput_latency_chart(series: list[Series], path: str | Path, *, xlabel: str, ylabel: str, title: str,
+                             stamp: str | None = None) -> None:
     """Latency against throughput, one labelled point per sweep step, the knee circled."""
     fig, ax = subplots(figsize=(7, 4.5))
     for s in series:
@@ -51,8 +65,7 @@ def throughput_latency_chart(series: list[Series], path: str | Path, *, xlabel: 
     ax.set(xlabel=xlabel, ylabel=ylabel, title=title)
     ax.grid(alpha=0.3)
     ax.legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
+    save_figure(fig, path, dpi=120, stamp=stamp)
 
 
 # -- serve results --------------------------------------------------------------------------------
@@ -104,8 +117,7 @@ def latency_vs_load_chart(results: list[dict[str, Any]], path: str | Path, perce
         ax.set(xlabel=xlabel, ylabel=f"{metric} (ms)", title=f"{metric} against load")
         ax.grid(alpha=0.3)
         ax.legend(fontsize=7)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
+    save_figure(fig, path, dpi=120)
 
 
 def percentiles_in(runs: list[dict[str, Any]]) -> list[str]:
@@ -151,158 +163,6 @@ def serve_charts(results: list[dict[str, Any]], prefix: Path) -> list[Path]:
     return [throughput_path, latency_path]
 
 
-# -- timeline -------------------------------------------------------------------------------------
-
-PHASE_COLORS = {"queue": "#d0d0d0", "prefill": "#f28e2b", "decode": "#4e79a7"}
-
-
-def read_trace(path: str | Path) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
-    """The step and request records of an engine step trace (JSON lines)."""
-    steps: list[dict[str, Any]] = []
-    requests: list[dict[str, Any]] = []
-    with open(path) as f:
-        for line in f:
-            record = json.loads(line)
-            (steps if record["type"] == "step" else requests).append(record)
-    return steps, requests
-
-
-def sequence_spans(steps: list[dict[str, Any]]) -> dict[str, dict[str, list[tuple[float, float]]]]:
-    """request id -> phase -> (start, duration) spans; a phase over consecutive steps is one span."""
-    spans: dict[str, dict[str, list[tuple[float, float]]]] = {}
-    last_step: dict[tuple[str, str], int] = {}
-    for step in steps:
-        end = step["start"] + step["duration"]
-        for rid, phase, *_ in step["seqs"]:
-            phase_spans = spans.setdefault(rid, {}).setdefault(phase, [])
-            if last_step.get((rid, phase)) == step["step"] - 1:
-                s, _ = phase_spans[-1]
-                phase_spans[-1] = (s, end - s)
-            else:
-                phase_spans.append((step["start"], step["duration"]))
-            last_step[(rid, phase)] = step["step"]
-    return spans
-
-
-def step_spans(steps: list[dict[str, Any]]) -> dict[str, dict[str, list[tuple[float, float]]]]:
-    """As :func:`sequence_spans`, in engine steps: step ``k`` (1-based in the trace) spans ``[k-1, k)``."""
-    return sequence_spans([{**s, "start": s["step"] - 1, "duration": 1} for s in steps])
-
-
-def _draw_rows(ax: Any, steps: list[dict[str, Any]], requests: list[dict[str, Any]], x: str) -> None:
-    """One row per request (by arrival): queue, prefill and decode spans, in steps or seconds."""
-    if x == "steps":
-        first_step: dict[str, int] = {}
-        for step in steps:
-            for rid, *_ in step["seqs"]:
-                first_step.setdefault(rid, step["step"] - 1)
-        spans, t0 = step_spans(steps), 0.0
-        queued = {r["request_id"]: (0.0, float(first_step.get(r["request_id"], 0))) for r in requests}
-    else:
-        t0 = min([r["arrival_time"] for r in requests] + [s["start"] for s in steps[:1]])
-        spans = sequence_spans(steps)
-        queued = {r["request_id"]: (r["arrival_time"] - t0, r["first_scheduled_time"] - r["arrival_time"])
-                  for r in requests}
-    for y, r in enumerate(requests):
-        ax.broken_barh([queued[r["request_id"]]], (y - 0.4, 0.8), facecolors=PHASE_COLORS["queue"])
-        for phase in ("prefill", "decode"):
-            segments = [(s - t0, w) for s, w in spans.get(r["request_id"], {}).get(phase, [])]
-            ax.broken_barh(segments, (y - 0.4, 0.8), facecolors=PHASE_COLORS[phase])
-
-
-def _scheduled_requests(trace: str | Path) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
-    steps, requests = read_trace(trace)
-    requests = [r for r in requests if r["first_scheduled_time"] is not None]
-    requests.sort(key=lambda r: (r["arrival_time"], int(r["request_id"]) if r["request_id"].isdigit() else 0))
-    return steps, requests
-
-
-def timeline_chart(
-    traces: dict[str, str | Path], path: str | Path, *, x: str = "steps", max_num_seqs: int | None = None,
-    busy: bool = False,
-) -> None:
-    """Each sequence's queue, prefill and decode spans, one panel per trace, side by side, with the
-    running sequences and KV blocks of every step drawn under each panel.
-
-    The x-axis counts engine steps by default, so the picture is the same on any machine and a
-    stall of the machine cannot pass for batching waste; ``x="time"`` draws wall time instead
-    (``busy`` then notes that the machine was busy). All panels share their axes, so a batch slot
-    that static batching leaves idle shows as white space a continuous run fills.
-    """
-    if x not in ("steps", "time"):
-        raise ValueError(f"timeline x-axis must be 'steps' or 'time', got {x!r}")
-    n = len(traces)
-    loaded = {label: _scheduled_requests(trace) for label, trace in traces.items()}
-    top_blocks = max(s["kv_blocks_used"] for steps, _ in loaded.values() for s in steps)
-    fig, axes = subplots(2, n, figsize=(6.5 * n, 6.5), sharex=True, sharey="row", squeeze=False,
-                             gridspec_kw={"height_ratios": [3, 1]})
-    for k, (label, (steps, requests)) in enumerate(loaded.items()):
-        ax, occ = axes[0][k], axes[1][k]
-        _draw_rows(ax, steps, requests, x)
-        running = [len(s["seqs"]) for s in steps]
-        out_tokens = sum(r["num_output_tokens"] for r in requests)
-        occupancy = f", slot occupancy {sum(running) / len(running) / max_num_seqs:.0%}" if max_num_seqs else ""
-        ax.set(title=f"{label}: {len(steps)} steps, {out_tokens / max(len(steps), 1):.2f} tokens out per step"
-                     f"{occupancy}", ylabel="request (by arrival)")
-        ax.title.set_fontsize(9)
-        if x == "steps":
-            xs = [s["step"] - 1 for s in steps]
-            widths = [1.0] * len(steps)
-        else:
-            t0 = min([r["arrival_time"] for r in requests] + [s["start"] for s in steps[:1]])
-            xs, widths = [s["start"] - t0 for s in steps], [s["duration"] for s in steps]
-        occ.bar(xs, running, width=widths, align="edge", color=PHASE_COLORS["decode"], linewidth=0,
-                label="running sequences")
-        if max_num_seqs:
-            occ.axhline(max_num_seqs, color="black", linestyle="--", linewidth=0.8, label="max_num_seqs")
-        blocks = occ.twinx()
-        blocks.step(xs, [s["kv_blocks_used"] for s in steps], where="post", color="#e15759", linewidth=1)
-        blocks.set_ylim(0, top_blocks * 1.1)  # one scale in every panel, so KV use compares across modes
-        blocks.set_ylabel("KV blocks held", color="#e15759", fontsize=8)
-        blocks.tick_params(axis="y", labelsize=7, colors="#e15759")
-        occ.set(xlabel="engine step" if x == "steps" else "time (s)", ylabel="running")
-        occ.legend(fontsize=7, loc="upper right")
-    axes[0][0].invert_yaxis()  # the y axis is shared: inverting it once flips every panel
-    fig.legend(handles=[Patch(color=c, label=p) for p, c in PHASE_COLORS.items()], loc="upper right", ncols=3)
-    if x == "time" and busy:
-        fig.suptitle("wall time on a busy machine: stalls of the machine show as long spans", x=0.02, ha="left",
-                     fontsize=9)
-    fig.tight_layout(rect=(0, 0, 1, 0.95))
-    fig.savefig(path, dpi=110)
-
-
-def joins_chart(trace: str | Path, path: str | Path, *, max_num_seqs: int | None = None) -> int:
-    """Iteration-level scheduling in one step trace: per step, the sequences already decoding and
-    the requests whose prefill joins them; above, each request's spans. Returns how many requests
-    joined a batch that was already decoding."""
-    steps, requests = _scheduled_requests(trace)
-    fig, (ax, bars) = subplots(2, 1, figsize=(9, 6.5), sharex=True, gridspec_kw={"height_ratios": [3, 2]})
-    _draw_rows(ax, steps, requests, "steps")
-    ax.invert_yaxis()
-    xs = [s["step"] - 1 for s in steps]
-    started: set[str] = set()
-    joining, decoding, joined = [], [], 0
-    for s in steps:
-        new = [rid for rid, phase, *_ in s["seqs"] if phase == "prefill" and rid not in started]
-        started.update(new)
-        joined += len(new) if s["num_decode_seqs"] > 0 else 0
-        joining.append(len(new))
-        decoding.append(len(s["seqs"]) - len(new))
-    bars.bar(xs, decoding, width=1.0, align="edge", color=PHASE_COLORS["decode"], linewidth=0,
-             label="already in the batch")
-    bars.bar(xs, joining, width=1.0, align="edge", bottom=decoding, color=PHASE_COLORS["prefill"], linewidth=0,
-             label="joining at this step (prefill)")
-    if max_num_seqs:
-        bars.axhline(max_num_seqs, color="black", linestyle="--", linewidth=0.8, label="max_num_seqs")
-    ax.set(title=f"{joined} of {len(requests)} requests joined a batch that was already decoding",
-           ylabel="request (by arrival)")
-    bars.set(xlabel="engine step", ylabel="sequences in the step")
-    bars.legend(fontsize=8, loc="upper right")
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    return joined
-
-
 # -- summaries ------------------------------------------------------------------------------------
 
 
@@ -313,7 +173,7 @@ def _with_spread(ax: Any, labels: list[str], medians: list[float], runs: list[li
     ax.bar(labels, medians, color=color, yerr=[lo, hi], capsize=4)
 
 
-def throughput_summary_chart(result: dict[str, Any], path: str | Path) -> None:
+def throughput_summary_chart(result: dict[str, Any], path: str | Path, *, stamp: str | None = None) -> None:
     """A ``bench throughput`` result in three panels: output tokens per step (a count), output tokens/s
     and median end-to-end latency (medians, min-max over the repeats as error bars)."""
     runs = result["runs"]
@@ -330,13 +190,42 @@ def throughput_summary_chart(result: dict[str, Any], path: str | Path) -> None:
     axes[2].set(title=f"median end-to-end latency, ms\n({runs_text})")
     for ax in axes:
         ax.grid(alpha=0.3, axis="y")
-    if result.get("busy_warning"):
-        fig.suptitle("measured on a busy machine: wall-clock panels are noisy", fontsize=9, x=0.02, ha="left")
-    fig.tight_layout(rect=(0, 0, 1, 0.95))
-    fig.savefig(path, dpi=110)
+    save_figure(fig, path, stamp=stamp)
 
 
-def prompt_sweep_chart(points: list[Any], path: str | Path, *, busy: bool = False) -> None:
+MODE_COLORS = {"static": "#e15759", "dynamic": "#f28e2b", "continuous": "#4e79a7", "reserved": "#76b7b2"}
+
+
+def offered_load_chart(result: dict[str, Any], path: str | Path, *, stamp: str | None = None) -> None:
+    """A ``bench load`` result: output tokens/s served and TTFT (p50 solid, p99 dashed) against the
+    offered load, one colour per batching policy; the dotted diagonal is the load offered."""
+    fig, (served, ttft) = subplots(1, 2, figsize=(11, 4.3))
+    points = result["points"]
+    loads = sorted({p["load"] for p in points})
+    offered = [x * result["capacity_output_throughput"] for x in loads]
+    served.plot(loads, offered, ":", color="grey", label="offered (tokens/s asked for)")
+    for mode in dict.fromkeys(p["mode"] for p in points):
+        mine = sorted((p for p in points if p["mode"] == mode), key=lambda p: p["load"])
+        xs, color = [p["load"] for p in mine], MODE_COLORS.get(mode)
+        served.plot(xs, [p["output_throughput"] for p in mine], "o-", color=color, label=mode)
+        ttft.plot(xs, [p["p50_ttft_ms"] for p in mine], "o-", color=color, label=f"{mode} p50")
+        ttft.plot(xs, [p["p99_ttft_ms"] for p in mine], "s--", color=color, label=f"{mode} p99")
+    xlabel = f"offered load (1 = {result['capacity_request_rate']:.3g} req/s, continuous batching's capacity)"
+    served.set(xlabel=xlabel, ylabel="output tokens/s served", title="throughput", ylim=(0, None))
+    ttft.set(xlabel=xlabel, ylabel="time to first token, ms (log)", yscale="log", title="TTFT: p50 and p99")
+    served.legend(fontsize=8, loc="upper left")
+    top = max(p["p99_ttft_ms"] for p in points)
+    ttft.set_ylim(top=top * 6)  # room above the lines for the legend, on the log scale
+    ttft.legend(fontsize=7, loc="upper left", ncols=3)
+    for ax in (served, ttft):
+        ax.grid(alpha=0.3, which="both")
+    n = result["num_requests"]
+    fig.suptitle(f"{result['model']} ({result['dtype']}): {n} requests arriving at random (Poisson) at each load, "
+                 f"max_num_seqs {result['engine']['max_num_seqs']}", fontsize=10)
+    save_figure(fig, path, stamp=stamp, top=0.95)
+
+
+def prompt_sweep_chart(points: list[Any], path: str | Path, *, stamp: str | None = None) -> None:
     """TTFT and TPOT against prompt length (medians, min-max as error bars), from a prompt-length sweep."""
     xs = [p.prompt_len for p in points]
     fig, axes = subplots(1, 2, figsize=(10, 3.8), sharex=True)
@@ -348,13 +237,10 @@ def prompt_sweep_chart(points: list[Any], path: str | Path, *, busy: bool = Fals
                     marker="o", color=color, capsize=3)
         ax.set(title=title, xlabel="prompt tokens", ylabel="ms", ylim=(0, None))
         ax.grid(alpha=0.3)
-    if busy:
-        fig.suptitle("measured on a busy machine: spreads are wide", fontsize=9, x=0.02, ha="left")
-    fig.tight_layout(rect=(0, 0, 1, 0.95))
-    fig.savefig(path, dpi=110)
+    save_figure(fig, path, stamp=stamp)
 
 
-def request_steps_chart(point: Any, path: str | Path, *, busy: bool = False) -> None:
+def request_steps_chart(point: Any, path: str | Path, *, stamp: str | None = None) -> None:
     """One lone request, step by step: the tokens each forward pass processed and how long it took.
 
     The first bar is the prefill (every prompt token in one pass), each later bar a decode (one token).
@@ -370,7 +256,4 @@ def request_steps_chart(point: Any, path: str | Path, *, busy: bool = False) -> 
     bottom.legend(handles=[Patch(color="#f28e2b", label="prefill"), Patch(color="#4e79a7", label="decode")])
     for ax in (top, bottom):
         ax.grid(alpha=0.3, axis="y")
-    if busy:
-        fig.suptitle("measured on a busy machine: step times are noisy", fontsize=9, x=0.02, ha="left")
-    fig.tight_layout(rect=(0, 0, 1, 0.96))
-    fig.savefig(path, dpi=110)
+    save_figure(fig, path, stamp=stamp)

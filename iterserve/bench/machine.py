@@ -9,12 +9,16 @@ one crossing its threshold marks the run as busy.
 
 from __future__ import annotations
 
+import datetime
 import os
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
+
+from iterserve.platforms.cpu import cpu_description
 
 # load average above this many runnable tasks per core counts as busy
 BUSY_LOAD_PER_CORE = 1.0
@@ -22,16 +26,22 @@ BUSY_LOAD_PER_CORE = 1.0
 BUSY_PROBE_SLOWDOWN = 1.5
 
 
-def calibration_probe(iterations: int = 20, size: int = 128) -> float:
-    """Seconds for a fixed loop of small float32 matmuls on one thread: the same work on every call."""
+def calibration_probe(iterations: int = 20, size: int = 128, tries: int = 3) -> float:
+    """Seconds for a fixed loop of small float32 matmuls on one thread: the same work on every call.
+
+    The fastest of ``tries`` loops: a single loop of a few milliseconds jittered 1.6-fold on an idle
+    machine (a timer tick, a page fault), enough to call it busy."""
     a = torch.ones(size, size)
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
-        start = time.perf_counter()
-        for _ in range(iterations):
-            a = (a @ a) * (1.0 / size)
-        return time.perf_counter() - start
+        best = float("inf")
+        for _ in range(tries):
+            start = time.perf_counter()
+            for _ in range(iterations):
+                a = (a @ a) * (1.0 / size)
+            best = min(best, time.perf_counter() - start)
+        return best
     finally:
         torch.set_num_threads(threads)
 
@@ -84,6 +94,7 @@ class MachineCheck:
 
     def to_dict(self) -> dict[str, object]:
         return {
+            "cpu": cpu_description(),
             "busy": self.busy, "reasons": self.reasons, "cpu_count": self.cpu_count, "load_avg": self.load_avg,
             "probe_s": self.probe_s, "probe_slowdown": self.probe_slowdown,
         }
@@ -109,3 +120,22 @@ class MachineMonitor:
         self.check.probe_s.append(self.probe())
         if (load := self.loadavg()) is not None:
             self.check.load_avg.append(load)
+
+
+def machine_stamp(machine: dict[str, Any] | None = None) -> str:
+    """What a timing figure must carry: the CPU, its cores, the load while it was measured (a
+    :meth:`MachineCheck.to_dict`, as results hold it), the date."""
+    machine = machine or {}
+    text = f"{machine.get('cpu') or cpu_description()}, {machine.get('cpu_count') or os.cpu_count()} cores"
+    if loads := machine.get("load_avg"):
+        lo, hi = min(loads), max(loads)
+        text += f"; load average {lo:.2f}" + (f"-{hi:.2f}" if hi - lo >= 0.005 else "") + " during the run"
+    if machine.get("busy"):
+        text += " (busy: " + "; ".join(machine["reasons"]) + ")"
+    return f"{text}; torch {torch.__version__}, {datetime.date.today().isoformat()}"
+
+
+def stamp_figure(fig: Any, stamp: str | None) -> None:
+    """Write ``stamp`` along the figure's bottom edge (the caller leaves room for it)."""
+    if stamp:
+        fig.text(0.005, 0.005, stamp, fontsize=6.5, color="#555555", ha="left", va="bottom")

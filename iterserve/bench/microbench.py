@@ -6,17 +6,19 @@ planner takes a measured machine where it takes a datasheet entry.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import os
-import platform
+import statistics
 import time
 from collections.abc import Callable
 from typing import Any
 
 import torch
 
-from iterserve.config.dtypes import torch_dtype
+from iterserve.config.dtypes import canonical_dtype, torch_dtype
 from iterserve.planner.hardware import Accelerator, GiB, match_device_name
+from iterserve.platforms.cpu import cpu_model_name
 from iterserve.platforms.memory import available_memory_bytes, physical_memory_bytes
 
 
@@ -154,15 +156,7 @@ def measure_local(device: str | None = None, budget_s: float = 2.0) -> Accelerat
         label = props.name
     else:
         memory = physical_memory_bytes()
-        label = platform.processor() or platform.machine()
-        try:
-            with open("/proc/cpuinfo") as f:
-                for line in f:
-                    if line.startswith("model name"):
-                        label = line.split(":", 1)[1].strip()
-                        break
-        except OSError:
-            pass
+        label = cpu_model_name()
     threads = torch.get_num_threads()
     details: dict[str, Any] = {"copy_bandwidth": bw["copy"], "read_bandwidth": bw["read"],
                                "buffer_bytes": bw["buffer_bytes"], "device": device,
@@ -182,3 +176,43 @@ def measure_local(device: str | None = None, budget_s: float = 2.0) -> Accelerat
         measured=True,
         details=details,
     )
+
+
+# a measurement of this machine is printed only when its repeats agree this closely (max - min over median)
+MAX_MEASURE_SPREAD = 0.2
+
+
+def _spread(values: list[float]) -> float:
+    return (max(values) - min(values)) / statistics.median(values)
+
+
+def measure_local_repeated(device: str | None = None, dtype: str = "fp32", repeats: int = 3,
+                           max_spread: float = MAX_MEASURE_SPREAD) -> Accelerator:
+    """:func:`measure_local` ``repeats`` times; the medians, with every run kept in ``details``.
+
+    Raises ValueError when the runs' bandwidth, ``dtype`` FLOP/s or ops:byte disagree by more than
+    ``max_spread`` (max - min over the median): a machine busy with other work gives a different
+    figure each time, and a figure that does not repeat is not this machine's.
+    """
+    if repeats < 1:
+        raise ValueError(f"measure repeats must be >= 1, got {repeats}")
+    runs = [measure_local(device) for _ in range(repeats)]
+    key = canonical_dtype(dtype)
+    if key not in runs[0].flops:
+        raise ValueError(f"this machine cannot multiply {key}; measured {', '.join(runs[0].flops)}")
+    series = {"bandwidth": [r.bandwidth for r in runs], f"{key} FLOP/s": [r.flops[key] for r in runs],
+              "ops:byte": [r.ops_per_byte(key) for r in runs]}
+    spreads = {name: _spread(values) for name, values in series.items()}
+    if repeats > 1 and max(spreads.values()) > max_spread:
+        worst = max(spreads, key=spreads.__getitem__)
+        shown = ", ".join(f"{v:.3g}" for v in series[worst])
+        raise ValueError(f"{repeats} measurements of this machine disagree: {worst} {shown} (spread "
+                         f"{spreads[worst]:.0%}, more than {max_spread:.0%}); a figure that does not repeat is not "
+                         "this machine's, so none is printed: rerun when the machine is quiet")
+    first = runs[0]
+    flops = {k: statistics.median(r.flops[k] for r in runs) for k in first.flops}
+    details = {**first.details, "repeats": repeats, "spread": spreads,
+               "runs": [{"bandwidth": r.bandwidth, "flops": r.flops} for r in runs]}
+    spread_text = f"; {repeats} runs, spread {max(spreads.values()):.0%}" if repeats > 1 else ""
+    return dataclasses.replace(first, flops=flops, bandwidth=statistics.median(series["bandwidth"]),
+                               details=details, source=first.source + spread_text)

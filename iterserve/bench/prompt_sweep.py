@@ -17,7 +17,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from iterserve.bench.charts import read_trace
+from iterserve.bench.timeline import read_trace
 from iterserve.bench.workloads import random_tokens
 from iterserve.config import EngineConfig
 from iterserve.engine.llm_engine import LLMEngine

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import math
 import statistics
 import tempfile
 import time
@@ -31,9 +32,9 @@ from typing import Any
 
 import torch
 
-from iterserve.bench.charts import read_trace
 from iterserve.bench.machine import MachineMonitor
 from iterserve.bench.metrics import DEFAULT_PERCENTILES, RequestResult, compute_metrics
+from iterserve.bench.timeline import joined_running_batch, read_trace
 from iterserve.bench.workloads import Request, is_token_ids
 from iterserve.config import EngineConfig
 from iterserve.engine.llm_engine import LLMEngine
@@ -48,6 +49,7 @@ logger = logging.getLogger(__name__)
 ENGINE_MODES = {
     "continuous": ("continuous", "paged"),
     "static": ("static", "paged"),
+    "dynamic": ("dynamic", "paged"),
     "reserved": ("continuous", "reserved"),
 }
 HF_MODE = "hf-static"
@@ -75,20 +77,12 @@ def trace_counts(path: str | Path, max_num_seqs: int, output_tokens: int) -> Ste
         raise ValueError(f"{path}: the step trace holds no steps")
     running = [len(s["seqs"]) for s in steps]
     blocks = [s["kv_blocks_used"] for s in steps]
-    joined: set[str] = set()
-    started: set[str] = set()
-    for s in steps:
-        for rid, phase, *_ in s["seqs"]:
-            if phase == "prefill" and rid not in started:
-                started.add(rid)
-                if s["num_decode_seqs"] > 0:
-                    joined.add(rid)
     mean_running = statistics.fmean(running)
     return StepCounts(
         num_steps=len(steps), output_tokens_per_step=output_tokens / len(steps), peak_running=max(running),
         mean_running=mean_running, slot_occupancy=mean_running / max_num_seqs, peak_kv_blocks=max(blocks),
         mean_kv_blocks=statistics.fmean(blocks), num_preemptions=sum(s["num_preemptions"] for s in steps),
-        joined_running_batch=len(joined),
+        joined_running_batch=joined_running_batch(steps),
     )
 
 
@@ -200,29 +194,41 @@ def _engine_config(config: EngineConfig, **overrides: Any) -> EngineConfig:
 
 def drive(
     engine: LLMEngine, requests: list[Request], prompts: list[list[int]], params: list[SamplingParams],
-    *, use_tqdm: bool = True, desc: str = "generate",
+    *, arrivals: list[float] | None = None, use_tqdm: bool = True, desc: str = "generate",
 ) -> list[RequestOutput]:
-    """Queue every request at once and step the engine until all are done, ending each request once
-    it has produced its drawn ``output_len`` (an emulated end-of-sequence when ``max_tokens`` is larger).
+    """Queue every request at its arrival (seconds from the start; default: all at once) and step the
+    engine until all are done, ending each request once it has produced its drawn ``output_len`` (an
+    emulated end-of-sequence when ``max_tokens`` is larger). A request arrives into the queue at its
+    time even while a step runs; the engine sees it before its next step, so its TTFT counts that wait.
 
     Returns each request's last output, in workload order.
     """
     from tqdm.auto import tqdm
 
-    arrival = time.perf_counter()
-    ids = [engine.add_request(p, sp, request_id=str(i), arrival_time=arrival)
-           for i, (p, sp) in enumerate(zip(prompts, params))]
-    target = {rid: r.output_len for rid, r in zip(ids, requests)}
+    offsets = arrivals if arrivals is not None else [0.0] * len(requests)
+    order = sorted(range(len(requests)), key=offsets.__getitem__)
+    target = {str(i): r.output_len for i, r in enumerate(requests)}
     final: dict[str, RequestOutput] = {}
-    with tqdm(total=len(ids), desc=desc, disable=not use_tqdm, unit="req") as bar:
-        while engine.has_unfinished_requests():
+    start, sent = time.perf_counter(), 0
+    with tqdm(total=len(requests), desc=desc, disable=not use_tqdm, unit="req") as bar:
+        while sent < len(order) or engine.has_unfinished_requests():
+            now = time.perf_counter()
+            while sent < len(order) and start + offsets[order[sent]] <= now:
+                i = order[sent]
+                engine.add_request(prompts[i], params[i], request_id=str(i), arrival_time=start + offsets[i])
+                sent += 1
+            hold = engine.core.scheduler.hold_s() if engine.has_unfinished_requests() else math.inf
+            if hold > 0:  # idle, or a dynamic batch filling: sleep until it starts or the next request comes
+                upcoming = start + offsets[order[sent]] - now if sent < len(order) else math.inf
+                time.sleep(min(hold, upcoming))
+                continue
             for out in engine.step():
                 if out.finished or len(out.outputs[0].token_ids) >= target[out.request_id]:
                     if not out.finished:
                         engine.abort_request(out.request_id)
                     final[out.request_id] = out
                     bar.update(1)
-    return [final[i] for i in ids]
+    return [final[str(i)] for i in range(len(requests))]
 
 
 def run_engine_mode(
@@ -236,10 +242,12 @@ def run_engine_mode(
     step_trace: str,
     max_tokens_cap: int | None = None,
     percentiles: list[float] | None = None,
+    arrivals: list[float] | None = None,
     use_tqdm: bool = True,
 ) -> tuple[StepCounts, Timed, int]:
-    """Run the workload once through a fresh engine in ``mode`` (continuous, static or reserved),
-    writing its step trace to ``step_trace``; returns the counts, the timing and the output tokens."""
+    """Run the workload once through a fresh engine in ``mode`` (continuous, static, dynamic or reserved),
+    writing its step trace to ``step_trace``; returns the counts, the timing and the output tokens.
+    ``arrivals`` are the requests' arrival times in seconds from the start (default: all at once)."""
     batching, kv_allocation = ENGINE_MODES[mode]
     cfg = _engine_config(config, batching=batching, kv_allocation=kv_allocation, step_trace=step_trace)
     engine = LLMEngine(cfg, loaded)
@@ -247,7 +255,7 @@ def run_engine_mode(
                              seed=config.seed + i) for i, r in enumerate(requests)]
     start = time.perf_counter()
     try:
-        outputs = drive(engine, requests, prompts, params, use_tqdm=use_tqdm, desc=mode)
+        outputs = drive(engine, requests, prompts, params, arrivals=arrivals, use_tqdm=use_tqdm, desc=mode)
     finally:
         engine.close()
     elapsed = time.perf_counter() - start
@@ -353,7 +361,7 @@ def run_throughput(
         raise ValueError(f"repeats must be >= 1, got {repeats}")
     if max_tokens_cap is not None and max_tokens_cap < 1:
         raise ValueError(f"max_tokens cap must be >= 1, got {max_tokens_cap}")
-    requests, prompts = _warm_up(loaded, config, requests, max_tokens_cap)
+    requests, prompts = warm_up(loaded, config, requests, max_tokens_cap)
     monitor = monitor or MachineMonitor()
     with tempfile.TemporaryDirectory() as tmp:
         traces = Path(trace_dir if trace_dir is not None else tmp)
@@ -391,7 +399,7 @@ def run_throughput(
     return _result(loaded, config, requests, max_tokens_cap, repeats, monitor, runs)
 
 
-def _warm_up(loaded: LoadedModel, config: EngineConfig, requests: list[Request],
+def warm_up(loaded: LoadedModel, config: EngineConfig, requests: list[Request],
              max_tokens_cap: int | None) -> tuple[list[Request], list[list[int]]]:
     """A few short requests through an engine of the same configuration, so one-time costs do not land in
     the first mode timed; it also tells how long a sequence may be. The requests that fit, as token ids."""

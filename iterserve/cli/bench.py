@@ -1,9 +1,9 @@
-"""``iterserve bench``: throughput (offline), serve (online), batch (sweep), ttft (prompt sweep) and plot."""
+"""``iterserve bench``: throughput (offline), serve (online), batch (sweep), ttft (prompt sweep), perplexity
+(weight formats) and plot; load and timeline live in :mod:`iterserve.cli.bench_arrivals`."""
 
 from __future__ import annotations
 
 import argparse
-import json
 import math
 import statistics
 import tempfile
@@ -14,6 +14,7 @@ from typing import Any
 
 from iterserve.bench.metrics import DEFAULT_PERCENTILES, parse_goodput, parse_percentiles, percentile_key
 from iterserve.cli.flags import add_config_args, config_from_args
+from iterserve.cli.results import write_json
 from iterserve.cli.tables import render_table
 from iterserve.cli.workload import add_workload_args, float_list, load_points, workload_spec_from_args
 from iterserve.config import DEFAULT_MODEL, EngineConfig
@@ -21,12 +22,6 @@ from iterserve.config import DEFAULT_MODEL, EngineConfig
 # bench throughput's batch cap: the default 64 requests then span several static batches, which is
 # where static and continuous batching differ (with every request in one batch they would not)
 BENCH_MAX_NUM_SEQS = 16
-
-
-def write_json(path: str, result: dict[str, Any]) -> None:
-    Path(path).parent.mkdir(parents=True, exist_ok=True)
-    Path(path).write_text(json.dumps(result, indent=2) + "\n")
-    print(f"results written to {path}")
 
 
 def sibling_path(json_path: str, suffix: str) -> Path:
@@ -91,9 +86,10 @@ TIMELINE_LABELS = {"static": "static, paged KV", "continuous": "continuous, page
 
 
 def _cmd_throughput(args: argparse.Namespace) -> int:
-    from iterserve.bench.charts import joins_chart, timeline_chart
+    from iterserve.bench.machine import machine_stamp
     from iterserve.bench.progress import load_model_with_status
     from iterserve.bench.throughput import ENGINE_MODES, HF_MODE, run_throughput
+    from iterserve.bench.timeline import joins_chart, timeline_chart
     from iterserve.bench.workloads import make_workload
 
     if args.step_trace:
@@ -102,7 +98,8 @@ def _cmd_throughput(args: argparse.Namespace) -> int:
     modes = [m for m in args.modes.split(",") if m] + ([HF_MODE] if args.hf_baseline else [])
     percentiles = parse_percentiles(args.percentiles)
     config = config_from_args(EngineConfig, args)
-    loaded = load_model_with_status(config.model, config.dtype, config.device, config.seed)
+    loaded = load_model_with_status(config.model, config.dtype, config.device, config.seed,
+                                    quantization=config.quantization)
     requests = make_workload(spec, tokenizer=loaded.tokenizer, vocab_size=loaded.config.vocab_size)
     with tempfile.TemporaryDirectory() as tmp:
         trace_dir = args.trace_dir or (tmp if args.timeline or args.joins else None)
@@ -116,7 +113,8 @@ def _cmd_throughput(args: argparse.Namespace) -> int:
                 raise ValueError("--timeline draws the engine's modes; include continuous, static or reserved")
             order = sorted(traces, key=list(TIMELINE_LABELS).index)
             timeline_chart({TIMELINE_LABELS[m]: traces[m] for m in order}, args.timeline, x=args.timeline_x,
-                           max_num_seqs=config.max_num_seqs, busy=bool(result["busy_warning"]))
+                           max_num_seqs=config.max_num_seqs,
+                           stamp=machine_stamp(result["machine"]) if args.timeline_x == "time" else None)
             print(f"timeline written to {args.timeline}")
         if args.joins:
             if "continuous" not in traces:
@@ -130,7 +128,7 @@ def _cmd_throughput(args: argparse.Namespace) -> int:
     if args.chart:
         from iterserve.bench.charts import throughput_summary_chart
 
-        throughput_summary_chart(result, args.chart)
+        throughput_summary_chart(result, args.chart, stamp=machine_stamp(result["machine"]))
         print(f"chart written to {args.chart}")
     if args.output_json:
         write_json(args.output_json, result)
@@ -206,10 +204,10 @@ def _decode_bandwidth_line(loaded: Any, context: int, decode_s: float, device: s
 def _cmd_batch(args: argparse.Namespace) -> int:
     from iterserve.bench.batch import default_batch_sizes, sweep_batches
     from iterserve.bench.charts import Series, throughput_latency_chart
-    from iterserve.bench.machine import MachineMonitor
+    from iterserve.bench.machine import MachineMonitor, machine_stamp
     from iterserve.bench.progress import load_model_with_status
 
-    loaded = load_model_with_status(args.model, args.dtype, args.device)
+    loaded = load_model_with_status(args.model, args.dtype, args.device, quantization=args.quantization)
     if args.batch_sizes:
         values = float_list(args.batch_sizes, "--batch-sizes")
         if not all(v == int(v) for v in values):
@@ -254,6 +252,7 @@ def _cmd_batch(args: argparse.Namespace) -> int:
                     sizes.index(knee) if knee is not None else None)],
             chart, xlabel="decode throughput (tokens/s)", ylabel="decode step = time per output token (ms)",
             title=f"decode batch sweep at context {sweep.context} ({sweep.device})",
+            stamp=machine_stamp(monitor.check.to_dict()),
         )
         print(f"chart written to {chart}")
     if args.output_json:
@@ -265,7 +264,7 @@ def _cmd_batch(args: argparse.Namespace) -> int:
 
 def _cmd_ttft(args: argparse.Namespace) -> int:
     from iterserve.bench.charts import prompt_sweep_chart, request_steps_chart
-    from iterserve.bench.machine import MachineMonitor
+    from iterserve.bench.machine import MachineMonitor, machine_stamp
     from iterserve.bench.progress import load_model_with_status
     from iterserve.bench.prompt_sweep import sweep_prompt_lengths
 
@@ -273,7 +272,8 @@ def _cmd_ttft(args: argparse.Namespace) -> int:
     if not all(v == int(v) for v in values):
         raise ValueError(f"--prompt-lens takes whole numbers, got {args.prompt_lens!r}")
     config = config_from_args(EngineConfig, args)
-    loaded = load_model_with_status(config.model, config.dtype, config.device, config.seed)
+    loaded = load_model_with_status(config.model, config.dtype, config.device, config.seed,
+                                    quantization=config.quantization)
     monitor = MachineMonitor()
     monitor.sample()
     points = sweep_prompt_lengths(loaded, config, [int(v) for v in values], args.output_len, args.repeats)
@@ -291,10 +291,10 @@ def _cmd_ttft(args: argparse.Namespace) -> int:
     if warning:
         print(warning)
     if args.chart:
-        prompt_sweep_chart(points, args.chart, busy=warning is not None)
+        prompt_sweep_chart(points, args.chart, stamp=machine_stamp(monitor.check.to_dict()))
         print(f"chart written to {args.chart}")
     if args.steps_chart:
-        request_steps_chart(last, args.steps_chart, busy=warning is not None)
+        request_steps_chart(last, args.steps_chart, stamp=machine_stamp(monitor.check.to_dict()))
         print(f"steps of one {last.prompt_len}-token request: {last.step_tokens[0]} tokens in its first pass "
               f"({last.step_ms[0]:.1f} ms), then 1 token a pass (median {statistics.median(last.step_ms[1:]):.1f} ms)")
         print(f"chart written to {args.steps_chart}")
@@ -339,7 +339,11 @@ def add_bench_parser(subparsers: argparse._SubParsersAction) -> None:
     _add_serve_parser(sub)
     _add_batch_parser(sub)
     _add_ttft_parser(sub)
+    _add_perplexity_parser(sub)
     _add_plot_parser(sub)
+    from iterserve.cli.bench_arrivals import add_arrivals_parsers
+
+    add_arrivals_parsers(sub)
 
 
 def _add_throughput_parser(sub: argparse._SubParsersAction) -> None:
@@ -348,7 +352,8 @@ def _add_throughput_parser(sub: argparse._SubParsersAction) -> None:
     tp.set_defaults(max_num_seqs=BENCH_MAX_NUM_SEQS)
     add_workload_args(tp)
     tp.add_argument("--modes", default="continuous,static",
-                    help="comma-separated: continuous, static, reserved (default %(default)s)")
+                    help="comma-separated: continuous, static, dynamic, reserved (default %(default)s); every "
+                         "request is queued at once, so dynamic batches are full at once and run as static ones")
     tp.add_argument("--hf-baseline", action="store_true",
                     help="also run transformers' generate on padded batches of --max-num-seqs (needs transformers)")
     tp.add_argument("--temperature", type=float, default=0.0, help="sampling temperature of every request")
@@ -404,7 +409,8 @@ def _add_serve_parser(sub: argparse._SubParsersAction) -> None:
 def _add_batch_parser(sub: argparse._SubParsersAction) -> None:
     bt = sub.add_parser("batch", help="decode and prefill step latency against batch size, and the knee")
     d = EngineConfig()
-    add_config_args(bt.add_argument_group("engine"), EngineConfig, include=("model", "dtype", "device", "block_size"))
+    add_config_args(bt.add_argument_group("engine"), EngineConfig, include=("model", "dtype", "device", "quantization",
+                                                                                 "block_size"))
     bt.add_argument("--context", type=int, default=256, help="tokens each sequence holds (default %(default)s)")
     bt.add_argument("--batch-sizes", default=None, help="comma-separated (default: 1, 2, 4, ... up to what fits)")
     bound = "bounds the default sweep (default %(default)s)"
@@ -431,6 +437,37 @@ def _add_ttft_parser(sub: argparse._SubParsersAction) -> None:
                     help="PNG of the longest prompt's request step by step: tokens per pass and step time")
     tt.add_argument("--output-json", default=None, help="write the result as JSON to this file")
     tt.set_defaults(func=_cmd_ttft)
+
+
+def _add_perplexity_parser(sub: argparse._SubParsersAction) -> None:
+    pp = sub.add_parser("perplexity", help="perplexity of a fixed text under each weight format, side by side")
+    add_config_args(pp.add_argument_group("engine"), EngineConfig, include=("model", "dtype", "device", "seed"))
+    pp.add_argument("--formats", default="none,gguf,int8",
+                    help="comma-separated quantizations; none: float weights in --dtype (default %(default)s)")
+    pp.add_argument("--text", default=None, help="a UTF-8 text file (default: the shipped opening of Coriolanus)")
+    pp.add_argument("--window", type=int, default=512, help="tokens scored together (default %(default)s)")
+    pp.set_defaults(func=_cmd_perplexity)
+
+
+def _cmd_perplexity(args: argparse.Namespace) -> int:
+    from iterserve.bench.perplexity import SHIPPED_TEXT, perplexity
+    from iterserve.bench.progress import load_model_with_status
+    from iterserve.llm import LLM
+    from iterserve.quantization.model import check_quantization, weight_formats
+
+    text = Path(args.text or SHIPPED_TEXT).read_text(encoding="utf-8")
+    rows, first = [], None
+    for name in args.formats.split(","):
+        quantization = check_quantization(name)
+        loaded = load_model_with_status(args.model, args.dtype, args.device, args.seed, quantization=quantization)
+        result = perplexity(LLM(args.model, loaded=loaded, dtype=args.dtype, device=args.device), text, args.window)
+        first = first or result
+        weight_mb = sum(f.bytes for f in weight_formats(loaded.model)) / 1e6
+        rows.append([name, round(weight_mb, 1), f"{result.perplexity:.3f}",
+                     f"{100 * (result.perplexity / first.perplexity - 1):+.2f}%", f"{result.tokens_per_s:.0f}"])
+    print(f"{args.model}: {first.scored if first else 0} tokens scored in windows of {args.window}")
+    print(render_table(["format", "weights MB", "perplexity", f"vs {rows[0][0]}", "prefill tokens/s"], rows))
+    return 0
 
 
 def _add_plot_parser(sub: argparse._SubParsersAction) -> None:

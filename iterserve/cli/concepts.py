@@ -26,57 +26,84 @@ class Size:
     prompt_lens: str
     batch_sizes: str
     ttft_output: int
+    loads: str
 
 
-FULL = Size(("--model", "smollm2-135m", "--dtype", "auto"), 2, "32,128,512", "1,2,4,8,16", 8)
-SMALL = Size(("--model", SMALL_MODEL, "--dtype", "float32"), 1, "16,64,256", "1,2,4", 4)
+FULL = Size(("--model", "smollm2-135m", "--dtype", "auto"), 2, "32,128,512", "1,2,4,8,16", 8, "0.25,0.5,0.75,1,1.5")
+SMALL = Size(("--model", SMALL_MODEL, "--dtype", "float32"), 1, "16,64,256", "1,2,4", 4, "0.5,1.5")
+
+# sections 1, 2 and 4 share one workload: more requests than slots, heavy-tailed outputs
+WORKLOAD = ("--num-prompts", "32", "--max-num-seqs", "8", "--input-len", "uniform:8:32",
+            "--output-len", "pareto:1:0.8:24")
+POLICIES = ("static", "dynamic", "continuous")
 
 
-def _static_vs_continuous(out: Path, s: Size) -> list[str]:
-    """Items 1, 2, 4: more requests than slots, heavy-tailed outputs."""
-    return ["bench", "throughput", *s.model, "--num-prompts", "32", "--max-num-seqs", "8",
-            "--input-len", "uniform:8:32", "--output-len", "pareto:1:0.8:24", "--modes", "static,continuous",
-            "--repeats", str(s.repeats),
-            "--disable-tqdm", "--timeline", str(out / "static_vs_continuous.png"), "--joins", str(out / "joins.png"),
-            "--chart", str(out / "throughput_latency.png"), "--output-json", str(out / "static_vs_continuous.json")]
+def _static_vs_continuous(out: Path, s: Size) -> list[list[str]]:
+    """Items 1, 2: every request queued at once."""
+    return [["bench", "throughput", *s.model, *WORKLOAD, "--modes", "static,continuous", "--repeats", str(s.repeats),
+             "--disable-tqdm", "--timeline", str(out / "static_vs_continuous.png"), "--joins", str(out / "joins.png"),
+             "--chart", str(out / "throughput_latency.png"),
+             "--output-json", str(out / "static_vs_continuous.json")]]
 
 
-def _paged_vs_reserved(out: Path, s: Size) -> list[str]:
+def _arrivals(out: Path, s: Size) -> list[list[str]]:
+    """Item 2: the three policies on the same arrivals, simulated at a constant step time, so every count
+    and every span is the same on any machine; then the three traces side by side."""
+    sim = ["simulate", "run", "--step-time", "0.05", *WORKLOAD, "--num-kv-blocks", "256", "--request-rate", "8",
+           "--max-batch-wait", "0.3"]
+    traces = [str(out / f"arrivals_{policy}.jsonl") for policy in POLICIES]
+    return [*([*sim, "--batching", policy, "--step-trace", trace] for policy, trace in zip(POLICIES, traces)),
+            ["bench", "timeline", *traces, "--labels", ",".join(POLICIES), "--x", "time", "--max-num-seqs", "8",
+             "--output", str(out / "arrivals.png")]]
+
+
+def _offered_load(out: Path, s: Size) -> list[list[str]]:
+    """Item 4: throughput and TTFT against offered load, per policy, measured."""
+    return [["bench", "load", *s.model, *WORKLOAD, "--modes", ",".join(POLICIES), "--loads", s.loads,
+             "--max-batch-wait", "0.2", "--disable-tqdm", "--chart", str(out / "offered_load.png"),
+             "--output-json", str(out / "offered_load.json")]]
+
+
+def _paged_vs_reserved(out: Path, s: Size) -> list[list[str]]:
     """Items 3, 10: one pool of 32 blocks, requests asking for 128 tokens and ending at their drawn length."""
-    return ["bench", "throughput", *s.model, "--num-prompts", "16", "--max-num-seqs", "8", "--num-kv-blocks", "32",
-            "--input-len", "uniform:8:32", "--output-len", "pareto:2:1:16", "--max-tokens-cap", "128",
-            "--modes", "continuous,reserved", "--repeats", str(s.repeats), "--disable-tqdm",
-            "--timeline", str(out / "paged_vs_reserved.png"), "--output-json", str(out / "paged_vs_reserved.json")]
+    return [["bench", "throughput", *s.model, "--num-prompts", "16", "--max-num-seqs", "8", "--num-kv-blocks", "32",
+             "--input-len", "uniform:8:32", "--output-len", "pareto:2:1:16", "--max-tokens-cap", "128",
+             "--modes", "continuous,reserved", "--repeats", str(s.repeats), "--disable-tqdm",
+             "--timeline", str(out / "paged_vs_reserved.png"), "--output-json", str(out / "paged_vs_reserved.json")]]
 
 
-def _ttft(out: Path, s: Size) -> list[str]:
+def _ttft(out: Path, s: Size) -> list[list[str]]:
     """Items 5, 6: lone requests at growing prompt lengths."""
-    return ["bench", "ttft", *s.model, "--prompt-lens", s.prompt_lens, "--output-len", str(s.ttft_output),
-            "--repeats", str(s.repeats), "--chart", str(out / "ttft_vs_prompt.png"),
-            "--steps-chart", str(out / "request_steps.png"), "--output-json", str(out / "ttft_vs_prompt.json")]
+    return [["bench", "ttft", *s.model, "--prompt-lens", s.prompt_lens, "--output-len", str(s.ttft_output),
+             "--repeats", str(s.repeats), "--chart", str(out / "ttft_vs_prompt.png"),
+             "--steps-chart", str(out / "request_steps.png"), "--output-json", str(out / "ttft_vs_prompt.json")]]
 
 
-def _batch(out: Path, s: Size) -> list[str]:
+def _batch(out: Path, s: Size) -> list[list[str]]:
     """Items 7, 9: decode step time against batch size on this machine."""
-    return ["bench", "batch", *s.model, "--batch-sizes", s.batch_sizes, "--context", "64", "--repeats", str(s.repeats),
-            "--no-prefill", "--disable-tqdm", "--chart", str(out / "batch_sweep.png"),
-            "--output-json", str(out / "batch_sweep.json")]
+    return [["bench", "batch", *s.model, "--batch-sizes", s.batch_sizes, "--context", "64",
+             "--repeats", str(s.repeats), "--no-prefill", "--disable-tqdm", "--chart", str(out / "batch_sweep.png"),
+             "--output-json", str(out / "batch_sweep.json")]]
 
 
-def _plan(out: Path, s: Size) -> list[str]:
-    """Items 8, 9, 10: the roofline of a named GPU and model."""
-    return ["plan", "llama-3-8b", "--gpu", "H100-SXM", "--context", "4096",
-            "--chart", str(out / "plan_llama3_8b_h100.png")]
+def _plan(out: Path, s: Size) -> list[list[str]]:
+    """Items 8, 9, 10: the roofline of a named GPU and model, and the sequences its KV cache holds."""
+    return [["plan", "llama-3-8b", "--gpu", "H100-SXM", "--context", "4096",
+             "--chart", str(out / "plan_llama3_8b_h100.png"), "--roofline-chart", str(out / "roofline_h100.png"),
+             "--capacity-chart", str(out / "kv_capacity.png")]]
 
 
-def _plan_here(out: Path, s: Size) -> list[str]:
-    """Items 8, 10: the same roofline for this machine, measured, and the embedded model."""
-    return ["plan", "smollm2-135m", "--measure", "--dtype", "fp32", "--context", "2048",
-            "--chart", str(out / "plan_smollm2_here.png")]
+def _plan_here(out: Path, s: Size) -> list[list[str]]:
+    """Items 8, 10: the same roofline for this machine, measured three times (no figure when the runs
+    disagree by more than 20%), with the steps' arithmetic intensity drawn against its ridge."""
+    return [["plan", "smollm2-135m", "--measure", "--dtype", "auto", "--context", "2048",
+             "--chart", str(out / "plan_smollm2_here.png"), "--roofline-chart", str(out / "roofline_here.png")]]
 
 
-FIGURES: dict[str, Callable[[Path, Size], list[str]]] = {
+FIGURES: dict[str, Callable[[Path, Size], list[list[str]]]] = {
     "static_vs_continuous": _static_vs_continuous,
+    "arrivals": _arrivals,
+    "offered_load": _offered_load,
     "paged_vs_reserved": _paged_vs_reserved,
     "ttft": _ttft,
     "batch": _batch,
@@ -102,12 +129,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     out.mkdir(parents=True, exist_ok=True)
     size = SMALL if args.small else FULL
     for name in names:
-        cmd = FIGURES[name](out, size)
-        print(f"\n$ iterserve {shlex.join(cmd)}", flush=True)
-        rc = iterserve_main(["--log-level", "WARNING", *cmd])
-        sys.stdout.flush()
-        if rc:
-            return rc
+        for cmd in FIGURES[name](out, size):
+            print(f"\n$ iterserve {shlex.join(cmd)}", flush=True)
+            rc = iterserve_main(["--log-level", "WARNING", *cmd])
+            sys.stdout.flush()
+            if rc:
+                return rc
     return 0
 
 

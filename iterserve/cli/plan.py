@@ -60,14 +60,18 @@ def _add_arguments(p: argparse.ArgumentParser) -> None:
     hw.add_argument("--bandwidth", help="memory bandwidth in GB/s (or with a unit: 3.35TB/s)")
     hw.add_argument("--memory", help="device memory in GiB (or with a unit: 80GiB, 85.9GB)")
     hw.add_argument("--measure", action="store_true", help="measure this machine (CPU or CUDA)")
+    hw.add_argument("--measure-repeats", type=int, default=3,
+                    help="measure this many times; the medians are used, and no figure is printed when the runs "
+                         "disagree by more than 20%% (default %(default)s)")
     hw.add_argument("--device", choices=["cpu", "cuda"], help="device for --measure/--validate")
     hw.add_argument("--tp", "--tensor-parallel-size", dest="tp", type=int, default=1,
                     help="split the model over this many GPUs (tensor parallelism); figures are per GPU")
     hw.add_argument("--interconnect", help=f"the GPUs' link for --tp: {', '.join(INTERCONNECTS)} "
                     "(default: the GPU's own)")
     wl = p.add_argument_group("workload")
-    wl.add_argument("--dtype", help="weight/compute dtype: fp32, tf32, bf16, fp16, fp8, int8 "
-                    "(default bf16; with --validate fp32 on CPU)")
+    wl.add_argument("--dtype", help="weight/compute dtype: fp32, tf32, bf16, fp16, fp8, int8, or auto (what the engine "
+                    "runs in: bf16 on a GPU or a CPU with bf16 instructions, else fp32) (default bf16; with "
+                    "--validate fp32 on CPU)")
     wl.add_argument("--kv-dtype", help="KV-cache dtype (default: --dtype)")
     wl.add_argument("--context", type=int, help="tokens per sequence for KV capacity and decode "
                     "(default min(4096, model max); 256 with --validate)")
@@ -82,6 +86,9 @@ def _add_arguments(p: argparse.ArgumentParser) -> None:
     out = p.add_argument_group("output")
     out.add_argument("--json", action="store_true", help="print JSON instead of tables")
     out.add_argument("--chart", metavar="PNG", help="write a chart of tokens/s and latency vs batch")
+    out.add_argument("--roofline-chart", metavar="PNG",
+                     help="write the roofline (first hardware) with every decode batch and the prefill on it")
+    out.add_argument("--capacity-chart", metavar="PNG", help="write the sequences that fit against context length")
     val = p.add_argument_group("validation")
     val.add_argument("--validate", action="store_true",
                      help="time decode steps on this machine and compare with the prediction")
@@ -243,76 +250,6 @@ def print_validation(v: Validation, out: TextIO) -> None:
           f"measured knee: {v.measured_knee or 'none'}", file=out)
 
 
-# -- charts -------------------------------------------------------------------------------------
-
-
-def chart_plans(plans: list[planner.Plan], path: str) -> None:
-    """Predicted tokens/s and per-token latency vs batch, knee and memory limit marked."""
-    from iterserve.bench.charts import subplots
-
-    fig, (ax_tps, ax_lat) = subplots(1, 2, figsize=(11, 4.5))
-    for i, p in enumerate(plans):
-        color = f"C{i}"
-        b = [s.batch for s in p.sweep]
-        ax_tps.plot(b, [s.tokens_per_s for s in p.sweep], "o-", color=color, ms=3, label=p.hardware.name)
-        ax_lat.plot(b, [s.decode.time_s * 1e3 for s in p.sweep], "o-", color=color, ms=3, label=p.hardware.name)
-        if p.knee_batch is not None:
-            k = p.knee_batch
-            for ax in (ax_tps, ax_lat):
-                ax.axvline(k, color=color, ls="--", lw=1)
-            kp = p.knee_point
-            assert kp is not None  # a plan with a knee has its point
-            ax_tps.plot([k], [kp.tokens_per_s], "*", color=color, ms=12, label=f"knee B={k}")
-            ax_lat.plot([k], [kp.decode.time_s * 1e3], "*", color=color, ms=12)
-        if p.capacity.max_seqs >= 1:
-            for ax in (ax_tps, ax_lat):
-                ax.axvline(p.capacity.max_seqs, color=color, ls=":", lw=1)
-    _log_batch_axes(((ax_tps, "tokens/s (all sequences)"), (ax_lat, "per-token latency, ms (TPOT)")),
-                    "batch size (concurrent sequences)")
-    first = plans[0]
-    ax_tps.legend(fontsize=8)
-    fig.suptitle(
-        f"{first.model}, {first.dtype}, decode at {first.context} ctx: roofline prediction "
-        "(dashed: knee, dotted: memory limit)",
-        fontsize=10,
-    )
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-
-
-def _log_batch_axes(axes: Sequence[tuple[Any, str]], xlabel: str) -> None:
-    """Log-log axes against batch size, as every planner chart draws them."""
-    for ax, ylabel in axes:
-        ax.set_xscale("log", base=2)
-        ax.set_yscale("log")
-        ax.set_xlabel(xlabel)
-        ax.set_ylabel(ylabel)
-        ax.grid(True, which="both", alpha=0.3)
-
-
-def chart_validation(v: Validation, path: str) -> None:
-    """Predicted vs measured decode step time and tokens/s, with both knees marked."""
-    from iterserve.bench.charts import subplots
-
-    fig, (ax_t, ax_tps) = subplots(1, 2, figsize=(11, 4.5))
-    b = [r.batch for r in v.rows]
-    pred = [r.predicted_s for r in v.rows]
-    meas = [r.measured_s for r in v.rows]
-    ax_t.plot(b, [t * 1e3 for t in pred], "o-", color="C0", label="predicted (roofline)")
-    ax_t.plot(b, [t * 1e3 for t in meas], "s-", color="C1", label="measured")
-    ax_tps.plot(b, [x / t for x, t in zip(b, pred)], "o-", color="C0", label="predicted (roofline)")
-    ax_tps.plot(b, [x / t for x, t in zip(b, meas)], "s-", color="C1", label="measured")
-    for knee, color, label in ((v.predicted_knee, "C0", "predicted knee"), (v.measured_knee, "C1", "measured knee")):
-        if knee is not None:
-            for ax in (ax_t, ax_tps):
-                ax.axvline(knee, color=color, ls="--", lw=1, label=f"{label} B={knee}" if ax is ax_t else None)
-    _log_batch_axes(((ax_t, "decode step time, ms"), (ax_tps, "tokens/s")), "batch size")
-    ax_t.legend(fontsize=8)
-    fig.suptitle(f"{v.model}, {v.dtype}, decode at {v.context} ctx on {v.hardware.name}", fontsize=10)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-
-
 # -- running ------------------------------------------------------------------------------------
 
 
@@ -327,9 +264,9 @@ def _hardware_from_args(args: argparse.Namespace, dtype: str) -> list[Accelerato
             raise ValueError("--gpu needs at least one GPU name")
         hws += [get_accelerator(n) for n in names]
     if args.measure:
-        from iterserve.bench.microbench import measure_local
+        from iterserve.bench.microbench import measure_local_repeated
 
-        hws.append(measure_local(args.device))
+        hws.append(measure_local_repeated(args.device, dtype, repeats=args.measure_repeats))
     if hws:
         return [hw.with_overrides(dtype=dtype, flops=flops, bandwidth=bandwidth, memory_bytes=memory) for hw in hws]
     missing = [f"--{k}" for k, v in (("flops", args.flops), ("bandwidth", args.bandwidth),
@@ -385,7 +322,10 @@ def _run_validate(args: argparse.Namespace, out: TextIO) -> int:
         v = validate.validate(cfg, timed, device=device, dtype=dtype, kv_dtype=args.kv_dtype, context=context,
                               batches=batches, repeats=args.repeats)
     if args.chart:
-        chart_validation(v, args.chart)
+        from iterserve.bench.machine import machine_stamp
+        from iterserve.cli.plan_charts import chart_validation
+
+        chart_validation(v, args.chart, stamp=machine_stamp())
     if args.json:
         print(json.dumps({"validation": v.to_dict()}, indent=2, default=str), file=out)
     else:
@@ -417,7 +357,7 @@ def _run(args: argparse.Namespace, out: TextIO, err: TextIO) -> int:
         raise ValueError("name a model: a preset (e.g. llama-3-8b), a config.json, a folder or a .gguf file")
     if args.validate:
         return _run_validate(args, out)
-    dtype = canonical_dtype(args.dtype or "bf16")
+    dtype = _plan_dtype(args.dtype, args.measure and args.device != "cuda")
     kv_dtype = canonical_dtype(args.kv_dtype) if args.kv_dtype else None
     cfg = planner.load_model_config(args.model)
     hws = _hardware_from_args(args, dtype)
@@ -448,17 +388,46 @@ def _run(args: argparse.Namespace, out: TextIO, err: TextIO) -> int:
             skipped.append(f"{hw.name}: {e}")
     if not plans:
         raise ValueError(f"no GPU can run this: {'; '.join(skipped)}")
-    if args.chart:
-        chart_plans(plans, args.chart)
+    _charts(args, plans, cfg, hws, dtype, kv_dtype)
     if args.json:
         print(json.dumps({"plans": [p.to_dict() for p in plans], "skipped": skipped}, indent=2), file=out)
     else:
         print_plans(plans, out)
         for line in skipped:
             print(f"skipped {line}", file=err)
-        if args.chart:
-            print(f"chart written to {args.chart}", file=out)
+        for chart in (args.chart, args.roofline_chart, args.capacity_chart):
+            if chart:
+                print(f"chart written to {chart}", file=out)
     return 0
+
+
+def _plan_dtype(name: str | None, on_this_cpu: bool) -> str:
+    """The planner's dtype; ``auto`` as the engine resolves it (bf16 unless this CPU would emulate it)."""
+    if str(name).lower() != "auto":
+        return canonical_dtype(name or "bf16")
+    if on_this_cpu:
+        from iterserve.config.dtypes import parse_dtype
+
+        return canonical_dtype(parse_dtype("auto"))
+    return "bf16"
+
+
+def _charts(args: argparse.Namespace, plans: list[planner.Plan], cfg: Any, hws: list[Accelerator], dtype: str,
+            kv_dtype: str | None) -> None:
+    from iterserve.cli import plan_charts
+
+    stamp = None
+    if args.measure:  # a figure of a measured machine names it
+        from iterserve.bench.machine import machine_stamp
+
+        stamp = machine_stamp()
+    if args.chart:
+        plan_charts.chart_plans(plans, args.chart, stamp=stamp)
+    if args.roofline_chart:
+        plan_charts.chart_roofline(plans[-1] if args.measure else plans[0], args.roofline_chart, stamp=stamp)
+    if args.capacity_chart:
+        plan_charts.chart_capacity(cfg.tensor_parallel_shard(args.tp), hws, dtype, kv_dtype, args.capacity_chart,
+                                   args.gpu_memory_utilization)
 
 
 def main(argv: Sequence[str] | None = None) -> int:

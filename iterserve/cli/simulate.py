@@ -1,4 +1,4 @@
-"""``iterserve simulate``: ``run`` a workload through the real scheduler on a modelled accelerator,
+"""``iterserve simulate``: ``run`` a workload through the real engine core on a modelled accelerator,
 ``calibrate`` a step-time profile from steps timed on this machine."""
 
 from __future__ import annotations
@@ -6,6 +6,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import dataclasses
+import logging
 import math
 from pathlib import Path
 from typing import Any
@@ -21,9 +22,9 @@ DEFAULT_SIM_MODEL = "smollm2-135m"
 def _add_run_parser(sub: Any) -> None:
     from iterserve.cli.workload import add_workload_args
 
-    p = sub.add_parser("run", help="simulate bench serve: real scheduler, modelled step times",
-                       description="Drive the engine's scheduler and KV block manager with a discrete-event clock; "
-                                   "step times come from a cost model. Output matches bench serve's.")
+    p = sub.add_parser("run", help="simulate bench serve: real engine core, modelled step times",
+                       description="Drive the engine core (its scheduler, KV block manager and prefix cache) on a "
+                                   "virtual clock; step times come from a cost model. Output matches bench serve's.")
     m = p.add_argument_group("model and cost model (one of --step-time, --gpu/--flops, --profile)")
     m.add_argument("--model", default=DEFAULT_SIM_MODEL, help="preset name, config.json, model folder or .gguf")
     m.add_argument("--dtype", default="bf16", help="weight and KV dtype (bf16, fp16, fp32, ...; default %(default)s)")
@@ -38,7 +39,7 @@ def _add_run_parser(sub: Any) -> None:
     m.add_argument("--profile", default=None, help="calibrated step profile JSON (iterserve simulate calibrate)")
     e = p.add_argument_group("simulated engine")
     add_config_args(e, EngineConfig, include=("block_size", "max_num_seqs", "max_num_batched_tokens", "batching",
-                                              "kv_allocation", "enable_prefix_caching"))
+                                              "max_batch_wait", "kv_allocation", "enable_prefix_caching"))
     e.add_argument("--kv-cache-memory", default=None,
                    help="KV pool size, e.g. 2GiB (default: what fits beside the weights under --gpu, else 2GiB)")
     e.add_argument("--num-kv-blocks", type=int, default=None, help="KV pool size in blocks (overrides memory)")
@@ -86,7 +87,7 @@ def _add_calibrate_parser(sub: Any) -> None:
 
 def add_simulate_parser(subparsers: Any) -> None:
     """Register ``iterserve simulate run`` and ``iterserve simulate calibrate``."""
-    p = subparsers.add_parser("simulate", help="simulate serving: real scheduler, modelled accelerator",
+    p = subparsers.add_parser("simulate", help="simulate serving: real engine core, modelled accelerator",
                               description=__doc__)
     sub = p.add_subparsers(dest="simulate_command", required=True)
     _add_run_parser(sub)
@@ -134,26 +135,31 @@ def sim_config_from_args(args: argparse.Namespace, terms: PlannerTerms, cost: Co
         interval = measured.admission_interval_s if measured else 0.0
     return SimConfig(num_kv_blocks=blocks, block_size=args.block_size, max_num_seqs=args.max_num_seqs,
                      max_num_batched_tokens=args.max_num_batched_tokens, batching=args.batching,
-                     kv_allocation=args.kv_allocation, enable_prefix_caching=args.enable_prefix_caching,
-                     max_model_len=max_len, request_latency_s=latency,
-                     admission_interval_s=interval)
+                     max_batch_wait=args.max_batch_wait, kv_allocation=args.kv_allocation,
+                     enable_prefix_caching=args.enable_prefix_caching, max_model_len=max_len,
+                     request_latency_s=latency, admission_interval_s=interval)
 
 
 def _cmd_run(args: argparse.Namespace) -> int:
     from iterserve.bench.charts import serve_charts
     from iterserve.bench.metrics import parse_goodput, parse_percentiles
     from iterserve.bench.workloads import make_workload
-    from iterserve.cli.bench import serve_table, sibling_path, write_json
+    from iterserve.cli.bench import serve_table, sibling_path
+    from iterserve.cli.results import write_json
     from iterserve.cli.workload import load_points, workload_spec_from_args
-    from iterserve.models.loader import load_tokenizer
+    from iterserve.models.loader import load_model_config, load_tokenizer
     from iterserve.simulate.planning import planner_terms
     from iterserve.simulate.runner import run_simulation
 
+    # each load point runs a fresh engine core, whose KV pool line would repeat; the summary below says it once
+    logging.getLogger("iterserve.engine.core").setLevel(logging.WARNING)
     spec = workload_spec_from_args(args)
     percentiles = parse_percentiles(args.percentiles)
     goodput = parse_goodput(args.goodput) if args.goodput else None
     points = load_points(args)
-    terms = planner_terms(args.model, args.dtype, gpu=args.gpu, flops=args.flops, bandwidth=args.bandwidth,
+    model = load_model_config(args.model)  # read once for the planner and the engine: a GGUF's takes seconds
+    model = model if model.name else model.replace(name=args.model)
+    terms = planner_terms(model, args.dtype, gpu=args.gpu, flops=args.flops, bandwidth=args.bandwidth,
                           memory=args.memory, gpu_memory_utilization=args.gpu_memory_utilization)
     cost = _cost_model(args, terms)
     cfg = sim_config_from_args(args, terms, cost)
@@ -162,7 +168,7 @@ def _cmd_run(args: argparse.Namespace) -> int:
     with open(args.step_trace, "w") if args.step_trace else contextlib.nullcontext() as trace:
         result = run_simulation(requests, points, cost, cfg, burstiness=args.burstiness, workload=spec,
                                 model_id=terms.model_name, label=args.label, percentiles=percentiles,
-                                goodput=goodput, trace=trace)
+                                goodput=goodput, trace=trace, model=model, dtype=args.dtype)
     c = cost.describe()
     print(f"{result['label']}: {terms.model_name}, cost model {c['kind']}, KV pool {cfg.num_kv_blocks} blocks x "
           f"{cfg.block_size} tokens, {cfg.batching} batching, {cfg.kv_allocation} KV")

@@ -15,9 +15,10 @@ from iterserve.config.dtypes import parse_dtype
 from iterserve.config.model import DEFAULT_MODEL
 
 Dtype = Literal["auto", "float32", "bfloat16", "float16"]
-Batching = Literal["continuous", "static"]
+Batching = Literal["continuous", "static", "dynamic"]
 KVAllocation = Literal["paged", "reserved"]
 LogLevel = Literal["DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL"]
+Quantization = Literal["gguf", "int8"]
 LOG_LEVELS: tuple[str, ...] = typing.get_args(LogLevel)
 
 
@@ -61,7 +62,11 @@ class SchedulerConfig:
     max_num_seqs: int = _opt(256, "most sequences in one step's batch")
     max_num_batched_tokens: int = _opt(2048, "most tokens (prefill chunks + decodes) computed in one step")
     batching: Batching = _opt("continuous", "continuous: requests join and leave at every step; static: a new "
-                                            "batch starts only when the previous one has finished")
+                                            "batch starts only when the previous one has finished; dynamic: as "
+                                            "static, but a new batch waits for --max-num-seqs requests or for its "
+                                            "first to have waited --max-batch-wait seconds")
+    max_batch_wait: float = _opt(0.05, "dynamic batching: seconds the oldest waiting request may wait for its batch "
+                                       "to fill before the batch starts")
     kv_allocation: KVAllocation = _opt("paged", "paged: KV blocks as tokens arrive; reserved: blocks for "
                                                 "prompt + max_tokens held from admission")
     max_model_len: int | None = _opt(None, "a sequence reaching this many tokens finishes with 'length'", cli=False)
@@ -71,6 +76,9 @@ class SchedulerConfig:
         _check_positive(self, "max_model_len", allow_none=True)
         _check_choice(self, "batching", Batching)
         _check_choice(self, "kv_allocation", KVAllocation)
+        if isinstance(self.max_batch_wait, bool) or not isinstance(self.max_batch_wait, (int, float)) \
+                or not 0 <= self.max_batch_wait < float("inf"):
+            raise ValueError(f"max_batch_wait must be a number of seconds >= 0, got {self.max_batch_wait!r}")
 
 
 @dataclass(frozen=True)
@@ -81,6 +89,9 @@ class EngineConfig:
     dtype: Dtype = _opt("auto", "weights and KV cache precision; auto is bfloat16 where the hardware computes in "
                                 "it, else float32")
     device: str | None = _opt(None, "cpu, cuda or cuda:N (default: cuda when available)")
+    quantization: Quantization | None = _opt(None, "weights kept quantized: gguf keeps a GGUF file's Q4_0/Q4_1/Q8_0 "
+                                                   "blocks, int8 quantizes a float checkpoint at load (default: "
+                                                   "float weights in --dtype)")
     block_size: int = _opt(16, "tokens per KV cache block")
     max_model_len: int | None = _opt(None, "longest prompt + output (default: the model's context, capped by "
                                            "what the KV pool holds)")
@@ -91,6 +102,7 @@ class EngineConfig:
     kv_cache_memory: str | int = _opt("2GiB", "KV pool size, e.g. 2GiB or 512MiB")
     num_kv_blocks: int | None = _opt(None, "KV pool size in blocks (overrides --kv-cache-memory)")
     batching: Batching = _same_as(SchedulerConfig, "batching")
+    max_batch_wait: float = _same_as(SchedulerConfig, "max_batch_wait")
     kv_allocation: KVAllocation = _same_as(SchedulerConfig, "kv_allocation")
     tensor_parallel_size: int = _opt(1, "split every layer over this many processes (tensor parallelism); "
                                         "under torchrun, the launcher's WORLD_SIZE")
@@ -103,14 +115,16 @@ class EngineConfig:
         object.__setattr__(self, "dtype", _canonical_dtype(self.dtype))
         _check_positive(self, "block_size", "tensor_parallel_size")
         _check_positive(self, "max_model_len", "num_kv_blocks", allow_none=True)
+        if self.quantization is not None:
+            _check_choice(self, "quantization", Quantization)
         if not isinstance(self.step_history, int) or self.step_history < 0:
             raise ValueError(f"step_history must be an integer >= 0, got {self.step_history!r}")
         self.scheduler_config(self.max_model_len)  # the scheduler's fields are checked where they are defined
 
     def scheduler_config(self, max_model_len: int | None) -> SchedulerConfig:
         """The scheduler's share of this config, with max_model_len resolved against the KV pool."""
-        return SchedulerConfig(self.max_num_seqs, self.max_num_batched_tokens, self.batching, self.kv_allocation,
-                               max_model_len)
+        return SchedulerConfig(self.max_num_seqs, self.max_num_batched_tokens, self.batching, self.max_batch_wait,
+                               self.kv_allocation, max_model_len)
 
 
 @dataclass(frozen=True)
@@ -132,16 +146,30 @@ class ServerConfig:
     data_parallel_size: int = _opt(1, "engine cores (replicas) behind this server, each with its own KV pool; "
                                       "a request goes to the one most likely to hold its prompt's prefix, then "
                                       "to the least loaded (on CUDA replica i runs on cuda:i)")
+    # 8 MiB at 300 KB/s; a client that sends less has its connection closed rather than held open
+    request_body_timeout: float = _opt(30.0, "seconds a client may take to send a request body; slower ones get "
+                                             "408 and the connection is closed")
+    # well above one step: a full prefill chunk on a busy CPU takes seconds, not a minute
+    engine_stall_timeout: float = _opt(60.0, "/health answers 503 when an engine core has requests and has sent "
+                                             "nothing back for this many seconds")
+    max_dashboard_viewers: int = _opt(16, "dashboard feeds open at once; more are refused with 429")
+    grammar_workers: int = _opt(2, "threads that check structured-output grammars before requests are admitted")
+    grammar_timeout: float = _opt(10.0, "seconds a structured-output grammar may take to compile; slower ones are "
+                                        "refused with 400")
     log_level: LogLevel = _opt("INFO", "log level of the server and its engine core", cli=False)
     chat_template: str | None = _opt(None, "chat template used instead of the model's: a file, or the template "
                                            "itself (as vLLM takes it); a request's chat_template still wins")
 
     def __post_init__(self) -> None:
-        _check_positive(self, "max_waiting", "max_request_body_bytes", "data_parallel_size")
+        _check_positive(self, "max_waiting", "max_request_body_bytes", "data_parallel_size", "max_dashboard_viewers",
+                        "grammar_workers")
         if not isinstance(self.port, int) or not 0 <= self.port <= 65535:
             raise ValueError(f"port must be in [0, 65535], got {self.port!r}")
         if self.shutdown_timeout < 0:
             raise ValueError(f"shutdown_timeout must be >= 0, got {self.shutdown_timeout!r}")
+        for name in ("request_body_timeout", "engine_stall_timeout", "grammar_timeout"):
+            if not getattr(self, name) > 0:
+                raise ValueError(f"{name} must be > 0, got {getattr(self, name)!r}")
         object.__setattr__(self, "log_level", str(self.log_level).upper())
         _check_choice(self, "log_level", LogLevel)
 

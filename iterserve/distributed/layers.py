@@ -21,7 +21,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from iterserve.distributed.parallel_state import ParallelState
-from iterserve.models.linear import DENSE, LinearMethod
+from iterserve.models.linear import LinearBase
+from iterserve.quantization.packed import PackedWeight, dequantize
 
 
 @dataclass(frozen=True)
@@ -52,29 +53,6 @@ def head_shard(num_heads: int, head_dim: int, ps: ParallelState) -> Shard:
 def _check_shape(name: str, tensor: torch.Tensor, expected: tuple[int, ...]) -> None:
     if tuple(tensor.shape) != expected:
         raise ValueError(f"{name} has shape {tuple(tensor.shape)}, expected {expected}")
-
-
-class LinearBase(nn.Linear):
-    """A linear layer whose product is computed by its :class:`LinearMethod` (``F.linear`` until
-    :func:`iterserve.models.linear.process_weights` gives it another): the one place kernels plug in."""
-
-    method: LinearMethod = DENSE
-
-    def matmul(self, x: torch.Tensor) -> torch.Tensor:
-        """This rank's ``x @ W^T (+ bias)``, before any communication."""
-        return self.method.apply(self, x)
-
-    def dense_weight(self) -> torch.Tensor:
-        """This rank's ``[out, in]`` weight, whatever format the method keeps it in."""
-        return self.method.dense_weight(self)
-
-    def release_weight(self) -> None:
-        """Drop the plain weight's memory once the method holds its own copy; its shape and dtype stay."""
-        w = self.weight
-        self.weight = nn.Parameter(torch.empty(w.shape, dtype=w.dtype, device="meta"), requires_grad=False)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.matmul(x)
 
 
 class ColumnParallelLinear(LinearBase):
@@ -151,14 +129,21 @@ class VocabParallelEmbedding(nn.Embedding):
     def full_shape(self, name: str) -> tuple[int, ...]:
         return (self.rows.vocab_size, self.embedding_dim)
 
+    qweight: PackedWeight | None = None  # the rows in quantized blocks (iterserve.quantization) instead
+
     def load(self, name: str, tensor: torch.Tensor, part: int | None = None) -> None:
         self.rows.load(self.weight, name, tensor)
 
+    def lookup(self, ids: torch.Tensor) -> torch.Tensor:
+        if self.qweight is None:
+            return F.embedding(ids, self.weight)
+        return dequantize(self.qweight, self.weight.dtype, rows=ids)
+
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         if not self.ps.is_parallel:
-            return F.embedding(ids, self.weight)
+            return self.lookup(ids)
         mine = (ids >= self.rows.start) & (ids < self.rows.start + self.rows.valid)
-        out = F.embedding((ids - self.rows.start) * mine, self.weight) * mine.unsqueeze(-1)
+        out = self.lookup((ids - self.rows.start) * mine) * mine.unsqueeze(-1)
         return self.ps.all_reduce(out)
 
 

@@ -14,10 +14,13 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 import os
 import signal
 import time
 from collections import deque
+from collections.abc import Callable
+from concurrent.futures import FIRST_COMPLETED, Future, wait
 from typing import IO
 
 import msgspec
@@ -43,12 +46,12 @@ from iterserve.engine.messages import (
 )
 from iterserve.engine.scheduler import Scheduler, SchedulerOutput
 from iterserve.engine.sequence import Sequence
-from iterserve.engine.structured_output import GrammarCompiler, GrammarMatcher
+from iterserve.engine.structured_output import GrammarMatcher, GrammarPool
 from iterserve.engine.validation import check_prompt
 from iterserve.errors import SamplingParamsError, TensorParallelError
 from iterserve.models.loader import LoadedModel
 from iterserve.outputs import RequestMetrics
-from iterserve.sampling_params import SamplingParams
+from iterserve.sampling_params import SamplingParams, grammar_checks_deferred
 from iterserve.tokenizer import Tokenizer
 
 logger = logging.getLogger(__name__)
@@ -62,6 +65,7 @@ FAULT_TOKEN_ENV = "ITERSERVE_TEST_FAULT_TOKEN"
 KV_SNAPSHOT_MIN_INTERVAL_S = 0.1
 KV_SNAPSHOT_BUDGET = 0.005
 
+COMPILE_WAIT_S = 0.05  # an otherwise idle step waits this long for a grammar to compile
 ORPHAN_CHECK_S = 1.0  # how often an idle core checks that the API process is still there (a busy one: every step)
 
 
@@ -79,13 +83,18 @@ def stop_token_ids(params: SamplingParams, model_config: ModelConfig, tokenizer:
 class EngineCore:
     """The scheduler, the block manager and every request's state, over an :class:`Executor` that runs the
     model: in this process, or over tensor-parallel workers with this process as rank 0. ``executor``
-    plugs in another (built for ``config``); by default :func:`start_executor` picks one."""
+    plugs in another (built for ``config``); by default :func:`start_executor` picks one.
+
+    ``clock`` stamps every time the core records (first scheduled, each token, finish, the step trace):
+    ``time.perf_counter`` by default, which the API process's arrival stamps share; a simulator passes
+    its virtual clock, which its executor advances by each step's modelled time."""
 
     def __init__(self, config: EngineConfig, loaded: LoadedModel | None = None,
-                 executor: Executor | None = None) -> None:
+                 executor: Executor | None = None, clock: Callable[[], float] = time.perf_counter) -> None:
         if executor is not None and loaded is not None:
             raise ValueError("give the engine core a loaded model or an executor, not both")
         self.config = config
+        self.clock = clock
         self.executor = executor or start_executor(config, loaded)
         try:
             self.model_config = self.executor.model_config
@@ -95,12 +104,14 @@ class EngineCore:
             self.max_model_len = self.capacity.max_model_len
             bs, num_blocks = config.block_size, self.capacity.num_blocks
             self.block_manager = BlockManager(num_blocks, bs, config.enable_prefix_caching)
-            self.scheduler = Scheduler(config.scheduler_config(self.max_model_len), self.block_manager)
+            self.scheduler = Scheduler(config.scheduler_config(self.max_model_len), self.block_manager, clock)
         except BaseException:
             self.executor.abort()
             raise
         self.requests: dict[str, Sequence] = {}
-        self._grammar_compiler: GrammarCompiler | None = None
+        # constrained requests whose grammars compile: (request, resolved max_tokens, the compile)
+        self._compiling: dict[str, tuple[EngineCoreRequest, int, Future[GrammarMatcher]]] = {}
+        self._grammar_pool = GrammarPool(self.tokenizer, self.model_config.vocab_size)
         self.num_requests_received = 0
         self.num_steps = 0
         self.num_preemptions = 0
@@ -127,15 +138,29 @@ class EngineCore:
 
     # -- requests -------------------------------------------------------------------------------
 
-    def add_request(self, request: EngineCoreRequest) -> None:
-        """Queue a tokenized request; raises ValueError (and queues nothing) for bad input."""
+    def add_request(self, request: EngineCoreRequest) -> Future[GrammarMatcher] | None:
+        """Queue a tokenized request; raises ValueError (and queues nothing) for bad input.
+
+        A constrained request waits while its grammar compiles on the grammar pool, and is scheduled at
+        the first step after; the compile's future is returned (it raises ValueError if the grammar
+        cannot run, and the request then ends with an error at that step).
+        """
         self.num_requests_received += 1
         rid, params = request.request_id, request.params
-        if rid in self.requests:
+        if rid in self.requests or rid in self._compiling:
             raise ValueError(f"request id {rid!r} is already in use")
-        ids = request.prompt_token_ids
-        max_tokens = check_prompt(ids, params, self.model_config.vocab_size, self.max_model_len,
-                                  self.config.max_num_seqs)
+        max_tokens = check_prompt(request.prompt_token_ids, params, self.model_config.vocab_size,
+                                  self.max_model_len, self.config.max_num_seqs)
+        if params.structured_outputs is None:
+            self._queue(request, max_tokens, None)
+            return None
+        future = self._grammar_pool.submit(params.structured_outputs)
+        self._compiling[rid] = (request, max_tokens, future)
+        return future
+
+    def _queue(self, request: EngineCoreRequest, max_tokens: int, grammar: GrammarMatcher | None) -> None:
+        """Hand a checked request to the scheduler (check_prompt allows one sequence per constrained one)."""
+        rid, params, ids = request.request_id, request.params, request.prompt_token_ids
         stop_ids = stop_token_ids(params, self.model_config, self.tokenizer)
         if params.bad_words:
             if self.tokenizer is None:
@@ -145,8 +170,7 @@ class EngineCore:
             Sequence(
                 request_id=rid, prompt=None, prompt_token_ids=list(ids), params=params, max_tokens=max_tokens,
                 metrics=RequestMetrics(arrival_time=request.arrival_time, num_prompt_tokens=len(ids)),
-                stop_ids=stop_ids, index=index, generator=self._generator(params.seed, index),
-                grammar=self._grammar_for(params),
+                stop_ids=stop_ids, index=index, generator=self._generator(params.seed, index), grammar=grammar,
             )
             for index in range(params.num_seqs)
         ]
@@ -154,6 +178,23 @@ class EngineCore:
         seq.forks, seq.group = group[1:], group
         self.requests[rid] = seq
         self.scheduler.add(seq)
+
+    def _admit_compiled(self) -> list[EngineCoreOutput]:
+        """Queue the requests whose grammars have compiled; fail those whose grammars cannot run. With
+        nothing else to run, wait a little for a compile rather than spin."""
+        if self._compiling and not self.scheduler.has_unfinished():
+            wait([future for _, _, future in self._compiling.values()], COMPILE_WAIT_S, FIRST_COMPLETED)
+        failed = []
+        for rid, (request, max_tokens, future) in list(self._compiling.items()):
+            if not future.done():
+                continue
+            del self._compiling[rid]
+            try:
+                self._queue(request, max_tokens, future.result())
+            except ValueError as e:
+                logger.warning("request %s: its grammar cannot run: %s", rid, e)
+                failed.append(EngineCoreOutput(rid, [], self.clock(), finish_reason="error"))
+        return failed
 
     def _generator(self, seed: int | None, index: int) -> torch.Generator | None:
         """A seeded request's own generator; sequence ``index`` of an n > 1 request gets one derived
@@ -163,33 +204,24 @@ class EngineCore:
         derived = seed if index == 0 else hash((seed, index)) % 2**63  # ints and tuples hash stably
         return torch.Generator(self.executor.device).manual_seed(derived % 2**64)
 
-    def _grammar_for(self, params: SamplingParams) -> GrammarMatcher | None:
-        """A fresh matcher for a constrained request (check_prompt allows one sequence per such request)."""
-        return None if params.structured_outputs is None else self._grammars().matcher(params.structured_outputs)
-
-    def _grammars(self) -> GrammarCompiler:
-        """The compiler for this model's vocabulary, built at the first constrained request (1.3-1.9 s
-        for SmolLM2's 49k vocabulary, holding the GIL) so that engines that never see one do not pay."""
-        if self._grammar_compiler is None:
-            if self.tokenizer is None:
-                raise ValueError(f"model {self.model_name!r} has no tokenizer, which structured output needs")
-            self._grammar_compiler = GrammarCompiler(self.tokenizer, self.model_config.vocab_size)
-        return self._grammar_compiler
-
     def abort_request(self, request_id: str) -> bool:
         """Stop a request wherever it is and free its blocks; False if it is unknown or done."""
+        compiling = self._compiling.pop(request_id, None)
+        if compiling is not None:
+            compiling[2].cancel()
+            return True
         seq = self.requests.pop(request_id, None)
         if seq is None:
             return False
         for member in seq.group:
             if not member.is_finished:
                 self.scheduler.finish(member, "abort")
-                member.metrics.finished_time = time.perf_counter()
+                member.metrics.finished_time = self.clock()
         self._trace_request(seq)
         return True
 
     def has_unfinished_requests(self) -> bool:
-        return self.scheduler.has_unfinished()
+        return self.scheduler.has_unfinished() or bool(self._compiling)
 
     @property
     def num_running(self) -> int:
@@ -197,17 +229,19 @@ class EngineCore:
 
     @property
     def num_waiting(self) -> int:
-        return len(self.scheduler.waiting)
+        """Requests waiting for the batch, those whose grammars compile included."""
+        return len(self.scheduler.waiting) + len(self._compiling)
 
     # -- the step -------------------------------------------------------------------------------
 
     def step(self) -> EngineCoreOutputs:
         """Schedule, run one forward pass, apply the samples; the deltas of requests that advanced."""
-        start = time.perf_counter()
+        refused = self._admit_compiled()
+        start = self.clock()
         sched = self.scheduler.schedule()
         if sched.is_empty:
             self._last_step_tokens = 0
-            return EngineCoreOutputs([], self.stats())
+            return EngineCoreOutputs(refused, self.stats())
         for s in sched.scheduled:
             if s.seq.metrics.first_scheduled_time is None:
                 s.seq.metrics.first_scheduled_time = start
@@ -220,11 +254,12 @@ class EngineCore:
             raise  # a lost rank is fatal: failing this step's requests and going on would fail every step
         except Exception:  # noqa: BLE001 - a fault fails this step's requests, never the core
             logger.exception("step %d failed; failing its %d requests", self.num_steps + 1, len(sched.scheduled))
-            outputs = self._fail(sched, time.perf_counter())
-            record = self._record(sched, start, time.perf_counter() - start)
+            now = self.clock()
+            outputs = refused + self._fail(sched, now)
+            record = self._record(sched, start, now - start)
             return EngineCoreOutputs(outputs, self.stats(), record if self.emit_steps else None)
-        now = time.perf_counter()
-        outputs = []
+        now = self.clock()
+        outputs = refused
         for seq in update.sampled:
             outputs.append(self._delta(seq, now))
             if seq.is_finished:
@@ -323,7 +358,8 @@ class EngineCore:
 
     def kv_snapshot(self, force: bool = False) -> KVSnapshot | None:
         """Every KV block's state after the last step, rows numbered as in its StepStats; None unless
-        a dashboard watches and one is due (``force``: due now, e.g. when the engine falls idle)."""
+        a dashboard watches and one is due (``force``: due now, e.g. when the engine falls idle). Paced by
+        the wall clock, not ``clock``: the budget is the core's own time spent walking the blocks."""
         start = time.perf_counter()
         if not self.watch_kv or (start < self._next_kv_snapshot and not force):
             return None
@@ -339,6 +375,7 @@ class EngineCore:
             self._trace.flush()
 
     def close(self) -> None:
+        self._grammar_pool.close()
         if self._trace is not None:
             self._trace.close()
             self._trace = None
@@ -397,13 +434,16 @@ def _busy_loop(core: EngineCore, inputs: zmq.Socket, outputs: zmq.Socket, encode
         if not core.has_unfinished_requests():
             while not inputs.poll(int(ORPHAN_CHECK_S * 1000)) and os.getppid() == parent:
                 pass
+        elif (hold := core.scheduler.hold_s()) > 0:  # a dynamic batch waits to fill: until a request or its time
+            inputs.poll(math.ceil(min(hold, ORPHAN_CHECK_S) * 1000))
         if os.getppid() != parent:  # nobody reads the outputs any more: a send would block for ever
             logger.warning("the API process is gone; the engine core exits")
             return
         errors: list[EngineCoreOutput] = []
         while True:
-            try:
-                msg = decoder.decode(inputs.recv(zmq.NOBLOCK))
+            try:  # the API process proved each grammar runs; the grammar pool compiles it, off this loop
+                with grammar_checks_deferred():
+                    msg = decoder.decode(inputs.recv(zmq.NOBLOCK))
             except zmq.Again:
                 break
             if isinstance(msg, Shutdown):
@@ -419,7 +459,7 @@ def _busy_loop(core: EngineCore, inputs: zmq.Socket, outputs: zmq.Socket, encode
                 core.add_request(msg)
             except ValueError as e:  # the API side validates first; this is a second line of defence
                 logger.warning("refused request %s: %s", msg.request_id, e)
-                errors.append(EngineCoreOutput(msg.request_id, [], time.perf_counter(), finish_reason="error"))
+                errors.append(EngineCoreOutput(msg.request_id, [], core.clock(), finish_reason="error"))
         step = core.step() if core.has_unfinished_requests() else EngineCoreOutputs([], core.stats())
         step.outputs[:0] = errors
         step.kv = core.kv_snapshot(force=not core.has_unfinished_requests())  # an idle pool's last state

@@ -52,6 +52,7 @@ from iterserve.engine.messages import (
     WatchKV,
 )
 from iterserve.engine.output_processor import OutputProcessor
+from iterserve.engine.request_stream import RequestStream
 from iterserve.engine.router import Router
 from iterserve.engine.validation import check_prompt
 from iterserve.errors import EngineDeadError, QueueFullError, RequestFailedError
@@ -85,56 +86,6 @@ class StepObserver(Protocol):
     def record_finished(self, output: RequestOutput) -> None: ...
 
 
-class RequestStream:
-    """One request's outputs, consumed on the event loop.
-
-    A consumer that falls behind never makes the buffer grow by a step: unread deltas are merged into
-    one pending output, so what a stream holds is bounded by what the request generates.
-    """
-
-    def __init__(self, request_id: str, abort: Callable[[str], None]) -> None:
-        self.request_id = request_id
-        self.finished = False
-        self._pending: RequestOutput | None = None
-        self._error: BaseException | None = None
-        self._ready = asyncio.Event()
-        self._abort = abort
-
-    def __aiter__(self) -> RequestStream:
-        return self
-
-    async def __anext__(self) -> RequestOutput:
-        if self.finished:
-            raise StopAsyncIteration
-        while self._pending is None and self._error is None:
-            self._ready.clear()
-            await self._ready.wait()
-        if self._pending is not None:
-            out, self._pending = self._pending, None
-            self.finished = out.finished
-            return out
-        self.finished = True
-        raise self._error  # type: ignore[misc]
-
-    def close(self) -> None:
-        """Abort the request unless it already finished; safe to call more than once."""
-        if not self.finished:
-            self.finished = True
-            self._pending = None
-            self._abort(self.request_id)
-
-    def _put(self, output: RequestOutput) -> None:
-        if self._pending is None:
-            self._pending = output
-        else:
-            self._pending.add(output)
-        self._ready.set()
-
-    def _fail(self, error: BaseException) -> None:
-        self._error = error
-        self._ready.set()
-
-
 @dataclass
 class _Core:
     """One engine core process as the API process sees it: its config, sockets, output task and latest stats."""
@@ -145,6 +96,8 @@ class _Core:
     pid: int | None = None
     stats: SchedulerStats | None = None
     num_sent: int = 0
+    num_open: int = 0  # requests sent and not finished
+    heard: float = 0.0  # (loop time) its last message, or when it was given work while idle
     dead: bool = False
     proc: multiprocessing.process.BaseProcess | None = None
     task: asyncio.Task[None] | None = None
@@ -161,8 +114,11 @@ class _Core:
         return waiting + max(0, self.num_sent - received - free)
 
     def send(self, encoder: msgspec.msgpack.Encoder, msg: EngineCoreInput) -> None:
+        self.send_encoded(encoder.encode(msg))
+
+    def send_encoded(self, message: bytes) -> None:
         if self.input is not None and not self.dead:
-            self.input.send(encoder.encode(msg), zmq.NOBLOCK)
+            self.input.send(message, zmq.NOBLOCK)
 
 
 def replica_configs(config: EngineConfig, num_replicas: int) -> list[EngineConfig]:
@@ -196,13 +152,14 @@ class EngineCoreClient:
     the event loop."""
 
     def __init__(self, config: EngineConfig, *, max_waiting: int, observer: EngineObserver | None = None,
-                 log_level: str = "INFO", data_parallel_size: int = 1) -> None:
+                 log_level: str = "INFO", data_parallel_size: int = 1, stall_timeout: float = 60.0) -> None:
         if max_waiting < 1:
             raise ValueError(f"max_waiting must be >= 1, got {max_waiting}")
         if data_parallel_size < 1:
             raise ValueError(f"data_parallel_size must be >= 1, got {data_parallel_size}")
         self.config = config
         self.max_waiting = max_waiting
+        self.stall_timeout = stall_timeout
         self.observer = observer
         self.step_observer: StepObserver | None = None
         self.log_level = log_level
@@ -291,7 +248,7 @@ class EngineCoreClient:
         try:
             await asyncio.wait_for(self._idle.wait(), timeout)
         except TimeoutError:
-            logger.warning("ending %d requests still running after %.1f s", len(self._streams), timeout)
+            logger.warning("ending %d requests still running after %.1f s", self.num_requests, timeout)
         self._fail_all(EngineDeadError("the server is shutting down"))
 
     async def stop(self, timeout: float = 10.0) -> None:
@@ -330,6 +287,19 @@ class EngineCoreClient:
         return self._accepting and self.error is None and all(
             core.proc is not None and core.proc.is_alive() for core in self._cores)
 
+    def health_problem(self) -> str | None:
+        """Why the engine cannot serve, or None: not taking requests, a dead replica, or a replica that
+        holds requests and has sent nothing for ``stall_timeout`` seconds (stopped, or stuck in a step)."""
+        if not self.is_running:
+            return str(self.error) if self.error else "the engine is not running"
+        now = asyncio.get_running_loop().time()
+        for core in self._cores:
+            silent = now - core.heard
+            if core.num_open and silent > self.stall_timeout:
+                return (f"{core.label}the engine core has made no progress for {silent:.0f} s with {core.num_open} "
+                        f"requests open (limit {self.stall_timeout:g} s)")
+        return None
+
     @property
     def pids(self) -> list[int | None]:
         """Each replica's core process id, in replica order."""
@@ -338,22 +308,37 @@ class EngineCoreClient:
     # -- requests -------------------------------------------------------------------------------
 
     @property
+    def num_requests(self) -> int:
+        """Requests sent and not finished, over all replicas."""
+        return len(self._streams)
+
+    @property
     def num_waiting(self) -> int:
         """Requests the cores have queued or will queue, over all replicas."""
         return sum(core.num_waiting for core in self._cores)
 
+    def check_request(self, prompt: list[int], params: SamplingParams) -> int:
+        """The request's max_tokens, once its prompt and params are proven to fit the model; RequestError if not."""
+        return check_prompt(prompt, params, self.model_config.vocab_size, self.max_model_len,
+                            self.config.max_num_seqs)
+
     def add_request(self, request_id: str, prompt: list[int], params: SamplingParams, arrival_time: float,
-                    stream: bool = True) -> RequestStream:
-        """Send a request to a core; raises EngineDeadError, RequestError, QueueFullError or ValueError at once."""
+                    stream: bool = True, admitted: bool = False) -> RequestStream:
+        """Send a request to a core; raises EngineDeadError, RequestError, QueueFullError or ValueError at once.
+        ``admitted``: a later prompt of a request the queue took already (its caller bounds their number),
+        sent whatever the queue holds."""
         if not self.is_running:
             raise EngineDeadError(str(self.error) if self.error else "the engine is not running")
-        max_tokens = check_prompt(prompt, params, self.model_config.vocab_size, self.max_model_len,
-                                  self.config.max_num_seqs)  # bad input first
+        max_tokens = self.check_request(prompt, params)  # bad input first
         waiting = self.num_waiting
-        if waiting >= self.max_waiting:
+        if waiting >= self.max_waiting and not admitted:
             raise QueueFullError(f"{waiting} requests are already waiting (limit {self.max_waiting})")
         if request_id in self._streams:
             raise ValueError(f"request id {request_id!r} is already in use")
+        try:  # before anything is registered: a request that cannot be sent leaves nothing behind
+            message = self._encoder.encode(EngineCoreRequest(request_id, prompt, params, arrival_time))
+        except (OverflowError, TypeError) as e:
+            raise ValueError(f"the request cannot be sent to the engine: {e}") from e
         core = self._cores[self.router.route(request_id, prompt, max_tokens * params.num_seqs)]
         if self.observer is not None:
             self.observer.record_admitted(core.index, max_tokens)
@@ -362,8 +347,11 @@ class EngineCoreClient:
         handle = RequestStream(request_id, self.abort)
         self._streams[request_id] = handle
         self._idle.clear()
-        core.send(self._encoder, EngineCoreRequest(request_id, prompt, params, arrival_time))
+        core.send_encoded(message)
         core.num_sent += 1
+        if not core.num_open:  # an idle core owes nothing until now
+            core.heard = asyncio.get_running_loop().time()
+        core.num_open += 1
         return handle
 
     def abort(self, request_id: str) -> None:
@@ -379,7 +367,10 @@ class EngineCoreClient:
         self._streams.pop(request_id, None)
         if not self._streams:
             self._idle.set()
-        return self.router.finish(request_id)
+        index = self.router.finish(request_id)
+        if index is not None:
+            self._cores[index].num_open -= 1
+        return index
 
     def watch_kv(self, on: bool) -> None:
         """Ask the core the dashboard shows (replica 0) for KV block snapshots, or to stop taking them."""
@@ -393,6 +384,7 @@ class EngineCoreClient:
         try:
             while True:
                 msg = decoder.decode(await core.output.recv())
+                core.heard = asyncio.get_running_loop().time()
                 if isinstance(msg, EngineFailed):
                     self._die(core, f"the engine core failed: {msg.message}")
                     return

@@ -57,7 +57,13 @@ class LLMEngine:
         else:
             text, token_ids = None, list(prompt)
         arrival = arrival_time or time.perf_counter()
-        self.core.add_request(EngineCoreRequest(request_id, token_ids, params, arrival))
+        compiling = self.core.add_request(EngineCoreRequest(request_id, token_ids, params, arrival))
+        if compiling is not None:  # offline, a grammar that cannot run is the caller's error, raised here
+            try:
+                compiling.result()
+            except ValueError:
+                self.core.abort_request(request_id)
+                raise
         self.output_processor.add_request(request_id, text, token_ids, params, arrival, output_kind)
         return request_id
 
@@ -72,7 +78,11 @@ class LLMEngine:
     # -- the step -------------------------------------------------------------------------------
 
     def step(self) -> list[RequestOutput]:
-        """One core step on this thread; outputs of the requests that advanced (per their output kind)."""
+        """One core step on this thread; outputs of the requests that advanced (per their output kind).
+
+        A dynamic batch still waiting to fill is waited for here: offline, no request can arrive meanwhile."""
+        if (hold := self.core.scheduler.hold_s()) > 0:
+            time.sleep(hold)
         processed = self.output_processor.process_outputs(self.core.step().outputs)
         for request_id in processed.to_abort:
             self.core.abort_request(request_id)

@@ -11,13 +11,19 @@ moves: computed tokens advance, full blocks are published to the prefix cache, t
 appended, token-level stops are applied and finished sequences leave the batch.
 
 Static batching runs on the same machinery but admits a new batch only when the previous one has
-completely finished; that is the behaviour continuous batching removes.
+completely finished; that is the behaviour continuous batching removes. Dynamic batching (as TGI's
+and Triton's request batchers do) also runs each batch to completion, but forms it as requests
+arrive: with the engine idle, a batch starts once ``max_num_seqs`` requests wait or the oldest has
+waited ``max_batch_wait`` seconds. Until then :meth:`Scheduler.schedule` schedules nothing and
+:meth:`Scheduler.hold_s` says how long the engine may sleep.
 """
 
 from __future__ import annotations
 
 import logging
+import time
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from iterserve.config import SchedulerConfig
@@ -27,6 +33,10 @@ from iterserve.engine.sampler import SampleResult
 from iterserve.engine.sequence import Sequence, SequenceStatus
 
 logger = logging.getLogger(__name__)
+
+# a dynamic batch's wait closer to its end than this is over: a clock that adds the wait back to the
+# time it was read at (a simulator's) can land a rounding error short of the end, and must not spin there
+HOLD_RESOLUTION_S = 1e-9
 
 
 @dataclass
@@ -86,18 +96,32 @@ class SchedulerUpdate:
 
 
 class Scheduler:
-    def __init__(self, config: SchedulerConfig, block_manager: BlockManager) -> None:
+    def __init__(self, config: SchedulerConfig, block_manager: BlockManager,
+                 clock: Callable[[], float] = time.perf_counter) -> None:
+        """``clock`` is the time requests' arrival times are on (a simulator passes its own)."""
         self.config = config
         self.block_manager = block_manager
+        self.clock = clock
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []  # in admission order: the last is preempted first
-        self.static_batch: set[str] = set()  # request ids of the current static batch
+        self.static_batch: set[str] = set()  # request ids of the current static or dynamic batch
 
     def add(self, seq: Sequence) -> None:
         self.waiting.append(seq)
 
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running)
+
+    def hold_s(self) -> float:
+        """Seconds until a dynamic batch may start (0: the next :meth:`schedule` has work, or nothing waits).
+
+        The engine is idle and the waiting requests do not fill a batch yet: the batch starts when the
+        oldest has waited ``max_batch_wait``, or sooner if more requests arrive and fill it."""
+        cfg = self.config
+        if cfg.batching != "dynamic" or self.running or not self.waiting or len(self.waiting) >= cfg.max_num_seqs:
+            return 0.0
+        left = self.waiting[0].metrics.arrival_time + cfg.max_batch_wait - self.clock()
+        return left if left > HOLD_RESOLUTION_S else 0.0
 
     def _reserve(self, seq: Sequence) -> int:
         if self.config.kv_allocation != "reserved":
@@ -137,10 +161,13 @@ class Scheduler:
                 continue
             break  # the sequence preempted itself: nothing later in the list can run either
 
-        # 2. Waiting sequences in arrival order, unless this step had to preempt.
-        static = self.config.batching == "static"
+        # 2. Waiting sequences in arrival order, unless this step had to preempt. A static or dynamic batch
+        # admits only its own members; a new one is formed once the last has finished (dynamic: and has filled).
+        static = self.config.batching != "continuous"
         if static and not self.running:
-            self.static_batch = {s.request_id for s in list(self.waiting)[: self.config.max_num_seqs]}
+            held = self.hold_s() > 0
+            batch = [] if held else list(self.waiting)[: self.config.max_num_seqs]
+            self.static_batch = {s.request_id for s in batch}
         while self.waiting and budget > 0 and not out.preempted and len(self.running) < self.config.max_num_seqs:
             seq = self.waiting[0]
             if static and seq.request_id not in self.static_batch:

@@ -2,10 +2,16 @@
 
 A :class:`~iterserve.sampling_params.StructuredOutputsParams` (JSON schema, any JSON object, regex,
 choice or Lark grammar) is checked where the request is made (it knows its own grammar, no vocabulary
-needed) and compiled in the engine core against the model's vocabulary (:class:`GrammarCompiler`,
-one per core). Each constrained sequence holds a :class:`GrammarMatcher`: before a step it writes the
-tokens the grammar allows next into a packed bitmask row that the sampler applies; after the step it
-consumes the sampled token, and once the grammar admits nothing more the request ends.
+needed) and compiled against the model's vocabulary (:class:`GrammarCompiler`): by the server before
+it admits the request, to prove that the grammar runs, and by the engine core, which runs it. Each
+constrained sequence holds a :class:`GrammarMatcher`: before a step it writes the tokens the grammar
+allows next into a packed bitmask row that the sampler applies; after the step it consumes the
+sampled token, and once the grammar admits nothing more the request ends.
+
+Compiling takes from microseconds to tens of seconds (50,000 choices: 25 s), so it runs on worker
+threads (:class:`GrammarPool`; llguidance releases the GIL while it compiles and computes masks), never
+on an event loop or the core's step loop, and compiled grammars are kept (least recently used out), so
+a schema sent again is copied, not compiled.
 
 llguidance was chosen over xgrammar because it installs as one wheel with no dependencies (xgrammar
 pulls transformers and, on x86 Linux, triton), reads the ``tokenizers`` JSON directly, and computes
@@ -14,7 +20,10 @@ a mask without a per-schema precompilation pass; docs/structured_output.md has t
 
 from __future__ import annotations
 
+import threading
+from collections import OrderedDict
 from collections.abc import Iterable
+from concurrent.futures import Future, ThreadPoolExecutor
 
 import llguidance
 import numpy as np
@@ -22,6 +31,8 @@ import torch
 
 from iterserve.sampling_params import StructuredOutputsParams
 from iterserve.tokenizer import Tokenizer
+
+GRAMMAR_CACHE_SIZE = 64  # compiled grammars kept per compiler
 
 
 class GrammarMatcher:
@@ -65,17 +76,90 @@ class GrammarMatcher:
 
 
 class GrammarCompiler:
-    """Compiles constraints against one model's vocabulary; built once per engine core."""
+    """Compiles constraints against one model's vocabulary, keeping the last ``cache_size`` compiled; safe
+    to call from several threads."""
 
-    def __init__(self, tokenizer: Tokenizer, vocab_size: int) -> None:
+    def __init__(self, tokenizer: Tokenizer, vocab_size: int, cache_size: int = GRAMMAR_CACHE_SIZE) -> None:
         eos = tokenizer.eos_token_id if tokenizer.eos_token_id is not None else min(tokenizer.eos_token_ids, default=0)
         self._ll_tokenizer = llguidance.LLTokenizer(tokenizer.backend.to_str(), n_vocab=vocab_size, eos_token=eos)
         self._eos = eos
         self.vocab_size = vocab_size
+        self.cache_size = cache_size
+        self.num_compiled = 0
+        self._cache: OrderedDict[tuple[str, str], llguidance.LLMatcher] = OrderedDict()
+        self._lock = threading.Lock()
 
     def matcher(self, spec: StructuredOutputsParams) -> GrammarMatcher:
-        """A fresh matcher at the start of ``spec``'s grammar; raises ValueError if it does not compile."""
-        matcher = llguidance.LLMatcher(self._ll_tokenizer, spec.ll_grammar(), log_level=0)
-        if matcher.is_error():
-            raise ValueError(f"invalid {spec.kind}: {matcher.get_error()}")
-        return GrammarMatcher(matcher, self._eos)
+        """A fresh matcher at the start of ``spec``'s grammar, copied from the cache or compiled; raises
+        ValueError if it does not compile or cannot run."""
+        kind = spec.kind
+        try:
+            grammar = spec.ll_grammar()
+        except ValueError as e:
+            raise ValueError(f"invalid {kind}: {e}") from None
+        key = (kind, grammar)
+        with self._lock:
+            template = self._cache.get(key)
+            if template is not None:
+                self._cache.move_to_end(key)
+        if template is None:
+            template = self._compile(kind, grammar)
+            with self._lock:
+                self._cache[key] = template
+                while len(self._cache) > self.cache_size:
+                    self._cache.popitem(last=False)
+        return GrammarMatcher(template.deep_copy(), self._eos)
+
+    def _compile(self, kind: str, grammar: str) -> llguidance.LLMatcher:
+        """Compile ``grammar`` and prove it runs: llguidance finds some faults (a rule that only refers to
+        itself, a literal repeated a million times) only when it computes a mask or takes a token, so the
+        first mask is computed (which also builds the lexer states every copy then shares) and one allowed
+        token is taken, on a copy."""
+        matcher = llguidance.LLMatcher(self._ll_tokenizer, grammar, log_level=0)
+        error = matcher.get_error() if matcher.is_error() else ""
+        if not error:
+            mask = np.zeros((self.vocab_size + 31) // 32, dtype=np.int32)
+            matcher.unsafe_compute_mask_ptr(mask.ctypes.data, mask.nbytes)
+            allowed = np.flatnonzero(np.unpackbits(mask.view(np.uint8), bitorder="little"))
+            token = next((int(t) for t in allowed if t != self._eos), None)
+            if matcher.is_error():
+                error = matcher.get_error()
+            elif token is not None and not (probe := matcher.deep_copy()).consume_token(token):
+                error = probe.get_error()
+        if error:
+            raise ValueError(f"invalid {kind}: {error.splitlines()[0]}")
+        self.num_compiled += 1
+        return matcher
+
+
+class GrammarPool:
+    """Compiles on ``workers`` threads, so that neither the server's event loop nor the core's step loop
+    waits for a grammar; the compiler (1-2 s to build for a 49k vocabulary) is built by the first job."""
+
+    def __init__(self, tokenizer: Tokenizer | None, vocab_size: int, workers: int = 2) -> None:
+        self._tokenizer = tokenizer
+        self._vocab_size = vocab_size
+        self._compiler: GrammarCompiler | None = None
+        self._lock = threading.Lock()
+        self._executor = ThreadPoolExecutor(workers, thread_name_prefix="grammar")
+
+    def compiler(self) -> GrammarCompiler:
+        """The compiler, built on first use; raises ValueError for a model without a tokenizer."""
+        with self._lock:
+            if self._compiler is None:
+                if self._tokenizer is None:
+                    raise ValueError("structured output needs the model's tokenizer, and this model has none")
+                self._compiler = GrammarCompiler(self._tokenizer, self._vocab_size)
+            return self._compiler
+
+    def start(self) -> Future[GrammarCompiler]:
+        """Build the compiler on a worker, ahead of the first grammar."""
+        return self._executor.submit(self.compiler)
+
+    def submit(self, spec: StructuredOutputsParams) -> Future[GrammarMatcher]:
+        """A matcher for ``spec``, compiled on a worker; the future raises ValueError if it cannot run."""
+        return self._executor.submit(lambda: self.compiler().matcher(spec))
+
+    def close(self) -> None:
+        """Drop queued jobs; one already running finishes on its own (llguidance's limits bound it)."""
+        self._executor.shutdown(wait=False, cancel_futures=True)

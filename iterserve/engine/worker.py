@@ -43,7 +43,8 @@ class Worker:
         """Load ``config.model`` (the shard ``parallel`` names) onto ``device``."""
         if (device or ("cuda" if torch.cuda.is_available() else "cpu")).startswith("cpu"):
             prepare_cpu()  # before loading: the linear methods are timed on the threads they will run on
-        return cls(config, load_model(config.model, config.dtype, device, config.seed, parallel=parallel))
+        return cls(config, load_model(config.model, config.dtype, device, config.seed, parallel=parallel,
+                                      quantization=config.quantization))
 
     def execute_model(self, scheduled: list[ScheduledSeq], block_copies: list[tuple[int, int]]) -> SampleResult:
         """One whole step in this process: inputs, forward pass, samples."""

@@ -23,8 +23,7 @@ import torch
 from torch import nn
 
 from iterserve import kernels
-from iterserve.distributed.layers import LinearBase
-from iterserve.models.linear import DENSE, LinearMethod, MethodChooser
+from iterserve.models.linear import DENSE, LinearBase, LinearMethod, MethodChooser, dense_chooser
 
 logger = logging.getLogger(__name__)
 
@@ -130,3 +129,8 @@ def chooser() -> MethodChooser | None:
     if _CHOOSER is None:
         _CHOOSER = MeasuredChooser([PackedLinear(kernels.ops), DENSE])
     return _CHOOSER
+
+
+def default_chooser() -> MethodChooser:
+    """The CPU's methods chosen by measurement when the C++ kernels are built, else ``F.linear``."""
+    return chooser() or dense_chooser

@@ -1,28 +1,28 @@
 """How a linear layer multiplies: the seam between the model's layers and the matmul kernels.
 
-Every linear layer (:class:`iterserve.distributed.layers.LinearBase`: q/k/v, o, gate/up, down, the LM head)
-holds a :class:`LinearMethod`, in the shape vLLM gives its own: ``process_weights(layer)`` runs once after the
-weights are loaded (to pre-pack or re-lay them out for a kernel, or to quantize them), and
-``apply(layer, x)`` computes ``x @ W^T (+ bias)`` at run time. The layer never calls a matmul itself, so a
-new weight format (packed for a BLAS, quantized blocks) is one new method, not an edit of every layer.
+Every linear layer (:class:`LinearBase`, the base of the sharded layers of :mod:`iterserve.distributed.layers`:
+q/k/v, o, gate/up, down, the LM head) holds a :class:`LinearMethod`, in the shape vLLM gives its own:
+``process_weights(layer)`` runs once after the weights are loaded (to pre-pack or re-lay them out for a kernel,
+or to quantize them), and ``apply(layer, x)`` computes ``x @ W^T (+ bias)`` at run time. The layer never calls
+a matmul itself, so a new weight format (packed for a BLAS, quantized blocks) is one new method, not an edit
+of every layer.
 
 :func:`process_weights` walks a loaded model and gives each layer its method: the one a
-:class:`MethodChooser` picked for the layer's shape and dtype, which by default is :class:`DenseLinear`.
+:class:`MethodChooser` picked for the layer's shape and dtype (on a CPU,
+:func:`iterserve.models.cpu_linear.default_chooser` measures them). The layer and its method live in one
+module because each names the other.
 """
 
 from __future__ import annotations
 
 import logging
 from collections.abc import Callable
-from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
+from torch import nn
 
-if TYPE_CHECKING:
-    from torch import nn
-
-    from iterserve.distributed.layers import LinearBase
+from iterserve.quantization.packed import PackedWeight
 
 logger = logging.getLogger(__name__)
 
@@ -71,20 +71,9 @@ def dense_chooser(layer: LinearBase) -> LinearMethod:
     return DENSE
 
 
-def default_chooser() -> MethodChooser:
-    """The CPU's methods chosen by measurement when the C++ kernels are built, else ``F.linear``."""
-    from iterserve.models import cpu_linear
-
-    return cpu_linear.chooser() or dense_chooser
-
-
-def process_weights(model: nn.Module, choose: MethodChooser | None = None) -> dict[str, str]:
-    """Give every linear layer of ``model`` its method (``choose``'s pick, :func:`default_chooser` when
-    None) and let the method prepare the weights; returns ``{layer name: method name}`` (also logged) so a
-    run can say which kernels it used."""
-    from iterserve.distributed.layers import LinearBase
-
-    choose = choose or default_chooser()
+def process_weights(model: nn.Module, choose: MethodChooser) -> dict[str, str]:
+    """Give every linear layer of ``model`` its method (``choose``'s pick) and let the method prepare the
+    weights; returns ``{layer name: method name}`` (also logged) so a run can say which kernels it used."""
     uses: dict[int, int] = {}
     for _, p in model.named_parameters(remove_duplicate=False):
         uses[id(p)] = uses.get(id(p), 0) + 1
@@ -105,3 +94,27 @@ def process_weights(model: nn.Module, choose: MethodChooser | None = None) -> di
             counts[m] = counts.get(m, 0) + 1
         logger.info("linear methods: %s", ", ".join(f"{m} x{n}" for m, n in sorted(counts.items())))
     return chosen
+
+
+class LinearBase(nn.Linear):
+    """A linear layer whose product is computed by its :class:`LinearMethod` (``F.linear`` until
+    :func:`process_weights` gives it another): the one place kernels plug in."""
+
+    method: LinearMethod = DENSE
+    qweight: PackedWeight | None = None  # the weight in quantized blocks (iterserve.quantization), if it is
+
+    def matmul(self, x: torch.Tensor) -> torch.Tensor:
+        """This rank's ``x @ W^T (+ bias)``, before any communication."""
+        return self.method.apply(self, x)
+
+    def dense_weight(self) -> torch.Tensor:
+        """This rank's ``[out, in]`` weight, whatever format the method keeps it in."""
+        return self.method.dense_weight(self)
+
+    def release_weight(self) -> None:
+        """Drop the plain weight's memory once the method holds its own copy; its shape and dtype stay."""
+        w = self.weight
+        self.weight = nn.Parameter(torch.empty(w.shape, dtype=w.dtype, device="meta"), requires_grad=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.matmul(x)

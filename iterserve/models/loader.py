@@ -30,8 +30,17 @@ from iterserve.config import DEFAULT_MODEL, PRESETS, ModelConfig, find_preset, g
 from iterserve.distributed.layers import ShardedLayer
 from iterserve.distributed.parallel_state import ParallelState
 from iterserve.formats.gguf_file import gguf_field, open_gguf
-from iterserve.models.linear import MethodChooser, process_weights
+from iterserve.models.linear import MethodChooser
 from iterserve.models.llama import LlamaModel, RotaryEmbedding
+from iterserve.quantization.model import (
+    check_quantization,
+    describe,
+    gguf_block_tensors,
+    load_blocks,
+    quantize_model,
+    weight_formats,
+)
+from iterserve.quantization.packed import BlockWeight, from_gguf
 from iterserve.tokenizer import Tokenizer
 
 logger = logging.getLogger(__name__)
@@ -123,34 +132,42 @@ def load_model(
     device: str | torch.device | None = None,
     seed: int = 0,
     parallel: ParallelState | None = None,
+    quantization: str | None = None,
     linear: MethodChooser | None = None,
 ) -> LoadedModel:
     """Load weights and tokenizer for ``name`` onto ``device`` (CUDA when available by default).
 
     With ``parallel`` of several ranks only this rank's shard is kept: each whole tensor is read, sliced
     and dropped, so a rank's memory holds its shard plus one tensor at a time. Once loaded, every linear
-    layer gets its :class:`~iterserve.models.linear.LinearMethod` (``linear``'s pick; by default the
-    fastest measured on this CPU) and prepares its weights for it.
+    layer gets its :class:`~iterserve.models.linear.LinearMethod` and prepares its weights for it: the
+    quantized method for the layers ``quantization`` keeps in blocks (:mod:`iterserve.quantization.model`),
+    ``linear``'s pick for the others (by default the fastest measured on this CPU).
     """
+    quantization = check_quantization(quantization)
     torch_dtype = parse_dtype(dtype)
     ps = parallel or ParallelState()
     device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
     if torch_dtype == torch.float16 and device.type == "cpu":
         logger.warning("float16 on CPU is slow and may be unsupported by some kernels; prefer bfloat16")
-    loaded = _load(name, torch_dtype, device, seed, ps)
-    process_weights(loaded.model, linear)
+    loaded = _load(name, torch_dtype, device, seed, ps, quantization)
+    quantize_model(loaded.model, quantization, linear)
+    logger.info("%s: %s", loaded.name, describe(weight_formats(loaded.model)))
     return loaded
 
 
-def _load(name: str, dtype: torch.dtype, device: torch.device, seed: int, ps: ParallelState) -> LoadedModel:
+def _load(name: str, dtype: torch.dtype, device: torch.device, seed: int, ps: ParallelState,
+          quantization: str | None) -> LoadedModel:
     source = resolve_model(name)
+    if quantization == "gguf" and source.kind != "gguf":
+        raise ValueError(f"quantization 'gguf' keeps a GGUF file's blocks, and {name!r} is not a GGUF file; "
+                         "quantize a float checkpoint with quantization 'int8'")
     if source.kind == "random":
         return _load_random(name, dtype, device, seed, ps)
     if source.kind in ("config", "preset"):
         raise _without_weights(source)
     assert source.path is not None
     if source.kind == "gguf":
-        return _load_gguf(source.path, source.name, dtype, device, ps)
+        return _load_gguf(source.path, source.name, dtype, device, ps, keep_blocks=quantization == "gguf")
     return _load_hf_folder(source.path, dtype, device, ps)
 
 
@@ -212,11 +229,14 @@ def _empty_model(config: ModelConfig, dtype: torch.dtype, device: torch.device,
     return model.eval()
 
 
-def load_weight(model: LlamaModel, name: str, tensor: torch.Tensor, part: int | None = None) -> None:
+def load_weight(model: LlamaModel, name: str, tensor: torch.Tensor | BlockWeight, part: int | None = None) -> None:
     """Copy one whole tensor (part ``part`` of a fused one) into parameter ``name``; a sharded layer keeps
-    this rank's rows of it."""
+    this rank's rows of it (in blocks, for a :class:`BlockWeight`)."""
     module_name, _, param = name.rpartition(".")
     module = model.get_submodule(module_name)
+    if isinstance(tensor, BlockWeight):
+        load_blocks(module, param, tensor, part)
+        return
     if isinstance(module, ShardedLayer):
         module.load(param, tensor, part)
         return
@@ -227,7 +247,7 @@ def load_weight(model: LlamaModel, name: str, tensor: torch.Tensor, part: int | 
         dest.copy_(tensor)
 
 
-def load_hf_state_dict(model: LlamaModel, tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
+def load_hf_state_dict(model: LlamaModel, tensors: Iterable[tuple[str, torch.Tensor | BlockWeight]]) -> None:
     """Copy Hugging Face-named tensors into the model, fusing q/k/v and gate/up projections."""
     c = model.config
     params = dict(model.named_parameters())
@@ -318,37 +338,54 @@ _GGUF_NAMES = {
 }
 
 
-def _gguf_tensors(reader, config: ModelConfig):
+def _gguf_name(name: str, config: ModelConfig, permute: bool) -> tuple[str, int | None]:
+    """The Hugging Face name of a GGUF tensor, and the heads whose Q/K rows llama.cpp interleaved (or None)."""
+    if name == "token_embd.weight":
+        return "embed_tokens.weight", None
+    if name == "output_norm.weight":
+        return "norm.weight", None
+    if name == "output.weight":
+        return "lm_head.weight", None
+    _, layer, kind, suffix = name.split(".", 3)
+    if kind not in _GGUF_NAMES:
+        raise ValueError(f"unexpected GGUF tensor {name!r}")
+    heads = None
+    if permute and kind in ("attn_q", "attn_k"):
+        heads = config.num_heads if kind == "attn_q" else config.num_kv_heads
+    return f"layers.{layer}.{_GGUF_NAMES[kind]}.{suffix}", heads
+
+
+def _gguf_tensors(reader, config: ModelConfig, keep_blocks: bool = False):
+    """``(Hugging Face name, tensor)`` for every GGUF tensor: float, or with ``keep_blocks`` a
+    :class:`BlockWeight` for the matrices :func:`gguf_block_tensors` keeps in their blocks."""
     import gguf
 
     permute = reader.fields["general.architecture"].contents() in ("llama", "mistral")
+    kept = gguf_block_tensors((t.name, t.tensor_type.name, len(t.shape)) for t in reader.tensors) if keep_blocks \
+        else set()
     for t in reader.tensors:
+        hf, heads = _gguf_name(t.name, config, permute)
+        if t.name in kept:
+            n = int(t.shape[1])
+            blocks = from_gguf(t.data, t.tensor_type.name, n, int(t.shape[0]))
+            yield hf, blocks if heads is None else blocks.rows(torch.from_numpy(_unpermute_rope(np.arange(n), heads)))
+            continue
         try:
             w = gguf.quants.dequantize(t.data, t.tensor_type)
         except Exception as e:
             raise ValueError(f"cannot dequantize GGUF tensor {t.name!r} ({t.tensor_type.name}): {e}") from None
-        if t.name == "token_embd.weight":
-            hf = "embed_tokens.weight"
-        elif t.name == "output_norm.weight":
-            hf = "norm.weight"
-        elif t.name == "output.weight":
-            hf = "lm_head.weight"
-        else:
-            _, layer, kind, suffix = t.name.split(".", 3)
-            if kind not in _GGUF_NAMES:
-                raise ValueError(f"unexpected GGUF tensor {t.name!r}")
-            if permute and kind in ("attn_q", "attn_k"):
-                w = _unpermute_rope(w, config.num_heads if kind == "attn_q" else config.num_kv_heads)
-            hf = f"layers.{layer}.{_GGUF_NAMES[kind]}.{suffix}"
+        if heads is not None:
+            w = _unpermute_rope(w, heads)
         yield hf, torch.from_numpy(np.array(w))  # copy: GGUF data is a read-only memmap
 
 
-def _load_gguf(path: Path, name: str, dtype: torch.dtype, device: torch.device, ps: ParallelState) -> LoadedModel:
+def _load_gguf(path: Path, name: str, dtype: torch.dtype, device: torch.device, ps: ParallelState,
+               keep_blocks: bool = False) -> LoadedModel:
     reader = open_gguf(path)
     config = gguf_config(reader, name)
     model = _empty_model(config, dtype, device, ps)
     try:
-        load_hf_state_dict(model, _gguf_tensors(reader, config))
+        load_hf_state_dict(model, _gguf_tensors(reader, config, keep_blocks))
     except (ValueError, RuntimeError) as e:
         raise ValueError(f"cannot load weights from {str(path)!r}: {e}") from None
     return LoadedModel(name=name, config=config, model=model, tokenizer=Tokenizer.from_gguf(reader))

@@ -31,8 +31,14 @@ from iterserve.config import EngineConfig, ServerConfig
 from iterserve.engine.core_client import EngineCoreClient
 from iterserve.server.dashboard import add_dashboard
 from iterserve.server.errors import add_error_handlers
+from iterserve.server.grammars import GrammarChecker
 from iterserve.server.metrics import ServerMetrics
-from iterserve.server.middleware import APIKeyMiddleware, BodySizeLimitMiddleware, JSONBodyMiddleware
+from iterserve.server.middleware import (
+    APIKeyMiddleware,
+    BodyReadTimeoutMiddleware,
+    BodySizeLimitMiddleware,
+    JSONBodyMiddleware,
+)
 from iterserve.server.serving_chat import ChatServing
 from iterserve.server.serving_completions import CompletionServing
 from iterserve.server.serving_info import InfoServing
@@ -51,11 +57,13 @@ def build_app(config: EngineConfig, server: ServerConfig | None = None) -> FastA
     server = server or ServerConfig()
     served_model_name, api_key = server.model_name(config), server.api_key
     engine = EngineCoreClient(config, max_waiting=server.max_waiting, log_level=server.log_level,
-                              data_parallel_size=server.data_parallel_size)
+                              data_parallel_size=server.data_parallel_size, stall_timeout=server.engine_stall_timeout)
     metrics = ServerMetrics(served_model_name, engine.capacity.max_model_len, server.data_parallel_size)
     engine.observer = metrics
-    completion = CompletionServing(engine, metrics, served_model_name)
-    chat = ChatServing(engine, metrics, served_model_name)
+    grammars = GrammarChecker(engine.tokenizer, engine.model_config.vocab_size, server.grammar_workers,
+                              server.grammar_timeout)
+    completion = CompletionServing(engine, metrics, served_model_name, grammars)
+    chat = ChatServing(engine, metrics, served_model_name, grammars)
     tokenize = TokenizeServing(engine, metrics, served_model_name)
     info = InfoServing(engine, metrics, served_model_name)
     if server.chat_template is not None:
@@ -68,13 +76,15 @@ def build_app(config: EngineConfig, server: ServerConfig | None = None) -> FastA
         try:
             yield
         finally:
+            grammars.close()
             await engine.stop()
             logger.info("engine core stopped")
 
     app = FastAPI(title="iterserve", version=__version__, lifespan=lifespan)
     app.state.engine = engine
     add_error_handlers(app)
-    # the last added runs first: the key is checked, then the Content-Type, then the body size
+    # the last added runs first: the key is checked, then the Content-Type, then the body's size and time
+    app.add_middleware(BodyReadTimeoutMiddleware, timeout=server.request_body_timeout)
     app.add_middleware(BodySizeLimitMiddleware, max_bytes=server.max_request_body_bytes)
     app.add_middleware(JSONBodyMiddleware)
     if api_key:
@@ -92,7 +102,7 @@ def build_app(config: EngineConfig, server: ServerConfig | None = None) -> FastA
     app.get("/favicon.ico", response_model=None)(lambda: Response(status_code=204))  # browsers ask; nothing to send
     app.get("/version")(info.version)
     app.get("/metrics", response_model=None)(info.prometheus)
-    add_dashboard(app, engine, served_model_name, api_key)
+    add_dashboard(app, engine, served_model_name, api_key, server.max_dashboard_viewers)
     return app
 
 
@@ -120,9 +130,16 @@ class _GracefulServer(uvicorn.Server):
         if self._draining or self._loop is None:
             super().handle_exit(sig, frame)
             return
+        self._loop.call_soon_threadsafe(self.drain_and_exit)
+
+    def drain_and_exit(self) -> None:
+        """Stop taking requests, give running ones ``shutdown_timeout`` seconds, end the rest with an
+        error, then stop (on the event loop; a second call does nothing)."""
+        if self._draining:
+            return
         self._draining = True
         logger.info("shutting down: finishing running requests (up to %.1f s)", self.shutdown_timeout)
-        self._loop.call_soon_threadsafe(lambda: asyncio.ensure_future(self._drain()))
+        asyncio.ensure_future(self._drain())
 
     async def _drain(self) -> None:
         await self.engine.drain(self.shutdown_timeout)
@@ -146,10 +163,9 @@ def run_server(config: EngineConfig, server: ServerConfig) -> int:
         timeout_graceful_shutdown=math.ceil(server.shutdown_timeout) + 1,
     ), engine, server.shutdown_timeout)
 
-    def engine_died() -> None:
-        uv.should_exit = True
-
-    engine.on_dead = engine_died
+    # A dead core has failed its own requests; the other replicas' running ones are drained as on
+    # SIGTERM, so that each ends with its last tokens or an error event, never cut off by uvicorn.
+    engine.on_dead = uv.drain_and_exit
     # uvicorn re-raises a signal it handled once it has shut down; a no-op handler turns that into a
     # normal return, so a requested stop exits 0.
     for sig in (signal.SIGINT, signal.SIGTERM):

@@ -4,8 +4,11 @@ The core sends every step's :class:`StepStats` (the step trace's schema) with it
 while at least one dashboard is open, a snapshot of every KV block's state, at most ten a second
 and fewer when the pool is large (:meth:`EngineCore.kv_snapshot`). :class:`Dashboard` keeps what
 the page draws: the last step's batch, the last snapshot, half-second buckets of the last five
-minutes and the latencies of the last requests. Every open page reads that one state: a frame at
-most every ``FRAME_INTERVAL_S``, holding only what is new since the page's previous frame.
+minutes and the latencies of the last requests. One feed task turns that state into frames at most
+every ``FRAME_INTERVAL_S``: each tick encodes what is new since the last tick once, for every open page,
+and the whole state once more only when pages have just opened (or fell behind), so a crowd of viewers
+costs the event loop one frame per tick, not one per viewer. At most ``max_viewers`` feeds are open at
+once; more get 429.
 
 With an API key, the page and its feed need it. A browser cannot put a header on a page load, so
 the page posts the key once (``POST /dashboard/session``, behind the server's key check like every
@@ -20,6 +23,7 @@ import asyncio
 import dataclasses
 import hashlib
 import hmac
+import re
 import time
 from collections import deque
 from collections.abc import AsyncIterator
@@ -30,6 +34,7 @@ from typing import Any
 import msgspec
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
+from starlette.background import BackgroundTask
 
 from iterserve import __version__
 from iterserve.engine.core_client import EngineCoreClient
@@ -44,6 +49,7 @@ SESSION = "/dashboard/session"
 STATIC = "/dashboard/static/"
 COOKIE = "iterserve_dashboard"
 SESSION_TTL_S = 12 * 3600
+EXPIRY = re.compile(r"[0-9]{1,12}")  # a session cookie's expiry: Unix seconds, ASCII digits only
 FRAME_INTERVAL_S = 0.1  # a page gets at most ten frames a second, however fast the engine steps
 KEEPALIVE_S = 15.0  # an idle feed sends a comment this often, so a page that left is noticed
 BUCKET_S = 0.5  # the time series' resolution
@@ -99,9 +105,10 @@ class _Cursor:
 class Dashboard:
     """The state every open page draws, fed by the engine client on the event loop (a StepObserver)."""
 
-    def __init__(self, engine: EngineCoreClient, facts: dict[str, Any]) -> None:
+    def __init__(self, engine: EngineCoreClient, facts: dict[str, Any], max_viewers: int = 16) -> None:
         self.engine = engine
         self.facts = facts
+        self.max_viewers = max_viewers
         self.stats: SchedulerStats | None = None
         self.step: StepStats | None = None
         self.kv: KVSnapshot | None = None
@@ -113,6 +120,13 @@ class Dashboard:
         self.viewers = 0
         self._version = 0
         self._changed = asyncio.Event()
+        # the feed: the latest tick's number and its frames (what is new since the tick before, and the
+        # whole state when some page needs it), and the pages waiting for the whole state
+        self._tick = 0
+        self._frames: tuple[bytes | None, bytes | None] = (None, None)
+        self._ticked = asyncio.Event()
+        self._joining = 0
+        self._feed: asyncio.Task[None] | None = None
 
     # -- fed by the engine client ---------------------------------------------------------------
 
@@ -138,6 +152,9 @@ class Dashboard:
 
     def _wake(self) -> None:
         self._version += 1
+        self._nudge()
+
+    def _nudge(self) -> None:
         self._changed.set()
         self._changed = asyncio.Event()
 
@@ -173,28 +190,92 @@ class Dashboard:
             cursor.finished = self.num_finished
         return frame
 
-    async def events(self) -> AsyncIterator[bytes]:
-        """One page's feed as server-sent events; KV snapshots are taken while any page is open."""
+    async def _run_feed(self) -> None:
+        """Each tick: one frame of what changed for every page, plus the whole state if a page needs it."""
+        cursor = _Cursor()
+        while self.viewers:
+            changed = self._changed  # taken before the frame, so a change while it is built is not missed
+            delta = self.frame(cursor)
+            whole = self.frame(_Cursor()) if self._joining else None
+            self._frames = (_event(delta), _event(whole))
+            self._tick += 1
+            self._ticked.set()
+            self._ticked = asyncio.Event()
+            await asyncio.sleep(FRAME_INTERVAL_S)
+            if not self._joining:
+                await changed.wait()
+
+    def open_feed(self) -> ViewerSlot:
+        """A viewer's place (released when its feed ends); 429 when ``max_viewers`` feeds are open."""
+        if self.viewers >= self.max_viewers:
+            raise APIError(429, f"{self.viewers} dashboard feeds are open, the most this server allows; retry "
+                                "later", type="rate_limit_error", code="too_many_viewers",
+                           headers={"Retry-After": str(KEEPALIVE_S)})
         self.viewers += 1
         if self.viewers == 1:
             self.engine.watch_kv(True)
+        if self._feed is None or self._feed.done():
+            self._feed = asyncio.ensure_future(self._run_feed())
+        return ViewerSlot(self)
+
+    def _close_feed(self) -> None:
+        self.viewers -= 1
+        if not self.viewers:
+            self.engine.watch_kv(False)
+            self.kv = None  # it goes stale unwatched; the next page waits for a fresh one
+            if self._feed is not None:
+                self._feed.cancel()  # not done() until it runs again: a page opening now starts a new one
+                self._feed = None
+
+    async def events(self, slot: ViewerSlot) -> AsyncIterator[bytes]:
+        """One page's feed as server-sent events: the whole state at the next tick, then each tick's
+        changes (the whole state again if the page fell behind by a tick)."""
+        seen, whole_needed = -1, True
+        self._joining += 1
+        self._nudge()
         try:
-            cursor = _Cursor()
             while True:
-                changed = self._changed  # taken before the frame, so a change while it is sent is not missed
-                frame = self.frame(cursor)
-                if frame is not None:
-                    yield b"data: " + msgspec.json.encode(frame) + b"\n\n"
-                await asyncio.sleep(FRAME_INTERVAL_S)
+                ticked = self._ticked
                 try:
-                    await asyncio.wait_for(changed.wait(), KEEPALIVE_S)
+                    await asyncio.wait_for(ticked.wait(), KEEPALIVE_S)
                 except TimeoutError:
                     yield b": keep-alive\n\n"
+                    continue
+                delta, whole = self._frames
+                if whole_needed:
+                    if whole is not None:
+                        seen, whole_needed = self._tick, False
+                        self._joining -= 1
+                        yield whole
+                elif self._tick != seen + 1:  # a slow page missed a tick: send it everything again
+                    whole_needed = True
+                    self._joining += 1
+                    self._nudge()
+                else:
+                    seen = self._tick
+                    if delta is not None:
+                        yield delta
         finally:
-            self.viewers -= 1
-            if not self.viewers:
-                self.engine.watch_kv(False)
-                self.kv = None  # it goes stale unwatched; the next page waits for a fresh one
+            if whole_needed:
+                self._joining -= 1
+            slot.release()
+
+
+def _event(frame: dict[str, Any] | None) -> bytes | None:
+    return None if frame is None else b"data: " + msgspec.json.encode(frame) + b"\n\n"
+
+
+class ViewerSlot:
+    """One open dashboard feed's place among ``max_viewers``; released once, by whichever comes first:
+    the feed's end or the response's."""
+
+    def __init__(self, dashboard: Dashboard) -> None:
+        self._dashboard: Dashboard | None = dashboard
+
+    def release(self) -> None:
+        if self._dashboard is not None:
+            self._dashboard._close_feed()
+            self._dashboard = None
 
 
 def facts(engine: EngineCoreClient, model_name: str) -> dict[str, Any]:
@@ -230,7 +311,8 @@ class SessionAuth:
         if self._key is None or bearer_matches(request.headers.get("authorization", ""), self._key):
             return True
         expiry, _, signature = request.cookies.get(COOKIE, "").partition(".")
-        return (expiry.isdigit() and int(expiry) > time.time()
+        # str.isdigit() is true of superscripts and other scripts' digits, which int() refuses
+        return (EXPIRY.fullmatch(expiry) is not None and int(expiry) > time.time()
                 and hmac.compare_digest(signature.encode(), self._sign(expiry).encode()))
 
     @property
@@ -243,9 +325,10 @@ def _unauthorized() -> APIError:
                     type="authentication_error", code="invalid_api_key", headers={"WWW-Authenticate": "Bearer"})
 
 
-def add_dashboard(app: FastAPI, engine: EngineCoreClient, model_name: str, api_key: str | None) -> Dashboard:
+def add_dashboard(app: FastAPI, engine: EngineCoreClient, model_name: str, api_key: str | None,
+                  max_viewers: int = 16) -> Dashboard:
     """Register the dashboard's routes on ``app`` and make it the engine client's step observer."""
-    dashboard = Dashboard(engine, facts(engine, model_name))
+    dashboard = Dashboard(engine, facts(engine, model_name), max_viewers)
     engine.step_observer = dashboard
     auth = SessionAuth(api_key)
     root = resources.files("iterserve.server") / "static" / "dashboard"
@@ -260,8 +343,10 @@ def add_dashboard(app: FastAPI, engine: EngineCoreClient, model_name: str, api_k
     async def events(request: Request) -> Response:
         if not auth.allows(request):
             raise _unauthorized()
-        return StreamingResponse(dashboard.events(), media_type="text/event-stream",
-                                 headers={"Cache-Control": "no-store", "X-Accel-Buffering": "no"})
+        slot = dashboard.open_feed()
+        return StreamingResponse(dashboard.events(slot), media_type="text/event-stream",
+                                 headers={"Cache-Control": "no-store", "X-Accel-Buffering": "no"},
+                                 background=BackgroundTask(slot.release))  # if the feed never started
 
     async def session() -> Response:
         """Reached only with the key (the server's middleware checks it): a cookie for the page."""

@@ -1,7 +1,9 @@
 """The app's ASGI middlewares, plain ASGI so that streaming responses pass untouched: the API key, JSON-only
-POST bodies, and a request body size limit."""
+POST bodies, a request body size limit and a time limit on receiving the body."""
 
 from __future__ import annotations
+
+import asyncio
 
 from starlette.datastructures import Headers
 from starlette.responses import JSONResponse
@@ -85,7 +87,8 @@ class BodySizeLimitMiddleware:
             await self.app(scope, receive, send)
             return
         declared = Headers(scope=scope).get("content-length", "")
-        if declared.isdigit() and int(declared) > self.max_bytes:
+        # ASCII digits only ("²³".isdigit() is true), and a number too long for int() is over any limit
+        if declared.isascii() and declared.isdigit() and (len(declared) > 18 or int(declared) > self.max_bytes):
             await self._error()(scope, receive, send)
             return
         received = 0
@@ -114,4 +117,58 @@ class BodySizeLimitMiddleware:
             await self.app(scope, counting_receive, guarded_send)
         except _BodyTooLarge:
             if not refused:
+                raise
+
+
+class _BodyTimedOut(Exception):
+    """Raised into the app when its body did not arrive in time; the 408 is already sent."""
+
+
+class BodyReadTimeoutMiddleware:
+    """Answer 408 and close the connection when a request's body is not complete ``timeout`` seconds
+    after the request began.
+
+    A client that sends part of a body and then nothing (or a byte now and then) would otherwise hold
+    its connection and a task for ever. Only the body's arrival is timed: once it is complete, the
+    app's later reads (which wait for the client to disconnect) are left alone.
+    """
+
+    def __init__(self, app: ASGIApp, timeout: float) -> None:
+        self.app = app
+        self.timeout = timeout
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        deadline = asyncio.get_running_loop().time() + self.timeout
+        body_done = response_started = timed_out = False
+
+        async def timed_receive() -> Message:
+            nonlocal body_done, timed_out
+            if body_done:
+                return await receive()
+            try:
+                message = await asyncio.wait_for(receive(), deadline - asyncio.get_running_loop().time())
+            except TimeoutError:
+                if not response_started:
+                    error = APIError(408, f"the request body did not arrive within {self.timeout:g} s",
+                                     code="request_timeout", headers={"Connection": "close"})
+                    await error_response(error)(scope, receive, send)
+                    timed_out = True
+                raise _BodyTimedOut from None
+            body_done = message["type"] != "http.request" or not message.get("more_body", False)
+            return message
+
+        async def guarded_send(message: Message) -> None:
+            nonlocal response_started
+            if timed_out:
+                return
+            response_started = response_started or message["type"] == "http.response.start"
+            await send(message)
+
+        try:
+            await self.app(scope, timed_receive, guarded_send)
+        except _BodyTimedOut:
+            if not timed_out:
                 raise

@@ -6,7 +6,6 @@ names as vLLM does, but reject the known ones we cannot honour.
 
 from __future__ import annotations
 
-import json
 import logging
 from typing import Annotated, Any, Literal, Self, TypeVar, cast
 
@@ -20,6 +19,7 @@ from iterserve.sampling_params import (
     StructuredOutputsParams,
 )
 from iterserve.server.errors import bad_request
+from iterserve.server.text_checks import first_lone_surrogate
 
 logger = logging.getLogger(__name__)
 
@@ -28,39 +28,6 @@ MAX_NAMED_IGNORED = 20  # a log line names at most this many unknown fields of a
 
 
 # -- requests -------------------------------------------------------------------------------------
-
-
-def _first_lone_surrogate(value: Any) -> tuple[str, int] | None:
-    """The first string in a validated field value holding a lone surrogate, with its index.
-
-    Costs little even on lists of millions: a validated list holds one type, so a list of numbers
-    or models (a token-id prompt, the messages) is not walked, and other lists and dicts are
-    checked by encoding them as JSON at C speed; only one that fails is searched.
-    """
-    if isinstance(value, str):
-        return _find_lone_surrogate(value)
-    if isinstance(value, list) and value and isinstance(value[0], list):
-        return next(filter(None, map(_first_lone_surrogate, value)), None)
-    if not isinstance(value, (list, dict)) or (value and isinstance(value, list) and
-                                                not isinstance(value[0], (str, dict))):
-        return None
-    try:
-        json.dumps(value, ensure_ascii=False).encode("utf-8")
-        return None
-    except (UnicodeEncodeError, TypeError, ValueError):
-        return _find_lone_surrogate(value)
-
-
-def _find_lone_surrogate(value: Any) -> tuple[str, int] | None:
-    """Search strings, lists and dicts (keys too) of any shape for a lone surrogate."""
-    if isinstance(value, str):
-        try:
-            value.encode("utf-8")
-        except UnicodeEncodeError as e:
-            return value, e.start
-        return None
-    items = [*value, *value.values()] if isinstance(value, dict) else value if isinstance(value, list) else []
-    return next(filter(None, map(_find_lone_surrogate, items)), None)
 
 
 def _prompt_kind(value: Any) -> str | None:
@@ -97,7 +64,7 @@ class _Request(BaseModel):
     def _valid_unicode(cls, value: Any) -> Any:
         """JSON can carry a lone surrogate (an unpaired \\ud800 escape): Python decodes it into a string
         that neither the tokenizer nor a UTF-8 response can encode, so it is refused, naming the field."""
-        if (found := _first_lone_surrogate(value)) is not None:
+        if (found := first_lone_surrogate(value)) is not None:
             text, index = found
             raise ValueError(f"contains a lone surrogate (U+{ord(text[index]):04X}) at index {index} of a string; "
                              "text must be valid Unicode")
@@ -179,6 +146,16 @@ class _SamplingRequest(_Body):
     def structured_outputs_params(self) -> StructuredOutputsParams | None:
         """The output constraint the request asks for, if any; a 400 naming the parameter when it is
         malformed, does not compile, or more than one is given."""
+        source = self._structured_outputs_source()
+        return None if source is None else structured_outputs_from(*source)
+
+    @property
+    def structured_outputs_field(self) -> str | None:
+        """The field that gives the output constraint: what an error in its grammar names."""
+        source = self._structured_outputs_source()
+        return None if source is None else source[0]
+
+    def _structured_outputs_source(self) -> tuple[str, dict[str, Any]] | None:
         sources: list[tuple[str, dict[str, Any]]] = []
         if self.response_format is not None and self.response_format.get("type") != "text":
             sources.append(("response_format", _response_format_fields(self.response_format)))
@@ -198,7 +175,7 @@ class _SamplingRequest(_Body):
         if len(sources) > 1:
             names = ", ".join(name for name, _ in sources)
             raise bad_request(f"give at most one output constraint; got {names}", sources[1][0])
-        return structured_outputs_from(sources[0][0], sources[0][1])
+        return sources[0]
 
     def sampling_params(self, max_tokens: int | None, logprobs: int | None, **extra: Any) -> SamplingParams:
         """Build SamplingParams (``extra``: fields only one endpoint has), which checks every limit; an
@@ -258,18 +235,23 @@ class CompletionRequest(_SamplingRequest):
     echo: bool = False
     suffix: str | None = None
     best_of: Int | None = None
+    prompt_logprobs: Int | None = None  # vLLM extension: top alternatives for each prompt token
 
     def check_supported(self) -> None:
         super().check_supported()
         if self.suffix:
             raise bad_request("suffix (insertion) is not supported", "suffix")
+        if self.stream and self.prompt_logprobs is not None:  # as vLLM: they come with the final output
+            raise bad_request("prompt_logprobs are not available when stream is true", "prompt_logprobs")
         if self.stream and self.best_of is not None and self.best_of > self.n:
             raise bad_request("best_of greater than n cannot be streamed: the best are known only at the end",
                               "best_of")
 
     def completion_params(self, structured_outputs: StructuredOutputsParams | None = None) -> SamplingParams:
         """With echo and logprobs, the prompt's logprobs too (as OpenAI and vLLM return them)."""
-        prompt_logprobs = self.logprobs if self.echo and self.logprobs is not None else None
+        echoed = self.logprobs if self.echo and self.logprobs is not None else None
+        asked = [n for n in (echoed, self.prompt_logprobs) if n is not None]
+        prompt_logprobs = max(asked) if asked else None
         return self.sampling_params(self.max_tokens, self.logprobs, best_of=self.best_of,
                                     structured_outputs=structured_outputs,
                                     prompt_logprobs=prompt_logprobs)
@@ -294,6 +276,12 @@ class ChatMessage(_Request):
     tool_call_id: str | None = None  # a tool message: the call it answers
 
 
+# A conversation's messages: each costs pydantic a model and the chat template a turn, and 100,000 of
+# them (3.3 MB) took seconds to validate; no chat model's context holds this many turns.
+MAX_MESSAGES = 4096
+Messages = Annotated[ListOf[ChatMessage], Field(max_length=MAX_MESSAGES)]
+
+
 class FunctionDefinition(_Request):
     name: str = Field(min_length=1)
     description: str | None = None
@@ -307,7 +295,7 @@ class ChatTool(_Request):
 
 
 class ChatCompletionRequest(_SamplingRequest):
-    messages: ListOf[ChatMessage] = Field(min_length=1)
+    messages: Annotated[Messages, Field(min_length=1)]
     max_tokens: Int | None = None
     max_completion_tokens: Int | None = None
     logprobs: bool = False
@@ -343,9 +331,6 @@ class ChatCompletionRequest(_SamplingRequest):
     def requested_logprobs(self) -> int | None:
         return (self.top_logprobs or 0) if self.logprobs else None
 
-    def message_dicts(self) -> list[dict[str, Any]]:
-        return [m.model_dump(exclude_none=True) for m in self.messages]
-
     def template_options(self) -> dict[str, Any]:
         """The chat template's arguments beside the messages and tools (vLLM's request fields)."""
         return {"add_generation_prompt": self.add_generation_prompt,
@@ -362,7 +347,7 @@ class ChatCompletionRequest(_SamplingRequest):
 class TokenizeRequest(_Body):
     model: str | None = None
     prompt: str | None = None
-    messages: ListOf[ChatMessage] | None = None
+    messages: Messages | None = None
     add_special_tokens: bool = True
     add_generation_prompt: bool = True
     return_token_strs: bool = False

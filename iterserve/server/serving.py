@@ -16,19 +16,23 @@ import asyncio
 import logging
 import math
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable, Sequence
 from typing import Any
 
 from fastapi import Request
 from fastapi.responses import StreamingResponse
 from starlette.background import BackgroundTask
 
-from iterserve.engine.core_client import EngineCoreClient, RequestStream
+from iterserve.engine.core_client import EngineCoreClient
+from iterserve.engine.request_stream import RequestStream
 from iterserve.errors import QueueFullError, RequestError
 from iterserve.outputs import CompletionOutput, Logprob, RequestOutput
-from iterserve.sampling_params import SamplingParams
+from iterserve.sampling_params import SamplingParams, StructuredOutputsParams
+from iterserve.server.admission import Outputs, PacedStream, share_of
 from iterserve.server.errors import APIError, bad_request, request_error
+from iterserve.server.grammars import GrammarChecker
 from iterserve.server.metrics import ServerMetrics
+from iterserve.server.protocol import ChatMessage
 from iterserve.server.response_bodies import PromptTokensDetails, Usage
 from iterserve.server.streaming import wait_for_disconnect
 from iterserve.server.tool_calls import render_tool_calls_as_text
@@ -76,13 +80,24 @@ def total_usage_of(outs: list[RequestOutput]) -> Usage:
 class OpenAIServing:
     """The steps every route shares, bound to one engine; each endpoint's handlers subclass it."""
 
-    def __init__(self, engine: EngineCoreClient, metrics: ServerMetrics, model_name: str) -> None:
+    def __init__(self, engine: EngineCoreClient, metrics: ServerMetrics, model_name: str,
+                 grammars: GrammarChecker | None = None) -> None:
         self.engine = engine
         self.metrics = metrics
         self.model_name = model_name
+        self.grammars = grammars  # what proves a request's grammar runnable (the routes that take one)
         self.chat_template: str | None = None  # the server's --chat-template, used where a request gives none
 
     # -- shared steps -------------------------------------------------------------------------
+
+    async def _check_grammar(self, spec: StructuredOutputsParams | None, param: str) -> None:
+        """Return once ``spec``'s grammar is proven to run (off the event loop); a 400 naming ``param``
+        when it is not."""
+        if spec is None:
+            return
+        if self.grammars is None:
+            raise RuntimeError(f"{type(self).__name__} was built without a grammar checker")
+        await self.grammars.check(spec, param)
 
     def _check_model(self, model: str | None) -> None:
         if model is not None and model != self.model_name:
@@ -114,20 +129,20 @@ class OpenAIServing:
 
         return await asyncio.to_thread(encode)
 
-    async def _encode_chat(self, messages: list[dict[str, Any]], max_tokens: int,
+    async def _encode_chat(self, chat: list[ChatMessage], max_tokens: int,
                            tools: list[dict[str, Any]] | None = None, **options: Any) -> list[int]:
-        """Token ids of a conversation rendered by the chat template, both done in a worker thread;
-        ``options`` go to :meth:`Tokenizer.apply_chat_template` (a request's own template runs in the same
-        sandbox as the model's). The length check applies to the rendered prompt: a template may leave
-        some content out.
+        """Token ids of a conversation rendered by the chat template, all done in a worker thread (the
+        messages turned into dicts too: thousands take a second); ``options`` go to
+        :meth:`Tokenizer.apply_chat_template` (a request's own template runs in the same sandbox as the
+        model's). The length check applies to the rendered prompt: a template may leave some content out.
         """
         tokenizer = self._tokenizer()
         if options.get("chat_template") is None:
             options["chat_template"] = self.chat_template
         template = tokenizer.chat_templates.get("tool_use", tokenizer.chat_template)
-        messages = render_tool_calls_as_text(messages, template)
 
         def render_and_encode() -> list[int]:
+            messages = render_tool_calls_as_text([m.model_dump(exclude_none=True) for m in chat], template)
             try:
                 prompt = tokenizer.apply_chat_template(messages, tools=tools, **options)
             except ValueError as e:
@@ -152,10 +167,10 @@ class OpenAIServing:
         except ValueError as e:
             raise bad_request(str(e)) from e
 
-    async def _final_outputs(self, streams: list[RequestStream], request: Request) -> list[RequestOutput] | None:
+    async def _final_outputs(self, streams: Sequence[Outputs], request: Request) -> list[RequestOutput] | None:
         """Every stream's finished output, or None when the client disconnected first (all are aborted)."""
 
-        async def last(stream: RequestStream) -> RequestOutput:
+        async def last(stream: Outputs) -> RequestOutput:
             final = None
             async for output in stream:
                 final = output
@@ -179,7 +194,7 @@ class OpenAIServing:
         tokenizer = self.engine.tokenizer
         return tokenizer.decode([token_id], skip_special_tokens=False) if tokenizer else f"token_id:{token_id}"
 
-    def _streaming(self, events: AsyncIterator[str], streams: list[RequestStream]) -> StreamingResponse:
+    def _streaming(self, events: AsyncIterator[str], streams: Sequence[Outputs]) -> StreamingResponse:
         # The background task aborts the requests when the client left before the generator ran.
         def close() -> None:
             for stream in streams:
@@ -189,16 +204,28 @@ class OpenAIServing:
                                  background=BackgroundTask(close))
 
     async def _submit_all(self, request_id: str, prompts: list[list[int]], params: SamplingParams,
-                          stream: bool) -> list[RequestStream]:
-        """One engine request per prompt; if one is refused, those already sent are aborted."""
+                          stream: bool) -> list[Outputs]:
+        """One engine request per prompt. The first is admitted as any request is (429 when the queue is
+        full); the others follow a share at a time (:mod:`.admission`), each checked now so that a bad
+        one is a 400 before any is sent."""
         if len(prompts) == 1:
             return [await self._submit(request_id, prompts[0], params, stream)]
-        streams: list[RequestStream] = []
+        for prompt in prompts[1:]:
+            try:
+                self.engine.check_request(prompt, params)
+            except RequestError as e:
+                raise request_error(e) from e
+        places = asyncio.Semaphore(share_of(self.engine.max_waiting))
+        await places.acquire()  # free: the share is at least one
+
+        def sender(i: int) -> Callable[[], RequestStream]:
+            return lambda: self.engine.add_request(f"{request_id}-{i}", prompts[i], params, time.perf_counter(),
+                                                   stream, admitted=True)
+
         try:
-            for i, prompt in enumerate(prompts):
-                streams.append(await self._submit(f"{request_id}-{i}", prompt, params, stream))
+            first = await self._submit(f"{request_id}-0", prompts[0], params, stream)
         except BaseException:
-            for s in streams:
-                s.close()
+            places.release()
             raise
-        return streams
+        rest = [PacedStream(sender(i), places) for i in range(1, len(prompts))]
+        return [PacedStream(sender(0), places, first), *rest]

@@ -6,18 +6,25 @@ from __future__ import annotations
 import time
 import uuid
 from collections.abc import AsyncIterator
-from typing import Any
+from typing import Annotated, Any
 
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response
 
-from iterserve.engine.core_client import RequestStream
 from iterserve.engine.validation import check_prompt_ids
 from iterserve.errors import EngineDeadError, RequestError, RequestFailedError
 from iterserve.outputs import RequestOutput
+from iterserve.sampling_params import grammar_checks_deferred
+from iterserve.server.admission import Outputs
 from iterserve.server.errors import bad_request, engine_error, request_error
 from iterserve.server.protocol import CompletionRequest
-from iterserve.server.response_bodies import CompletionChoice, CompletionLogprobs, CompletionResponse
+from iterserve.server.request_body import validated
+from iterserve.server.response_bodies import (
+    CompletionChoice,
+    CompletionLogprobs,
+    CompletionResponse,
+    PromptLogprob,
+)
 from iterserve.server.serving import (
     LogprobPairs,
     OpenAIServing,
@@ -29,6 +36,16 @@ from iterserve.server.serving import (
 from iterserve.server.streaming import merged, sse
 
 MAX_PROMPTS = 256  # prompts in one /v1/completions request (each is a request of its own in the engine)
+
+
+def _prompt_logprobs(out: RequestOutput, n: int | None) -> list[dict[int, PromptLogprob] | None] | None:
+    """vLLM's ``prompt_logprobs`` of a choice: the prompt token's entry and its top ``n``, per prompt token."""
+    if n is None or out.prompt_logprobs is None:
+        return None
+    return [None if entry is None else {
+        t: PromptLogprob(logprob=finite(v.logprob), rank=v.rank, decoded_token=v.decoded_token)
+        for t, v in entry.items() if t == token or v.rank is not None and v.rank <= n}
+        for token, entry in zip(out.prompt_token_ids, out.prompt_logprobs)]
 
 
 class CompletionServing(OpenAIServing):
@@ -75,10 +92,14 @@ class CompletionServing(OpenAIServing):
             out.append((list(p), tokenizer.decode(p, skip_special_tokens=False) if echo and tokenizer else ""))
         return out
 
-    async def completions(self, body: CompletionRequest, request: Request) -> Response:
+    async def completions(self, body: Annotated[CompletionRequest, validated(CompletionRequest)],
+                           request: Request) -> Response:
         self._check_model(body.model)
         body.check_supported()
-        params = body.completion_params(body.structured_outputs_params())
+        with grammar_checks_deferred():  # checked by the grammar pool, off the event loop
+            constraint = body.structured_outputs_params()
+        params = body.completion_params(constraint)
+        await self._check_grammar(constraint, body.structured_outputs_field or "structured_outputs")
         prompts = await self._completion_prompts(body.prompt, body.echo)
         request_id = f"cmpl-{uuid.uuid4().hex}"
         streams = await self._submit_all(request_id, [ids for ids, _ in prompts], params, bool(body.stream))
@@ -96,7 +117,8 @@ class CompletionServing(OpenAIServing):
                     logprobs = self._completion_logprobs(self._echo_logprobs(final, echo) + list(
                         zip(c.token_ids, c.logprobs or [])), body.logprobs, 0)
                 choices.append(CompletionChoice(index=i * body.n + c.index, text=echo + c.text, logprobs=logprobs,
-                                                finish_reason=c.finish_reason, stop_reason=c.stop_reason))
+                                                finish_reason=c.finish_reason, stop_reason=c.stop_reason,
+                                                prompt_logprobs=_prompt_logprobs(final, body.prompt_logprobs)))
         return JSONResponse(CompletionResponse(id=request_id, model=self.model_name, choices=choices,
                                                usage=total_usage_of(finals)).model_dump())
 
@@ -107,7 +129,7 @@ class CompletionServing(OpenAIServing):
             return []
         return list(zip(out.prompt_token_ids, out.prompt_logprobs))
 
-    async def _completion_events(self, request_id: str, streams: list[RequestStream], body: CompletionRequest,
+    async def _completion_events(self, request_id: str, streams: list[Outputs], body: CompletionRequest,
                                  echoes: list[str]) -> AsyncIterator[str]:
         created = int(time.time())
         offsets: dict[int, int] = {}  # choice index -> text offset of its next token

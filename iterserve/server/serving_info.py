@@ -27,9 +27,8 @@ class InfoServing(OpenAIServing):
         return self._model_card()
 
     async def health(self) -> Response:
-        if not self.engine.is_running:
-            reason = str(self.engine.error) if self.engine.error else "the engine is not running"
-            return error_response(APIError(503, reason, type="server_error"))
+        if (problem := self.engine.health_problem()) is not None:
+            return error_response(APIError(503, problem, type="server_error"))
         return JSONResponse({"status": "ok"})
 
     async def embeddings(self, body: dict[str, Any] | None = None) -> Response:

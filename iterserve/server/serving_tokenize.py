@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import asyncio
+from typing import Annotated
 
 from iterserve.server.errors import bad_request
 from iterserve.server.protocol import DetokenizeRequest, TokenizeRequest
+from iterserve.server.request_body import validated
 from iterserve.server.response_bodies import DetokenizeResponse, TokenizeResponse
 from iterserve.server.serving import OpenAIServing
 
@@ -13,7 +15,7 @@ from iterserve.server.serving import OpenAIServing
 class TokenizeServing(OpenAIServing):
     """The tokenize and detokenize routes."""
 
-    async def tokenize(self, body: TokenizeRequest) -> TokenizeResponse:
+    async def tokenize(self, body: Annotated[TokenizeRequest, validated(TokenizeRequest)]) -> TokenizeResponse:
         """Token ids of a prompt or conversation of up to max_model_len tokens (longer text is refused,
         so that this endpoint cannot be made to tokenize arbitrarily much)."""
         self._check_model(body.model)
@@ -22,8 +24,7 @@ class TokenizeServing(OpenAIServing):
         limit = self.engine.max_model_len
         if body.messages is not None:
             param = "messages"
-            ids = await self._encode_chat([m.model_dump(exclude_none=True) for m in body.messages], limit,
-                                          add_generation_prompt=body.add_generation_prompt)
+            ids = await self._encode_chat(body.messages, limit, add_generation_prompt=body.add_generation_prompt)
         else:
             param = "prompt"
             ids = await self._encode(body.prompt or "", param, limit, body.add_special_tokens)
@@ -33,7 +34,7 @@ class TokenizeServing(OpenAIServing):
         strs = [self._tokenizer().id_to_token(t) or "" for t in ids] if body.return_token_strs else None
         return TokenizeResponse(tokens=ids, count=len(ids), max_model_len=limit, token_strs=strs)
 
-    async def detokenize(self, body: DetokenizeRequest) -> DetokenizeResponse:
+    async def detokenize(self, body: Annotated[DetokenizeRequest, validated(DetokenizeRequest)]) -> DetokenizeResponse:
         """The text of up to max_model_len token ids, decoded in a worker thread."""
         self._check_model(body.model)
         tokenizer = self._tokenizer()

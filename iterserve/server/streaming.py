@@ -5,14 +5,14 @@ from __future__ import annotations
 
 import asyncio
 import json
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Sequence
 from typing import Any
 
 from fastapi import Request
 from pydantic import BaseModel
 
-from iterserve.engine.core_client import RequestStream
 from iterserve.outputs import RequestOutput
+from iterserve.server.admission import Outputs
 
 
 def sse(payload: BaseModel | dict[str, Any]) -> str:
@@ -20,7 +20,7 @@ def sse(payload: BaseModel | dict[str, Any]) -> str:
     return f"data: {data}\n\n"
 
 
-async def merged(streams: list[RequestStream]) -> AsyncIterator[tuple[int, RequestOutput]]:
+async def merged(streams: Sequence[Outputs]) -> AsyncIterator[tuple[int, RequestOutput]]:
     """The outputs of several streams as they come, each with its stream's position."""
     if len(streams) == 1:
         async for out in streams[0]:
@@ -28,7 +28,7 @@ async def merged(streams: list[RequestStream]) -> AsyncIterator[tuple[int, Reque
         return
     queue: asyncio.Queue[tuple[int, RequestOutput | BaseException | None]] = asyncio.Queue()
 
-    async def pump(i: int, stream: RequestStream) -> None:
+    async def pump(i: int, stream: Outputs) -> None:
         try:
             async for out in stream:
                 await queue.put((i, out))

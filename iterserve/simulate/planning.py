@@ -9,6 +9,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+from iterserve.config import ModelConfig
+
 
 @dataclass(frozen=True)
 class PlannerTerms:
@@ -31,13 +33,13 @@ class PlannerTerms:
 
 
 def planner_terms(
-    model: str, dtype: str = "bf16", *, gpu: str | None = None, flops: str | None = None,
+    model: str | ModelConfig, dtype: str = "bf16", *, gpu: str | None = None, flops: str | None = None,
     bandwidth: str | None = None, memory: str | None = None, gpu_memory_utilization: float = 0.9,
 ) -> PlannerTerms:
-    """Terms for ``model`` (a preset, config.json, folder or .gguf) and optionally an accelerator: a
-    named one (``gpu``) with any of ``flops``/``bandwidth``/``memory`` replaced, or, without a name,
-    ``flops`` and ``bandwidth`` given. Quantities are read as ``iterserve plan`` reads them ("312" is
-    TFLOP/s, "2039" GB/s, "40" GiB, or with a unit)."""
+    """Terms for ``model`` (a preset, config.json, folder or .gguf, or its config already read) and
+    optionally an accelerator: a named one (``gpu``) with any of ``flops``/``bandwidth``/``memory``
+    replaced, or, without a name, ``flops`` and ``bandwidth`` given. Quantities are read as
+    ``iterserve plan`` reads them ("312" is TFLOP/s, "2039" GB/s, "40" GiB, or with a unit)."""
     from iterserve.config.units import parse_bandwidth, parse_flops, parse_size
     from iterserve.models.loader import load_model_config
     from iterserve.planner.hardware import GiB, custom_accelerator, get_accelerator

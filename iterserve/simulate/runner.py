@@ -1,50 +1,50 @@
-"""The discrete-event loop: the engine's own Scheduler and BlockManager on a simulated clock.
+"""The discrete-event loop: bench serve's client in front of the real :class:`EngineCore` on a virtual clock.
 
-Each iteration admits the requests sent by now, asks the real :class:`Scheduler` for a step, asks
-the cost model how long that step takes, advances the clock by it and hands the scheduler one
-sampled token per sequence that finished its tokens, exactly as the engine core does after a
-forward pass. The token is a filler until the request reaches its workload output length, then an
-end-of-sequence token, so requests stop where the workload says (an emulated EOS).
+Each simulated load point builds an :class:`~iterserve.engine.core.EngineCore` (the server's, with its
+scheduler, block manager, request states, token timestamps and step trace) over a
+:class:`~iterserve.simulate.executor.CostModelExecutor`, both on one
+:class:`~iterserve.simulate.executor.VirtualClock`. Each iteration hands the core the requests that
+reached it by now and runs one ``EngineCore.step``: the executor moves the clock on by the cost model's
+time for the step and samples a filler token per sequence, and the core stamps the tokens and
+finishes each request at its workload output length (``max_tokens`` with ``ignore_eos``).
 
-Arrivals follow ``bench serve``: gamma-distributed send times (:func:`arrival_offsets`, same seed,
-same workload) and an optional cap on requests in flight, a request waiting for a free slot being
-sent the moment the client sees the last token of one in flight. Between client and scheduler lies
-the serving stack's round trip (``SimConfig.request_latency_s``, HTTP, the API process and IPC): a
-request reaches the scheduler half of it after it is sent, and a sampled token reaches the client
-half of it after its step ends. So a request sent when a slot frees arrives after the next step
-has started and waits for it, as on a real server. The API process admits one request at a time
-(``SimConfig.admission_interval_s`` apart), so the first of a burst starts a step of its own.
-Per-request times are the client's: TTFT from sending to the first token's arrival, ITL between the
-next ones, and the results go through bench's own :func:`compute_metrics`.
+This module is the client's side. Arrivals follow ``bench serve``: gamma-distributed send times
+(:func:`arrival_offsets`, same seed, same workload) and an optional cap on requests in flight, a
+request waiting for a free slot being sent the moment the client sees the last token of one in flight.
+A request is checked when sent (as the server's API process does: one that does not fit fails at once
+and never holds a slot). Between client and core lies the serving stack's round trip
+(``SimConfig.request_latency_s``, HTTP, the API process and IPC): a request reaches the core half of it
+after it is sent, and a sampled token reaches the client half of it after its step ends. So a request
+sent when a slot frees arrives after the next step has started and waits for it, as on a real server.
+The API process admits one request at a time (``SimConfig.admission_interval_s`` apart), so the first
+of a burst starts a step of its own. Per-request times are the client's, from the core's outputs:
+TTFT from sending to the first token's arrival, ITL between the steps of the next ones, and the results
+go through bench's own :func:`compute_metrics`.
 """
 
 from __future__ import annotations
 
-import json
 import math
+import shutil
+import tempfile
 from collections import deque
 from dataclasses import asdict, dataclass
 from datetime import datetime
+from pathlib import Path
 from typing import IO, Any
 
-import msgspec
 import numpy as np
 
 from iterserve.bench.metrics import DEFAULT_PERCENTILES, RequestResult, compute_metrics
 from iterserve.bench.serve import LoadPoint, arrival_offsets
-from iterserve.bench.workloads import FIRST_RANDOM_TOKEN_ID, Request, WorkloadSpec
-from iterserve.config import Batching, KVAllocation, SchedulerConfig
-from iterserve.engine.block_manager import BlockManager
-from iterserve.engine.messages import StepStats
-from iterserve.engine.sampler import SampleResult
-from iterserve.engine.scheduler import ScheduledSeq, Scheduler, SchedulerOutput
-from iterserve.engine.sequence import Sequence
-from iterserve.outputs import RequestMetrics
+from iterserve.bench.workloads import Request, WorkloadSpec, random_tokens
+from iterserve.config import DEFAULT_MODEL, Batching, Dtype, EngineConfig, KVAllocation, ModelConfig, get_preset
+from iterserve.engine.core import EngineCore
+from iterserve.engine.messages import EngineCoreOutput, EngineCoreRequest
+from iterserve.engine.validation import check_prompt
 from iterserve.sampling_params import SamplingParams
-from iterserve.simulate.cost import CostModel, StepShape
-
-EOS = -1  # the emulated end-of-sequence token: outside any vocabulary, so no prompt holds it
-FILLER = 0  # every other sampled token
+from iterserve.simulate.cost import CostModel
+from iterserve.simulate.executor import CostModelExecutor, VirtualClock
 
 
 @dataclass(frozen=True)
@@ -56,6 +56,7 @@ class SimConfig:
     max_num_seqs: int = 256
     max_num_batched_tokens: int = 2048
     batching: Batching = "continuous"
+    max_batch_wait: float = 0.05  # dynamic batching: the oldest request's longest wait for its batch to fill
     kv_allocation: KVAllocation = "paged"
     enable_prefix_caching: bool = True
     max_model_len: int | None = None  # None: what the pool holds
@@ -74,21 +75,14 @@ class SimConfig:
             raise ValueError(f"max_model_len {self.max_model_len} needs more KV cache than the pool holds "
                              f"({self.num_kv_blocks} blocks of {self.block_size} tokens)")
 
-
-def step_shape(scheduled: list[ScheduledSeq]) -> StepShape:
-    """Summarise a scheduled step before it runs (the sequences' computed tokens have not moved yet)."""
-    prefill_tokens = decode = context = pairs = prefill_seqs = sampling = 0
-    for s in scheduled:
-        n, c0 = s.num_tokens, s.seq.num_computed_tokens
-        if s.is_prefill:
-            prefill_tokens += n
-            prefill_seqs += 1
-        else:
-            decode += 1
-        context += c0 + n
-        pairs += n * c0 + n * (n + 1) // 2
-        sampling += s.samples
-    return StepShape(prefill_tokens, decode, context, pairs, prefill_seqs, sampling)
+    def engine_config(self, model: str, dtype: Dtype, step_trace: str | None = None) -> EngineConfig:
+        """The engine core's config: these settings, the KV pool given in blocks."""
+        return EngineConfig(model=model or DEFAULT_MODEL, dtype=dtype, block_size=self.block_size,
+                            max_model_len=self.model_len, max_num_seqs=self.max_num_seqs,
+                            max_num_batched_tokens=self.max_num_batched_tokens,
+                            enable_prefix_caching=self.enable_prefix_caching, num_kv_blocks=self.num_kv_blocks,
+                            batching=self.batching, max_batch_wait=self.max_batch_wait,
+                            kv_allocation=self.kv_allocation, step_trace=step_trace)
 
 
 @dataclass
@@ -99,64 +93,61 @@ class PointStats:
     num_preemptions: int = 0
     busy_s: float = 0.0  # simulated time the engine spent in steps
     mean_batch: float = 0.0  # sequences per step
+    prefix_hit_tokens: int = 0  # prompt tokens the prefix cache spared computing
 
 
-class _Run:
-    """One load point: the clock, the scheduler and the client side of every request."""
+class _Client:
+    """One load point from the client's side: send times, the concurrency cap, the serving stack's delays,
+    and every request's result read from the core's outputs."""
 
-    def __init__(self, requests: list[Request], point: LoadPoint, burstiness: float, seed: int, cost: CostModel,
-                 cfg: SimConfig, trace: IO[str] | None) -> None:
-        self.requests, self.cost, self.cfg, self.trace = requests, cost, cfg, trace
+    def __init__(self, requests: list[Request], point: LoadPoint, burstiness: float, seed: int, cfg: SimConfig,
+                 core: EngineCore, clock: VirtualClock) -> None:
+        self.requests, self.cfg, self.core, self.clock = requests, cfg, core, clock
         self.cap = point.max_concurrency
         self.offsets = arrival_offsets(len(requests), point.request_rate, burstiness, seed)
-        self.block_manager = BlockManager(cfg.num_kv_blocks, cfg.block_size, cfg.enable_prefix_caching)
-        self.scheduler = Scheduler(SchedulerConfig(cfg.max_num_seqs, cfg.max_num_batched_tokens, cfg.batching,
-                                                   cfg.kv_allocation, cfg.model_len), self.block_manager)
         self.results = [RequestResult(prompt_len=r.prompt_len) for r in requests]
         self.pending = deque(range(len(requests)))  # not sent yet, in send order
-        self.in_transit: deque[tuple[float, Sequence]] = deque()  # sent, not at the scheduler yet; in arrival order
+        self.in_transit: deque[tuple[float, EngineCoreRequest]] = deque()  # sent, not at the core yet; arrival order
         self.one_way = cfg.request_latency_s / 2
         self.last_arrival = -math.inf
         self.in_flight = 0
         self.saturated = False
         self.freed_at = 0.0  # when a slot last freed after all were taken
-        self.index: dict[str, int] = {}
+        self.last_token: dict[int, float] = {}  # request -> when its engine sampled its last token so far
         self.rng = np.random.default_rng(seed)
-        self.stats = PointStats()
 
     def _prompt_ids(self, r: Request) -> list[int]:
         p = r.prompt
         if isinstance(p, list) and p and isinstance(p[0], int):
             return list(p)
         # text or chat prompts: distinct ids of the same length (no prefix-cache hits are modelled for them)
-        return self.rng.integers(FIRST_RANDOM_TOKEN_ID, 1 << 30, size=r.prompt_len).tolist()
+        return random_tokens(self.rng, r.prompt_len, self.core.model_config.vocab_size)
 
     def _send(self, now: float) -> None:
-        """Send every request due by ``now`` that has a slot; hand the scheduler those arrived by ``now``."""
+        """Send every request due by ``now`` that has a slot; hand the core those arrived by ``now``."""
         while self.pending and self.offsets[self.pending[0]] <= now and (self.cap is None or self.in_flight < self.cap):
             i = self.pending.popleft()
             r, res = self.requests[i], self.results[i]
             sent = max(self.offsets[i], self.freed_at)
             res.start_time = sent
-            if r.prompt_len + r.output_len > self.cfg.model_len:
-                res.error = (f"prompt ({r.prompt_len} tokens) + max_tokens ({r.output_len}) exceeds max_model_len "
-                             f"({self.cfg.model_len})")
-                continue  # refused at once, as the server answers 400: it never holds a slot
-            params = SamplingParams(max_tokens=r.output_len, temperature=0.0)
+            params = SamplingParams(max_tokens=r.output_len, temperature=0.0, ignore_eos=True)
+            ids = self._prompt_ids(r)
+            try:  # refused at once, as the server answers 400: it never holds a slot
+                check_prompt(ids, params, self.core.model_config.vocab_size, self.core.max_model_len,
+                             self.cfg.max_num_seqs)
+            except ValueError as e:
+                res.error = str(e)
+                continue
             self.last_arrival = self._arrival(sent)
-            seq = Sequence(request_id=str(i), prompt=None, prompt_token_ids=self._prompt_ids(r), params=params,
-                           max_tokens=r.output_len, stop_ids=frozenset({EOS}),
-                           metrics=RequestMetrics(arrival_time=self.last_arrival, num_prompt_tokens=r.prompt_len))
-            self.index[seq.request_id] = i
-            self.in_transit.append((self.last_arrival, seq))
+            self.in_transit.append((self.last_arrival, EngineCoreRequest(str(i), ids, params, self.last_arrival)))
             self.in_flight += 1
             if self.cap is not None and self.in_flight == self.cap:
                 self.saturated = True
         while self.in_transit and self.in_transit[0][0] <= now:
-            self.scheduler.add(self.in_transit.popleft()[1])
+            self.core.add_request(self.in_transit.popleft()[1])
 
     def _arrival(self, sent: float) -> float:
-        """When a request sent at ``sent`` reaches the scheduler."""
+        """When a request sent at ``sent`` reaches the core."""
         return max(sent + self.one_way, self.last_arrival + self.cfg.admission_interval_s)
 
     def _next_event(self) -> float:
@@ -164,100 +155,100 @@ class _Run:
         times = [self.in_transit[0][0]] if self.in_transit else []
         if self.pending and (self.cap is None or self.in_flight < self.cap):
             times.append(self._arrival(max(self.offsets[self.pending[0]], self.freed_at)))
-        return min(times)
+        return min(times, default=math.inf)
 
     def run(self) -> float:
-        now, sched, seqs_run = 0.0, self.scheduler, 0
-        while self.pending or self.in_transit or sched.has_unfinished():
-            self._send(now)
-            if not sched.has_unfinished():
+        """Every request sent, run and received; the run's duration."""
+        core, clock = self.core, self.clock
+        while self.pending or self.in_transit or core.has_unfinished_requests():
+            self._send(clock.now)
+            if not core.has_unfinished_requests():
                 if self.pending or self.in_transit:
-                    now = max(now, self._next_event())
+                    clock.advance_to(self._next_event())
                 continue
-            out = sched.schedule()
-            if out.is_empty:  # cannot happen while max_model_len fits the pool; never spin on it
-                raise RuntimeError(f"the scheduler scheduled nothing with {len(sched.waiting)} requests waiting")
-            start = now
-            for s in out.scheduled:
-                if s.seq.metrics.first_scheduled_time is None:
-                    s.seq.metrics.first_scheduled_time = start
-            shape = step_shape(out.scheduled)
-            now += self.cost.step_time(shape)
-            tokens = [EOS if len(s.seq.output_token_ids) + 1 >= self.requests[self.index[s.seq.request_id]].output_len
-                      else FILLER for s in out.scheduled if s.samples]
-            update = sched.update_from_output(out, SampleResult(tokens, [None] * len(tokens)))
-            self.stats.num_steps += 1
-            self.stats.num_preemptions += len(out.preempted)
-            self.stats.busy_s += now - start
-            seqs_run += len(out.scheduled)
-            if self.trace is not None:
-                self._trace_step(out, shape, start, now)
-            for seq in update.sampled:
-                m = seq.metrics
-                m.token_times.append(now)
-                m.num_output_tokens += 1
-                if m.first_token_time is None:
-                    m.first_token_time = now
-            for seq in update.finished:
-                self._finish(seq, now)
-        self.stats.mean_batch = seqs_run / max(self.stats.num_steps, 1)
-        self.block_manager.check_no_leaks()
+            if (hold := core.scheduler.hold_s()) > 0:  # a dynamic batch fills: until its wait ends or a request comes
+                clock.advance_to(min(clock.now + hold, max(clock.now, self._next_event())))
+                continue
+            steps = core.num_steps
+            outputs = core.step().outputs
+            if core.num_steps == steps:  # cannot happen while max_model_len fits the pool; never spin on it
+                raise RuntimeError(f"the scheduler scheduled nothing with {core.num_waiting} requests waiting")
+            for out in outputs:
+                self._receive(out)
+        core.block_manager.check_no_leaks()
         ends = [r.start_time + r.latency if r.success else r.start_time for r in self.results]
-        return max([now, *ends])
+        return max([clock.now, *ends])
 
-    def _finish(self, seq: Sequence, now: float) -> None:
-        """The engine is done with ``seq`` at ``now``; the client, half a round trip later. A request's
-        metrics are the engine's (arrival at the scheduler, step ends), as in a server's step trace;
-        its result is the client's."""
-        m = seq.metrics
-        m.finished_time = now
-        res = self.results[self.index.pop(seq.request_id)]
-        res.ttft = m.first_token_time + self.one_way - res.start_time  # type: ignore[operator]
-        res.itl = m.itl
-        res.latency = now + self.one_way - res.start_time
-        res.output_len = m.num_output_tokens
-        res.success = True
+    def _receive(self, out: EngineCoreOutput) -> None:
+        """The client's side of one output, half a round trip after the core's step sampled it."""
+        i = int(out.request_id)
+        res = self.results[i]
+        if out.new_token_ids:
+            if res.output_len == 0:
+                res.ttft = out.timestamp + self.one_way - res.start_time
+            else:
+                res.itl.append(out.timestamp - self.last_token[i])
+            self.last_token[i] = out.timestamp
+            res.output_len += len(out.new_token_ids)
+        if out.finish_reason is None:
+            return
+        del self.last_token[i]
+        res.latency = out.timestamp + self.one_way - res.start_time
+        res.success = out.finish_reason in ("stop", "length")
+        if not res.success:
+            res.error = f"the engine ended the request: {out.finish_reason}"
         self.in_flight -= 1
         if self.saturated:
-            self.saturated, self.freed_at = False, now + self.one_way
-        if self.trace is not None:
-            record = {"type": "request", "request_id": seq.request_id, "finish_reason": seq.finish_reason}
-            self.trace.write(json.dumps({**record, **m.as_dict()}) + "\n")
-
-    def _trace_step(self, out: SchedulerOutput, shape: StepShape, start: float, end: float) -> None:
-        """A step record in the engine's step-trace schema, so bench's timeline charts read it."""
-        record = StepStats(
-            step=self.stats.num_steps, start=start, duration=end - start,
-            num_running=len(self.scheduler.running), num_waiting=len(self.scheduler.waiting),
-            num_prefill_tokens=shape.prefill_tokens, num_decode_tokens=shape.decode_seqs,
-            num_prefill_seqs=shape.prefill_seqs, num_decode_seqs=shape.decode_seqs,
-            kv_blocks_used=self.block_manager.num_used_blocks, prefix_hit_tokens=out.prefix_hit_tokens,
-            num_preemptions=len(out.preempted), total_context=shape.total_context, seqs=out.batch_rows(),
-        )
-        self.trace.write(msgspec.json.encode(record).decode() + "\n")  # type: ignore[union-attr]
+            self.saturated, self.freed_at = False, out.timestamp + self.one_way
 
 
 def simulate_point(
     requests: list[Request], point: LoadPoint, cost: CostModel, cfg: SimConfig, *, burstiness: float = 1.0,
-    seed: int = 0, trace: IO[str] | None = None,
+    seed: int = 0, trace: IO[str] | None = None, model: ModelConfig | None = None, dtype: Dtype = "bfloat16",
 ) -> tuple[list[RequestResult], float, PointStats]:
-    """Run the workload once at one load point; the per-request results, the duration and the counts."""
+    """Run the workload once at one load point through a fresh engine core; the per-request results,
+    the duration and the counts. ``model`` (default: the embedded model's shape) supplies the vocabulary
+    requests are checked against; ``trace`` gets the core's step trace of the run (the core writes it to
+    a file of its own, copied here once the run is over, so a sweep's points follow each other)."""
     if not requests:
         raise ValueError("a simulation needs at least one request")
-    run = _Run(requests, point, burstiness, seed, cost, cfg, trace)
-    duration = run.run()
-    if not any(r.success for r in run.results):
-        raise ValueError(f"no request of the workload could run: {run.results[0].error}")
-    return run.results, duration, run.stats
+    model = model or get_preset(DEFAULT_MODEL)
+    if trace is None:
+        return _run_point(requests, point, cost, cfg, burstiness, seed, model, cfg.engine_config(model.name, dtype))
+    with tempfile.TemporaryDirectory() as folder:
+        step_trace = Path(folder) / "trace.jsonl"
+        result = _run_point(requests, point, cost, cfg, burstiness, seed, model,
+                            cfg.engine_config(model.name, dtype, str(step_trace)))
+        with step_trace.open() as f:
+            shutil.copyfileobj(f, trace)
+    return result
+
+
+def _run_point(requests: list[Request], point: LoadPoint, cost: CostModel, cfg: SimConfig, burstiness: float,
+               seed: int, model: ModelConfig, config: EngineConfig) -> tuple[list[RequestResult], float, PointStats]:
+    clock = VirtualClock()
+    executor = CostModelExecutor(config, model, cost, clock)
+    core = EngineCore(config, executor=executor, clock=clock)
+    try:
+        client = _Client(requests, point, burstiness, seed, cfg, core, clock)
+        duration = client.run()
+    finally:
+        core.close()
+    if not any(r.success for r in client.results):
+        raise ValueError(f"no request of the workload could run: {client.results[0].error}")
+    stats = PointStats(core.num_steps, core.num_preemptions, executor.busy_s, executor.rows / max(core.num_steps, 1),
+                       core.prefix_hit_tokens)
+    return client.results, duration, stats
 
 
 def run_simulation(
     requests: list[Request], points: list[LoadPoint], cost: CostModel, cfg: SimConfig, *, burstiness: float = 1.0,
     workload: WorkloadSpec | None = None, model_id: str = "", label: str | None = None,
     percentiles: list[float] | None = None, goodput: dict[str, float] | None = None, trace: IO[str] | None = None,
+    model: ModelConfig | None = None, dtype: Dtype = "bfloat16",
 ) -> dict[str, Any]:
-    """Every load point in turn; the result has ``bench serve``'s JSON shape (``bench plot`` reads
-    it), with the simulator's settings and each run's step counts added."""
+    """Every load point in turn (:func:`simulate_point`); the result has ``bench serve``'s JSON shape
+    (``bench plot`` reads it), with the simulator's settings and each run's step counts added."""
     if not points:
         raise ValueError("a simulation needs at least one load point")
     pcts = percentiles or list(DEFAULT_PERCENTILES)
@@ -265,7 +256,7 @@ def run_simulation(
     runs = []
     for point in points:
         results, duration, stats = simulate_point(requests, point, cost, cfg, burstiness=burstiness, seed=seed,
-                                                  trace=trace)
+                                                  trace=trace, model=model, dtype=dtype)
         run: dict[str, Any] = {
             "request_rate": "inf" if math.isinf(point.request_rate) else point.request_rate,
             "burstiness": burstiness, "max_concurrency": point.max_concurrency, "num_prompts": len(requests),

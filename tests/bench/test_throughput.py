@@ -10,9 +10,9 @@ import pytest
 import torch
 import transformers
 
-from iterserve.bench.charts import joins_chart, read_trace, sequence_spans, timeline_chart
 from iterserve.bench.machine import MachineMonitor
 from iterserve.bench.throughput import run_hf_static, run_throughput, token_prompts
+from iterserve.bench.timeline import joins_chart, read_trace, sequence_spans, timeline_chart
 from iterserve.bench.workloads import Request, WorkloadSpec, make_workload
 from iterserve.cli.bench import throughput_report
 from iterserve.cli.main import main
@@ -195,9 +195,33 @@ def test_paged_allocation_fits_more_sequences_than_reserved_under_a_cap(loaded):
 def test_timeline_in_steps_and_joins_chart(result, tmp_path):
     traces = {r["mode"]: r["step_trace"] for r in result["runs"]}
     for x in ("steps", "time"):
-        timeline_chart(traces, tmp_path / f"{x}.png", x=x, max_num_seqs=MAX_SEQS, busy=True)
-        assert (tmp_path / f"{x}.png").read_bytes()[:4] == b"\x89PNG"
+        timeline_chart(traces, tmp_path / "new" / f"{x}.png", x=x, max_num_seqs=MAX_SEQS, stamp="a CPU, load 0.1")
+        assert (tmp_path / "new" / f"{x}.png").read_bytes()[:4] == b"\x89PNG"  # its folder created
     joined = joins_chart(traces["continuous"], tmp_path / "joins.png", max_num_seqs=MAX_SEQS)
     assert joined == next(r["joined_running_batch"] for r in result["runs"] if r["mode"] == "continuous")
     with pytest.raises(ValueError, match="x-axis"):
         timeline_chart(traces, tmp_path / "bad.png", x="wall")
+
+
+def test_requests_arrive_at_their_times_and_wait_from_then(loaded):
+    from iterserve.bench.throughput import drive
+    from iterserve.engine.llm_engine import LLMEngine
+    from iterserve.sampling_params import SamplingParams
+
+    engine = LLMEngine(EngineConfig(model=TINY, dtype="float32", device="cpu", num_kv_blocks=64), loaded)
+    reqs = [Request([101 + i] * 8, 8, 3) for i in range(3)]
+    params = [SamplingParams(max_tokens=3, ignore_eos=True, temperature=0)] * 3
+    outs = drive(engine, reqs, [r.prompt for r in reqs], params, arrivals=[0.0, 0.3, 0.3], use_tqdm=False)
+    engine.close()
+    t0 = outs[0].metrics.arrival_time
+    assert [o.metrics.arrival_time - t0 for o in outs] == pytest.approx([0.0, 0.3, 0.3])
+    assert all(o.metrics.first_scheduled_time >= o.metrics.arrival_time for o in outs)  # none ran before it came
+    assert [len(o.outputs[0].token_ids) for o in outs] == [3, 3, 3]
+
+
+def test_dynamic_batching_offline_runs_as_static_when_every_request_is_queued_at_once(loaded, workload):
+    config = EngineConfig(model=TINY, dtype="float32", device="cpu", num_kv_blocks=128, max_num_seqs=MAX_SEQS,
+                          max_batch_wait=0.05)
+    result = run_throughput(loaded, config, workload, ["static", "dynamic"], use_tqdm=False, monitor=quiet_monitor())
+    static, dynamic = result["runs"]
+    assert dynamic["num_steps"] == static["num_steps"] and dynamic["mean_running"] == static["mean_running"]

@@ -38,6 +38,9 @@ def test_small_configuration_prints_the_documented_counts(tmp_path, capsys):
         assert float(rows[mode][2]) == pytest.approx(runs[mode]["output_tokens_per_step"], abs=0.005)
     assert data["continuous_over_static_per_step"] == pytest.approx(ratio, abs=0.005)
     assert runs["continuous"]["joined_running_batch"] > 0 and runs["static"]["joined_running_batch"] == 0
+    # the counts docs/concepts.md quotes in sections 1 and 2
+    assert {m: (r["num_steps"], r["joined_running_batch"]) for m, r in runs.items()} == {
+        "static": (69, 0), "continuous": (31, 24)}
 
     rows = counts_rows(second)
     data = json.loads((tmp_path / "paged_vs_reserved.json").read_text())
@@ -45,6 +48,9 @@ def test_small_configuration_prints_the_documented_counts(tmp_path, capsys):
     assert int(rows["continuous"][3]) == runs["continuous"]["peak_running"] == 8  # every slot filled
     assert int(rows["reserved"][3]) == runs["reserved"]["peak_running"] < 8  # reservations of 128 tokens crowd out
     assert runs["continuous"]["total_output_tokens"] == runs["reserved"]["total_output_tokens"]
+    # the counts docs/concepts.md quotes in section 3
+    assert {m: (r["num_steps"], r["peak_running"]) for m, r in runs.items()} == {
+        "continuous": (18, 8), "reserved": (43, 3)}
     for png in ("static_vs_continuous", "joins", "throughput_latency", "paged_vs_reserved"):
         assert (tmp_path / f"{png}.png").read_bytes()[:4] == b"\x89PNG"
 
@@ -74,3 +80,31 @@ def test_ttft_command_draws_one_request_step_by_step(tmp_path, capsys):
     assert longest["step_tokens"][0] == longest["prompt_len"] == 256
     assert "steps of one 256-token request: 256 tokens in its first pass" in text
     assert (tmp_path / "request_steps.png").read_bytes()[:4] == b"\x89PNG"
+
+
+def table_rows(text: str) -> dict[str, list[str]]:
+    """first cell -> cells of every row of the tables in ``text``."""
+    rows = [[cell.strip() for cell in line.strip().strip("│").split("│")] for line in text.splitlines()
+            if line.startswith("│")]
+    return {row[0]: row for row in rows}
+
+
+def test_arrivals_prints_the_documented_counts_of_the_three_policies(tmp_path, capsys):
+    """Simulated at a constant step time: these counts are the document's, on any machine."""
+    assert concepts.main(["--small", "--only", "arrivals", str(tmp_path)]) == 0
+    rows = table_rows(capsys.readouterr().out.rsplit("\n$ iterserve ", 1)[1])
+    # trace, requests, out tokens, steps, out tok/step, peak, mean running, occupancy, joined, median queue ms
+    assert {k: (v[2], v[3], v[8]) for k, v in rows.items()} == {
+        "static": ("161", "99", "0"), "dynamic": ("161", "93", "0"), "continuous": ("161", "76", "28")}
+    assert rows["dynamic"][9] == "300.00"  # the median request waits the whole max_batch_wait for its batch
+    assert (tmp_path / "arrivals.png").read_bytes()[:4] == b"\x89PNG"
+
+
+def test_offered_load_runs_every_policy_at_every_load(tmp_path, capsys):
+    assert concepts.main(["--small", "--only", "offered_load", str(tmp_path)]) == 0
+    assert "capacity: continuous batching, all 32 at once:" in capsys.readouterr().out
+    data = json.loads((tmp_path / "offered_load.json").read_text())
+    assert [(p["mode"], p["load"]) for p in data["points"]] == [
+        (m, x) for m in ("static", "dynamic", "continuous") for x in (0.5, 1.5)]
+    assert data["total_output_tokens"] == 161 and data["capacity_steps"] == 31  # section 1's workload and count
+    assert (tmp_path / "offered_load.png").read_bytes()[:4] == b"\x89PNG"

@@ -28,7 +28,7 @@ def test_every_option_of_every_command_has_help_and_shows_its_default():
     serve = dict(_parsers(build_parser()))["iterserve serve"]
     text = " ".join(serve.format_help().split())
     assert "most sequences in one step's batch (default: 256)" in text
-    assert "--batching {continuous,static}" in text and "(default: continuous)" in text
+    assert "--batching {continuous,static,dynamic}" in text and "(default: continuous)" in text
     assert "(default: $ITERSERVE_API_KEY)" in text
 
 
@@ -102,7 +102,7 @@ def test_a_plain_input_len_is_a_fixed_length():
 
 
 def test_bad_values_are_errors_not_tracebacks(served, capsys):
-    for argv in (["--log-level", "LOUD", "serve"], ["serve", "--batching", "dynamic"], ["serve", "--port", "x"]):
+    for argv in (["--log-level", "LOUD", "serve"], ["serve", "--batching", "eager"], ["serve", "--port", "x"]):
         with pytest.raises(SystemExit) as exit_:
             main(argv)
         assert exit_.value.code == 2

@@ -7,7 +7,7 @@ import torch
 
 from iterserve import config
 from iterserve.config import dtypes, parse_dtype
-from iterserve.platforms.cpu import cpu_has_native_bf16
+from iterserve.platforms.cpu import cpu_description, cpu_has_native_bf16
 
 AVX2_EPYC = "processor\t: 0\nflags\t\t: fpu sse sse2 avx avx2 fma f16c\n"
 SAPPHIRE_RAPIDS = "flags\t\t: fpu avx2 avx512f avx512_bf16 amx_bf16 amx_tile\n"
@@ -19,6 +19,12 @@ def test_bf16_instructions_are_read_from_cpu_flags():
     assert cpu_has_native_bf16(SAPPHIRE_RAPIDS)
     assert cpu_has_native_bf16(GRAVITON3)
     assert not cpu_has_native_bf16("model name\t: bf16 in a name is not a flag\n")
+
+
+def test_a_figure_names_the_cpu_and_the_flags_that_set_its_speed():
+    assert cpu_description("model name\t: AMD EPYC 7763\n" + AVX2_EPYC) == "AMD EPYC 7763 (avx2)"
+    assert cpu_description("model name\t: Xeon\n" + SAPPHIRE_RAPIDS) == "Xeon (avx2 avx512f avx512_bf16 amx_bf16)"
+    assert cpu_description(GRAVITON3).endswith("(asimd sve bf16)")
 
 
 @pytest.mark.parametrize("native,expected", [(True, torch.bfloat16), (False, torch.float32)])
@@ -50,7 +56,8 @@ def test_settings_are_frozen_and_validated_when_built():
     assert c.dtype == "float32" and EngineConfig(dtype="half").dtype == "float16"  # aliases kept under one name
     assert c.scheduler_config(128) == SchedulerConfig(max_num_seqs=4, max_model_len=128)
     bad = [
-        (EngineConfig, {"batching": "dynamic"}, "batching must be one of 'continuous', 'static'"),
+        (EngineConfig, {"batching": "adaptive"}, "batching must be one of 'continuous', 'static', 'dynamic'"),
+        (EngineConfig, {"max_batch_wait": "soon"}, "max_batch_wait must be a number of seconds"),
         (EngineConfig, {"kv_allocation": "lazy"}, "kv_allocation must be one of 'paged', 'reserved'"),
         (EngineConfig, {"dtype": "int8"}, "unknown dtype 'int8'"),
         (EngineConfig, {"block_size": 0}, "block_size must be an integer >= 1"),

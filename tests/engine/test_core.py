@@ -133,6 +133,30 @@ def test_step_records_go_out_with_the_step_and_match_the_trace(tiny_loaded, tmp_
     assert lines[-1]["seqs"] == [["a", "decode", 1, 13, 3]]
 
 
+def test_the_clock_stamps_every_time_the_core_records(tiny_loaded, tmp_path):
+    """A core given a clock (a simulator's virtual one) takes every timestamp from it: the step trace,
+    first scheduled and token times, finishes, aborts."""
+    ticks = iter(range(10**6, 2 * 10**6, 10))  # each call: the next tick, far from any perf_counter reading
+    trace = tmp_path / "trace.jsonl"
+    c = EngineCore(EngineConfig(num_kv_blocks=32, max_model_len=128, step_trace=str(trace)), tiny_loaded,
+                   clock=lambda: float(next(ticks)))
+    c.add_request(EngineCoreRequest("a", [1, 2, 3], SamplingParams(max_tokens=2, ignore_eos=True), 999_995.0))
+    c.add_request(EngineCoreRequest("b", [4, 5], SamplingParams(max_tokens=50, ignore_eos=True), 999_995.0))
+    outputs = [o for _ in range(2) for o in c.step().outputs]  # steps: 10**6 to +10, +20 to +30
+    assert c.abort_request("b")  # at +40
+    c.close()
+    assert [(o.request_id, o.timestamp - 10**6, o.finish_reason) for o in outputs] == [
+        ("a", 10, None), ("b", 10, None), ("a", 30, "length"), ("b", 30, None)]
+    assert [o.first_scheduled_time for o in outputs] == [10**6, 10**6, None, None]
+    records = [json.loads(line) for line in trace.read_text().splitlines()]
+    steps = [(r["start"] - 10**6, r["duration"]) for r in records if r["type"] == "step"]
+    assert steps == [(0, 10), (20, 10)]
+    requests = {r["request_id"]: r for r in records if r["type"] == "request"}
+    assert requests["a"]["first_token_time"] - 10**6 == 10 and requests["a"]["ttft"] == 15
+    assert requests["a"]["finished_time"] - 10**6 == 30 and requests["a"]["queue_time"] == 5
+    assert requests["b"]["finished_time"] - 10**6 == 40 and requests["b"]["finish_reason"] == "abort"
+
+
 def test_kv_snapshots_only_while_watched_and_at_a_bounded_rate(tiny_loaded, monkeypatch):
     monkeypatch.setattr(core_module, "KV_SNAPSHOT_MIN_INTERVAL_S", 30.0)  # however slow this machine steps
     c = core(tiny_loaded)

@@ -35,6 +35,7 @@ def tokens(outputs) -> list[list[int]]:
         dict(block_size=32, num_kv_blocks=128),
         dict(max_num_batched_tokens=16),  # forces chunked prefill, mixed with decodes
         dict(batching="static", max_num_seqs=2),
+        dict(batching="dynamic", max_num_seqs=4, max_batch_wait=0.2),  # the last batch of 2 waits to fill
         dict(enable_prefix_caching=False, max_num_seqs=1),
         dict(kv_allocation="reserved"),
     ],

@@ -15,13 +15,14 @@ from iterserve.sampling_params import SamplingParams
 
 
 def seq(rid: str, prompt_len: int, max_tokens: int = 8, base: int = 0, stop_ids: frozenset[int] = frozenset(),
-        **params) -> Sequence:
+        arrival: float = 0.0, **params) -> Sequence:
     return Sequence(rid, None, list(range(base, base + prompt_len)), SamplingParams(max_tokens=max_tokens, **params),
-                    max_tokens, RequestMetrics(0.0), stop_ids=stop_ids)
+                    max_tokens, RequestMetrics(arrival), stop_ids=stop_ids)
 
 
-def make(num_blocks=64, block_size=4, prefix=False, **cfg) -> Scheduler:
-    return Scheduler(SchedulerConfig(**cfg), BlockManager(num_blocks, block_size, prefix))
+def make(num_blocks=64, block_size=4, prefix=False, clock=None, **cfg) -> Scheduler:
+    bm = BlockManager(num_blocks, block_size, prefix)
+    return Scheduler(SchedulerConfig(**cfg), bm) if clock is None else Scheduler(SchedulerConfig(**cfg), bm, clock)
 
 
 def simulate(sched: Scheduler, out: SchedulerOutput, token: int = 7) -> list[Sequence]:
@@ -109,6 +110,55 @@ def test_static_batching_admits_nothing_until_the_batch_is_done():
         assert [r for r, _ in summary(out)] == ["b"]  # c waits though a slot is free
         simulate(sched, out)
     assert [r for r, _ in summary(sched.schedule())] == ["c"]
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def test_dynamic_batch_waits_for_its_size_or_its_timeout_then_runs_to_completion():
+    clock = Clock()
+    sched = make(max_num_seqs=3, batching="dynamic", max_batch_wait=0.5, clock=clock)
+    sched.add(seq("a", 3, max_tokens=1, arrival=0.0))
+    clock.now = 0.2
+    sched.add(seq("b", 3, max_tokens=3, arrival=0.2))
+    assert sched.schedule().is_empty and sched.hold_s() == pytest.approx(0.3)  # a has waited 0.2 s of 0.5
+    clock.now = 0.49
+    assert sched.schedule().is_empty
+    clock.now = 0.5  # a's wait is over: the batch starts with the two that came
+    assert sched.hold_s() == 0
+    out = sched.schedule()
+    assert [r for r, _ in summary(out)] == ["a", "b"]
+    simulate(sched, out)  # a finishes, b runs on
+    sched.add(seq("c", 3, arrival=0.6))
+    clock.now = 5.0  # c has waited long, but a batch is running: it waits for the batch as under static
+    assert sched.hold_s() == 0
+    for _ in range(2):
+        out = sched.schedule()
+        assert [r for r, _ in summary(out)] == ["b"]
+        simulate(sched, out)
+    assert [r for r, _ in summary(sched.schedule())] == ["c"]
+
+
+def test_dynamic_batch_starts_at_once_when_it_is_full():
+    clock = Clock()
+    sched = make(max_num_seqs=2, batching="dynamic", max_batch_wait=10.0, clock=clock)
+    sched.add(seq("a", 3, arrival=0.0))
+    assert sched.schedule().is_empty and sched.hold_s() == pytest.approx(10.0)
+    sched.add(seq("b", 3, arrival=0.0))
+    sched.add(seq("c", 3, arrival=0.0))
+    assert sched.hold_s() == 0
+    assert [r for r, _ in summary(sched.schedule())] == ["a", "b"]  # a batch of max_num_seqs; c waits for the next
+
+
+def test_max_batch_wait_must_be_a_number_of_seconds():
+    with pytest.raises(ValueError, match="max_batch_wait"):
+        SchedulerConfig(max_batch_wait=-1)
+    assert make(batching="static").hold_s() == 0 and make().hold_s() == 0
 
 
 def test_continuous_batching_fills_the_freed_slot():

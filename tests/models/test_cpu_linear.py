@@ -9,9 +9,8 @@ import torch
 import torch.nn.functional as F
 
 from iterserve import kernels
-from iterserve.distributed.layers import LinearBase
 from iterserve.models.cpu_linear import MeasuredChooser, PackedLinear
-from iterserve.models.linear import DENSE, LinearMethod, process_weights
+from iterserve.models.linear import DENSE, LinearBase, LinearMethod, process_weights
 from tests.models.test_llama import FAMILIES, hf_pair, run_ours
 
 OPS = kernels.ops or kernels.load_build()

@@ -5,8 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from iterserve.distributed.layers import LinearBase
-from iterserve.models.linear import DENSE, LinearMethod, process_weights
+from iterserve.models.linear import DENSE, LinearBase, LinearMethod, process_weights
 from iterserve.models.loader import load_model
 from tests.models.test_llama import FAMILIES, hf_pair, run_ours
 

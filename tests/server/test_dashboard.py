@@ -4,6 +4,7 @@ and in headless Chromium the page draws the batch changing under a load of 16 st
 
 from __future__ import annotations
 
+import asyncio
 import base64
 import json
 import os
@@ -16,9 +17,10 @@ from concurrent.futures import ThreadPoolExecutor
 import httpx
 import pytest
 
-from iterserve.engine.messages import KV_CACHED, KV_FIRST_ROW, KV_FREE
+from iterserve.engine.messages import KV_CACHED, KV_FIRST_ROW, KV_FREE, SchedulerStats
 from iterserve.server import dashboard as dashboard_module
 from iterserve.server.dashboard import COOKIE
+from iterserve.server.errors import APIError
 from tests.server.conftest import API_KEY, MODEL, ServerThread, wait_until_idle
 
 AUTH = {"Authorization": f"Bearer {API_KEY}"}
@@ -114,6 +116,61 @@ def test_feed_shows_the_batch_and_kv_blocks_while_requests_run(server, quick_kee
     wait_until_idle(server)
     assert dashboard.series and sum(b.steps for b in dashboard.series) > 0
     assert len(dashboard.latencies) >= 4 and all(ttft > 0 and e2e >= ttft for ttft, _, e2e in dashboard.latencies)
+
+
+class _Engine:
+    """What the dashboard reads of the engine client."""
+
+    num_waiting = 0
+
+    def __init__(self) -> None:
+        self.watching: list[bool] = []
+
+    def watch_kv(self, on: bool) -> None:
+        self.watching.append(on)
+
+
+def _stats(steps: int) -> SchedulerStats:
+    return SchedulerStats(1, 0, steps, 0.5, steps, 0, 10, steps, 0, 0, 1)
+
+
+def test_a_crowd_of_viewers_costs_one_frame_per_tick_and_a_limit(monkeypatch):
+    """Each tick builds what changed once for every page (and the whole state once for pages just
+    opened), so 50 viewers cost the event loop what one does; past ``max_viewers``, 429."""
+
+    async def crowd() -> None:
+        engine = _Engine()
+        dash = dashboard_module.Dashboard(engine, {"model": "m"}, max_viewers=50)  # type: ignore[arg-type]
+        built = 0
+        frame = dash.frame
+
+        def counted(cursor):
+            nonlocal built
+            built += 1
+            return frame(cursor)
+
+        monkeypatch.setattr(dash, "frame", counted)
+        feeds = [dash.events(dash.open_feed()) for _ in range(50)]
+        with pytest.raises(APIError) as refused:
+            dash.open_feed()
+        assert refused.value.status_code == 429 and refused.value.code == "too_many_viewers"
+        first = await asyncio.gather(*(f.__anext__() for f in feeds))
+        assert all(json.loads(f.removeprefix(b"data: "))["facts"] == {"model": "m"} for f in first)
+        assert built <= 4  # not one per viewer
+        for steps in (1, 2):
+            built = 0
+            dash.record_step(None, None, _stats(steps))
+            frames = await asyncio.gather(*(f.__anext__() for f in feeds))
+            assert {json.loads(f.removeprefix(b"data: "))["stats"]["steps"] for f in frames} == {steps}
+            assert built == 1
+        for f in feeds:
+            await f.aclose()
+        assert dash.viewers == 0 and engine.watching == [True, False]
+        again = dash.events(dash.open_feed())  # a page after the crowd left gets the whole state again
+        assert b'"facts"' in await asyncio.wait_for(again.__anext__(), 5)
+        await again.aclose()
+
+    asyncio.run(crowd())
 
 
 def test_an_idle_pool_shows_free_blocks_once_watched(server, quick_keepalive):
@@ -223,6 +280,7 @@ def test_browser_login_prompt_takes_the_key(server, browser):
     page.click("#login button")
     page.wait_for_selector("#panels:not([hidden])")
     page.wait_for_function("document.getElementById('facts').textContent.includes('KV bytes per token')")
+    assert "continuous batching: requests join and leave the batch at every step" in page.inner_text("#facts")
     assert page.is_hidden("#login")
     assert page.reload().status == 200  # the session cookie lets the page itself in now
     context.close()

@@ -1,11 +1,13 @@
 """Two data-parallel replicas behind one server: requests sharing a long prefix go to one replica and
 hit its prefix cache, unrelated ones balance over both, greedy outputs equal one engine's, and a dead
-replica fails only its own requests (the server then stops taking new ones)."""
+replica fails only its own requests (the server then stops taking new ones and drains the others,
+each of which ends with its last tokens or an error event, and [DONE])."""
 
 from __future__ import annotations
 
 import asyncio
 import os
+import re
 import signal
 
 import httpx
@@ -17,6 +19,7 @@ from iterserve.config import EngineConfig, ServerConfig
 from iterserve.server import build_app
 from tests.server.conftest import MAX_MODEL_LEN, MODEL, TINY_MODEL, ServerThread, wait_until_idle
 from tests.server.test_api import sse_events
+from tests.server.test_engine_process import _stream, serve
 
 SYSTEM = ("You are a careful assistant for a small library. Answer questions about opening hours, loans, "
           "renewals and fines in one short sentence, and never invent a policy you were not told about. The "
@@ -96,3 +99,28 @@ def test_a_dead_replica_fails_its_own_requests_and_the_other_finishes_its():
         assert health.status_code == 503 and "replica 0" in health.json()["error"]["message"]
         r = httpx.post(f"{s.url}/v1/completions", json={"prompt": [1, 2], "max_tokens": 2}, timeout=60)
         assert r.status_code == 503
+
+
+def test_a_dead_replica_makes_the_server_drain_the_other_with_final_events_and_exit_1():
+    with serve("--data-parallel-size", "2", "--num-kv-blocks", "256", "--max-model-len", "2048",
+               "--shutdown-timeout", "1") as p:
+        replica0 = int(re.search(r"engine core process (\d+) ready \(replica 0 of 2\)", p.log).group(1))
+
+        async def scenario() -> tuple[list[list[dict]], httpx.Response]:
+            async with httpx.AsyncClient(base_url=p.url, timeout=120) as c:
+                started = [asyncio.Event() for _ in range(4)]  # alternate: replicas 0, 1, 0, 1
+                streams = [asyncio.create_task(_stream(c, {"prompt": [7, i + 1], "max_tokens": 2000, "ignore_eos": True,
+                                                           "stream": True}, started[i])) for i in range(4)]
+                for event in started:
+                    await event.wait()
+                os.kill(replica0, signal.SIGKILL)
+                await asyncio.sleep(0.3)
+                health = await c.get("/health")
+                return await asyncio.gather(*streams), health
+
+        streams, health = asyncio.run(scenario())  # each stream ended with [DONE] (sse_events checks)
+        assert health.status_code == 503 and "replica 0" in health.json()["error"]["message"], health.text
+        errors = [events[-1]["error"] for events in streams]
+        assert all(e["code"] == "engine_unavailable" for e in errors), errors
+        assert sorted(e["message"].startswith("replica 0: ") for e in errors) == [False, False, True, True], errors
+        assert p.proc.wait(timeout=60) == 1

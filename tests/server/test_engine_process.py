@@ -15,6 +15,7 @@ import sys
 import threading
 import time
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 
 import httpx
@@ -36,6 +37,26 @@ def tiny_config(**kw) -> EngineConfig:
 
 def completion(url: str, **body) -> httpx.Response:
     return httpx.post(f"{url}/v1/completions", json={"model": MODEL, **body}, timeout=60)
+
+
+# -- dynamic batching ----------------------------------------------------------------------------------
+
+
+def test_a_dynamic_batch_waits_to_fill_in_the_core_process_then_serves():
+    app = build_app(tiny_config(batching="dynamic", max_num_seqs=4, max_batch_wait=0.4),
+                    ServerConfig(served_model_name=MODEL, max_waiting=8))
+    with ServerThread(app) as s:
+        start = time.perf_counter()
+        r = completion(s.url, prompt=[1, 2, 3], max_tokens=3, ignore_eos=True)
+        assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 3
+        assert time.perf_counter() - start >= 0.4  # alone, it waited for its batch to fill until the window closed
+        queued = metric_samples(s)[("vllm:request_queue_time_seconds_sum", ())]
+        assert queued >= 0.4
+        with ThreadPoolExecutor(4) as pool:  # four at once fill the batch
+            done = list(pool.map(lambda p: completion(s.url, prompt=[p, 2], max_tokens=2, ignore_eos=True),
+                                 range(10, 14)))
+        assert [d.status_code for d in done] == [200] * 4
+        wait_until_idle(s)
 
 
 # -- a failed step -----------------------------------------------------------------------------------

@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import functools
 import json
-import threading
 import time
 from collections.abc import Callable, Iterator
 
@@ -18,6 +17,7 @@ from iterserve.config import EngineConfig, ServerConfig
 from iterserve.sampling_params import MAX_STOP_CHARS, MAX_STOP_STRINGS
 from iterserve.server import build_app
 from tests.server.conftest import API_KEY, MAX_MODEL_LEN, MODEL, ServerThread, metric_samples, wait_until_idle
+from tests.server.probes import HealthProbe
 
 AUTH = {"Authorization": f"Bearer {API_KEY}"}
 JSON = {"Content-Type": "application/json"}
@@ -47,43 +47,13 @@ def assert_error(r: httpx.Response, status: int, param: str | None = None, code:
     return error
 
 
-class HealthProbe:
-    """Polls /health from another thread while the block runs; ``worst`` is the slowest answer."""
-
-    def __init__(self, url: str) -> None:
-        self.url = url
-        self.latencies: list[float] = []
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, daemon=True)
-
-    def _run(self) -> None:
-        with httpx.Client(base_url=self.url, timeout=30) as c:
-            while not self._stop.is_set():
-                start = time.perf_counter()
-                assert c.get("/health").status_code == 200
-                self.latencies.append(time.perf_counter() - start)
-                time.sleep(0.02)
-
-    def __enter__(self) -> HealthProbe:
-        self._thread.start()
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self._stop.set()
-        self._thread.join(30)
-
-    @property
-    def worst(self) -> float:
-        assert self.latencies, "/health was never answered"
-        return max(self.latencies)
-
-
 def while_probing_health(url: str, action: Callable[[], httpx.Response]) -> tuple[httpx.Response, float]:
     """Run ``action`` while /health is polled; the response and /health's slowest answer."""
     with HealthProbe(url) as probe:
         time.sleep(0.1)  # the probe is answering before the action starts
         r = action()
         time.sleep(0.1)
+    assert not probe.failures, probe.failures[:3]
     return r, probe.worst
 
 @pytest.fixture(scope="module")

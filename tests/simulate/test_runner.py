@@ -1,16 +1,24 @@
-"""The simulator on the engine's real scheduler: hand-computed timings under a constant step time,
+"""The simulator on the real engine core: hand-computed timings under a constant step time,
 the concurrency cap, and the scheduler's policies changing the result the way they should."""
 
 from __future__ import annotations
 
+import dataclasses
+import io
+import json
 import math
 
+import msgspec
 import pytest
 
 from iterserve.bench.metrics import compute_metrics
 from iterserve.bench.serve import LoadPoint, arrival_offsets
 from iterserve.bench.workloads import Request, WorkloadSpec, make_workload
-from iterserve.simulate.cost import ConstantCost
+from iterserve.engine.core import EngineCore
+from iterserve.engine.messages import EngineCoreRequest, StepStats
+from iterserve.models.loader import load_model
+from iterserve.sampling_params import SamplingParams
+from iterserve.simulate.cost import ConstantCost, LinearCost
 from iterserve.simulate.runner import SimConfig, run_simulation, simulate_point
 
 ALL_AT_ONCE = LoadPoint(math.inf)
@@ -98,16 +106,18 @@ def test_poisson_arrivals_are_bench_serves_and_an_idle_engine_waits_for_the_next
     assert stats.num_steps == 5
 
 
-def test_a_request_longer_than_the_model_fails_alone():
-    reqs = [req([101, 102], 2), req(list(range(100, 140)), 30), req([103, 104], 2)]
+def test_a_request_longer_than_the_model_fails_alone_with_the_servers_error():
+    reqs = [req([101, 102], 2), req(list(range(100, 120)), 30), req(list(range(100, 140)), 1), req([103, 104], 2)]
     cfg = SimConfig(num_kv_blocks=16, block_size=4, max_model_len=32)
-    results, _, _ = simulate_point(reqs, ALL_AT_ONCE, ConstantCost(0.1), cfg)
-    assert [r.success for r in results] == [True, False, True]
-    assert "exceeds max_model_len (32)" in results[1].error
+    results, _, stats = simulate_point(reqs, ALL_AT_ONCE, ConstantCost(0.1), cfg)
+    assert [r.success for r in results] == [True, False, False, True]
+    assert "prompt (20 tokens) + max_tokens (30) = 50 exceeds max_model_len (32)" in results[1].error
+    assert "prompt has 40 tokens but max_model_len is 32" in results[2].error
+    assert stats.num_steps == 2  # the refused requests never reached the engine
 
 
 def test_a_workload_none_of_which_fits_is_a_clear_error():
-    with pytest.raises(ValueError, match="no request of the workload could run: .*exceeds max_model_len"):
+    with pytest.raises(ValueError, match="no request of the workload could run: prompt has 5 tokens but max_model_len"):
         simulate_point([req([101, 102, 103, 104, 105], 3)], ALL_AT_ONCE, ConstantCost(0.1),
                        SimConfig(num_kv_blocks=1, block_size=4))
 
@@ -136,6 +146,22 @@ def test_static_batching_finishes_later_and_waits_longer_than_continuous():
     assert compute_metrics(s_res, s_dur)["mean_ttft_ms"] > compute_metrics(c_res, c_dur)["mean_ttft_ms"]
 
 
+def test_dynamic_batching_on_arrivals_fills_larger_batches_than_static_and_waits_no_longer_than_its_window():
+    reqs = workload(32)
+    base = {"num_kv_blocks": 512, "block_size": 16, "max_num_seqs": 8}
+    point = LoadPoint(20.0)  # a request every 50 ms on average, a step of 10 ms: arrivals trickle in
+    runs = {b: simulate_point(reqs, point, ConstantCost(0.01), SimConfig(**base, batching=b, max_batch_wait=0.3))
+            for b in ("static", "dynamic", "continuous")}
+    (_, _, stat), (d_res, _, dyn), (_, _, cont) = runs["static"], runs["dynamic"], runs["continuous"]
+    assert all(r.success for r in d_res)
+    assert dyn.mean_batch > stat.mean_batch  # waiting for the batch to fill packs more sequences per step
+    assert cont.mean_batch > stat.mean_batch
+    assert dyn.num_steps < stat.num_steps
+    # a dynamic batch's first request never waits more than the window while the engine is idle, so no
+    # request of the first batch starts later than 0.3 s after it arrived
+    assert d_res[0].ttft < 0.3 + 2 * 0.01 + 1e-9
+
+
 def test_reserved_kv_admits_fewer_sequences_than_paged_on_a_small_pool():
     reqs = workload()
     base = {"num_kv_blocks": 24, "block_size": 16, "max_num_seqs": 16, "max_model_len": 128}
@@ -160,3 +186,60 @@ def test_run_simulation_has_bench_serves_shape():
     assert expected <= set(result["runs"][0])
     assert result["runs"][0]["completed"] == 8
     assert result["simulation"]["cost_model"] == {"kind": "constant", "step_time_s": 0.01}
+
+
+def _step_records(steps) -> list[tuple]:
+    """What the scheduler decided each step, leaving out when and how long."""
+    return [(s.step, s.seqs, s.num_preemptions, s.num_prefill_tokens, s.num_decode_tokens, s.prefix_hit_tokens,
+             s.kv_blocks_used, s.num_running, s.num_waiting, s.total_context) for s in steps]
+
+
+@pytest.fixture(scope="module")
+def tiny_loaded():
+    return load_model("random:smollm2-135m?num_layers=2", dtype="float32", device="cpu", seed=0)
+
+
+@pytest.mark.parametrize("batching", ["continuous", "static"])
+def test_the_simulator_schedules_step_by_step_as_the_engine_serving_a_model(tiny_loaded, batching):
+    # Shared prefixes (prefix-cache hits), chunked prefill (16 tokens a step) and a pool too small for
+    # every sequence at once (preemption): the simulated run and an EngineCore running a real model
+    # on the same requests, all there at the first step, make the same batches and the same preemptions.
+    prefix = list(range(1000, 1012))
+    reqs = [req(prefix + [2000 + i, 2100 + i, 2200 + i], 6 + 3 * i) for i in range(4)]
+    reqs += [req(list(range(3000 + 40 * i, 3013 + 40 * i)), 9) for i in range(3)]
+    cfg = SimConfig(num_kv_blocks=14, block_size=4, max_num_seqs=6, max_num_batched_tokens=16, batching=batching)
+    trace = io.StringIO()
+    results, _, stats = simulate_point(reqs, ALL_AT_ONCE, ConstantCost(0.01), cfg, trace=trace)
+    simulated = [msgspec.json.decode(line, type=StepStats) for line in trace.getvalue().splitlines()
+                 if json.loads(line)["type"] == "step"]
+
+    config = dataclasses.replace(cfg.engine_config(tiny_loaded.name, "float32"), step_history=1000)
+    core = EngineCore(config, tiny_loaded)
+    for i, r in enumerate(reqs):
+        params = SamplingParams(max_tokens=r.output_len, temperature=0.0, ignore_eos=True)
+        core.add_request(EngineCoreRequest(str(i), list(r.prompt), params, 0.0))
+    while core.has_unfinished_requests():
+        core.step()
+    core.block_manager.check_no_leaks()
+
+    assert _step_records(simulated) == _step_records(core.step_history)
+    assert stats.num_steps == core.num_steps and stats.num_preemptions == core.num_preemptions
+    assert stats.num_preemptions > 0 and stats.prefix_hit_tokens == core.prefix_hit_tokens > 0
+    assert [r.output_len for r in results] == [r.output_len for r in reqs]
+
+
+def test_virtual_time_is_the_cost_models_and_a_prefix_cache_hit_shortens_the_prompt():
+    # 10 ms a step + 1 ms per prompt token. A prefills 12 tokens alone (22 ms) and finishes; B, sent at
+    # 1 s, shares A's first two blocks: only its last 4 tokens are computed (14 ms).
+    cost = LinearCost(intercept_s=0.010, per_prefill_token_s=0.001, per_decode_seq_s=0.0, per_context_token_s=0.0)
+    prefix = list(range(1000, 1008))
+    reqs = [req(prefix + [1, 2, 3, 4], 1), req(prefix + [5, 6, 7, 8], 1)]
+    trace = io.StringIO()
+    results, duration, stats = simulate_point(reqs, LoadPoint(1.0), cost, SimConfig(num_kv_blocks=16, block_size=4),
+                                              burstiness=1e9, trace=trace)
+    steps = [json.loads(line) for line in trace.getvalue().splitlines() if json.loads(line)["type"] == "step"]
+    assert [(s["num_prefill_tokens"], s["prefix_hit_tokens"]) for s in steps] == [(12, 0), (4, 8)]
+    assert [s["duration"] for s in steps] == pytest.approx([0.022, 0.014])
+    assert [r.ttft for r in results] == pytest.approx([0.022, 0.014])
+    assert stats.prefix_hit_tokens == 8 and stats.busy_s == pytest.approx(0.036)
+    assert duration == pytest.approx(results[1].start_time + 0.014)

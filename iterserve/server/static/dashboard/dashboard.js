@@ -322,6 +322,17 @@ function renderLatencies() {
   $("latency-summary").textContent = `the last ${l.length} finished`;
 }
 
+// How the engine forms its batches, in the words of docs/concepts.md (sections 1 and 2).
+function schedulingText(e) {
+  const policies = {
+    continuous: "continuous batching: requests join and leave the batch at every step",
+    static: `static batching: a batch of up to ${e.max_num_seqs} runs until its last request finishes`,
+    dynamic: `dynamic batching: a batch starts at ${e.max_num_seqs} requests or once its first has waited ` +
+             `${Math.round(e.max_batch_wait * 1000)} ms, then runs until its last request finishes`,
+  };
+  return policies[e.batching] || `${e.batching} batching`;
+}
+
 function renderFacts() {
   const f = state.facts;
   const c = f.capacity, e = f.engine, m = f.model;
@@ -335,7 +346,7 @@ function renderFacts() {
                 `(${(c.total_tokens * c.kv_bytes_per_token / 2 ** 20).toFixed(1)} MiB)`],
     ["max_model_len", `${c.max_model_len}: ${c.max_full_length_seqs} sequences of that length fit`],
     ["batch limits", `${e.max_num_seqs} sequences, ${e.max_num_batched_tokens} tokens per step`],
-    ["scheduling", `${e.batching} batching, ${e.kv_allocation} KV allocation, prefix caching ` +
+    ["scheduling", `${schedulingText(e)}; ${e.kv_allocation} KV allocation, prefix caching ` +
                    `${e.enable_prefix_caching ? "on" : "off"}`],
   ];
   const table = $("facts");

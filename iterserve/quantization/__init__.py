@@ -1,0 +1,1 @@
+"""Quantized weights: kept in their blocks and multiplied as they are stored."""

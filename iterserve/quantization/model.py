@@ -1,0 +1,265 @@
+"""A model's layers served from quantized blocks: which tensors stay in blocks, how a sharded or fused layer
+keeps its part of them, and the linear method that multiplies with them.
+
+``quantization``:
+
+* ``None`` (the default): float weights in the model's dtype, as loaded;
+* ``"gguf"``: a GGUF file's Q4_0, Q4_1 and Q8_0 matrices stay in their blocks (the token embedding and
+  LM head too); any other type (F16, Q6_K, ...) is dequantized to float, with one log line naming them;
+* ``"int8"``: every linear layer and the LM head quantized at load to int8 blocks of 32 (one float16 scale
+  per column and block), from any float checkpoint.
+"""
+
+from __future__ import annotations
+
+import logging
+import re
+import typing
+from collections import Counter
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from iterserve.config.runtime import Quantization
+from iterserve.distributed.layers import (
+    ColumnParallelLinear,
+    ParallelLMHead,
+    RowParallelLinear,
+    VocabParallelEmbedding,
+)
+from iterserve.models.cpu_linear import default_chooser
+from iterserve.models.linear import LinearBase, LinearMethod, MethodChooser, process_weights
+from iterserve.models.llama import LlamaModel
+from iterserve.quantization.packed import (
+    GGUF_PACKED_TYPES,
+    BlockWeight,
+    PackedWeight,
+    dequantize,
+    linear,
+    pack,
+    quantize_int8,
+)
+
+logger = logging.getLogger(__name__)
+
+QUANTIZATIONS: tuple[str, ...] = typing.get_args(Quantization)
+
+
+def check_quantization(quantization: str | None) -> str | None:
+    """``None`` or one of :data:`QUANTIZATIONS` (case-insensitive), else a ValueError naming them."""
+    if quantization is None or quantization.lower() in ("", "none"):
+        return None
+    if quantization.lower() not in QUANTIZATIONS:
+        raise ValueError(f"unknown quantization {quantization!r}; choose one of: none, {', '.join(QUANTIZATIONS)}")
+    return quantization.lower()
+
+
+# -- which GGUF tensors stay in blocks -------------------------------------------------------------
+
+# Tensors fused into one layer: they stay in blocks together or not at all.
+_FUSED = re.compile(r"^(blk\.\d+)\.(?:attn_[qkv]|ffn_gate|ffn_up)\.weight$")
+
+
+def _group(name: str) -> str:
+    m = _FUSED.match(name)
+    if not m:
+        return name
+    return m.group(1) + (".attn_qkv" if ".attn_" in name else ".ffn_gate_up")
+
+
+def gguf_block_tensors(tensors: Iterable[tuple[str, str, int]]) -> set[str]:
+    """Names of the matrices (``(name, type name, dims)``) that ``quantization="gguf"`` keeps in blocks:
+    the Q4_0/Q4_1/Q8_0 ones whose fused partners are too. The rest are logged, once, as loaded in float."""
+    matrices = [(name, kind) for name, kind, dims in tensors if dims == 2]
+    groups: dict[str, list[tuple[str, str]]] = {}
+    for name, kind in matrices:
+        groups.setdefault(_group(name), []).append((name, kind))
+    kept = {name for members in groups.values() if all(kind in GGUF_PACKED_TYPES for _, kind in members)
+            for name, _ in members}
+    floats = Counter(kind for name, kind in matrices if name not in kept)
+    if floats:
+        logger.warning("quantization=gguf keeps %s in blocks; %d matrices load as float (%s)",
+                       "/".join(GGUF_PACKED_TYPES), sum(floats.values()),
+                       ", ".join(f"{kind} x{n}" for kind, n in sorted(floats.items())))
+    return kept
+
+
+# -- loading blocks into a (sharded, fused) layer ----------------------------------------------------
+
+
+def _check(name: str, w: BlockWeight, expected: tuple[int, ...]) -> None:
+    if w.shape != expected:
+        raise ValueError(f"{name} has shape {w.shape}, expected {expected}")
+
+
+Layer = LinearBase | VocabParallelEmbedding
+
+
+def load_blocks(layer: nn.Module, name: str, w: BlockWeight, part: int | None = None) -> None:
+    """Keep this rank's part of a whole checkpoint tensor in blocks, as ``layer.load`` does for a float one;
+    the layer's float weight is dropped (its memory is what quantization saves)."""
+    if name != "weight":
+        raise ValueError(f"only weights load in blocks, not {name!r}")
+    parts: dict[int, BlockWeight] = layer.__dict__.setdefault("weight_blocks", {})
+    if isinstance(layer, ColumnParallelLinear):
+        if part is None:
+            _check(name, w, layer.full_shape(name))
+            start = 0
+            for i, s in enumerate(layer.shards):
+                load_blocks(layer, name, w.rows(slice(start, start + s.full)), i)
+                start += s.full
+            return
+        s = layer.shards[part]
+        _check(name, w, (s.full, layer.in_features))
+        parts[part] = w.rows(slice(s.start, s.start + s.size))
+    elif isinstance(layer, RowParallelLinear):
+        _check(name, w, layer.full_shape(name))
+        parts[0] = w.columns(layer.shard.start, layer.shard.size)
+    elif isinstance(layer, (VocabParallelEmbedding, ParallelLMHead)):
+        _check(name, w, layer.full_shape(name))
+        rows = layer.rows
+        parts[0] = w.rows(slice(rows.start, rows.start + rows.valid)).padded_rows(rows.per_rank)
+    else:
+        raise ValueError(f"a {type(layer).__name__} does not load quantized weights")
+    _drop_float_weight(layer)
+
+
+def _drop_float_weight(layer: Layer) -> None:
+    w = layer.weight
+    if w.numel():
+        layer.weight = nn.Parameter(torch.empty(0, dtype=w.dtype, device=w.device), requires_grad=False)
+
+
+def _pack_blocks(layer: Layer) -> PackedWeight | None:
+    """The layer's loaded blocks, fused in part order and packed (once); None when it loaded float."""
+    if layer.qweight is not None:
+        return layer.qweight
+    parts: dict[int, BlockWeight] | None = layer.__dict__.pop("weight_blocks", None)
+    if not parts:
+        return None
+    blocks = [parts[i] for i in sorted(parts)]
+    if len({b.bits for b in blocks}) > 1:  # a 4-bit block is an 8-bit one with small quants
+        blocks = [BlockWeight(b.q, b.d, b.c, 8, b.fmt) for b in blocks]
+    packed = pack(BlockWeight.cat(blocks)).to(layer.weight.device)
+    layer.qweight = packed
+    return packed
+
+
+# -- the linear method --------------------------------------------------------------------------------
+
+
+class QuantizedLinear(LinearMethod):
+    """``x @ W^T`` with ``W`` in blocks (``layer.qweight``): the C++ kernel on the CPU, else dequantize then
+    matmul. ``process_weights`` packs the blocks a GGUF loaded, or quantizes the float weight to int8."""
+
+    name = "quantized"
+
+    def process_weights(self, layer: LinearBase) -> None:
+        if _pack_blocks(layer) is None:
+            layer.qweight = pack(quantize_int8(layer.weight.detach())).to(layer.weight.device)
+            _drop_float_weight(layer)
+
+    def apply(self, layer: LinearBase, x: torch.Tensor) -> torch.Tensor:
+        assert layer.qweight is not None, "process_weights packs the weight first"
+        out = linear(x, layer.qweight)
+        return out if layer.bias is None else out + layer.bias
+
+    def dense_weight(self, layer: LinearBase) -> torch.Tensor:
+        assert layer.qweight is not None, "process_weights packs the weight first"
+        return dequantize(layer.qweight, layer.weight.dtype)
+
+
+QUANTIZED = QuantizedLinear()
+
+
+def quantize_model(model: LlamaModel, quantization: str | None,
+                   fallback: MethodChooser | None = None) -> dict[str, str]:
+    """After loading: give the linear layers that loaded blocks (all of them for int8) :class:`QuantizedLinear`
+    and the others ``fallback``'s method (by default :func:`iterserve.models.cpu_linear.default_chooser`'s); a tied
+    embedding and LM head share one packed weight. Logs and returns what :func:`process_weights` does."""
+    embed, head, tied = model.embed_tokens, model.lm_head, model.config.tie_word_embeddings
+    if _pack_blocks(embed) is not None and tied:
+        head.qweight, head.weight = embed.qweight, embed.weight
+
+    other = fallback or default_chooser()
+
+    def choose(layer: LinearBase) -> LinearMethod:
+        if layer.qweight is not None or "weight_blocks" in layer.__dict__ or quantization == "int8":
+            return QUANTIZED
+        return other(layer)
+
+    chosen = process_weights(model, choose)
+    if tied and head.qweight is not None:
+        embed.qweight = head.qweight  # int8: the embedding looks its rows up in the LM head's blocks
+        _drop_float_weight(embed)
+        head.weight = embed.weight
+    return chosen
+
+
+# -- what is loaded in which format --------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class WeightFormat:
+    """Weights held in one format: how many tensors, parameters and bytes."""
+
+    fmt: str
+    tensors: int
+    parameters: int
+    bytes: int
+
+
+def weight_formats(model: nn.Module) -> list[WeightFormat]:
+    """Every weight of ``model`` by storage format (``float32``, ``Q4_1``, ``int8``...), shared ones once:
+    what the engine logs and exports as its weight memory."""
+    seen: set[int] = set()
+    totals: dict[str, list[int]] = {}
+
+    def add(key: object, fmt: str, params: int, nbytes: int) -> None:
+        if id(key) in seen or params == 0:
+            return
+        seen.add(id(key))
+        t = totals.setdefault(fmt, [0, 0, 0])
+        t[0], t[1], t[2] = t[0] + 1, t[1] + params, t[2] + nbytes
+
+    for module in model.modules():
+        q = getattr(module, "qweight", None)
+        if isinstance(q, PackedWeight):
+            add(q, q.fmt, q.n * q.k, q.nbytes)
+        packed = getattr(module, "packed", None)  # a float weight re-laid out for the CPU kernel (cpu_linear)
+        weight = getattr(module, "weight", None)
+        if isinstance(packed, torch.Tensor) and isinstance(weight, torch.Tensor):
+            add(packed, _dtype_name(packed), weight.numel(), packed.nbytes)
+    for p in model.parameters():
+        if not p.is_meta:  # a released weight: its method holds it (above)
+            add(p, _dtype_name(p), p.numel(), p.numel() * p.element_size())
+    return [WeightFormat(f, *t) for f, t in sorted(totals.items(), key=lambda kv: -kv[1][2])]
+
+
+def _dtype_name(t: torch.Tensor) -> str:
+    return str(t.dtype).removeprefix("torch.")
+
+
+def describe(formats: list[WeightFormat]) -> str:
+    """One log line: ``weights 96.5 MB: Q4_1 210 tensors 66.4 MB, Q8_0 1 tensor 30.1 MB, float32 ...``."""
+    total = sum(f.bytes for f in formats)
+    parts = ", ".join(f"{f.fmt} {f.tensors} tensor{'s' if f.tensors != 1 else ''} {f.bytes / 1e6:.1f} MB"
+                      for f in formats)
+    return f"weights {total / 1e6:.1f} MB: {parts}"
+
+
+def streamed_weight_bytes(model: nn.Module) -> int:
+    """Bytes of the matmul weights (every linear layer and the LM head, shared ones once): what one forward
+    step reads at least, the memory floor of a decode step."""
+    seen: set[int] = set()
+    total = 0
+    for module in model.modules():
+        if isinstance(module, LinearBase):
+            packed = getattr(module, "packed", None)
+            w = module.qweight if module.qweight is not None else packed if packed is not None else module.weight
+            if id(w) not in seen:
+                seen.add(id(w))
+                total += w.nbytes
+    return total

@@ -1,0 +1,91 @@
+"""Decode steps of one model loaded float and quantized, timed in the same run: rounds of ``--steps``
+consecutive steps of each format in turn (as a server runs step after step of one model, so a model that
+fits the last-level cache stays there; alternating every step would evict it), medians over the rounds.
+
+    /work/bin/cpu-exclusive .venv/bin/python scripts/bench_quant_decode.py --batches 1,64
+
+For each weight format (``none``: float32 dense, ``bf16`` dense, ``gguf`` blocks, ``int8`` blocks) and decode
+batch this prints ms per step, tokens/s, the speed-up over float32, the matmul weight bytes a step streams, and
+how close the step comes to its memory floor (those bytes at the streaming read bandwidth measured here, as a fraction).
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import statistics
+import time
+
+import torch
+
+from iterserve.attention import AttentionMetadata
+from iterserve.attention.selector import select_backend
+from iterserve.engine.worker import prepare_cpu
+from iterserve.models.loader import load_model
+from iterserve.quantization.model import describe, streamed_weight_bytes, weight_formats
+
+
+def peak_read_gbs() -> float:
+    """Streaming read bandwidth: summing a tensor far larger than the caches (median of 5)."""
+    x = torch.ones(128 * 2**20, dtype=torch.float32)
+    times = []
+    for _ in range(6):
+        start = time.perf_counter()
+        x.sum()
+        times.append(time.perf_counter() - start)
+    return x.numel() * 4 / statistics.median(times[1:]) / 1e9
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", default="smollm2-135m")
+    ap.add_argument("--formats", default="none,bf16,gguf,int8",
+                    help="quantizations to load (none: float32 weights, bf16: bfloat16 weights)")
+    ap.add_argument("--batches", default="1,16,64")
+    ap.add_argument("--context", type=int, default=128, help="tokens already cached per sequence")
+    ap.add_argument("--rounds", type=int, default=5)
+    ap.add_argument("--steps", type=int, default=10, help="consecutive steps of one format per round")
+    args = ap.parse_args()
+    prepare_cpu()  # as a CPU engine does: malloc tuning, the kernels' thread pool
+    block = 16
+    batches = [int(b) for b in args.batches.split(",")]
+    read = peak_read_gbs()
+    print(f"model={args.model} context={args.context} threads={torch.get_num_threads()} "
+          f"streaming read {read:.1f} GB/s")
+    models = {}
+    for fmt in args.formats.split(","):
+        dense = fmt in ("none", "bf16")
+        loaded = load_model(args.model, dtype="bfloat16" if fmt == "bf16" else "float32", device="cpu",
+                            quantization=None if dense else fmt)
+        models[fmt] = loaded.model
+        print(f"{fmt}: {describe(weight_formats(loaded.model))}; streamed per step "
+              f"{streamed_weight_bytes(loaded.model) / 1e6:.1f} MB")
+    cfg = next(iter(models.values())).config
+    blocks_per_seq = -(-(args.context + 1) // block)
+    caches = {f: m.allocate_kv_cache(max(batches) * blocks_per_seq, block) for f, m in models.items()}
+    print(f"{'format':<6} {'batch':>5} {'ms':>8} {'tokens/s':>9} {'vs f32':>7} {'floor ms':>9} {'of floor':>9}")
+    for b in batches:
+        tables = [list(range(i * blocks_per_seq, (i + 1) * blocks_per_seq)) for i in range(b)]
+        meta = AttentionMetadata.build(block_size=block, block_tables=tables, num_cached=[args.context] * b,
+                                       query_lens=[1] * b, sliding_window=cfg.sliding_window)
+        ids, pos = torch.randint(100, cfg.vocab_size, (b,)), torch.full((b,), args.context)
+        backend = select_backend("cpu")
+        steps = {f: functools.partial(m, ids, pos, caches[f], meta, backend) for f, m in models.items()}
+        times: dict[str, list[float]] = {f: [] for f in models}
+        for i in range(args.rounds + 1):  # the first round warms up
+            for f, step in steps.items():
+                for _ in range(args.steps):
+                    start = time.perf_counter()
+                    step()
+                    if i:
+                        times[f].append(time.perf_counter() - start)
+        base = statistics.median(times["none"]) if "none" in times else None
+        for f, t in times.items():
+            s = statistics.median(t)
+            floor = streamed_weight_bytes(models[f]) / (read * 1e9)
+            ratio = f"{base / s:6.2f}x" if base else "-"
+            print(f"{f:<6} {b:>5} {s * 1e3:8.2f} {b / s:9.1f} {ratio:>7} {floor * 1e3:9.2f} {floor / s:9.2f}")
+
+
+if __name__ == "__main__":
+    main()
