@@ -19,12 +19,11 @@ from tqdm.auto import tqdm
 
 from iterserve.config import EngineConfig
 from iterserve.engine.llm_engine import LLMEngine
-from iterserve.engine.output_processor import RequestOutputKind
 from iterserve.inputs import PromptType
 from iterserve.models.loader import DEFAULT_MODEL, LoadedModel, load_model
 from iterserve.outputs import RequestOutput
 from iterserve.platforms.memory import available_memory_bytes
-from iterserve.sampling_params import SamplingParams
+from iterserve.sampling_params import RequestOutputKind, SamplingParams
 from iterserve.tokenizer import Tokenizer
 
 logger = logging.getLogger(__name__)
@@ -126,6 +125,11 @@ class LLM:
             raise ValueError("this model has no tokenizer; pass prompts as token ids")
         return self.llm_engine.tokenizer
 
+    def get_default_sampling_params(self) -> SamplingParams:
+        """The parameters a request without any gets (vLLM's method; this engine reads no model-specific
+        generation defaults, so they are SamplingParams' own)."""
+        return SamplingParams()
+
     def generate(
         self,
         prompts: PromptType | Seq[PromptType],
@@ -157,18 +161,29 @@ class LLM:
         messages: list[dict[str, Any]] | Seq[list[dict[str, Any]]],
         sampling_params: SamplingParams | Seq[SamplingParams] | None = None,
         use_tqdm: bool = True,
+        chat_template: str | None = None,
         add_generation_prompt: bool = True,
+        continue_final_message: bool = False,
+        tools: list[dict[str, Any]] | None = None,
+        chat_template_kwargs: dict[str, Any] | None = None,
     ) -> list[RequestOutput]:
-        """Apply the model's chat template to each conversation, then generate."""
+        """Apply the model's chat template (or ``chat_template``) to each conversation, then generate;
+        each output's ``prompt`` is the rendered text, as vLLM gives it."""
         tokenizer = self.get_tokenizer()
         conversations = cast(list[list[dict[str, Any]]],
                              [messages] if messages and isinstance(messages[0], dict) else list(messages))
-        prompts = [
-            tokenizer.encode(tokenizer.apply_chat_template(c, add_generation_prompt=add_generation_prompt),
-                             add_special_tokens=False)
+        rendered = [
+            tokenizer.apply_chat_template(c, add_generation_prompt=add_generation_prompt, tools=tools,
+                                          chat_template=chat_template,
+                                          continue_final_message=continue_final_message,
+                                          **(chat_template_kwargs or {}))
             for c in conversations
         ]
-        return self.generate(prompts, sampling_params, use_tqdm)
+        outputs = self.generate([tokenizer.encode(p, add_special_tokens=False) for p in rendered], sampling_params,
+                                use_tqdm)
+        for output, prompt in zip(outputs, rendered):
+            output.prompt = prompt
+        return outputs
 
     def _run(self, ids: list[str], use_tqdm: bool) -> list[RequestOutput]:
         final: dict[str, RequestOutput] = {}

@@ -7,6 +7,7 @@ protection as the HTTP server.
 
 from __future__ import annotations
 
+import enum
 import json
 import math
 import operator
@@ -14,11 +15,12 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from contextvars import ContextVar
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol
 
 from iterserve.errors import SamplingParamsError
 
-__all__ = ["SamplingParams", "SamplingParamsError", "StructuredOutputsParams", "grammar_checks_deferred"]
+__all__ = ["RequestOutputKind", "SamplingParams", "SamplingParamsError", "StructuredOutputsParams",
+           "grammar_checks_deferred"]
 
 # Below this temperature sampling is indistinguishable from greedy, and dividing logits by it
 # overflows float32; such requests are decoded greedily (as vLLM does).
@@ -41,6 +43,8 @@ MAX_STOP_TOKEN_IDS = 1024
 MAX_LOGIT_BIAS = 300
 # n and best_of sequences share one prompt and one batch; the scheduler also caps them at max_num_seqs.
 MAX_N = 128
+# Each bad word is matched against every constrained row's last tokens at every step.
+MAX_BAD_WORDS = 128
 
 # A grammar's text (a JSON schema, a regex, a Lark grammar, the choices together): compiling grows
 # faster than its size (10,000 choices, 310 KB: 0.5 s; 50,000, 1.2 MB: 25 s on one CPU core).
@@ -85,11 +89,41 @@ def _as_int(name: str, value: object, max_value: int = INT64_MAX) -> int:
     return number
 
 
+def close_objects(schema: Any, in_all_of: bool = False) -> Any:
+    """``schema`` with ``additionalProperties: false`` on every object schema that has ``properties``
+    and does not say: a model is then held to the keys the schema names. Left open, a grammar lets
+    it add keys (even one twice) until max_tokens runs out, which is what a client sending a schema
+    without the flag rarely wants; vLLM's default backend compiles schemas the same way. Members of
+    an ``allOf`` stay open, since each must accept the others' keys."""
+    if isinstance(schema, list):
+        return [close_objects(s) for s in schema]
+    if not isinstance(schema, dict):
+        return schema
+    out = {}
+    for key, value in schema.items():
+        if key in ("properties", "$defs", "definitions", "patternProperties", "dependentSchemas"):
+            out[key] = {k: close_objects(v) for k, v in value.items()} if isinstance(value, dict) else value
+        elif key in ("items", "prefixItems", "additionalProperties", "anyOf", "oneOf", "not", "if", "then",
+                     "else", "contains"):
+            out[key] = close_objects(value)
+        elif key == "allOf" and isinstance(value, list):
+            out[key] = [close_objects(s, in_all_of=True) for s in value]
+        else:
+            out[key] = value
+    if "properties" in out and "additionalProperties" not in out and not in_all_of:
+        out["additionalProperties"] = False
+    return out
+
+
 @dataclass
 class StructuredOutputsParams:
     """Constrain the output to a grammar (vLLM's names): exactly one of ``json`` (a JSON schema, as a
     dict or a string), ``json_object`` (any JSON object), ``regex``, ``choice`` (one of these strings)
-    or ``grammar`` (a Lark grammar).
+    or ``grammar`` (a Lark or a GBNF grammar, as llama.cpp and vLLM's examples write them).
+
+    A schema's objects allow only the properties they name unless they say otherwise
+    (``disable_additional_properties``, vLLM's option, defaults to true here: see
+    :func:`close_objects`); set it false to compile schemas as written.
 
     The spec is normalised to a string and checked when built, so a bad schema or regex is refused
     before the request is queued (:class:`SamplingParamsError` naming the field); the engine core
@@ -101,6 +135,7 @@ class StructuredOutputsParams:
     choice: list[str] | None = None
     grammar: str | None = None
     json_object: bool = False
+    disable_additional_properties: bool = True
 
     def __post_init__(self) -> None:
         given = [name for name in ("json", "regex", "choice", "grammar") if getattr(self, name) is not None]
@@ -144,8 +179,10 @@ class StructuredOutputsParams:
 
         kind = self.kind
         if kind == "json":
-            assert self.json is not None
-            return llguidance.LLMatcher.grammar_from_json_schema(self.json, defaults=JSON_OPTIONS)
+            assert isinstance(self.json, str)  # normalised when built
+            schema = json.dumps(close_objects(json.loads(self.json))) if self.disable_additional_properties \
+                else self.json
+            return llguidance.LLMatcher.grammar_from_json_schema(schema, defaults=JSON_OPTIONS)
         if kind == "json_object":
             return llguidance.LLMatcher.grammar_from_json_schema({"type": "object"}, defaults=JSON_OPTIONS)
         if kind == "regex":
@@ -155,7 +192,7 @@ class StructuredOutputsParams:
             assert self.choice is not None
             alternatives = " | ".join(json.dumps(c, ensure_ascii=False) for c in self.choice)
             return llguidance.LLMatcher.grammar_from_lark(f"start: {alternatives}")
-        return llguidance.LLMatcher.grammar_from_lark(self.grammar or "")
+        return llguidance.grammar_from("grammar", self.grammar or "")  # Lark or GBNF, told apart by llguidance
 
     def _check_grammar(self) -> None:
         """Raise SamplingParamsError (naming the field) when this constraint does not compile to a grammar."""
@@ -169,6 +206,35 @@ class StructuredOutputsParams:
         is_error, messages = llguidance.LLMatcher.validate_grammar_with_warnings(grammar)
         if is_error:
             raise SamplingParamsError(kind, f"invalid {kind}: {messages[0]}")
+
+
+class RequestOutputKind(enum.Enum):
+    """What each output of a request carries (vLLM's names): everything so far, only what is new, or
+    one output at the end."""
+
+    CUMULATIVE = 0
+    DELTA = 1
+    FINAL_ONLY = 2
+
+
+class _Encoder(Protocol):
+    def encode(self, text: str, add_special_tokens: bool = ...) -> list[int]: ...
+
+
+# vLLM options this engine accepts at their defaults only, with the reason any other value is refused
+# (docs/compatibility.md lists them).
+_UNSUPPORTED: dict[str, tuple[Any, str]] = {
+    "stream_interval": (None, "every step's tokens are streamed as they come"),
+    "logprob_token_ids": (None, "logprobs come for the sampled token and the top alternatives only"),
+    "prompt_logprob_token_ids": (None, "prompt logprobs come for the prompt token and the top alternatives only"),
+    "prompt_logprob_start": (None, "prompt logprobs cover the whole prompt"),
+    "flat_logprobs": (False, "logprobs are returned as vLLM's list of dicts"),
+    "thinking_token_budget": (None, "no reasoning parser is implemented"),
+    "repetition_detection": (None, "repetition is not detected; use stop strings or max_tokens"),
+    "routed_experts_prompt_start": (0, "no mixture-of-experts model is served"),
+    "trace_decode_token_ids": (None, "decoding samples its tokens"),
+    "skip_reading_prefix_cache": (None, "the prefix cache is skipped exactly when prompt logprobs are asked for"),
+}
 
 
 @dataclass
@@ -199,9 +265,56 @@ class SamplingParams:
     best_of: int | None = None  # generate this many, return the n with the highest cumulative logprob
     logit_bias: dict[int, float] | None = None  # added to the raw logits of these token ids
     structured_outputs: StructuredOutputsParams | None = None
+    include_stop_str_in_output: bool = False  # keep the stop string (or stop token's text) in the output
+    detokenize: bool = True  # False: token ids only, no text (and no stop strings)
+    # accepted for vLLM's sake: this tokenizer library (like vLLM's fast detokenizer) decodes special tokens as
+    # they are spelled, with no spaces added between them
+    spaces_between_special_tokens: bool = True
+    allowed_token_ids: list[int] | None = None  # sample only among these
+    bad_words: list[str] = field(default_factory=list)  # never complete one of these words
+    output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE  # what LLMEngine's outputs carry
+    extra_args: dict[str, Any] | None = None  # for plugins, as in vLLM: carried, not read
+    skip_clone: bool = False  # vLLM's hint that params may be shared; they are never copied here
+    # the bad words as token id sequences (set by update_from_tokenizer, where the tokenizer is)
+    bad_words_token_ids: list[list[int]] | None = None
+    stream_interval: int | None = None
+    logprob_token_ids: list[int] | None = None
+    prompt_logprob_token_ids: list[int] | None = None
+    prompt_logprob_start: int | None = None
+    flat_logprobs: bool = False
+    thinking_token_budget: int | None = None
+    repetition_detection: Any = None
+    routed_experts_prompt_start: int = 0
+    trace_decode_token_ids: list[int] | None = None
+    skip_reading_prefix_cache: bool | None = None
+
+    @staticmethod
+    def from_optional(**kwargs: Any) -> SamplingParams:
+        """vLLM's constructor for request fields that may be null: a None penalty, temperature, top_p or n
+        takes its default."""
+        defaults: dict[str, Any] = {"n": 1, "presence_penalty": 0.0, "frequency_penalty": 0.0,
+                                    "repetition_penalty": 1.0, "temperature": 1.0, "top_p": 1.0}
+        given: dict[str, Any] = {k: defaults[k] if v is None and k in defaults else v for k, v in kwargs.items()}
+        return SamplingParams(**given)
+
+    def update_from_tokenizer(self, tokenizer: _Encoder) -> None:
+        """Tokenize the bad words, each as it starts the text and as it follows a space (vLLM's rule);
+        called where the request is tokenized, before it is queued."""
+        if not self.bad_words or self.bad_words_token_ids is not None:
+            return
+        sequences: list[list[int]] = []
+        for word in self.bad_words:
+            for prefix in ("", " "):
+                ids = tokenizer.encode(prefix + word.lstrip(), add_special_tokens=False)
+                if ids and ids not in sequences:
+                    sequences.append(ids)
+        self.bad_words_token_ids = sequences
 
     def __post_init__(self) -> None:
+        if self.seed == -1:
+            self.seed = None
         self._check_types()
+        self._check_vllm_options()
         if self.top_k == -1:
             self.top_k = 0
         if self.temperature < GREEDY_TEMPERATURE and self.temperature >= 0:
@@ -274,6 +387,31 @@ class SamplingParams:
             if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
                 raise SamplingParamsError(name, f"{name} must be a finite number, got {value!r}")
 
+    def _check_vllm_options(self) -> None:
+        """vLLM's further options: the implemented ones' values, and the rest refused unless at their
+        defaults, naming the reason."""
+        for name, (default, reason) in _UNSUPPORTED.items():
+            if getattr(self, name) != default:
+                raise SamplingParamsError(name, f"{name} is not supported: {reason}")
+        if not isinstance(self.output_kind, RequestOutputKind):
+            raise SamplingParamsError("output_kind", "output_kind must be a RequestOutputKind")
+        words = [] if self.bad_words is None else self.bad_words
+        if isinstance(words, str) or not all(isinstance(w, str) and w.strip() for w in words):
+            raise SamplingParamsError("bad_words", "bad_words must be a list of non-empty strings")
+        self.bad_words = list(dict.fromkeys(words))
+        if len(self.bad_words) > MAX_BAD_WORDS:
+            raise SamplingParamsError("bad_words", f"bad_words has {len(self.bad_words)} words; at most "
+                                                   f"{MAX_BAD_WORDS} are allowed")
+        if self.allowed_token_ids is not None:
+            self.allowed_token_ids = [_as_int("allowed_token_ids", t) for t in self.allowed_token_ids]
+            if not self.allowed_token_ids or min(self.allowed_token_ids) < 0:
+                raise SamplingParamsError("allowed_token_ids", "allowed_token_ids must be a non-empty list of "
+                                                               "token ids")
+        if self.stop and not self.detokenize:
+            raise SamplingParamsError("stop", "stop strings need detokenize=True: they are found in the text")
+        if self.extra_args is not None and not isinstance(self.extra_args, dict):
+            raise SamplingParamsError("extra_args", "extra_args must be a dict")
+
     def _check_logit_bias(self) -> None:
         """``{token id: bias}`` with ids as ints (OpenAI sends them as strings) and biases in [-100, 100]."""
         if self.logit_bias is None:
@@ -314,3 +452,4 @@ class SamplingParams:
     @property
     def has_penalties(self) -> bool:
         return self.repetition_penalty != 1 or self.presence_penalty != 0 or self.frequency_penalty != 0
+

@@ -37,6 +37,14 @@ def test_vllm_offline_script_runs_unchanged():
         assert all(lp <= 0 and math.isfinite(lp) for lp in r["prompt_logprobs"])
 
 
+def test_vllm_offline_options_script_runs_unchanged():
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    result = subprocess.run([sys.executable, str(ROOT / "tests/scripts/vllm_offline_options.py")], env=env,
+                            cwd=ROOT, capture_output=True, text=True, timeout=600)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert result.stdout.splitlines()[-1] == "ok"
+
+
 def test_prompt_shapes_give_the_same_outputs(smollm):
     llm = LLM(loaded=smollm, num_kv_blocks=64)
     text = "The capital of France is"

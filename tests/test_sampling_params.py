@@ -119,3 +119,42 @@ def test_stop_string_limits():
         SamplingParams(stop_token_ids=list(range(100_000)))
     assert info.value.param == "stop_token_ids"
 
+
+
+@pytest.mark.parametrize(
+    "kwargs, field",
+    [
+        ({"bad_words": "word"}, "bad_words"),
+        ({"bad_words": [" "]}, "bad_words"),
+        ({"bad_words": [f"w{i}" for i in range(129)]}, "bad_words"),
+        ({"allowed_token_ids": []}, "allowed_token_ids"),
+        ({"allowed_token_ids": [-1]}, "allowed_token_ids"),
+        ({"stop": ["x"], "detokenize": False}, "stop"),
+        ({"extra_args": ["x"]}, "extra_args"),
+        ({"output_kind": "delta"}, "output_kind"),
+        ({"thinking_token_budget": 10}, "thinking_token_budget"),
+        ({"stream_interval": 4}, "stream_interval"),
+    ],
+)
+def test_vllm_options_are_checked_or_refused_with_a_reason(kwargs, field):
+    with pytest.raises(SamplingParamsError, match=field) as info:
+        SamplingParams(**kwargs)
+    assert info.value.param == field
+
+
+def test_vllm_constructor_conventions():
+    """seed=-1 means none, from_optional takes None as the default."""
+    p = SamplingParams(seed=-1, bad_words=["a", "a"], extra_args={"plugin": 1})
+    assert p.seed is None and p.bad_words == ["a"] and p.extra_args == {"plugin": 1}
+    q = SamplingParams.from_optional(temperature=None, top_p=None, presence_penalty=None, n=None, max_tokens=7)
+    assert (q.temperature, q.top_p, q.presence_penalty, q.n, q.max_tokens) == (1.0, 1.0, 0.0, 1, 7)
+
+
+def test_bad_words_are_tokenized_alone_and_after_a_space():
+    class Words:
+        def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+            return [ord(c) for c in text]
+
+    p = SamplingParams(bad_words=["ab"])
+    p.update_from_tokenizer(Words())
+    assert p.bad_words_token_ids == [[97, 98], [32, 97, 98]]

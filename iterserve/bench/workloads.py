@@ -60,6 +60,8 @@ class LengthDist:
 
     @classmethod
     def parse(cls, spec: str) -> LengthDist:
+        if spec.strip().isdigit():  # vLLM's bench serve takes a plain length
+            spec = f"fixed:{spec.strip()}"
         kind, *fields = spec.strip().split(":")
         if kind not in _DIST_PARAMS:
             raise ValueError(f"unknown length distribution {spec!r}; use one of {', '.join(_DIST_PARAMS)}")

@@ -4,7 +4,6 @@
 from __future__ import annotations
 
 import argparse
-import json
 import math
 import statistics
 import tempfile
@@ -15,6 +14,7 @@ from typing import Any
 
 from iterserve.bench.metrics import DEFAULT_PERCENTILES, parse_goodput, parse_percentiles, percentile_key
 from iterserve.cli.flags import add_config_args, config_from_args
+from iterserve.cli.results import write_json
 from iterserve.cli.tables import render_table
 from iterserve.cli.workload import add_workload_args, float_list, load_points, workload_spec_from_args
 from iterserve.config import DEFAULT_MODEL, EngineConfig
@@ -22,12 +22,6 @@ from iterserve.config import DEFAULT_MODEL, EngineConfig
 # bench throughput's batch cap: the default 64 requests then span several static batches, which is
 # where static and continuous batching differ (with every request in one batch they would not)
 BENCH_MAX_NUM_SEQS = 16
-
-
-def write_json(path: str, result: dict[str, Any]) -> None:
-    Path(path).parent.mkdir(parents=True, exist_ok=True)
-    Path(path).write_text(json.dumps(result, indent=2) + "\n")
-    print(f"results written to {path}")
 
 
 def sibling_path(json_path: str, suffix: str) -> Path:

@@ -44,7 +44,7 @@ def _cmd_load(args: argparse.Namespace) -> int:
     from iterserve.bench.offered_load import sweep_offered_load
     from iterserve.bench.progress import load_model_with_status
     from iterserve.bench.workloads import make_workload
-    from iterserve.cli.bench import write_json
+    from iterserve.cli.results import write_json
 
     spec = workload_spec_from_args(args)
     config = config_from_args(EngineConfig, args)

@@ -8,6 +8,7 @@ import sys
 import time
 
 from iterserve.cli.flags import HelpFormatter, add_config_args, config_from_args
+from iterserve.cli.vllm_flags import add_vllm_serve_args, apply_vllm_serve_args
 from iterserve.config import DEFAULT_MODEL, LOG_LEVELS, EngineConfig, ServerConfig
 from iterserve.platforms.malloc import tune_allocator
 
@@ -79,6 +80,7 @@ def _engine_config(args: argparse.Namespace) -> EngineConfig:
 def _cmd_serve(args: argparse.Namespace) -> int:
     from iterserve.server import run_server
 
+    apply_vllm_serve_args(args)
     return run_server(_engine_config(args), config_from_args(ServerConfig, args))
 
 
@@ -127,6 +129,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_config_args(serve.add_argument_group("server"), ServerConfig)
     add_config_args(serve.add_argument_group("engine"), EngineConfig)
     # --model stays for scripts that use it; unset, so that a positional MODEL can be told apart
+    add_vllm_serve_args(serve)
     model = next(a for a in serve._actions if a.dest == "model")
     model.default, model.help = None, f"{model.help} (default: {DEFAULT_MODEL})"
     serve.set_defaults(func=_cmd_serve)

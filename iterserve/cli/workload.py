@@ -29,8 +29,8 @@ def add_workload_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--dataset-path", default=None, help="JSONL of {prompt|messages[, output_len]}, or ShareGPT JSON")
     g.add_argument("--num-prompts", type=int, default=d.num_prompts, help="requests in the workload")
     g.add_argument("--input-len", default=d.input_len,
-                   help="prompt length distribution: fixed:N, uniform:LOW:HIGH, normal:MEAN:STD:MAX, "
-                        "lognormal:MEDIAN:SIGMA:MAX or pareto:MIN:ALPHA:MAX (default %(default)s)")
+                   help="prompt length distribution: N (vLLM's form of fixed:N), fixed:N, uniform:LOW:HIGH, "
+                        "normal:MEAN:STD:MAX, lognormal:MEDIAN:SIGMA:MAX or pareto:MIN:ALPHA:MAX (default %(default)s)")
     g.add_argument("--output-len", default=d.output_len, help="output length distribution (default %(default)s)")
     g.add_argument("--shared-prefix-len", type=int, default=d.shared_prefix_len,
                    help="tokens of one shared system prompt in front of every synthetic prompt")

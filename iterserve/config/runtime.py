@@ -168,6 +168,8 @@ class ServerConfig:
     grammar_timeout: float = _opt(10.0, "seconds a structured-output grammar may take to compile; slower ones are "
                                         "refused with 400")
     log_level: LogLevel = _opt("INFO", "log level of the server and its engine core", cli=False)
+    chat_template: str | None = _opt(None, "chat template used instead of the model's: a file, or the template "
+                                           "itself (as vLLM takes it); a request's chat_template still wins")
 
     def __post_init__(self) -> None:
         _check_positive(self, "max_waiting", "max_request_body_bytes", "data_parallel_size", "max_dashboard_viewers",

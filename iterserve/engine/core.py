@@ -50,7 +50,7 @@ from iterserve.engine.spec_decode.proposer import Speculator
 from iterserve.engine.spec_decode.stats import SpecDecodeStats
 from iterserve.engine.structured_output import GrammarMatcher, GrammarPool
 from iterserve.engine.validation import check_prompt
-from iterserve.errors import TensorParallelError
+from iterserve.errors import SamplingParamsError, TensorParallelError
 from iterserve.models.loader import LoadedModel
 from iterserve.outputs import RequestMetrics
 from iterserve.sampling_params import SamplingParams, grammar_checks_deferred
@@ -168,6 +168,10 @@ class EngineCore:
         """Hand a checked request to the scheduler (check_prompt allows one sequence per constrained one)."""
         rid, params, ids = request.request_id, request.params, request.prompt_token_ids
         stop_ids = stop_token_ids(params, self.model_config, self.tokenizer)
+        if params.bad_words:
+            if self.tokenizer is None:
+                raise SamplingParamsError("bad_words", f"model {self.model_name!r} has no tokenizer to read bad_words")
+            params.update_from_tokenizer(self.tokenizer)
         group = [
             Sequence(
                 request_id=rid, prompt=None, prompt_token_ids=list(ids), params=params, max_tokens=max_tokens,

@@ -51,14 +51,14 @@ from iterserve.engine.messages import (
     StepStats,
     WatchKV,
 )
-from iterserve.engine.output_processor import OutputProcessor, RequestOutputKind
+from iterserve.engine.output_processor import OutputProcessor
 from iterserve.engine.request_stream import RequestStream
 from iterserve.engine.router import Router
 from iterserve.engine.validation import check_prompt
 from iterserve.errors import EngineDeadError, QueueFullError, RequestFailedError
 from iterserve.models.loader import load_model_config, load_model_info
 from iterserve.outputs import RequestOutput
-from iterserve.sampling_params import SamplingParams
+from iterserve.sampling_params import RequestOutputKind, SamplingParams
 from iterserve.tokenizer import Tokenizer
 
 logger = logging.getLogger(__name__)

@@ -17,12 +17,12 @@ from iterserve.engine.block_manager import BlockManager
 from iterserve.engine.capacity import Capacity
 from iterserve.engine.core import EngineCore
 from iterserve.engine.messages import EngineCoreRequest, StepStats
-from iterserve.engine.output_processor import OutputProcessor, RequestOutputKind
+from iterserve.engine.output_processor import OutputProcessor
 from iterserve.engine.scheduler import Scheduler
 from iterserve.engine.sequence import Sequence
 from iterserve.models.loader import LoadedModel
 from iterserve.outputs import RequestOutput
-from iterserve.sampling_params import SamplingParams
+from iterserve.sampling_params import RequestOutputKind, SamplingParams
 
 
 class LLMEngine:
@@ -43,10 +43,12 @@ class LLMEngine:
         params: SamplingParams | None = None,
         request_id: str | None = None,
         arrival_time: float | None = None,
-        output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE,
+        output_kind: RequestOutputKind | None = None,
     ) -> str:
-        """Validate and queue a request; raises ValueError (and queues nothing) for bad input."""
+        """Validate and queue a request; raises ValueError (and queues nothing) for bad input. Outputs
+        come as ``output_kind`` says, else as ``params.output_kind`` does (vLLM's place for it)."""
         params = params or SamplingParams()
+        output_kind = output_kind or params.output_kind
         request_id = request_id if request_id is not None else str(next(self._ids))
         if isinstance(prompt, str):
             if self.tokenizer is None:

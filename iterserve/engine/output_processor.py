@@ -12,7 +12,6 @@ the highest cumulative logprob.
 
 from __future__ import annotations
 
-import enum
 from dataclasses import dataclass, field
 
 from iterserve.engine.messages import EngineCoreOutput
@@ -25,14 +24,8 @@ from iterserve.outputs import (
     SampleLogprobs,
     TokenLogprobs,
 )
-from iterserve.sampling_params import SamplingParams
+from iterserve.sampling_params import RequestOutputKind, SamplingParams
 from iterserve.tokenizer import IncrementalDetokenizer, Tokenizer
-
-
-class RequestOutputKind(enum.Enum):
-    CUMULATIVE = "cumulative"
-    DELTA = "delta"
-    FINAL_ONLY = "final_only"
 
 
 @dataclass
@@ -87,7 +80,8 @@ class OutputProcessor:
                     arrival_time: float, kind: RequestOutputKind) -> None:
         keep_logprobs = params.logprobs is not None and kind is not RequestOutputKind.DELTA
         seqs = [
-            SeqState(i, self.tokenizer.detokenizer(params.skip_special_tokens) if self.tokenizer is not None else None,
+            SeqState(i, self.tokenizer.detokenizer(params.skip_special_tokens)
+                     if self.tokenizer is not None and params.detokenize else None,
                      logprobs=[] if keep_logprobs else None)
             for i in range(params.num_seqs)
         ]
@@ -167,8 +161,9 @@ class OutputProcessor:
         ends inside the delta were never generated, as far as the request is concerned)."""
         assert seq.detokenizer is not None
         ids = o.new_token_ids
-        # a stop token ends the request but adds no text
-        text_ids = ids[:-1] if o.finish_reason == "stop" and not o.final_token_is_text else ids
+        # a stop token ends the request but adds no text, unless asked to (a special one is skipped anyway)
+        ends_on_stop_token = o.finish_reason == "stop" and not o.final_token_is_text
+        text_ids = ids[:-1] if ends_on_stop_token and not params.include_stop_str_in_output else ids
         for i, token in enumerate(text_ids):
             seq.text += seq.detokenizer.feed(token)
             # a token before the delta's last one ended nothing in the core: only its text can stop here
@@ -193,15 +188,15 @@ class OutputProcessor:
                 best = (i, s)
         if best is None:
             return False
-        seq.text = seq.text[: best[0]]
+        seq.text = seq.text[: best[0] + (len(best[1]) if params.include_stop_str_in_output else 0)]
         seq.finish_reason, seq.stop_reason = "stop", best[1]
         return True
 
     def _releasable(self, params: SamplingParams, seq: SeqState) -> int:
         """How much text may be released: hold back a tail that could still become a stop string."""
         text = seq.text
-        if seq.finish_reason is not None or not params.stop:
-            return len(text)
+        if seq.finish_reason is not None or not params.stop or params.include_stop_str_in_output:
+            return len(text)  # a stop string that completes later stays in the text anyway
         hold = 0
         for s in params.stop:
             for k in range(min(len(s) - 1, len(text)), hold, -1):

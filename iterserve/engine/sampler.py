@@ -1,10 +1,11 @@
 """Turn one step's logits into next tokens, row by row with each request's own parameters.
 
-Order of operations follows vLLM: logit_bias, penalties and ``min_tokens`` act on the raw logits, a
-row with a grammar keeps only the tokens its grammar allows, then greedy rows take the argmax, the
-rest are scaled by temperature, truncated by top-k, top-p and min-p, and sampled. A request with a
-seed draws from its own generator, so its output does not depend on which other requests share the
-batch. Logprobs are those of the raw logits (vLLM's default), each with its rank in the vocabulary.
+Order of operations follows vLLM: logit_bias, penalties, ``allowed_token_ids``, ``bad_words`` and
+``min_tokens`` act on the raw logits, a row with a grammar keeps only the tokens its grammar allows,
+then greedy rows take the argmax, the rest are scaled by temperature, truncated by top-k, top-p and
+min-p, and sampled. A request with a seed draws from its own generator, so its output does not depend on
+which other requests share the batch. Logprobs are those of the raw logits (vLLM's default), each with
+its rank in the vocabulary.
 """
 
 from __future__ import annotations
@@ -96,6 +97,22 @@ def apply_penalties(logits: torch.Tensor, rows: list[SamplingRow]) -> None:
             logits[i] -= p.frequency_penalty * counts
         if p.presence_penalty:
             logits[i] -= p.presence_penalty * (counts > 0).to(logits.dtype)
+
+
+def apply_token_limits(logits: torch.Tensor, rows: list[SamplingRow]) -> None:
+    """vLLM's ``allowed_token_ids`` (every other token is masked) and ``bad_words`` (the token that would
+    complete a bad word after the output's last tokens is masked), in place."""
+    for i, row in enumerate(rows):
+        p = row.params
+        if p.allowed_token_ids is not None:
+            keep = torch.full_like(logits[i], float("-inf"))
+            ids = torch.tensor(p.allowed_token_ids, dtype=torch.long, device=logits.device)
+            keep[ids] = 0.0
+            logits[i] += keep
+        banned = [word[-1] for word in p.bad_words_token_ids or ()
+                  if len(word) == 1 or row.output_token_ids[-(len(word) - 1):] == word[:-1]]
+        if banned:
+            logits[i, [t for t in banned if t < logits.shape[-1]]] = float("-inf")
 
 
 def bitmask_words(vocab_size: int) -> int:
@@ -194,6 +211,7 @@ class Sampler:
         stop tokens ``min_tokens`` holds back, and the grammars' masks."""
         apply_logit_bias(logits, rows)
         apply_penalties(logits, rows)
+        apply_token_limits(logits, rows)
         for i, row in enumerate(rows):
             if len(row.output_token_ids) < row.params.min_tokens and row.stop_ids:
                 ids = [t for t in row.stop_ids if t < logits.shape[-1]]

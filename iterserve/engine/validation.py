@@ -26,9 +26,10 @@ def check_prompt(token_ids: list[int], params: SamplingParams, vocab_size: int, 
     """Validate a tokenized request (the one home of these checks, for the server too); returns its
     max_tokens resolved against max_model_len. Raises :class:`RequestError`."""
     check_prompt_ids(token_ids, vocab_size, max_model_len)
-    outside = [t for t in params.logit_bias or {} if t >= vocab_size]
-    if outside:
-        raise SamplingParamsError("logit_bias", f"logit_bias token ids must be in [0, {vocab_size}); got {outside[:5]}")
+    for name, ids in (("logit_bias", params.logit_bias or {}), ("allowed_token_ids", params.allowed_token_ids or [])):
+        outside = [t for t in ids if t >= vocab_size]
+        if outside:
+            raise SamplingParamsError(name, f"{name} token ids must be in [0, {vocab_size}); got {outside[:5]}")
     if params.structured_outputs is not None and params.num_seqs > 1:
         raise SamplingParamsError("n", "n or best_of above 1 cannot be combined with structured output yet")
     if max_num_seqs is not None and params.num_seqs > max_num_seqs:

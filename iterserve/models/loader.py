@@ -116,6 +116,9 @@ def resolve_model(name: str) -> ModelSource:
 
 
 def _without_weights(source: ModelSource) -> ValueError:
+    if source.kind == "preset" and source.name in _EMBEDDED:  # a hub name of the model that ships with us
+        return ValueError(f"this model's weights are embedded as {_EMBEDDED[source.name][2]} under the name "
+                          f"{source.name!r}: run 'iterserve serve {source.name}' (or LLM(model={source.name!r}))")
     return ValueError(
         f"{source.name!r} is a model's shapes without weights ({source.kind}): the planner and the simulator take "
         f"it; to run it, use 'random:{source.name if source.kind == 'preset' else '<preset>'}', a GGUF file or a "

@@ -24,6 +24,7 @@ from typing import Any
 
 import uvicorn
 from fastapi import FastAPI
+from fastapi.responses import Response
 
 from iterserve import __version__
 from iterserve.config import EngineConfig, ServerConfig
@@ -42,6 +43,7 @@ from iterserve.server.serving_chat import ChatServing
 from iterserve.server.serving_completions import CompletionServing
 from iterserve.server.serving_info import InfoServing
 from iterserve.server.serving_tokenize import TokenizeServing
+from iterserve.tokenizer.chat_template import load_chat_template
 
 logger = logging.getLogger(__name__)
 
@@ -66,6 +68,8 @@ def build_app(config: EngineConfig, server: ServerConfig | None = None) -> FastA
     chat = ChatServing(engine, metrics, served_model_name, grammars)
     tokenize = TokenizeServing(engine, metrics, served_model_name)
     info = InfoServing(engine, metrics, served_model_name)
+    if server.chat_template is not None:
+        chat.chat_template = tokenize.chat_template = load_chat_template(server.chat_template)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
@@ -95,6 +99,9 @@ def build_app(config: EngineConfig, server: ServerConfig | None = None) -> FastA
     app.post("/tokenize")(tokenize.tokenize)
     app.post("/detokenize")(tokenize.detokenize)
     app.get("/health", response_model=None)(info.health)
+    app.api_route("/ping", methods=["GET", "POST"], response_model=None)(info.health)  # vLLM's (SageMaker's) name
+    app.post("/v1/embeddings", response_model=None)(info.embeddings)
+    app.get("/favicon.ico", response_model=None)(lambda: Response(status_code=204))  # browsers ask; nothing to send
     app.get("/version")(info.version)
     app.get("/metrics", response_model=None)(info.prometheus)
     add_dashboard(app, engine, served_model_name, api_key, server.max_dashboard_viewers)

@@ -14,7 +14,7 @@ from iterserve.server.dashboard import checks_own_key
 from iterserve.server.errors import APIError, error_response
 
 # what a load balancer or monitor reaches without the API key
-PUBLIC_PATHS = frozenset({"/health", "/metrics", "/version"})
+PUBLIC_PATHS = frozenset({"/health", "/ping", "/metrics", "/version", "/favicon.ico"})
 
 
 class APIKeyMiddleware:
@@ -50,7 +50,7 @@ class JSONBodyMiddleware:
         self.app = app
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] == "http" and scope["method"] == "POST":
+        if scope["type"] == "http" and scope["method"] == "POST" and scope["path"] != "/ping":  # reads no body
             content_type = Headers(scope=scope).get("content-type")
             if content_type is None or content_type.partition(";")[0].strip().lower() != "application/json":
                 got = "no Content-Type" if content_type is None else f"Content-Type {content_type!r}"

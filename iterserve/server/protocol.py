@@ -1,15 +1,15 @@
-"""OpenAI request and response bodies, with vLLM's sampling extensions where OpenAI has none.
+"""OpenAI request bodies, with vLLM's sampling extensions where OpenAI has none.
 
-Requests ignore fields they do not know (clients send newer OpenAI options freely) but reject the
-known ones we cannot honour, so a client never silently gets something other than it asked for.
+Requests ignore fields they do not know (clients send newer OpenAI options freely), logging their
+names as vLLM does, but reject the known ones we cannot honour.
 """
 
 from __future__ import annotations
 
-import time
-from typing import Annotated, Any, Literal, TypeVar, cast
+import logging
+from typing import Annotated, Any, Literal, Self, TypeVar, cast
 
-from pydantic import BaseModel, ConfigDict, Discriminator, Field, Strict, Tag, field_validator, model_serializer
+from pydantic import BaseModel, ConfigDict, Discriminator, Field, Strict, Tag, field_validator, model_validator
 
 from iterserve.sampling_params import (
     MAX_LOGIT_BIAS,
@@ -21,7 +21,10 @@ from iterserve.sampling_params import (
 from iterserve.server.errors import bad_request
 from iterserve.server.text_checks import first_lone_surrogate
 
+logger = logging.getLogger(__name__)
+
 COMPLETION_DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
+MAX_NAMED_IGNORED = 20  # a log line names at most this many unknown fields of a request
 
 
 # -- requests -------------------------------------------------------------------------------------
@@ -68,11 +71,27 @@ class _Request(BaseModel):
         return value
 
 
+class _Body(_Request):
+    """A whole request body. Fields it does not know are dropped with a log line naming them, as vLLM
+    logs them: clients send newer OpenAI options freely, and a 400 would break them for nothing."""
+
+    model_config = ConfigDict(extra="allow", allow_inf_nan=False)
+
+    @model_validator(mode="after")
+    def _drop_unknown_fields(self) -> Self:
+        if self.model_extra:
+            names = sorted(self.model_extra)
+            logger.warning("The following fields were present in the request but ignored: %s",
+                           names[:MAX_NAMED_IGNORED] + (["..."] if len(names) > MAX_NAMED_IGNORED else []))
+            self.model_extra.clear()
+        return self
+
+
 class StreamOptions(_Request):
     include_usage: bool = False
 
 
-class _SamplingRequest(_Request):
+class _SamplingRequest(_Body):
     """Fields shared by completions and chat completions."""
 
     model: str | None = None
@@ -95,6 +114,10 @@ class _SamplingRequest(_Request):
     ignore_eos: bool = False
     skip_special_tokens: bool = True
     stop_token_ids: ListOf[Int] | None = None
+    include_stop_str_in_output: bool = False
+    bad_words: ListOf[str] | None = None
+    allowed_token_ids: ListOf[Int] | None = None
+    spaces_between_special_tokens: bool = True
     # output constraints: OpenAI's response_format, vLLM's guided_* fields and its structured_outputs object
     response_format: dict[str, Any] | None = None
     guided_json: str | dict[str, Any] | None = None
@@ -144,6 +167,8 @@ class _SamplingRequest(_Request):
                 raise bad_request("structured_outputs.structural_tag is not supported", "structured_outputs")
             fields = {k: v for k, v in self.structured_outputs.items()
                       if k in STRUCTURED_OUTPUT_KINDS and v not in (None, False)}
+            if self.structured_outputs.get("disable_additional_properties") is not None:
+                fields["disable_additional_properties"] = self.structured_outputs["disable_additional_properties"]
             sources.append(("structured_outputs", fields))
         if not sources:
             return None
@@ -168,7 +193,10 @@ class _SamplingRequest(_Request):
                 frequency_penalty=self.frequency_penalty, seed=self.seed, max_tokens=max_tokens,
                 min_tokens=self.min_tokens, stop=stop, stop_token_ids=self.stop_token_ids or [],
                 ignore_eos=self.ignore_eos, logprobs=logprobs, skip_special_tokens=self.skip_special_tokens,
-                n=self.n, logit_bias=cast(Any, self.logit_bias), **extra,  # SamplingParams reads the string ids
+                n=self.n, logit_bias=cast(Any, self.logit_bias),  # SamplingParams reads the string ids
+                include_stop_str_in_output=self.include_stop_str_in_output, bad_words=self.bad_words or [],
+                allowed_token_ids=self.allowed_token_ids,
+                spaces_between_special_tokens=self.spaces_between_special_tokens, **extra,
             )
         except SamplingParamsError as e:
             raise bad_request(str(e), e.param) from e
@@ -277,8 +305,12 @@ class ChatCompletionRequest(_SamplingRequest):
     parallel_tool_calls: bool = True
     functions: list[Any] | None = None
     function_call: Any = None
-    # vLLM extension
+    # vLLM extensions
     add_generation_prompt: bool = True
+    continue_final_message: bool = False
+    echo: bool = False  # the reply starts with the last message's text when that is the assistant's
+    chat_template: str | None = None
+    chat_template_kwargs: dict[str, Any] | None = None
 
     def check_supported(self) -> None:
         super().check_supported()
@@ -299,182 +331,29 @@ class ChatCompletionRequest(_SamplingRequest):
     def requested_logprobs(self) -> int | None:
         return (self.top_logprobs or 0) if self.logprobs else None
 
+    def template_options(self) -> dict[str, Any]:
+        """The chat template's arguments beside the messages and tools (vLLM's request fields)."""
+        return {"add_generation_prompt": self.add_generation_prompt,
+                "continue_final_message": self.continue_final_message, "chat_template": self.chat_template,
+                **(self.chat_template_kwargs or {})}
+
+    @property
+    def echoed(self) -> str:
+        """The text ``echo`` puts before the reply: the last message's, when it is the assistant's."""
+        last = self.messages[-1]
+        return last.content if self.echo and last.role == "assistant" and isinstance(last.content, str) else ""
 
 
-class TokenizeRequest(_Request):
+class TokenizeRequest(_Body):
     model: str | None = None
     prompt: str | None = None
     messages: Messages | None = None
     add_special_tokens: bool = True
     add_generation_prompt: bool = True
+    return_token_strs: bool = False
 
 
-class DetokenizeRequest(_Request):
+class DetokenizeRequest(_Body):
     model: str | None = None
     tokens: ListOf[Int]
 
-
-# -- responses ------------------------------------------------------------------------------------
-
-
-class PromptTokensDetails(BaseModel):
-    cached_tokens: int = 0
-
-
-class Usage(BaseModel):
-    prompt_tokens: int
-    completion_tokens: int
-    total_tokens: int
-    prompt_tokens_details: PromptTokensDetails
-
-
-class CompletionLogprobs(BaseModel):
-    """OpenAI's legacy completions format: parallel lists, one entry per generated token."""
-
-    tokens: list[str] = Field(default_factory=list)
-    token_logprobs: list[float | None] = Field(default_factory=list)  # None: an echoed prompt's first token
-    top_logprobs: list[dict[str, float] | None] = Field(default_factory=list)
-    text_offset: list[int] = Field(default_factory=list)
-
-
-class PromptLogprob(BaseModel):
-    """vLLM's form of a prompt token's logprob (``prompt_logprobs`` maps token ids to these)."""
-
-    logprob: float
-    rank: int | None = None
-    decoded_token: str | None = None
-
-
-class CompletionChoice(BaseModel):
-    index: int = 0
-    text: str
-    logprobs: CompletionLogprobs | None = None
-    finish_reason: str | None = None
-    stop_reason: int | str | None = None
-    prompt_logprobs: list[dict[int, PromptLogprob] | None] | None = None  # when asked for, as vLLM sends them
-
-
-class CompletionResponse(BaseModel):
-    id: str
-    object: Literal["text_completion"] = "text_completion"
-    created: int = Field(default_factory=lambda: int(time.time()))
-    model: str
-    choices: list[CompletionChoice]
-    usage: Usage | None = None
-    system_fingerprint: str | None = None
-
-
-class TopLogprob(BaseModel):
-    token: str
-    logprob: float
-    bytes: list[int]
-
-
-class TokenLogprob(TopLogprob):
-    top_logprobs: list[TopLogprob]
-
-
-class ChatLogprobs(BaseModel):
-    content: list[TokenLogprob]
-
-
-class AssistantMessage(BaseModel):
-    role: Literal["assistant"] = "assistant"
-    content: str | None
-    tool_calls: list[ToolCall] = Field(default_factory=list)
-
-
-class ChatChoice(BaseModel):
-    index: int = 0
-    message: AssistantMessage
-    logprobs: ChatLogprobs | None = None
-    finish_reason: str | None = None
-    stop_reason: int | str | None = None
-
-
-class ChatCompletionResponse(BaseModel):
-    id: str
-    object: Literal["chat.completion"] = "chat.completion"
-    created: int = Field(default_factory=lambda: int(time.time()))
-    model: str
-    choices: list[ChatChoice]
-    usage: Usage
-    system_fingerprint: str | None = None
-
-
-class DeltaFunctionCall(BaseModel):
-    name: str | None = None
-    arguments: str | None = None
-
-
-class DeltaToolCall(BaseModel):
-    """A piece of a streamed tool call: the first carries its id, type and name, later ones append
-    to its arguments; ``index`` says which call of the message it belongs to."""
-
-    index: int
-    id: str | None = None
-    type: Literal["function"] | None = None
-    function: DeltaFunctionCall
-
-    @model_serializer
-    def _set_fields_only(self) -> dict[str, Any]:
-        function = {k: v for k, v in (("name", self.function.name), ("arguments", self.function.arguments))
-                    if v is not None}
-        head = {k: v for k, v in (("id", self.id), ("type", self.type)) if v is not None}
-        return {"index": self.index, **head, "function": function}
-
-
-class DeltaMessage(BaseModel):
-    role: Literal["assistant"] | None = None
-    content: str | None = None
-    tool_calls: list[DeltaToolCall] | None = None
-
-    @model_serializer
-    def _set_fields_only(self) -> dict[str, Any]:
-        """A delta carries only what changed, as OpenAI's chunks do."""
-        fields: dict[str, Any] = {k: v for k, v in (("role", self.role), ("content", self.content)) if v is not None}
-        if self.tool_calls:
-            fields["tool_calls"] = [call.model_dump() for call in self.tool_calls]
-        return fields
-
-
-class ChatStreamChoice(BaseModel):
-    index: int = 0
-    delta: DeltaMessage
-    logprobs: ChatLogprobs | None = None
-    finish_reason: str | None = None
-    stop_reason: int | str | None = None
-
-
-class ChatCompletionChunk(BaseModel):
-    id: str
-    object: Literal["chat.completion.chunk"] = "chat.completion.chunk"
-    created: int = Field(default_factory=lambda: int(time.time()))
-    model: str
-    choices: list[ChatStreamChoice]
-    usage: Usage | None = None
-    system_fingerprint: str | None = None
-
-
-class ModelCard(BaseModel):
-    id: str
-    object: Literal["model"] = "model"
-    created: int = Field(default_factory=lambda: int(time.time()))
-    owned_by: str = "iterserve"
-    root: str
-    max_model_len: int
-
-
-class ModelList(BaseModel):
-    object: Literal["list"] = "list"
-    data: list[ModelCard]
-
-
-class TokenizeResponse(BaseModel):
-    tokens: list[int]
-    count: int
-    max_model_len: int
-
-
-class DetokenizeResponse(BaseModel):
-    prompt: str

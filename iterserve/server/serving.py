@@ -32,7 +32,8 @@ from iterserve.server.admission import Outputs, PacedStream, share_of
 from iterserve.server.errors import APIError, bad_request, request_error
 from iterserve.server.grammars import GrammarChecker
 from iterserve.server.metrics import ServerMetrics
-from iterserve.server.protocol import ChatMessage, PromptTokensDetails, Usage
+from iterserve.server.protocol import ChatMessage
+from iterserve.server.response_bodies import PromptTokensDetails, Usage
 from iterserve.server.streaming import wait_for_disconnect
 from iterserve.server.tool_calls import render_tool_calls_as_text
 from iterserve.tokenizer import Tokenizer
@@ -85,6 +86,7 @@ class OpenAIServing:
         self.metrics = metrics
         self.model_name = model_name
         self.grammars = grammars  # what proves a request's grammar runnable (the routes that take one)
+        self.chat_template: str | None = None  # the server's --chat-template, used where a request gives none
 
     # -- shared steps -------------------------------------------------------------------------
 
@@ -127,21 +129,22 @@ class OpenAIServing:
 
         return await asyncio.to_thread(encode)
 
-    async def _encode_chat(self, chat: list[ChatMessage], add_generation_prompt: bool,
-                           max_tokens: int, tools: list[dict[str, Any]] | None = None) -> list[int]:
+    async def _encode_chat(self, chat: list[ChatMessage], max_tokens: int,
+                           tools: list[dict[str, Any]] | None = None, **options: Any) -> list[int]:
         """Token ids of a conversation rendered by the chat template, all done in a worker thread (the
-        messages turned into dicts too: thousands take a second).
-
-        The length check applies to the rendered prompt: a template may leave some content out.
+        messages turned into dicts too: thousands take a second); ``options`` go to
+        :meth:`Tokenizer.apply_chat_template` (a request's own template runs in the same sandbox as the
+        model's). The length check applies to the rendered prompt: a template may leave some content out.
         """
         tokenizer = self._tokenizer()
+        if options.get("chat_template") is None:
+            options["chat_template"] = self.chat_template
         template = tokenizer.chat_templates.get("tool_use", tokenizer.chat_template)
 
         def render_and_encode() -> list[int]:
             messages = render_tool_calls_as_text([m.model_dump(exclude_none=True) for m in chat], template)
             try:
-                prompt = tokenizer.apply_chat_template(messages, add_generation_prompt=add_generation_prompt,
-                                                       tools=tools)
+                prompt = tokenizer.apply_chat_template(messages, tools=tools, **options)
             except ValueError as e:
                 raise bad_request(str(e), "messages") from e
             assert isinstance(prompt, str)

@@ -16,11 +16,12 @@ from iterserve.errors import EngineDeadError, RequestFailedError
 from iterserve.outputs import Logprob
 from iterserve.sampling_params import grammar_checks_deferred
 from iterserve.server.errors import bad_request, engine_error
-from iterserve.server.protocol import (
+from iterserve.server.protocol import ChatCompletionRequest
+from iterserve.server.request_body import validated
+from iterserve.server.response_bodies import (
     AssistantMessage,
     ChatChoice,
     ChatCompletionChunk,
-    ChatCompletionRequest,
     ChatCompletionResponse,
     ChatLogprobs,
     ChatStreamChoice,
@@ -29,7 +30,6 @@ from iterserve.server.protocol import (
     TopLogprob,
     Usage,
 )
-from iterserve.server.request_body import validated
 from iterserve.server.serving import LogprobPairs, OpenAIServing, best_logprobs, finite, new_logprobs, usage_of
 from iterserve.server.streaming import sse
 from iterserve.server.tool_calls import ToolCallPlan, ToolCallStream
@@ -68,8 +68,8 @@ class ChatServing(OpenAIServing):
         tools = None
         if tool_plan.mode != "none" and body.tools:
             tools = [t.model_dump(exclude_none=True) for t in body.tools]
-        prompt_ids = await self._encode_chat(body.messages, body.add_generation_prompt,
-                                             self.engine.max_model_len - 1, tools)
+        prompt_ids = await self._encode_chat(body.messages, self.engine.max_model_len - 1, tools,
+                                             **body.template_options())
         request_id = f"chatcmpl-{uuid.uuid4().hex}"
         stream = await self._submit(request_id, prompt_ids, params, bool(body.stream), prompt_param="messages")
         if body.stream:
@@ -84,6 +84,8 @@ class ChatServing(OpenAIServing):
             if body.logprobs:
                 logprobs = self._chat_logprobs(list(zip(c.token_ids, c.logprobs or [])), body.top_logprobs or 0)
             content, tool_calls = tool_plan.parse(c.text)
+            if body.echoed:
+                content = body.echoed + (content or "")
             finish_reason = "tool_calls" if tool_calls and c.finish_reason == "stop" else c.finish_reason
             choices.append(ChatChoice(index=c.index, message=AssistantMessage(content=content, tool_calls=tool_calls),
                                       logprobs=logprobs, finish_reason=finish_reason, stop_reason=c.stop_reason))
@@ -101,12 +103,16 @@ class ChatServing(OpenAIServing):
 
         final = None
         try:
-            for index in range(body.n):
-                yield chunk([ChatStreamChoice(index=index, delta=DeltaMessage(role="assistant", content=""))])
             async for out in stream:
                 final = out
                 for c in out.outputs:
-                    tools = parsers.setdefault(c.index, ToolCallStream(plan))
+                    if c.index not in parsers:
+                        # the role comes with the choice's first token, as vLLM sends it: clients that time
+                        # the first chunk with choices (vLLM's benchmark) then measure the real TTFT
+                        parsers[c.index] = ToolCallStream(plan)
+                        yield chunk([ChatStreamChoice(index=c.index, delta=DeltaMessage(role="assistant",
+                                                                                        content=body.echoed))])
+                    tools = parsers[c.index]
                     logprobs = self._chat_logprobs(new_logprobs(c), body.top_logprobs or 0) if body.logprobs else None
                     content, calls = tools.feed(c.delta_text)
                     finish_reason = c.finish_reason

@@ -17,14 +17,14 @@ from iterserve.outputs import RequestOutput
 from iterserve.sampling_params import grammar_checks_deferred
 from iterserve.server.admission import Outputs
 from iterserve.server.errors import bad_request, engine_error, request_error
-from iterserve.server.protocol import (
+from iterserve.server.protocol import CompletionRequest
+from iterserve.server.request_body import validated
+from iterserve.server.response_bodies import (
     CompletionChoice,
     CompletionLogprobs,
-    CompletionRequest,
     CompletionResponse,
     PromptLogprob,
 )
-from iterserve.server.request_body import validated
 from iterserve.server.serving import (
     LogprobPairs,
     OpenAIServing,

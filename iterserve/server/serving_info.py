@@ -1,12 +1,15 @@
-"""The server's own endpoints: the model list, health, version and Prometheus metrics."""
+"""The server's own endpoints: the model list, health (and vLLM's /ping), version, Prometheus metrics, and
+the clear refusal of endpoints that need a kind of model this engine does not serve."""
 
 from __future__ import annotations
+
+from typing import Any
 
 from fastapi.responses import JSONResponse, Response
 
 from iterserve import __version__
 from iterserve.server.errors import APIError, error_response
-from iterserve.server.protocol import ModelCard, ModelList
+from iterserve.server.response_bodies import ModelCard, ModelList
 from iterserve.server.serving import OpenAIServing
 
 
@@ -27,6 +30,13 @@ class InfoServing(OpenAIServing):
         if (problem := self.engine.health_problem()) is not None:
             return error_response(APIError(503, problem, type="server_error"))
         return JSONResponse({"status": "ok"})
+
+    async def embeddings(self, body: dict[str, Any] | None = None) -> Response:
+        """vLLM answers /v1/embeddings only with a pooling model loaded; this engine serves generative
+        models only, so the request is refused saying why (not a bare 404 a client would retry)."""
+        return error_response(APIError(
+            400, f"the model {self.model_name!r} is a generative model: /v1/embeddings needs a pooling (embedding) "
+                 "model, which this server does not load", param="model", code="model_not_supported"))
 
     async def version(self) -> dict[str, str]:
         return {"version": __version__}

@@ -6,8 +6,9 @@ import asyncio
 from typing import Annotated
 
 from iterserve.server.errors import bad_request
-from iterserve.server.protocol import DetokenizeRequest, DetokenizeResponse, TokenizeRequest, TokenizeResponse
+from iterserve.server.protocol import DetokenizeRequest, TokenizeRequest
 from iterserve.server.request_body import validated
+from iterserve.server.response_bodies import DetokenizeResponse, TokenizeResponse
 from iterserve.server.serving import OpenAIServing
 
 
@@ -23,15 +24,15 @@ class TokenizeServing(OpenAIServing):
         limit = self.engine.max_model_len
         if body.messages is not None:
             param = "messages"
-            ids = await self._encode_chat(body.messages,
-                                          body.add_generation_prompt, limit)
+            ids = await self._encode_chat(body.messages, limit, add_generation_prompt=body.add_generation_prompt)
         else:
             param = "prompt"
             ids = await self._encode(body.prompt or "", param, limit, body.add_special_tokens)
         if len(ids) > limit:
             raise bad_request(f"the text has {len(ids)} tokens, more than max_model_len ({limit})", param,
                               "context_length_exceeded")
-        return TokenizeResponse(tokens=ids, count=len(ids), max_model_len=limit)
+        strs = [self._tokenizer().id_to_token(t) or "" for t in ids] if body.return_token_strs else None
+        return TokenizeResponse(tokens=ids, count=len(ids), max_model_len=limit, token_strs=strs)
 
     async def detokenize(self, body: Annotated[DetokenizeRequest, validated(DetokenizeRequest)]) -> DetokenizeResponse:
         """The text of up to max_model_len token ids, decoded in a worker thread."""

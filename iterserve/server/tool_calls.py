@@ -19,16 +19,12 @@ import uuid
 from dataclasses import dataclass
 from typing import Any
 
+import jiter
+
 from iterserve.sampling_params import StructuredOutputsParams
 from iterserve.server.errors import bad_request
-from iterserve.server.protocol import (
-    ChatCompletionRequest,
-    DeltaFunctionCall,
-    DeltaToolCall,
-    FunctionCall,
-    ToolCall,
-    structured_outputs_from,
-)
+from iterserve.server.protocol import ChatCompletionRequest, FunctionCall, ToolCall, structured_outputs_from
+from iterserve.server.response_bodies import DeltaFunctionCall, DeltaToolCall
 
 HERMES_OPEN, HERMES_CLOSE = "<tool_call>", "</tool_call>"
 _HERMES_CALL = re.compile(re.escape(HERMES_OPEN) + r"\s*(.*?)\s*(?:" + re.escape(HERMES_CLOSE) + r"|$)", re.DOTALL)
@@ -84,14 +80,32 @@ class ToolCallPlan:
             return text, []
         if self.mode == "named":
             assert self.function is not None
-            return None, [_tool_call(self.function, text)]
+            return None, [_tool_call(self.function, text if _is_json(text) else complete_json(text) or {})]
         if self.mode == "required":
-            try:
-                calls = json.loads(text)
-            except json.JSONDecodeError:  # cut off by max_tokens or a stop string
+            calls = complete_json(text)
+            named = [c for c in calls if isinstance(c.get("name"), str)] if isinstance(calls, list) else []
+            if not named:  # cut off before the first call had a name
                 return text, []
-            return None, [_tool_call(c["name"], c["parameters"]) for c in calls]
+            return None, [_tool_call(c["name"], c.get("parameters", {})) for c in named]
         return parse_hermes(text)
+
+
+def _is_json(text: str) -> bool:
+    try:
+        json.loads(text)
+    except json.JSONDecodeError:
+        return False
+    return True
+
+
+def complete_json(text: str) -> Any:
+    """The JSON value ``text`` holds, or, when it was cut off (by max_tokens or a stop string), the value
+    its complete part makes (an open string kept as far as it goes); None when nothing parses. A
+    forced tool call's grammar makes the text a prefix of valid JSON, so the call always parses."""
+    try:
+        return jiter.from_json(text.encode(), partial_mode="trailing-strings")
+    except ValueError:
+        return None
 
 
 def parse_hermes(text: str) -> tuple[str | None, list[ToolCall]]:

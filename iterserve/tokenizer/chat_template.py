@@ -7,6 +7,7 @@ import json
 from collections.abc import Mapping, Sequence
 from datetime import datetime
 from functools import lru_cache
+from pathlib import Path
 from typing import Any
 
 import jinja2
@@ -86,3 +87,14 @@ def compile_template(source: str) -> jinja2.Template:
         return env.from_string(source)
     except jinja2.TemplateError as exc:
         raise ValueError(f"the chat template does not compile: {exc}") from exc
+
+
+def load_chat_template(value: str) -> str:
+    """A chat template given as a file or as the template itself (vLLM's ``--chat-template``): a path that
+    exists is read; text with a template's braces is the template; anything else is a missing file."""
+    path = Path(value).expanduser()
+    if path.is_file():
+        return path.read_text()
+    if "{{" in value or "{%" in value:
+        return value
+    raise FileNotFoundError(f"--chat-template: no such file {value!r} (and it is not a template)")

@@ -243,15 +243,21 @@ class Tokenizer:
         add_generation_prompt: bool = True,
         tokenize: bool = False,
         tools: Sequence[Mapping[str, Any]] | None = None,
+        chat_template: str | None = None,
+        continue_final_message: bool = False,
         **kwargs: Any,
     ) -> str | list[int]:
-        """Render a conversation into the prompt the model was trained on.
+        """Render a conversation into the prompt the model was trained on (or with ``chat_template``).
 
         Extra ``kwargs`` become template variables (and override bos_token and friends, as in
-        transformers). With ``tokenize`` the prompt is encoded without adding special tokens,
-        because the template already wrote the ones the model expects.
+        transformers). With ``continue_final_message`` the prompt ends inside the last message, so
+        the model carries it on (transformers' rule: the text after its content is cut). With
+        ``tokenize`` the prompt is encoded without adding special tokens, because the template already
+        wrote the ones the model expects.
         """
-        template = self._select_template(tools)
+        if continue_final_message and (add_generation_prompt or not messages):
+            raise ValueError("continue_final_message needs a final message and add_generation_prompt=False")
+        template = chat_template if chat_template is not None else self._select_template(tools)
         if tools is not None and (
             isinstance(tools, (str, bytes, Mapping)) or not all(isinstance(t, Mapping) for t in tools)
         ):
@@ -268,6 +274,8 @@ class Tokenizer:
             prompt = compile_template(template).render(**context)
         except jinja2.TemplateError as exc:
             raise ValueError(f"chat template failed: {exc}") from exc
+        if continue_final_message:
+            prompt = _cut_after_final_message(prompt, messages[-1])
         return self.encode(prompt, add_special_tokens=False) if tokenize else prompt
 
     def _select_template(self, tools: Sequence[Mapping[str, Any]] | None) -> str:
@@ -321,6 +329,15 @@ class IncrementalDetokenizer:
 
 
 # -- building backends ------------------------------------------------------------------------------
+
+
+def _cut_after_final_message(prompt: str, message: Mapping[str, Any]) -> str:
+    """The rendered prompt up to the end of the last message's content (what follows closes the turn)."""
+    content = message.get("content")
+    if not isinstance(content, str) or not content.strip() or content.strip() not in prompt:
+        raise ValueError("continue_final_message needs the final message's text content in the rendered prompt")
+    end = prompt.rindex(content.strip()) + len(content.strip())
+    return prompt[:end]
 
 
 def _keeps_characters(pre_tokenizer: Mapping[str, Any] | None) -> bool:

@@ -74,6 +74,33 @@ def test_serve_model_positional_or_flag(served, capsys):
     assert "given twice and differs" in capsys.readouterr().err
 
 
+def test_vllm_serve_flags_are_taken_with_their_meaning(served, monkeypatch, caplog, tmp_path):
+    import iterserve.cli.vllm_flags
+
+    monkeypatch.setattr(iterserve.cli.vllm_flags, "available_memory_bytes", lambda: 8 * 2**30)
+    template = tmp_path / "template.jinja"
+    template.write_text("{% for m in messages %}{{ m['content'] }}{% endfor %}")
+    with caplog.at_level("INFO", logger="iterserve.cli"):
+        assert main(["serve", "random:smollm2-135m", "--gpu-memory-utilization", "0.25", "--max-model-len", "512",
+                     "--no-enable-prefix-caching", "--enable-auto-tool-choice", "--tool-call-parser", "hermes",
+                     "--chat-template", str(template)]) == 0
+    engine, server = served[-1]
+    assert engine.kv_cache_memory == 2 * 2**30 and engine.max_model_len == 512 and not engine.enable_prefix_caching
+    assert server.chat_template == str(template)
+    said = " ".join(r.getMessage() for r in caplog.records)
+    assert "--gpu-memory-utilization 0.25: the KV cache gets 2.00 GiB" in said and "Hermes" in said
+    assert main(["serve", "--enable-prefix-caching"]) == 0 and served[-1][0].enable_prefix_caching
+    assert main(["serve", "--gpu-memory-utilization", "1.5"]) == 2
+
+
+def test_a_plain_input_len_is_a_fixed_length():
+    from iterserve.bench.workloads import LengthDist
+
+    assert LengthDist.parse("64") == LengthDist.parse("fixed:64")
+    args = build_parser().parse_args(["bench", "serve", "--base-url", "http://127.0.0.1:1", "--input-len", "64"])
+    assert LengthDist.parse(args.input_len).params == (64.0,)
+
+
 def test_bad_values_are_errors_not_tracebacks(served, capsys):
     for argv in (["--log-level", "LOUD", "serve"], ["serve", "--batching", "eager"], ["serve", "--port", "x"]):
         with pytest.raises(SystemExit) as exit_:

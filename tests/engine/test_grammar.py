@@ -131,3 +131,61 @@ def test_eos_is_allowed_only_where_the_grammar_accepts(compiler, tokenizer):
         assert matcher.accept(token)
     matcher.fill_bitmask(bitmask, 0, {eos, other_stop})
     assert allows(eos) and allows(other_stop) and not matcher.is_terminated
+
+
+def accepts(compiler, tokenizer, spec: StructuredOutputsParams, text: str) -> bool:
+    """Whether ``spec``'s grammar takes ``text`` whole and may end there."""
+    matcher = compiler.matcher(spec)
+    if not all(matcher.accept(t) for t in tokenizer.encode(text, add_special_tokens=False)):
+        return False
+    bitmask = torch.zeros(1, bitmask_words(compiler.vocab_size), dtype=torch.int32)
+    eos = tokenizer.eos_token_id
+    matcher.fill_bitmask(bitmask, 0, {eos})
+    return bool((int(bitmask[0, eos // 32]) >> (eos % 32)) & 1)
+
+
+OPEN_SCHEMA = {"type": "object", "properties": {"city": {"type": "string"},
+                                                "where": {"type": "object", "properties": {"x": {"type": "integer"}}}},
+               "required": ["city"]}
+
+
+def test_schemas_allow_only_their_properties_unless_told_otherwise(compiler, tokenizer):
+    """A schema that does not say additionalProperties is closed at every level (as vLLM's default backend
+    compiles it); disable_additional_properties=False compiles it as written."""
+    closed, as_written = StructuredOutputsParams(json=OPEN_SCHEMA), \
+        StructuredOutputsParams(json=OPEN_SCHEMA, disable_additional_properties=False)
+    assert accepts(compiler, tokenizer, closed, '{"city":"Paris","where":{"x":1}}')
+    for extra in ('{"city":"Paris","zip":1}', '{"city":"Paris","where":{"x":1,"y":2}}'):
+        assert not accepts(compiler, tokenizer, closed, extra)
+        assert accepts(compiler, tokenizer, as_written, extra)
+    told = {**OPEN_SCHEMA, "additionalProperties": {"type": "integer"}}  # a schema that says is kept
+    assert accepts(compiler, tokenizer, StructuredOutputsParams(json=told), '{"city":"Paris","zip":1}')
+    merged = {"allOf": [{"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]},
+                        {"type": "object", "properties": {"b": {"type": "integer"}}, "required": ["b"]}]}
+    assert accepts(compiler, tokenizer, StructuredOutputsParams(json=merged), '{"a":1,"b":2}')
+
+
+# vLLM's documented example of a GBNF grammar (docs/features/structured_outputs.md)
+SIMPLIFIED_SQL_GRAMMAR = """
+    root ::= select_statement
+
+    select_statement ::= "SELECT " column " from " table " where " condition
+
+    column ::= "col_1 " | "col_2 "
+
+    table ::= "table_1 " | "table_2 "
+
+    condition ::= column "= " number
+
+    number ::= "1 " | "2 "
+"""
+
+
+def test_gbnf_grammars_compile_like_lark_ones(compiler, tokenizer):
+    sql = StructuredOutputsParams(grammar=SIMPLIFIED_SQL_GRAMMAR)
+    assert accepts(compiler, tokenizer, sql, "SELECT col_1  from table_2  where col_2 = 1 ")
+    assert not accepts(compiler, tokenizer, sql, "SELECT * from users")
+    lark = StructuredOutputsParams(grammar='start: "yes" | "no"')
+    assert accepts(compiler, tokenizer, lark, "no") and not accepts(compiler, tokenizer, lark, "maybe")
+    with pytest.raises(SamplingParamsError, match="grammar"):
+        StructuredOutputsParams(grammar="root ::= undefined_rule")

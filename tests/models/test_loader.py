@@ -201,6 +201,8 @@ def test_planner_names_share_the_resolver(tmp_path):
     for load in (load_model, load_model_info):
         with pytest.raises(ValueError, match="'random:llama-2-7b'"):
             load("Llama-2-7B")
+    with pytest.raises(ValueError, match="embedded .*'iterserve serve smollm2-135m'"):  # the hub name of ours
+        load_model("HuggingFaceTB/SmolLM2-135M-Instruct")
     config_file = tmp_path / "cfg" / "config.json"
     config_file.parent.mkdir()
     config_file.write_text(json.dumps(PRESETS["qwen3-0.6b"].to_hf_config()))

@@ -197,3 +197,63 @@ def test_auto_answers_in_text_and_tool_turns_are_accepted(server):
     assert 'tool\n{"temperature": 18}\nassistant' in prompt  # the tool's answer, as its own turn
     r = c.chat.completions.create(model=MODEL, messages=conversation, tools=[WEATHER], temperature=0, max_tokens=8)
     assert r.choices[0].message.content
+
+
+# A tool as clients write it most often: no additionalProperties, so a grammar compiled as written lets
+# the model add keys until max_tokens runs out.
+OPEN_WEATHER = {"type": "function", "function": {"name": "get_weather", "parameters": {
+    "type": "object", "properties": {"city": {"type": "string", "maxLength": 24},
+                                     "unit": {"type": "string", "enum": ["celsius", "fahrenheit"]}},
+    "required": ["city"]}}}
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_required_tool_call_with_an_open_schema_ends_as_a_call(server, seed):
+    r = client(server).chat.completions.create(
+        model=MODEL, messages=ASK_WEATHER, tools=[OPEN_WEATHER], tool_choice="required", temperature=1.0,
+        seed=seed, max_tokens=120)
+    assert r.choices[0].finish_reason == "tool_calls", r.choices[0]
+    [call] = r.choices[0].message.tool_calls
+    arguments = json.loads(call.function.arguments)
+    assert "city" in arguments and set(arguments) <= {"city", "unit"}
+
+
+def test_open_response_schema_keeps_to_its_properties(server):
+    schema = {k: v for k, v in PERSON.items() if k != "additionalProperties"}
+    for seed in range(3):
+        r = client(server).chat.completions.create(
+            model=MODEL, messages=[{"role": "user", "content": "Describe a person as JSON."}], temperature=1.0,
+            seed=seed, max_tokens=120,
+            response_format={"type": "json_schema", "json_schema": {"name": "person", "schema": schema}})
+        assert r.choices[0].finish_reason == "stop"
+        assert is_person(json.loads(r.choices[0].message.content))
+
+
+def test_a_forced_call_cut_off_by_max_tokens_still_parses(server):
+    r = client(server).chat.completions.create(
+        model=MODEL, messages=ASK_WEATHER, tools=[WEATHER], temperature=1.0, seed=1, max_tokens=6,
+        tool_choice={"type": "function", "function": {"name": "get_weather"}})
+    choice = r.choices[0]
+    assert choice.finish_reason == "length"
+    [call] = choice.message.tool_calls
+    assert isinstance(json.loads(call.function.arguments), dict)
+    r = client(server).chat.completions.create(
+        model=MODEL, messages=ASK_WEATHER, tools=[WEATHER], tool_choice="required", temperature=1.0, seed=1,
+        max_tokens=8)
+    [call] = r.choices[0].message.tool_calls
+    assert call.function.name == "get_weather" and isinstance(json.loads(call.function.arguments), dict)
+
+
+def test_vllm_gbnf_example(server):
+    """vLLM's documented GBNF example, sent as its docs send it."""
+    from tests.engine.test_grammar import SIMPLIFIED_SQL_GRAMMAR
+
+    r = client(server).chat.completions.create(
+        model=MODEL, temperature=0, max_tokens=40,
+        messages=[{"role": "user", "content": "Generate an SQL query to show the 'username' and 'email' from the "
+                                              "'users' table."}],
+        extra_body={"structured_outputs": {"grammar": SIMPLIFIED_SQL_GRAMMAR}})
+    assert re.fullmatch(r"SELECT col_[12]  from table_[12]  where col_[12] = [12] ", r.choices[0].message.content)
+    r = client(server).completions.create(model=MODEL, prompt="SQL:", max_tokens=40, temperature=0,
+                                          extra_body={"guided_grammar": SIMPLIFIED_SQL_GRAMMAR})
+    assert r.choices[0].text.startswith("SELECT col_")
