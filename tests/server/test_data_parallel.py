@@ -101,6 +101,7 @@ def test_a_dead_replica_fails_its_own_requests_and_the_other_finishes_its():
         assert r.status_code == 503
 
 
+@pytest.mark.slow
 def test_a_dead_replica_makes_the_server_drain_the_other_with_final_events_and_exit_1():
     with serve("--data-parallel-size", "2", "--num-kv-blocks", "256", "--max-model-len", "2048",
                "--shutdown-timeout", "1") as p:

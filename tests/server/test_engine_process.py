@@ -169,6 +169,7 @@ async def _stream(client: httpx.AsyncClient, body: dict, started: asyncio.Event 
     return sse_events(lines)
 
 
+@pytest.mark.slow
 def test_sigterm_under_load_finishes_short_requests_ends_long_ones_and_exits_0():
     with serve("--num-kv-blocks", "512", "--max-model-len", "4096", "--shutdown-timeout", "10") as p:
 

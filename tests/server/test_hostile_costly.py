@@ -215,6 +215,7 @@ def test_a_half_sent_body_is_timed_out_with_408(tiny):
     wait_until_idle(tiny)
 
 
+@pytest.mark.slow
 def test_health_reports_a_core_that_stopped_stepping():
     app = build_app(tiny_config(), ServerConfig(served_model_name=MODEL, engine_stall_timeout=2.0))
     with ServerThread(app) as s:

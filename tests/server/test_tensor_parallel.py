@@ -30,6 +30,7 @@ def _texts(llm: LLM) -> list[str]:
     return [o.outputs[0].text for o in llm.generate(PROMPTS, GREEDY, use_tqdm=False)]
 
 
+@pytest.mark.slow
 def test_tp2_server_gives_the_greedy_text_of_one_process_and_fails_when_a_worker_dies():
     options = dict(model=SPLIT_MODEL, dtype="float32", device="cpu", num_kv_blocks=64)
     config = EngineConfig(tensor_parallel_size=2, **options)
