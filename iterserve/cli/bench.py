@@ -14,7 +14,7 @@ from typing import Any
 
 from iterserve.bench.metrics import DEFAULT_PERCENTILES, parse_goodput, parse_percentiles, percentile_key
 from iterserve.cli.flags import add_config_args, config_from_args
-from iterserve.cli.results import write_json
+from iterserve.cli.results import add_allow_busy_arg, write_json
 from iterserve.cli.tables import render_table
 from iterserve.cli.workload import add_workload_args, float_list, load_points, workload_spec_from_args
 from iterserve.config import DEFAULT_MODEL, EngineConfig
@@ -103,7 +103,7 @@ TIMELINE_LABELS = {"static": "static, paged KV", "continuous": "continuous, page
 
 
 def _cmd_throughput(args: argparse.Namespace) -> int:
-    from iterserve.bench.machine import machine_stamp
+    from iterserve.bench.machine import machine_stamp, may_draw_timing_figure
     from iterserve.bench.progress import load_model_with_status
     from iterserve.bench.throughput import ENGINE_MODES, HF_MODE, run_throughput
     from iterserve.bench.timeline import joins_chart, timeline_chart
@@ -142,7 +142,7 @@ def _cmd_throughput(args: argparse.Namespace) -> int:
             for run in result["runs"]:
                 run["step_trace"] = None
     print(throughput_report(result))
-    if args.chart:
+    if args.chart and may_draw_timing_figure(result["machine"], "the throughput-latency chart", args.allow_busy):
         from iterserve.bench.charts import throughput_summary_chart
 
         throughput_summary_chart(result, args.chart, stamp=machine_stamp(result["machine"]))
@@ -221,7 +221,7 @@ def _decode_bandwidth_line(loaded: Any, context: int, decode_s: float, device: s
 def _cmd_batch(args: argparse.Namespace) -> int:
     from iterserve.bench.batch import default_batch_sizes, sweep_batches
     from iterserve.bench.charts import Series, throughput_latency_chart
-    from iterserve.bench.machine import MachineMonitor, machine_stamp
+    from iterserve.bench.machine import MachineMonitor, machine_stamp, may_draw_timing_figure
     from iterserve.bench.progress import load_model_with_status
 
     loaded = load_model_with_status(args.model, args.dtype, args.device, quantization=args.quantization)
@@ -261,7 +261,7 @@ def _cmd_batch(args: argparse.Namespace) -> int:
     if warning:
         print(warning)
     chart = args.chart or (str(sibling_path(args.output_json, ".png")) if args.output_json else None)
-    if chart:
+    if chart and may_draw_timing_figure(monitor.check.to_dict(), "the batch sweep (its knee)", args.allow_busy):
         sizes = [p.batch_size for p in sweep.points]
         throughput_latency_chart(
             [Series(f"{sweep.model} ({sweep.dtype})", [p.decode_tokens_per_s for p in sweep.points],
@@ -391,6 +391,7 @@ def _add_throughput_parser(sub: argparse._SubParsersAction) -> None:
                     help="every request asks for this many tokens and ends at its drawn output length (an "
                          "emulated end-of-sequence), so reserved allocation holds blocks for the cap")
     tp.add_argument("--disable-tqdm", action="store_true", help="no progress bar")
+    add_allow_busy_arg(tp)
     tp.set_defaults(func=_cmd_throughput)
 
 
@@ -441,6 +442,7 @@ def _add_batch_parser(sub: argparse._SubParsersAction) -> None:
     bt.add_argument("--output-json", default=None, help="write the result as JSON to this file")
     bt.add_argument("--chart", default=None, help="PNG path (default: beside --output-json)")
     bt.add_argument("--disable-tqdm", action="store_true", help="no progress bar")
+    add_allow_busy_arg(bt)
     bt.set_defaults(func=_cmd_batch)
 
 

@@ -9,6 +9,7 @@ from pathlib import Path
 from typing import Any
 
 from iterserve.cli.flags import add_config_args, config_from_args
+from iterserve.cli.results import add_allow_busy_arg
 from iterserve.cli.tables import render_table
 from iterserve.cli.workload import add_workload_args, float_list, workload_spec_from_args
 from iterserve.config import EngineConfig
@@ -40,7 +41,7 @@ def load_report(result: dict[str, Any]) -> str:
 
 def _cmd_load(args: argparse.Namespace) -> int:
     from iterserve.bench.charts import offered_load_chart
-    from iterserve.bench.machine import machine_stamp
+    from iterserve.bench.machine import machine_stamp, may_draw_timing_figure
     from iterserve.bench.offered_load import sweep_offered_load
     from iterserve.bench.progress import load_model_with_status
     from iterserve.bench.workloads import make_workload
@@ -56,7 +57,7 @@ def _cmd_load(args: argparse.Namespace) -> int:
                                 burstiness=args.burstiness, seed=spec.seed, use_tqdm=not args.disable_tqdm)
     result["workload"] = asdict(spec)
     print(load_report(result))
-    if args.chart:
+    if args.chart and may_draw_timing_figure(result["machine"], "the offered-load chart", args.allow_busy):
         offered_load_chart(result, args.chart, stamp=machine_stamp(result["machine"]))
         print(f"chart written to {args.chart}")
     if args.output_json:
@@ -115,6 +116,7 @@ def add_arrivals_parsers(sub: argparse._SubParsersAction) -> None:
     ld.add_argument("--chart", default=None, help="PNG of throughput and TTFT p50/p99 against offered load")
     ld.add_argument("--output-json", default=None, help="write the result as JSON to this file")
     ld.add_argument("--disable-tqdm", action="store_true", help="no progress bar")
+    add_allow_busy_arg(ld)
     ld.set_defaults(func=_cmd_load)
 
     tl = sub.add_parser("timeline", help="draw step traces side by side and print their counts",

@@ -27,10 +27,12 @@ class Size:
     batch_sizes: str
     ttft_output: int
     loads: str
+    timing_flags: tuple[str, ...]  # the small run's timings mean nothing, so a busy machine need not refuse them
 
 
-FULL = Size(("--model", "smollm2-135m", "--dtype", "auto"), 2, "32,128,512", "1,2,4,8,16", 8, "0.25,0.5,0.75,1,1.5")
-SMALL = Size(("--model", SMALL_MODEL, "--dtype", "float32"), 1, "16,64,256", "1,2,4", 4, "0.5,1.5")
+FULL = Size(("--model", "smollm2-135m", "--dtype", "auto"), 2, "32,128,512", "1,2,4,8,16", 8, "0.25,0.5,0.75,1,1.5", ())
+SMALL = Size(("--model", SMALL_MODEL, "--dtype", "float32"), 1, "16,64,256", "1,2,4", 4, "0.5,1.5",
+             ("--allow-busy",))
 
 # sections 1, 2 and 4 share one workload: more requests than slots, heavy-tailed outputs
 WORKLOAD = ("--num-prompts", "32", "--max-num-seqs", "8", "--input-len", "uniform:8:32",
@@ -43,7 +45,7 @@ def _static_vs_continuous(out: Path, s: Size) -> list[list[str]]:
     return [["bench", "throughput", *s.model, *WORKLOAD, "--modes", "static,continuous", "--repeats", str(s.repeats),
              "--disable-tqdm", "--timeline", str(out / "static_vs_continuous.png"), "--joins", str(out / "joins.png"),
              "--chart", str(out / "throughput_latency.png"),
-             "--output-json", str(out / "static_vs_continuous.json")]]
+             "--output-json", str(out / "static_vs_continuous.json"), *s.timing_flags]]
 
 
 def _arrivals(out: Path, s: Size) -> list[list[str]]:
@@ -61,7 +63,7 @@ def _offered_load(out: Path, s: Size) -> list[list[str]]:
     """Item 4: throughput and TTFT against offered load, per policy, measured."""
     return [["bench", "load", *s.model, *WORKLOAD, "--modes", ",".join(POLICIES), "--loads", s.loads,
              "--max-batch-wait", "0.2", "--disable-tqdm", "--chart", str(out / "offered_load.png"),
-             "--output-json", str(out / "offered_load.json")]]
+             "--output-json", str(out / "offered_load.json"), *s.timing_flags]]
 
 
 def _paged_vs_reserved(out: Path, s: Size) -> list[list[str]]:
@@ -83,7 +85,7 @@ def _batch(out: Path, s: Size) -> list[list[str]]:
     """Items 7, 9: decode step time against batch size on this machine."""
     return [["bench", "batch", *s.model, "--batch-sizes", s.batch_sizes, "--context", "64",
              "--repeats", str(s.repeats), "--no-prefill", "--disable-tqdm", "--chart", str(out / "batch_sweep.png"),
-             "--output-json", str(out / "batch_sweep.json")]]
+             "--output-json", str(out / "batch_sweep.json"), *s.timing_flags]]
 
 
 def _plan(out: Path, s: Size) -> list[list[str]]:
@@ -97,7 +99,8 @@ def _plan_here(out: Path, s: Size) -> list[list[str]]:
     """Items 8, 10: the same roofline for this machine, measured three times (no figure when the runs
     disagree by more than 20%), with the steps' arithmetic intensity drawn against its ridge."""
     return [["plan", "smollm2-135m", "--measure", "--dtype", "auto", "--context", "2048",
-             "--chart", str(out / "plan_smollm2_here.png"), "--roofline-chart", str(out / "roofline_here.png")]]
+             "--chart", str(out / "plan_smollm2_here.png"), "--roofline-chart", str(out / "roofline_here.png"),
+             *s.timing_flags]]
 
 
 FIGURES: dict[str, Callable[[Path, Size], list[list[str]]]] = {

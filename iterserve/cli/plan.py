@@ -14,6 +14,7 @@ from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any, TextIO
 
 from iterserve import planner
+from iterserve.cli.results import add_allow_busy_arg
 from iterserve.cli.tables import render_table
 from iterserve.config import ModelConfig
 from iterserve.config.dtypes import canonical_dtype
@@ -65,6 +66,7 @@ def _add_arguments(p: argparse.ArgumentParser) -> None:
     hw.add_argument("--measure-repeats", type=int, default=3,
                     help="measure this many times; the medians are used, and no figure is printed when the runs "
                          "disagree by more than 20%% (default %(default)s)")
+    add_allow_busy_arg(hw)
     hw.add_argument("--device", choices=["cpu", "cuda"], help="device for --measure/--validate")
     hw.add_argument("--tp", "--tensor-parallel-size", dest="tp", type=int, default=1,
                     help="split the model over this many GPUs (tensor parallelism); figures are per GPU")
@@ -288,9 +290,14 @@ def _hardware_from_args(args: argparse.Namespace, dtype: str) -> list[Accelerato
             raise ValueError("--gpu needs at least one GPU name")
         hws += [get_accelerator(n) for n in names]
     if args.measure:
+        from iterserve.bench.machine import MachineMonitor
         from iterserve.bench.microbench import measure_local_repeated
 
+        monitor = MachineMonitor()
+        monitor.sample()
         hws.append(measure_local_repeated(args.device, dtype, repeats=args.measure_repeats))
+        monitor.sample()
+        args.machine = monitor.check.to_dict()  # the charts of this machine say, or refuse, what they were drawn on
     if hws:
         return [hw.with_overrides(dtype=dtype, flops=flops, bandwidth=bandwidth, memory_bytes=memory) for hw in hws]
     missing = [f"--{k}" for k, v in (("flops", args.flops), ("bandwidth", args.bandwidth),
@@ -412,7 +419,7 @@ def _run(args: argparse.Namespace, out: TextIO, err: TextIO) -> int:
             skipped.append(f"{hw.name}: {e}")
     if not plans:
         raise ValueError(f"no GPU can run this: {'; '.join(skipped)}")
-    _charts(args, plans, cfg, hws, dtype, kv_dtype)
+    written = _charts(args, plans, cfg, hws, dtype, kv_dtype)
     if args.json:
         print(json.dumps({"plans": [p.to_dict() for p in plans], "skipped": skipped}, indent=2), file=out)
     else:
@@ -421,9 +428,8 @@ def _run(args: argparse.Namespace, out: TextIO, err: TextIO) -> int:
             print_speculation(plans, shard, args.num_speculative_tokens, args.spec_acceptance, out)
         for line in skipped:
             print(f"skipped {line}", file=err)
-        for chart in (args.chart, args.roofline_chart, args.capacity_chart):
-            if chart:
-                print(f"chart written to {chart}", file=out)
+        for chart in written:
+            print(f"chart written to {chart}", file=out)
     return 0
 
 
@@ -439,21 +445,27 @@ def _plan_dtype(name: str | None, on_this_cpu: bool) -> str:
 
 
 def _charts(args: argparse.Namespace, plans: list[planner.Plan], cfg: Any, hws: list[Accelerator], dtype: str,
-            kv_dtype: str | None) -> None:
+            kv_dtype: str | None) -> list[str]:
+    """Draw the asked-for charts; returns the paths written. A measured machine's timing charts carry its
+    stamp, and are refused when the machine was busy while it was measured."""
     from iterserve.cli import plan_charts
 
-    stamp = None
-    if args.measure:  # a figure of a measured machine names it
-        from iterserve.bench.machine import machine_stamp
+    stamp, timed = None, True
+    if args.measure:
+        from iterserve.bench.machine import machine_stamp, may_draw_timing_figure
 
-        stamp = machine_stamp()
-    if args.chart:
+        stamp = machine_stamp(args.machine)
+        timed = may_draw_timing_figure(args.machine, "this machine's roofline and plan (its ops:byte)",
+                                       args.allow_busy)
+    if args.chart and timed:
         plan_charts.chart_plans(plans, args.chart, stamp=stamp)
-    if args.roofline_chart:
+    if args.roofline_chart and timed:
         plan_charts.chart_roofline(plans[-1] if args.measure else plans[0], args.roofline_chart, stamp=stamp)
     if args.capacity_chart:
         plan_charts.chart_capacity(cfg.tensor_parallel_shard(args.tp), hws, dtype, kv_dtype, args.capacity_chart,
                                    args.gpu_memory_utilization)
+    return [c for c in (args.chart if timed else None, args.roofline_chart if timed else None, args.capacity_chart)
+            if c]
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -77,6 +77,7 @@ def test_planner_default_timer_times_the_engine_step():
 
 def test_cli_prints_table_and_writes_json_and_chart(loaded, monkeypatch, tmp_path, capsys):
     monkeypatch.setattr("iterserve.models.loader.load_model", lambda *a, **k: loaded)
+    monkeypatch.setattr("iterserve.bench.machine.others_cpu_share", lambda: 0.0)
     out = tmp_path / "batch.json"
     rc = main(["bench", "batch", "--model", TINY, "--batch-sizes", "1,2,4", "--context", "16", "--repeats", "1",
                "--output-json", str(out), "--disable-tqdm"])
@@ -89,6 +90,19 @@ def test_cli_prints_table_and_writes_json_and_chart(loaded, monkeypatch, tmp_pat
     assert set(data) >= {f.name for f in BatchSweep.__dataclass_fields__.values()} | {"max_gain_at_knee"}
     assert (tmp_path / "batch.png").read_bytes()[:4] == b"\x89PNG"
     assert main(["bench", "batch", "--batch-sizes", "1,2.5"]) == 2
+
+
+def test_cli_refuses_the_knee_chart_when_other_processes_kept_the_machine_busy(loaded, monkeypatch, tmp_path, capsys):
+    monkeypatch.setattr("iterserve.models.loader.load_model", lambda *a, **k: loaded)
+    monkeypatch.setattr("iterserve.bench.machine.others_cpu_share", lambda: 0.9)
+    args = ["bench", "batch", "--model", TINY, "--batch-sizes", "1,2", "--context", "16", "--repeats", "1",
+            "--disable-tqdm", "--chart", str(tmp_path / "busy.png")]
+    assert main(args) == 0
+    said = capsys.readouterr().out
+    assert "decode tok/s" in said and "not drawing the batch sweep (its knee)" in said and "90% of the" in said
+    assert not (tmp_path / "busy.png").exists()
+    assert main([*args, "--allow-busy"]) == 0
+    assert (tmp_path / "busy.png").read_bytes()[:4] == b"\x89PNG"
 
 
 def test_no_knee_is_called_on_a_non_monotone_sweep():

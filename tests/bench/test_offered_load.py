@@ -27,7 +27,7 @@ def test_every_policy_serves_every_request_at_every_load(loaded):
     requests = make_workload(spec, tokenizer=None, vocab_size=loaded.config.vocab_size)
     config = EngineConfig(model=TINY, dtype="float32", device="cpu", num_kv_blocks=64, max_num_seqs=4,
                           max_batch_wait=0.01)
-    monitor = MachineMonitor(probe=lambda: 0.01, loadavg=lambda: 0.2, cpu_count=2)
+    monitor = MachineMonitor(probe=lambda: 0.01, loadavg=lambda: 0.2, cpu_count=2, others=lambda: 0.0)
     result = sweep_offered_load(loaded, config, requests, ["static", "dynamic", "continuous"], [0.5, 2.0],
                                 monitor=monitor, use_tqdm=False)
     total = sum(r.output_len for r in requests)
@@ -48,7 +48,7 @@ def test_cli_prints_the_capacity_and_every_point_and_writes_its_folder(tmp_path,
     out = tmp_path / "new"
     rc = main(["--log-level", "WARNING", "bench", "load", "--model", TINY, "--dtype", "float32", "--num-prompts", "6",
                "--input-len", "uniform:4:12", "--output-len", "uniform:1:5", "--max-num-seqs", "4", "--loads", "0.5,1",
-               "--modes", "static,continuous", "--disable-tqdm", "--chart", str(out / "load.png"),
+               "--modes", "static,continuous", "--disable-tqdm", "--allow-busy", "--chart", str(out / "load.png"),
                "--output-json", str(out / "load.json")])
     assert rc == 0
     text = capsys.readouterr().out

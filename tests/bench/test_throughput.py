@@ -131,7 +131,7 @@ def test_hf_baseline_explains_a_missing_transformers(loaded, monkeypatch):
 
 
 def quiet_monitor() -> MachineMonitor:
-    return MachineMonitor(probe=lambda: 0.010, loadavg=lambda: 0.5, cpu_count=4)
+    return MachineMonitor(probe=lambda: 0.010, loadavg=lambda: 0.5, cpu_count=4, others=lambda: 0.0)
 
 
 def test_repeats_keep_every_runs_wall_clock_and_one_set_of_counts(loaded, workload):
@@ -154,12 +154,12 @@ def test_repeats_keep_every_runs_wall_clock_and_one_set_of_counts(loaded, worklo
 def test_busy_machine_is_reported_from_injected_readings(loaded, workload):
     config = EngineConfig(model=TINY, dtype="float32", device="cpu", num_kv_blocks=128, max_num_seqs=MAX_SEQS)
     probes = iter([0.010, 0.031])  # the probe ran three times slower after the run than before it
-    monitor = MachineMonitor(probe=lambda: next(probes), loadavg=lambda: 0.5, cpu_count=4)
+    monitor = MachineMonitor(probe=lambda: next(probes), loadavg=lambda: 0.5, cpu_count=4, others=lambda: 0.0)
     result = run_throughput(loaded, config, workload[:3], ["continuous"], use_tqdm=False, monitor=monitor)
     assert result["machine"]["busy"] and result["machine"]["probe_s"] == [0.010, 0.031]
     assert "3.1x slower" in result["busy_warning"]
     assert result["busy_warning"] in throughput_report(result)
-    loaded_box = MachineMonitor(probe=lambda: 0.010, loadavg=lambda: 9.0, cpu_count=2)
+    loaded_box = MachineMonitor(probe=lambda: 0.010, loadavg=lambda: 9.0, cpu_count=2, others=lambda: 0.0)
     loaded_box.sample()
     assert loaded_box.check.reasons == ["load average 9.00 on 2 cores"]
     assert quiet_monitor().check.warning() is None
