@@ -72,6 +72,35 @@ def test_paged_decode_matches_reference(ratio, block_size, dtype, window):
 
 
 @needs_build
+@pytest.mark.parametrize("contexts", [[300], [200, 1], [130, 5, 64]])
+@pytest.mark.parametrize("window", [None, 150])
+def test_paged_decode_splits_a_small_batch_long_context_and_merges_it(contexts, window):
+    """Fewer (sequence, KV head) pairs than the pool wants: contexts are cut into pieces, some empty for
+    the shorter sequences, and the pieces' softmaxes merged; the result is the one-pass attention."""
+    g = torch.Generator().manual_seed(sum(contexts))
+    block_size, kv_heads, head_dim = 16, 1, 64
+    tables, nxt = [], 0
+    for c in contexts:
+        n = -(-c // block_size)
+        tables.append(list(range(nxt, nxt + n))[::-1])  # blocks out of order
+        nxt += n
+    cache = KVCache.allocate(nxt, block_size, kv_heads, head_dim, torch.float32, "cpu")
+    cache.k.normal_(generator=g)
+    cache.v.normal_(generator=g)
+    width = max(len(t) for t in tables)
+    empty = torch.zeros(0, dtype=torch.long)
+    meta = AttentionMetadata(
+        slot_mapping=empty, slot_blocks=empty, slot_offsets=empty, block_size=block_size, sliding_window=window,
+        num_decode_tokens=len(contexts), decode_block_tables=torch.tensor([t + [0] * (width - len(t)) for t in tables]),
+        decode_context_lens=torch.tensor(contexts),
+    )
+    q = torch.randn(len(contexts), 3, head_dim, generator=g)
+    out = torch.full_like(q, float("nan"))
+    OPS.paged_decode(out, q, cache.k, cache.v, meta.decode_block_tables, meta.decode_context_lens, 0.125, window or 0)
+    torch.testing.assert_close(out, decode_attention_reference(q, cache, meta, 0.125), **TOL[torch.float32])
+
+
+@needs_build
 def test_paged_decode_reads_strided_queries():
     """Queries are views into the fused QKV output; the kernel must honour their row stride."""
     q, cache, meta = decode_case(3, 16, torch.float32, None, 64, seed=7)

@@ -109,6 +109,24 @@ inline float exp_sum_(float* p, float m, int64_t n) {
   return sum;
 }
 
+// Keys at least this many per piece when one sequence's context is split across threads: below it the
+// merge costs more than the parallelism gains.
+constexpr int64_t kMinSplit = 64;
+
+// Ask for K/V rows [from, to) of one head ahead of use. At batch 1 the step streams the weights between two
+// layers' attention, so every layer's K/V comes from DRAM; fetched on demand, row by row through the block
+// table, decode attention took 70 us a layer at context 128 (SmolLM2 at batch 1: 196 KB of K/V, 6 us at
+// the streaming read rate).
+template <typename T>
+inline void prefetch_rows(const T* cache, const int64_t* table, int64_t block_size, int64_t s0, int64_t s2,
+                          int64_t head_offset, int64_t from, int64_t to, int64_t row_bytes) {
+  for (int64_t pos = from; pos < to; ++pos) {
+    const char* row =
+        reinterpret_cast<const char*>(cache + table[pos / block_size] * s0 + head_offset + (pos % block_size) * s2);
+    for (int64_t b = 0; b < row_bytes; b += 64) __builtin_prefetch(row + b);
+  }
+}
+
 template <typename T>
 void paged_decode_impl(at::Tensor& out, const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
                        const at::Tensor& block_tables, const at::Tensor& context_lens, double scale,
@@ -126,10 +144,28 @@ void paged_decode_impl(at::Tensor& out, const at::Tensor& q, const at::Tensor& k
   const int64_t kc_s0 = k_cache.stride(0), kc_s1 = k_cache.stride(1), kc_s2 = k_cache.stride(2);
   const int64_t vc_s0 = v_cache.stride(0), vc_s1 = v_cache.stride(1), vc_s2 = v_cache.stride(2);
   const int64_t table_stride = block_tables.stride(0);
+  const int64_t row_bytes = dim * static_cast<int64_t>(sizeof(T));
   const float fscale = static_cast<float>(scale);
+  auto first_key = [&](int64_t s) {
+    return sliding_window > 0 ? std::max<int64_t>(0, ctx_lens[s] - sliding_window) : int64_t{0};
+  };
 
-  // One task per (sequence, KV head): the task reads that head's K/V once for its whole GQA group.
-  iterserve::parallel_chunks(seqs * kv_heads, 1, [&](int64_t begin, int64_t end) {
+  // One task per (sequence, KV head, piece of its context): a task reads its head's K/V once for the whole
+  // GQA group. A small batch has too few (sequence, head) pairs to keep every thread busy (3 for SmolLM2 at
+  // batch 1, on 2 threads), so its contexts are cut into pieces whose partial softmaxes are merged after.
+  int64_t longest = 0;
+  for (int64_t s = 0; s < seqs; ++s) longest = std::max(longest, ctx_lens[s] - first_key(s));
+  const int64_t want = 4 * iterserve::ChunkPool::get().threads();
+  const int64_t pairs = seqs * kv_heads;
+  const int64_t splits =
+      pairs >= want ? 1 : std::max<int64_t>(1, std::min((want + pairs - 1) / pairs, longest / kMinSplit));
+  const int64_t piece = (longest + splits - 1) / splits;
+  // Partials of split contexts, per (sequence, head, piece): the running max, the sum of exps, then the
+  // unnormalised output.
+  const int64_t pstride = dim + 2;
+  std::vector<float> partial(splits > 1 ? seqs * heads * splits * pstride : 0);
+
+  iterserve::parallel_chunks(pairs * splits, 1, [&](int64_t begin, int64_t end) {
     // Per-thread scratch, grown once: a chunk is one task, and a malloc per task showed at batch 64.
     thread_local std::vector<float> scratch;
     scratch.resize(2 * group * dim + kTile * dim + group * kTile + 2 * group);
@@ -140,10 +176,10 @@ void paged_decode_impl(at::Tensor& out, const at::Tensor& q, const at::Tensor& k
     float* m = scores + group * kTile;
     float* l = m + group;
     for (int64_t task = begin; task < end; ++task) {
-      const int64_t s = task / kv_heads, h = task % kv_heads;
-      const int64_t ctx = ctx_lens[s];
-      const int64_t first = sliding_window > 0 ? std::max<int64_t>(0, ctx - sliding_window) : 0;
+      const int64_t s = task / (kv_heads * splits), h = (task / splits) % kv_heads, part = task % splits;
+      const int64_t lo = first_key(s) + part * piece, hi = std::min(ctx_lens[s], lo + piece);
       const int64_t* table = tables + s * table_stride;
+      prefetch_rows(k_ptr, table, block_size, kc_s0, kc_s2, h * kc_s1, lo, std::min(hi, lo + kTile), row_bytes);
       for (int64_t g = 0; g < group; ++g) {
         to_float(q_ptr + s * q_s0 + (h * group + g) * q_s1, qf + g * dim, dim);
         scale_(qf + g * dim, fscale, dim);
@@ -151,8 +187,12 @@ void paged_decode_impl(at::Tensor& out, const at::Tensor& q, const at::Tensor& k
       std::fill(acc, acc + group * dim, 0.f);
       std::fill(m, m + group, -std::numeric_limits<float>::infinity());
       std::fill(l, l + group, 0.f);
-      for (int64_t t0 = first; t0 < ctx; t0 += kTile) {
-        const int64_t n = std::min(kTile, ctx - t0);
+      for (int64_t t0 = lo; t0 < hi; t0 += kTile) {
+        const int64_t n = std::min(kTile, hi - t0);
+        // This tile's V and the next tile's K arrive while this tile's scores are computed.
+        prefetch_rows(v_ptr, table, block_size, vc_s0, vc_s2, h * vc_s1, t0, t0 + n, row_bytes);
+        prefetch_rows(k_ptr, table, block_size, kc_s0, kc_s2, h * kc_s1, t0 + n, std::min(hi, t0 + n + kTile),
+                      row_bytes);
         for (int64_t j = 0; j < n; ++j) {
           const int64_t pos = t0 + j;
           const T* row = k_ptr + table[pos / block_size] * kc_s0 + h * kc_s1 + (pos % block_size) * kc_s2;
@@ -180,9 +220,37 @@ void paged_decode_impl(at::Tensor& out, const at::Tensor& q, const at::Tensor& k
           for (int64_t j = 0; j < n; ++j) axpy(acc + g * dim, scores[g * kTile + j], rows + j * dim, dim);
       }
       for (int64_t g = 0; g < group; ++g) {
-        scale_(acc + g * dim, 1.f / l[g], dim);
-        from_float(acc + g * dim, out_ptr + s * o_s0 + (h * group + g) * o_s1, dim);
+        if (splits == 1) {
+          scale_(acc + g * dim, 1.f / l[g], dim);
+          from_float(acc + g * dim, out_ptr + s * o_s0 + (h * group + g) * o_s1, dim);
+          continue;
+        }
+        float* p = partial.data() + ((s * heads + h * group + g) * splits + part) * pstride;
+        p[0] = m[g];  // -inf for an empty piece (a shorter context than the longest): it weighs nothing
+        p[1] = l[g];
+        std::copy(acc + g * dim, acc + (g + 1) * dim, p + 2);
       }
+    }
+  });
+  if (splits == 1) return;
+  // Merge the pieces of each (sequence, head): rescale each to the largest max and normalise once.
+  iterserve::parallel_chunks(seqs * heads, 8, [&](int64_t begin, int64_t end) {
+    std::vector<float> merged(dim);
+    for (int64_t sh = begin; sh < end; ++sh) {
+      const float* p = partial.data() + sh * splits * pstride;
+      float top = -std::numeric_limits<float>::infinity();
+      for (int64_t i = 0; i < splits; ++i) top = std::max(top, p[i * pstride]);
+      std::fill(merged.begin(), merged.end(), 0.f);
+      float total = 0.f;
+      for (int64_t i = 0; i < splits; ++i) {
+        const float* pi = p + i * pstride;
+        if (pi[1] == 0.f) continue;
+        const float w = std::exp(pi[0] - top);
+        total += w * pi[1];
+        axpy(merged.data(), w, pi + 2, dim);
+      }
+      scale_(merged.data(), 1.f / total, dim);
+      from_float(merged.data(), out_ptr + (sh / heads) * o_s0 + (sh % heads) * o_s1, dim);
     }
   });
 }
