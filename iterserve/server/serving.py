@@ -129,14 +129,16 @@ class OpenAIServing:
 
         return await asyncio.to_thread(encode)
 
-    async def _encode_chat(self, chat: list[ChatMessage], max_tokens: int,
-                           tools: list[dict[str, Any]] | None = None, **options: Any) -> list[int]:
+    async def _encode_chat(self, chat: list[ChatMessage], max_tokens: int, tools: list[dict[str, Any]] | None = None,
+                           options: dict[str, Any] | None = None, param: str = "messages") -> list[int]:
         """Token ids of a conversation rendered by the chat template, all done in a worker thread (the
         messages turned into dicts too: thousands take a second); ``options`` go to
         :meth:`Tokenizer.apply_chat_template` (a request's own template runs in the same sandbox as the
         model's). The length check applies to the rendered prompt: a template may leave some content out.
+        Errors name ``param``, the field that carried the conversation.
         """
         tokenizer = self._tokenizer()
+        options = dict(options or {})
         if options.get("chat_template") is None:
             options["chat_template"] = self.chat_template
         template = tokenizer.chat_templates.get("tool_use", tokenizer.chat_template)
@@ -146,9 +148,9 @@ class OpenAIServing:
             try:
                 prompt = tokenizer.apply_chat_template(messages, tools=tools, **options)
             except ValueError as e:
-                raise bad_request(str(e), "messages") from e
+                raise bad_request(str(e), param) from e
             assert isinstance(prompt, str)
-            self._refuse_unfittable(tokenizer, prompt, max_tokens, "messages")
+            self._refuse_unfittable(tokenizer, prompt, max_tokens, param)
             return tokenizer.encode(prompt, add_special_tokens=False)
 
         return await asyncio.to_thread(render_and_encode)
