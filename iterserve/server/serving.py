@@ -1,7 +1,8 @@
 """The OpenAI routes' shared steps, bound to one engine: the model check, tokenizing and rendering chat
 templates, submitting to the engine, waiting for final outputs, streaming responses, and the usage
 and logprob helpers. Each endpoint's handlers subclass :class:`OpenAIServing` in a module of its own
-(``serving_completions``, ``serving_chat``, ``serving_tokenize``, ``serving_info``).
+(``serving_completions``, ``serving_chat``, ``serving_responses``, ``serving_tokenize``,
+``serving_info``).
 
 Handlers validate on the event loop, tokenize and render chat templates in worker threads (the
 tokenizer is only read, never reconfigured, and releases the GIL while encoding), and hand token
