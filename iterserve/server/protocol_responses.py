@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from typing import Annotated, Any, Literal
 
-from pydantic import Field, ValidationError
+from pydantic import Discriminator, Field, Tag, ValidationError
 
 from iterserve.sampling_params import StructuredOutputsParams
 from iterserve.server.errors import bad_request
@@ -33,11 +33,17 @@ MESSAGE_ROLES = ("user", "system", "developer", "assistant")
 TEXT_PARTS = ("input_text", "output_text", "text")
 ToolChoice = Literal["none", "auto", "required"] | dict[str, Any] | None
 Items = Annotated[ListOf[dict[str, Any]], Field(min_length=1, max_length=MAX_MESSAGES)]
+# Validated as the one shape the value has, so that an error (a list too long) is that shape's, not the string's.
+Input = Annotated[
+    Annotated[str, Tag("text")] | Annotated[Items, Tag("items")],
+    Discriminator(lambda v: "text" if isinstance(v, str) else "items" if isinstance(v, list) else None,
+                  custom_error_type="input_type", custom_error_message="must be a string or a list of input items"),
+]
 
 
 class ResponsesRequest(_Body):
     model: str | None = None
-    input: str | Items
+    input: Input
     instructions: str | None = None
     max_output_tokens: Annotated[Int, Field(ge=1)] | None = None
     temperature: float | None = None
