@@ -34,6 +34,17 @@ def test_with_structured_output(server, method, seed):
 
 def test_responses_api_invoke(server):
     """``use_responses_api=True`` sends /v1/responses: message items in, output items read back."""
-    reply = chat_model(server, use_responses_api=True, temperature=0).invoke("What is the capital of France?")
+    llm = chat_model(server, use_responses_api=True, temperature=0)
+    reply = llm.invoke("What is the capital of France?")
     assert reply.text and reply.usage_metadata["output_tokens"] > 0
     assert reply.response_metadata["id"].startswith("resp_")
+    chunks = list(llm.stream("What is the capital of France?"))
+    assert "".join(chunk.text for chunk in chunks) == reply.text
+
+
+@pytest.mark.parametrize("method", ["function_calling", "json_schema"])
+def test_responses_api_structured_output(server, method):
+    """A forced function call (tool_choice naming it) or text.format json_schema, over /v1/responses."""
+    llm = chat_model(server, use_responses_api=True, temperature=0).with_structured_output(City, method=method)
+    city = llm.invoke("Name a large city in Japan, and any facts you know about it.")
+    assert isinstance(city, City) and city.name and city.country
