@@ -1,4 +1,4 @@
-"""OpenAI response bodies: what the completions, chat, models and tokenize routes send back."""
+"""OpenAI response bodies: what the completions, chat, responses, models and tokenize routes send back."""
 
 from __future__ import annotations
 
