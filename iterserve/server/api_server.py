@@ -42,6 +42,7 @@ from iterserve.server.middleware import (
 from iterserve.server.serving_chat import ChatServing
 from iterserve.server.serving_completions import CompletionServing
 from iterserve.server.serving_info import InfoServing
+from iterserve.server.serving_responses import ResponsesServing
 from iterserve.server.serving_tokenize import TokenizeServing
 from iterserve.tokenizer.chat_template import load_chat_template
 
@@ -66,10 +67,11 @@ def build_app(config: EngineConfig, server: ServerConfig | None = None) -> FastA
                               server.grammar_timeout)
     completion = CompletionServing(engine, metrics, served_model_name, grammars)
     chat = ChatServing(engine, metrics, served_model_name, grammars)
+    responses = ResponsesServing(engine, metrics, served_model_name, grammars)
     tokenize = TokenizeServing(engine, metrics, served_model_name)
     info = InfoServing(engine, metrics, served_model_name)
     if server.chat_template is not None:
-        chat.chat_template = tokenize.chat_template = load_chat_template(server.chat_template)
+        chat.chat_template = responses.chat_template = tokenize.chat_template = load_chat_template(server.chat_template)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
@@ -94,6 +96,7 @@ def build_app(config: EngineConfig, server: ServerConfig | None = None) -> FastA
 
     app.post("/v1/completions", response_model=None)(completion.completions)
     app.post("/v1/chat/completions", response_model=None)(chat.chat_completions)
+    app.post("/v1/responses", response_model=None)(responses.responses)
     app.get("/v1/models")(info.models)
     app.get("/v1/models/{model_id:path}")(info.model)
     app.post("/tokenize")(tokenize.tokenize)

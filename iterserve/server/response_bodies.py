@@ -1,4 +1,4 @@
-"""OpenAI response bodies: what the completions, chat, models and tokenize routes send back."""
+"""OpenAI response bodies: what the completions, chat, responses, models and tokenize routes send back."""
 
 from __future__ import annotations
 
@@ -172,3 +172,86 @@ class TokenizeResponse(BaseModel):
 
 class DetokenizeResponse(BaseModel):
     prompt: str
+
+
+# -- the Responses API (/v1/responses) ------------------------------------------------------------------
+
+
+class OutputText(BaseModel):
+    type: Literal["output_text"] = "output_text"
+    text: str
+    annotations: list[Any] = Field(default_factory=list)
+    logprobs: list[Any] = Field(default_factory=list)
+
+
+ItemStatus = Literal["in_progress", "completed", "incomplete"]
+
+
+class OutputMessage(BaseModel):
+    type: Literal["message"] = "message"
+    id: str
+    status: ItemStatus
+    role: Literal["assistant"] = "assistant"
+    content: list[OutputText]
+
+
+class FunctionCallItem(BaseModel):
+    type: Literal["function_call"] = "function_call"
+    id: str
+    call_id: str
+    name: str
+    arguments: str  # JSON text, as the model wrote it
+    status: ItemStatus
+
+
+OutputItem = OutputMessage | FunctionCallItem
+
+
+class InputTokensDetails(BaseModel):
+    cached_tokens: int = 0
+
+
+class OutputTokensDetails(BaseModel):
+    reasoning_tokens: int = 0
+
+
+class ResponseUsage(BaseModel):
+    input_tokens: int
+    input_tokens_details: InputTokensDetails
+    output_tokens: int
+    output_tokens_details: OutputTokensDetails = Field(default_factory=OutputTokensDetails)
+    total_tokens: int
+
+
+class IncompleteDetails(BaseModel):
+    reason: Literal["max_output_tokens"] = "max_output_tokens"
+
+
+class ResponseObject(BaseModel):
+    """A Responses API response. ``output_text`` is not sent: OpenAI's SDKs compute it from ``output``,
+    and OpenAI's API does not send it either."""
+
+    id: str
+    object: Literal["response"] = "response"
+    created_at: int
+    status: Literal["in_progress", "completed", "incomplete"]
+    incomplete_details: IncompleteDetails | None = None
+    error: None = None
+    model: str
+    output: list[OutputItem] = Field(default_factory=list)
+    instructions: str | None = None
+    max_output_tokens: int | None = None
+    metadata: dict[str, str] = Field(default_factory=dict)
+    parallel_tool_calls: bool = True
+    previous_response_id: None = None
+    reasoning: None = None
+    store: Literal[False] = False  # nothing is stored, whatever the request asked
+    background: Literal[False] = False
+    temperature: float | None = None
+    top_p: float | None = None
+    text: dict[str, Any]
+    tool_choice: str | dict[str, Any] = "auto"
+    tools: list[dict[str, Any]] = Field(default_factory=list)
+    truncation: Literal["disabled"] = "disabled"
+    usage: ResponseUsage | None = None
+    user: str | None = None

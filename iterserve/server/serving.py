@@ -1,7 +1,8 @@
 """The OpenAI routes' shared steps, bound to one engine: the model check, tokenizing and rendering chat
 templates, submitting to the engine, waiting for final outputs, streaming responses, and the usage
 and logprob helpers. Each endpoint's handlers subclass :class:`OpenAIServing` in a module of its own
-(``serving_completions``, ``serving_chat``, ``serving_tokenize``, ``serving_info``).
+(``serving_completions``, ``serving_chat``, ``serving_responses``, ``serving_tokenize``,
+``serving_info``).
 
 Handlers validate on the event loop, tokenize and render chat templates in worker threads (the
 tokenizer is only read, never reconfigured, and releases the GIL while encoding), and hand token
@@ -129,14 +130,16 @@ class OpenAIServing:
 
         return await asyncio.to_thread(encode)
 
-    async def _encode_chat(self, chat: list[ChatMessage], max_tokens: int,
-                           tools: list[dict[str, Any]] | None = None, **options: Any) -> list[int]:
+    async def _encode_chat(self, chat: list[ChatMessage], max_tokens: int, tools: list[dict[str, Any]] | None = None,
+                           options: dict[str, Any] | None = None, param: str = "messages") -> list[int]:
         """Token ids of a conversation rendered by the chat template, all done in a worker thread (the
         messages turned into dicts too: thousands take a second); ``options`` go to
         :meth:`Tokenizer.apply_chat_template` (a request's own template runs in the same sandbox as the
         model's). The length check applies to the rendered prompt: a template may leave some content out.
+        Errors name ``param``, the field that carried the conversation.
         """
         tokenizer = self._tokenizer()
+        options = dict(options or {})
         if options.get("chat_template") is None:
             options["chat_template"] = self.chat_template
         template = tokenizer.chat_templates.get("tool_use", tokenizer.chat_template)
@@ -146,9 +149,9 @@ class OpenAIServing:
             try:
                 prompt = tokenizer.apply_chat_template(messages, tools=tools, **options)
             except ValueError as e:
-                raise bad_request(str(e), "messages") from e
+                raise bad_request(str(e), param) from e
             assert isinstance(prompt, str)
-            self._refuse_unfittable(tokenizer, prompt, max_tokens, "messages")
+            self._refuse_unfittable(tokenizer, prompt, max_tokens, param)
             return tokenizer.encode(prompt, add_special_tokens=False)
 
         return await asyncio.to_thread(render_and_encode)

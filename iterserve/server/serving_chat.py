@@ -14,7 +14,7 @@ from fastapi.responses import JSONResponse, Response
 from iterserve.engine.request_stream import RequestStream
 from iterserve.errors import EngineDeadError, RequestFailedError
 from iterserve.outputs import Logprob
-from iterserve.sampling_params import grammar_checks_deferred
+from iterserve.sampling_params import SamplingParams, StructuredOutputsParams, grammar_checks_deferred
 from iterserve.server.errors import bad_request, engine_error
 from iterserve.server.protocol import ChatCompletionRequest
 from iterserve.server.request_body import validated
@@ -51,25 +51,35 @@ class ChatServing(OpenAIServing):
             content.append(TokenLogprob(**sampled.model_dump(), top_logprobs=alternatives))
         return ChatLogprobs(content=content)
 
-    async def chat_completions(self, body: Annotated[ChatCompletionRequest, validated(ChatCompletionRequest)],
-                                request: Request) -> Response:
-        self._check_model(body.model)
-        body.check_supported()
-        max_tokens = body.requested_max_tokens
+    async def _prepare(self, body: ChatCompletionRequest, constraint: StructuredOutputsParams | None,
+                       constraint_param: str | None, prompt_param: str = "messages",
+                       ) -> tuple[ToolCallPlan, SamplingParams, list[int]]:
+        """The chat path after the body's own checks: its tool plan, its sampling params with the output
+        constraint (``constraint`` or the forced tool call's, its grammar proven to run) and the rendered
+        prompt's ids. The ``*_param`` names are the fields errors blame (the Responses API names them
+        differently)."""
         with grammar_checks_deferred():  # checked by the grammar pool, off the event loop
             tool_plan = ToolCallPlan.of(body)
-            constraint = body.structured_outputs_params()
         if constraint is not None and tool_plan.constraint is not None:
             raise bad_request("a tool_choice that forces a call cannot be combined with another output constraint",
                               "tool_choice")
-        params = body.sampling_params(max_tokens, body.requested_logprobs,
+        params = body.sampling_params(body.requested_max_tokens, body.requested_logprobs,
                                       structured_outputs=constraint or tool_plan.constraint)
-        await self._check_grammar(params.structured_outputs, body.structured_outputs_field or "tools")
+        await self._check_grammar(params.structured_outputs, constraint_param or "tools")
         tools = None
         if tool_plan.mode != "none" and body.tools:
             tools = [t.model_dump(exclude_none=True) for t in body.tools]
         prompt_ids = await self._encode_chat(body.messages, self.engine.max_model_len - 1, tools,
-                                             **body.template_options())
+                                             body.template_options(), prompt_param)
+        return tool_plan, params, prompt_ids
+
+    async def chat_completions(self, body: Annotated[ChatCompletionRequest, validated(ChatCompletionRequest)],
+                                request: Request) -> Response:
+        self._check_model(body.model)
+        body.check_supported()
+        with grammar_checks_deferred():  # checked by the grammar pool, off the event loop
+            constraint = body.structured_outputs_params()
+        tool_plan, params, prompt_ids = await self._prepare(body, constraint, body.structured_outputs_field)
         request_id = f"chatcmpl-{uuid.uuid4().hex}"
         stream = await self._submit(request_id, prompt_ids, params, bool(body.stream), prompt_param="messages")
         if body.stream:

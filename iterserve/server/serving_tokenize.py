@@ -24,7 +24,8 @@ class TokenizeServing(OpenAIServing):
         limit = self.engine.max_model_len
         if body.messages is not None:
             param = "messages"
-            ids = await self._encode_chat(body.messages, limit, add_generation_prompt=body.add_generation_prompt)
+            ids = await self._encode_chat(body.messages, limit,
+                                          options={"add_generation_prompt": body.add_generation_prompt})
         else:
             param = "prompt"
             ids = await self._encode(body.prompt or "", param, limit, body.add_special_tokens)

@@ -15,9 +15,10 @@ from iterserve.outputs import RequestOutput
 from iterserve.server.admission import Outputs
 
 
-def sse(payload: BaseModel | dict[str, Any]) -> str:
+def sse(payload: BaseModel | dict[str, Any], event: str | None = None) -> str:
+    """One event; ``event`` names its type in an ``event:`` line (the Responses API's events have one)."""
     data = payload.model_dump_json() if isinstance(payload, BaseModel) else json.dumps(payload)
-    return f"data: {data}\n\n"
+    return f"event: {event}\ndata: {data}\n\n" if event else f"data: {data}\n\n"
 
 
 async def merged(streams: Sequence[Outputs]) -> AsyncIterator[tuple[int, RequestOutput]]:

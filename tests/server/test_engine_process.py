@@ -74,11 +74,18 @@ def test_a_failed_step_fails_only_its_requests(monkeypatch):
                           json={"prompt": [FAULT_TOKEN, 5], "max_tokens": 4, "stream": True}) as r:
             events = sse_events(r.iter_lines())
         assert events[-1]["error"]["type"] == "server_error"
+        fault_text = s.engine.tokenizer.decode([FAULT_TOKEN])
+        assert FAULT_TOKEN in s.engine.tokenizer.encode(fault_text, add_special_tokens=False)
+        with httpx.stream("POST", f"{s.url}/v1/responses", timeout=60,
+                          json={"input": fault_text, "max_output_tokens": 4, "stream": True}) as r:
+            lines = [line for line in r.iter_lines() if line.startswith("data: ")]
+        last = json.loads(lines[-1].removeprefix("data: "))
+        assert (last["type"], last["code"]) == ("error", "engine_error") and "injected" not in last["message"]
         ok = completion(s.url, prompt=[1, 2, 3], max_tokens=4, ignore_eos=True)
         assert ok.status_code == 200 and ok.json()["usage"]["completion_tokens"] == 4
         assert httpx.get(f"{s.url}/health").status_code == 200
         wait_until_idle(s)  # the failed requests' blocks were freed
-        assert metric_samples(s)[("vllm:request_success_total", (("finished_reason", "error"),))] == 2
+        assert metric_samples(s)[("vllm:request_success_total", (("finished_reason", "error"),))] == 3
 
 
 # -- a dead core --------------------------------------------------------------------------------------

@@ -87,6 +87,10 @@ SURROGATE_CASES = [
     ("/v1/chat/completions",
      r'{"messages": [{"role": "user", "content": [{"type": "text", "text": "\ude00"}]}]}', "messages"),
     ("/v1/chat/completions", r'{"messages": [{"role": "user", "content": "hi", "name": "\ud800"}]}', "messages"),
+    ("/v1/responses", r'{"input": "hi \ud83d"}', "input"),
+    ("/v1/responses",
+     r'{"input": [{"role": "user", "content": [{"type": "input_text", "text": "\ude00"}]}]}', "input"),
+    ("/v1/responses", r'{"input": "hi", "instructions": "\ud800"}', "instructions"),
     ("/tokenize", r'{"prompt": "\ud800"}', "prompt"),
     ("/tokenize", r'{"messages": [{"role": "user", "content": "\ud800"}]}', "messages"),
 ]
@@ -232,6 +236,7 @@ def test_ten_thousand_stop_strings_are_refused_quickly(server):
 @pytest.mark.parametrize("path,body,param", [
     ("/v1/completions", {"prompt": "hello " * 700_000, "max_tokens": 2}, "prompt"),
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hello " * 700_000}]}, "messages"),
+    ("/v1/responses", {"input": "hello " * 700_000}, "input"),
     ("/tokenize", {"prompt": "hello " * 700_000}, "prompt"),
     ("/tokenize", {"messages": [{"role": "user", "content": "hello " * 700_000}]}, "messages"),
 ])

@@ -159,11 +159,12 @@ def test_dashboard_viewers_past_the_limit_get_429_and_serving_goes_on(tiny):
 # -- 5. big but legal bodies -------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("path", ["/v1/chat/completions", "/tokenize"])
-def test_100k_chat_messages_are_refused_while_others_are_served(tiny, path):
+@pytest.mark.parametrize("path, field", [("/v1/chat/completions", "messages"), ("/tokenize", "messages"),
+                                         ("/v1/responses", "input")])
+def test_100k_chat_messages_are_refused_while_others_are_served(tiny, path, field):
     messages = [{"role": "user", "content": "a message"}] * 100_000  # 3.3 MB
     with others_served(tiny.url, AUTH):
-        error = assert_error(post(tiny, path, {"messages": messages}), 400, "messages")
+        error = assert_error(post(tiny, path, {field: messages}), 400, field)
     assert "at most 4096" in error["message"]
     wait_until_idle(tiny)
 
