@@ -83,11 +83,28 @@ def test_calibrate_measures_the_round_trip_and_run_uses_it(tmp_path, capsys):
     (["--gpu", "A100"], "ambiguous"),
     (["--step-time", "0.01", "--sweep-rates", "1", "--sweep-concurrency", "2"], "not both"),
     (["--profile", "missing.json"], "No such file"),
+    (["--step-time", "0.01", "--num-speculative-tokens", "4"], "needs the draft acceptance probability"),
+    (["--step-time", "0.01", "--spec-acceptance", "0.5"], "needs drafts"),
 ])
 def test_bad_options_are_clear_errors(args, message, capsys, tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     assert main(["simulate", "run", *SMALL, *args]) == 2
     assert message in capsys.readouterr().err
+
+
+def test_run_with_speculative_decoding_reports_the_drafts(tmp_path, capsys):
+    out = tmp_path / "spec.json"
+    assert main(["simulate", "run", "--step-time", "0.01", *SMALL, "--max-concurrency", "4",
+                 "--num-speculative-tokens", "4", "--spec-acceptance", "1", "--output-json", str(out),
+                 "--no-charts"]) == 0
+    text = capsys.readouterr().out
+    assert "speculative decoding: 4 drafts, each accepted with probability 1.0, none above 8 running" in text
+    assert "acceptance rate 100.0%" in text
+    result = json.loads(out.read_text())
+    sim = result["runs"][0]["simulated"]
+    assert sim["num_drafts"] > 0 and sim["num_accepted_tokens"] == sim["num_draft_tokens"]
+    assert result["simulation"]["engine"]["num_speculative_tokens"] == 4
+    assert result["runs"][0]["completed"] == 24
 
 
 def test_calibrate_needs_input(capsys, tmp_path):
