@@ -184,6 +184,8 @@ def _cmd_run(args: argparse.Namespace) -> int:
     cfg = sim_config_from_args(args, terms, cost)
     tokenizer = load_tokenizer(args.tokenizer) if args.tokenizer else None
     requests = make_workload(spec, tokenizer=tokenizer, vocab_size=terms.vocab_size)
+    if args.step_trace:
+        Path(args.step_trace).parent.mkdir(parents=True, exist_ok=True)
     with open(args.step_trace, "w") if args.step_trace else contextlib.nullcontext() as trace:
         result = run_simulation(requests, points, cost, cfg, burstiness=args.burstiness, workload=spec,
                                 model_id=terms.model_name, label=args.label, percentiles=percentiles,

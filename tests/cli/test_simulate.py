@@ -92,6 +92,13 @@ def test_bad_options_are_clear_errors(args, message, capsys, tmp_path, monkeypat
     assert message in capsys.readouterr().err
 
 
+def test_the_step_trace_folder_is_created_when_missing(tmp_path):
+    trace = tmp_path / "traces" / "today" / "steps.jsonl"
+    assert main(["simulate", "run", "--step-time", "0.01", *SMALL, "--step-trace", str(trace)]) == 0
+    records = [json.loads(line) for line in trace.read_text().splitlines()]
+    assert sum(r["type"] == "request" for r in records) == 24 and any(r["type"] == "step" for r in records)
+
+
 def test_run_with_speculative_decoding_reports_the_drafts(tmp_path, capsys):
     out = tmp_path / "spec.json"
     assert main(["simulate", "run", "--step-time", "0.01", *SMALL, "--max-concurrency", "4",
