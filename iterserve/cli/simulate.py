@@ -72,7 +72,12 @@ def _add_run_parser(sub: Any) -> None:
 
 
 def _batch_limit(text: str) -> int | None:
-    return None if text.lower() == "none" else int(text)
+    if text.lower() == "none":
+        return None
+    try:
+        return int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number of running sequences or 'none', got {text!r}") from None
 
 
 def _add_speculation_args(p: argparse.ArgumentParser) -> None:
@@ -207,8 +212,9 @@ def _speculation_summary(cfg: Any, result: dict[str, Any]) -> str:
     """One line per load point: the spec-decode counters and what they make per verification pass."""
     from iterserve.engine.spec_decode.stats import acceptance_rate
 
+    limit = cfg.spec_disable_by_batch_size
     lines = [f"speculative decoding: {cfg.num_speculative_tokens} drafts, each accepted with probability "
-             f"{cfg.spec_acceptance}, none above {cfg.spec_disable_by_batch_size} running"]
+             f"{cfg.spec_acceptance}, {'at any batch size' if limit is None else f'none above {limit} running'}"]
     for run in result["runs"]:
         s = run["simulated"]
         rate, length = acceptance_rate(s["num_accepted_tokens"], s["num_draft_tokens"]), s["mean_accepted_length"]

@@ -85,6 +85,8 @@ def test_calibrate_measures_the_round_trip_and_run_uses_it(tmp_path, capsys):
     (["--profile", "missing.json"], "No such file"),
     (["--step-time", "0.01", "--num-speculative-tokens", "4"], "needs the draft acceptance probability"),
     (["--step-time", "0.01", "--spec-acceptance", "0.5"], "needs drafts"),
+    (["--step-time", "0.01", "--num-speculative-tokens", "2", "--spec-acceptance", "0.5",
+      "--spec-disable-by-batch-size", "0"], "disable_by_batch_size must be an integer >= 1"),
 ])
 def test_bad_options_are_clear_errors(args, message, capsys, tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
@@ -107,11 +109,20 @@ def test_run_with_speculative_decoding_reports_the_drafts(tmp_path, capsys):
     text = capsys.readouterr().out
     assert "speculative decoding: 4 drafts, each accepted with probability 1.0, none above 8 running" in text
     assert "acceptance rate 100.0%" in text
+    assert main(["simulate", "run", "--step-time", "0.01", *SMALL, "--num-speculative-tokens", "2",
+                 "--spec-acceptance", "0.5", "--spec-disable-by-batch-size", "none"]) == 0
+    assert "each accepted with probability 0.5, at any batch size" in capsys.readouterr().out
     result = json.loads(out.read_text())
     sim = result["runs"][0]["simulated"]
     assert sim["num_drafts"] > 0 and sim["num_accepted_tokens"] == sim["num_draft_tokens"]
     assert result["simulation"]["engine"]["num_speculative_tokens"] == 4
     assert result["runs"][0]["completed"] == 24
+
+
+def test_the_batch_limit_of_speculation_is_a_number_or_none(capsys):
+    with pytest.raises(SystemExit) as e:
+        main(["simulate", "run", "--step-time", "0.01", *SMALL, "--spec-disable-by-batch-size", "many"])
+    assert e.value.code == 2 and "a number of running sequences or 'none', got 'many'" in capsys.readouterr().err
 
 
 def test_calibrate_needs_input(capsys, tmp_path):
