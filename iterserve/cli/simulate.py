@@ -13,6 +13,7 @@ from typing import Any
 
 from iterserve.cli.flags import add_config_args
 from iterserve.config import EngineConfig
+from iterserve.config.speculative import DEFAULT_DISABLE_BY_BATCH_SIZE
 from iterserve.simulate.cost import ConstantCost, CostModel, LinearCost, RooflineCost
 from iterserve.simulate.planning import PlannerTerms
 
@@ -50,6 +51,7 @@ def _add_run_parser(sub: Any) -> None:
     e.add_argument("--admission-interval", type=float, default=None,
                    help="least seconds between two requests reaching the scheduler (the API process admits one "
                         "at a time; default: the --profile's measured value, else 0)")
+    _add_speculation_args(p)
     add_workload_args(p)
     p.add_argument("--tokenizer", default=None, help="tokenizer for text, JSONL-text and ShareGPT datasets")
     ld = p.add_argument_group("load (as bench serve)")
@@ -67,6 +69,26 @@ def _add_run_parser(sub: Any) -> None:
     o.add_argument("--no-charts", action="store_true", help="write the JSON without its charts")
     o.add_argument("--step-trace", default=None, help="JSON-lines step trace of the simulated steps")
     p.set_defaults(func=_cmd_run)
+
+
+def _batch_limit(text: str) -> int | None:
+    if text.lower() == "none":
+        return None
+    try:
+        return int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number of running sequences or 'none', got {text!r}") from None
+
+
+def _add_speculation_args(p: argparse.ArgumentParser) -> None:
+    s = p.add_argument_group("speculative decoding (drafts proposed as n-gram lookup would, accepted at random)")
+    s.add_argument("--num-speculative-tokens", type=int, default=0,
+                   help="drafts per decoding sequence and step (default 0: no speculation)")
+    s.add_argument("--spec-acceptance", type=float, default=None,
+                   help="probability that each draft position is accepted, given the ones before it were")
+    s.add_argument("--spec-disable-by-batch-size", type=_batch_limit, default=DEFAULT_DISABLE_BY_BATCH_SIZE,
+                   help="no drafts in a step whose running batch is larger (the engine's disable_by_batch_size; "
+                        "default %(default)s, 'none': no limit)")
 
 
 def _add_calibrate_parser(sub: Any) -> None:
@@ -137,7 +159,9 @@ def sim_config_from_args(args: argparse.Namespace, terms: PlannerTerms, cost: Co
                      max_num_batched_tokens=args.max_num_batched_tokens, batching=args.batching,
                      max_batch_wait=args.max_batch_wait, kv_allocation=args.kv_allocation,
                      enable_prefix_caching=args.enable_prefix_caching, max_model_len=max_len,
-                     request_latency_s=latency, admission_interval_s=interval)
+                     request_latency_s=latency, admission_interval_s=interval,
+                     num_speculative_tokens=args.num_speculative_tokens, spec_acceptance=args.spec_acceptance,
+                     spec_disable_by_batch_size=args.spec_disable_by_batch_size)
 
 
 def _cmd_run(args: argparse.Namespace) -> int:
@@ -165,6 +189,8 @@ def _cmd_run(args: argparse.Namespace) -> int:
     cfg = sim_config_from_args(args, terms, cost)
     tokenizer = load_tokenizer(args.tokenizer) if args.tokenizer else None
     requests = make_workload(spec, tokenizer=tokenizer, vocab_size=terms.vocab_size)
+    if args.step_trace:
+        Path(args.step_trace).parent.mkdir(parents=True, exist_ok=True)
     with open(args.step_trace, "w") if args.step_trace else contextlib.nullcontext() as trace:
         result = run_simulation(requests, points, cost, cfg, burstiness=args.burstiness, workload=spec,
                                 model_id=terms.model_name, label=args.label, percentiles=percentiles,
@@ -173,11 +199,29 @@ def _cmd_run(args: argparse.Namespace) -> int:
     print(f"{result['label']}: {terms.model_name}, cost model {c['kind']}, KV pool {cfg.num_kv_blocks} blocks x "
           f"{cfg.block_size} tokens, {cfg.batching} batching, {cfg.kv_allocation} KV")
     print(serve_table(result))
+    if cfg.num_speculative_tokens:
+        print(_speculation_summary(cfg, result))
     if args.output_json:
         write_json(args.output_json, result)
         for chart in [] if args.no_charts else serve_charts([result], sibling_path(args.output_json, "")):
             print(f"chart written to {chart}")
     return 0
+
+
+def _speculation_summary(cfg: Any, result: dict[str, Any]) -> str:
+    """One line per load point: the spec-decode counters and what they make per verification pass."""
+    from iterserve.engine.spec_decode.stats import acceptance_rate
+
+    limit = cfg.spec_disable_by_batch_size
+    lines = [f"speculative decoding: {cfg.num_speculative_tokens} drafts, each accepted with probability "
+             f"{cfg.spec_acceptance}, {'at any batch size' if limit is None else f'none above {limit} running'}"]
+    for run in result["runs"]:
+        s = run["simulated"]
+        rate, length = acceptance_rate(s["num_accepted_tokens"], s["num_draft_tokens"]), s["mean_accepted_length"]
+        lines.append(f"  {s['num_drafts']} drafts, {s['num_draft_tokens']} draft tokens, {s['num_accepted_tokens']} "
+                     f"accepted: acceptance rate {'-' if rate is None else f'{rate:.1%}'}, mean accepted length "
+                     f"{'-' if length is None else f'{length:.2f}'} over {s['num_steps']} steps")
+    return "\n".join(lines)
 
 
 def _cmd_calibrate(args: argparse.Namespace) -> int:

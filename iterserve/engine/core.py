@@ -46,7 +46,7 @@ from iterserve.engine.messages import (
 )
 from iterserve.engine.scheduler import Scheduler, SchedulerOutput
 from iterserve.engine.sequence import Sequence
-from iterserve.engine.spec_decode.proposer import Speculator
+from iterserve.engine.spec_decode.proposer import Proposer, Speculator
 from iterserve.engine.spec_decode.stats import SpecDecodeStats
 from iterserve.engine.structured_output import GrammarMatcher, GrammarPool
 from iterserve.engine.validation import check_prompt
@@ -89,10 +89,12 @@ class EngineCore:
 
     ``clock`` stamps every time the core records (first scheduled, each token, finish, the step trace):
     ``time.perf_counter`` by default, which the API process's arrival stamps share; a simulator passes
-    its virtual clock, which its executor advances by each step's modelled time."""
+    its virtual clock, which its executor advances by each step's modelled time. ``proposer`` drafts the
+    speculative tokens in place of the one ``config.speculative_config`` names (a simulator's)."""
 
     def __init__(self, config: EngineConfig, loaded: LoadedModel | None = None,
-                 executor: Executor | None = None, clock: Callable[[], float] = time.perf_counter) -> None:
+                 executor: Executor | None = None, clock: Callable[[], float] = time.perf_counter,
+                 proposer: Proposer | None = None) -> None:
         if executor is not None and loaded is not None:
             raise ValueError("give the engine core a loaded model or an executor, not both")
         self.config = config
@@ -108,8 +110,8 @@ class EngineCore:
             self.block_manager = BlockManager(num_blocks, bs, config.enable_prefix_caching)
             self.scheduler = Scheduler(config.scheduler_config(self.max_model_len), self.block_manager, clock)
             spec = config.speculative_config
-            self.speculator = (Speculator.build(spec, self.block_manager, self.executor, self.max_model_len)
-                               if spec is not None else None)
+            self.speculator = (Speculator.build(spec, self.block_manager, self.executor, self.max_model_len,
+                                                proposer) if spec is not None else None)
         except BaseException:
             self.executor.abort()
             raise

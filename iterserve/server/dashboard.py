@@ -39,6 +39,7 @@ from starlette.background import BackgroundTask
 from iterserve import __version__
 from iterserve.engine.core_client import EngineCoreClient
 from iterserve.engine.messages import KVSnapshot, SchedulerStats, StepStats
+from iterserve.engine.spec_decode.stats import acceptance_rate, mean_accepted_length
 from iterserve.outputs import RequestOutput
 from iterserve.server.auth import bearer_matches
 from iterserve.server.errors import APIError
@@ -103,12 +104,15 @@ class _Cursor:
 
 
 class Dashboard:
-    """The state every open page draws, fed by the engine client on the event loop (a StepObserver)."""
+    """The state every open page draws, fed by the engine client on the event loop (a StepObserver).
+    With ``speculative`` (the engine drafts tokens) the stats carry the spec-decode counters too."""
 
-    def __init__(self, engine: EngineCoreClient, facts: dict[str, Any], max_viewers: int = 16) -> None:
+    def __init__(self, engine: EngineCoreClient, facts: dict[str, Any], max_viewers: int = 16,
+                 speculative: bool = False) -> None:
         self.engine = engine
         self.facts = facts
         self.max_viewers = max_viewers
+        self.speculative = speculative
         self.stats: SchedulerStats | None = None
         self.step: StepStats | None = None
         self.kv: KVSnapshot | None = None
@@ -173,6 +177,8 @@ class Dashboard:
             frame["stats"] = {"running": s.num_running, "waiting": self.engine.num_waiting,
                               "kv_usage": s.kv_cache_usage, "steps": s.num_steps, "preemptions": s.num_preemptions,
                               "generation_tokens": s.num_generation_tokens}
+            if self.speculative:
+                frame["stats"]["spec"] = spec_stats(s)
         if self.step is not None and self.step.step != cursor.step:
             frame["step"] = self.step
             cursor.step = self.step.step
@@ -261,6 +267,15 @@ class Dashboard:
             slot.release()
 
 
+def spec_stats(s: SchedulerStats) -> dict[str, Any]:
+    """Speculative decoding since the engine started, from the counters /metrics exports (vLLM's
+    spec_decode_*): the rate and the mean length are None until a draft has been verified."""
+    return {"drafts": s.spec_num_drafts, "draft_tokens": s.spec_num_draft_tokens,
+            "accepted_tokens": s.spec_num_accepted_tokens,
+            "acceptance_rate": acceptance_rate(s.spec_num_accepted_tokens, s.spec_num_draft_tokens),
+            "mean_accepted_length": mean_accepted_length(s.spec_num_accepted_tokens, s.spec_num_drafts)}
+
+
 def _event(frame: dict[str, Any] | None) -> bytes | None:
     return None if frame is None else b"data: " + msgspec.json.encode(frame) + b"\n\n"
 
@@ -328,7 +343,8 @@ def _unauthorized() -> APIError:
 def add_dashboard(app: FastAPI, engine: EngineCoreClient, model_name: str, api_key: str | None,
                   max_viewers: int = 16) -> Dashboard:
     """Register the dashboard's routes on ``app`` and make it the engine client's step observer."""
-    dashboard = Dashboard(engine, facts(engine, model_name), max_viewers)
+    dashboard = Dashboard(engine, facts(engine, model_name), max_viewers,
+                          speculative=engine.config.speculative_config is not None)
     engine.step_observer = dashboard
     auth = SessionAuth(api_key)
     root = resources.files("iterserve.server") / "static" / "dashboard"

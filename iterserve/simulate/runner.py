@@ -38,7 +38,17 @@ import numpy as np
 from iterserve.bench.metrics import DEFAULT_PERCENTILES, RequestResult, compute_metrics
 from iterserve.bench.serve import LoadPoint, arrival_offsets
 from iterserve.bench.workloads import Request, WorkloadSpec, random_tokens
-from iterserve.config import DEFAULT_MODEL, Batching, Dtype, EngineConfig, KVAllocation, ModelConfig, get_preset
+from iterserve.config import (
+    DEFAULT_MODEL,
+    Batching,
+    Dtype,
+    EngineConfig,
+    KVAllocation,
+    ModelConfig,
+    SpeculativeConfig,
+    get_preset,
+)
+from iterserve.config.speculative import DEFAULT_DISABLE_BY_BATCH_SIZE
 from iterserve.engine.core import EngineCore
 from iterserve.engine.messages import EngineCoreOutput, EngineCoreRequest
 from iterserve.engine.validation import check_prompt
@@ -49,7 +59,9 @@ from iterserve.simulate.executor import CostModelExecutor, VirtualClock
 
 @dataclass(frozen=True)
 class SimConfig:
-    """The simulated engine: the scheduler's settings and the KV pool's size."""
+    """The simulated engine: the scheduler's settings, the KV pool's size and speculative decoding
+    (``num_speculative_tokens`` drafts per decoding sequence, each position accepted with probability
+    ``spec_acceptance``; 0 drafts: none)."""
 
     num_kv_blocks: int
     block_size: int = 16
@@ -62,6 +74,9 @@ class SimConfig:
     max_model_len: int | None = None  # None: what the pool holds
     request_latency_s: float = 0.0  # client -> scheduler -> client round trip outside the steps
     admission_interval_s: float = 0.0  # least time between two requests reaching the scheduler
+    num_speculative_tokens: int = 0
+    spec_acceptance: float | None = None  # needed with drafts, refused without
+    spec_disable_by_batch_size: int | None = DEFAULT_DISABLE_BY_BATCH_SIZE  # the engine's, as speculative_config's
 
     @property
     def model_len(self) -> int:
@@ -74,6 +89,28 @@ class SimConfig:
         if self.max_model_len is not None and self.max_model_len > self.num_kv_blocks * self.block_size:
             raise ValueError(f"max_model_len {self.max_model_len} needs more KV cache than the pool holds "
                              f"({self.num_kv_blocks} blocks of {self.block_size} tokens)")
+        self._check_speculation()
+
+    def _check_speculation(self) -> None:
+        k, a = self.num_speculative_tokens, self.spec_acceptance
+        if isinstance(k, bool) or not isinstance(k, int) or k < 0:
+            raise ValueError(f"num_speculative_tokens must be an integer >= 0, got {k!r}")
+        if k and a is None:
+            raise ValueError("speculative decoding needs the draft acceptance probability (--spec-acceptance)")
+        if not k and a is not None:
+            raise ValueError("a draft acceptance probability needs drafts: set num_speculative_tokens "
+                             "(--num-speculative-tokens) too")
+        if a is not None and not 0 <= a <= 1:
+            raise ValueError(f"the draft acceptance probability must be in [0, 1], got {a}")
+        if k:  # disable_by_batch_size is checked where it is defined
+            SpeculativeConfig(k, disable_by_batch_size=self.spec_disable_by_batch_size)
+
+    @property
+    def speculative_config(self) -> SpeculativeConfig | None:
+        """The engine's speculative decoding: n-gram's settings, whose drafts the executor stands in for."""
+        if not self.num_speculative_tokens:
+            return None
+        return SpeculativeConfig(self.num_speculative_tokens, disable_by_batch_size=self.spec_disable_by_batch_size)
 
     def engine_config(self, model: str, dtype: Dtype, step_trace: str | None = None) -> EngineConfig:
         """The engine core's config: these settings, the KV pool given in blocks."""
@@ -82,7 +119,8 @@ class SimConfig:
                             max_num_batched_tokens=self.max_num_batched_tokens,
                             enable_prefix_caching=self.enable_prefix_caching, num_kv_blocks=self.num_kv_blocks,
                             batching=self.batching, max_batch_wait=self.max_batch_wait,
-                            kv_allocation=self.kv_allocation, step_trace=step_trace)
+                            kv_allocation=self.kv_allocation, step_trace=step_trace,
+                            speculative_config=self.speculative_config)
 
 
 @dataclass
@@ -94,6 +132,11 @@ class PointStats:
     busy_s: float = 0.0  # simulated time the engine spent in steps
     mean_batch: float = 0.0  # sequences per step
     prefix_hit_tokens: int = 0  # prompt tokens the prefix cache spared computing
+    # speculative decoding, as vLLM counts it (engine/spec_decode/stats.py); zero without it
+    num_drafts: int = 0
+    num_draft_tokens: int = 0
+    num_accepted_tokens: int = 0
+    mean_accepted_length: float | None = None  # tokens per sequence per verification pass
 
 
 class _Client:
@@ -227,8 +270,8 @@ def simulate_point(
 def _run_point(requests: list[Request], point: LoadPoint, cost: CostModel, cfg: SimConfig, burstiness: float,
                seed: int, model: ModelConfig, config: EngineConfig) -> tuple[list[RequestResult], float, PointStats]:
     clock = VirtualClock()
-    executor = CostModelExecutor(config, model, cost, clock)
-    core = EngineCore(config, executor=executor, clock=clock)
+    executor = CostModelExecutor(config, model, cost, clock, acceptance=cfg.spec_acceptance or 0.0, seed=seed)
+    core = EngineCore(config, executor=executor, clock=clock, proposer=executor)
     try:
         client = _Client(requests, point, burstiness, seed, cfg, core, clock)
         duration = client.run()
@@ -236,8 +279,10 @@ def _run_point(requests: list[Request], point: LoadPoint, cost: CostModel, cfg: 
         core.close()
     if not any(r.success for r in client.results):
         raise ValueError(f"no request of the workload could run: {client.results[0].error}")
+    spec = core.spec_stats
     stats = PointStats(core.num_steps, core.num_preemptions, executor.busy_s, executor.rows / max(core.num_steps, 1),
-                       core.prefix_hit_tokens)
+                       core.prefix_hit_tokens, spec.num_drafts, spec.num_draft_tokens, spec.num_accepted_tokens,
+                       spec.mean_accepted_length)
     return client.results, duration, stats
 
 

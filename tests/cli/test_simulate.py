@@ -83,11 +83,46 @@ def test_calibrate_measures_the_round_trip_and_run_uses_it(tmp_path, capsys):
     (["--gpu", "A100"], "ambiguous"),
     (["--step-time", "0.01", "--sweep-rates", "1", "--sweep-concurrency", "2"], "not both"),
     (["--profile", "missing.json"], "No such file"),
+    (["--step-time", "0.01", "--num-speculative-tokens", "4"], "needs the draft acceptance probability"),
+    (["--step-time", "0.01", "--spec-acceptance", "0.5"], "needs drafts"),
+    (["--step-time", "0.01", "--num-speculative-tokens", "2", "--spec-acceptance", "0.5",
+      "--spec-disable-by-batch-size", "0"], "disable_by_batch_size must be an integer >= 1"),
 ])
 def test_bad_options_are_clear_errors(args, message, capsys, tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     assert main(["simulate", "run", *SMALL, *args]) == 2
     assert message in capsys.readouterr().err
+
+
+def test_the_step_trace_folder_is_created_when_missing(tmp_path):
+    trace = tmp_path / "traces" / "today" / "steps.jsonl"
+    assert main(["simulate", "run", "--step-time", "0.01", *SMALL, "--step-trace", str(trace)]) == 0
+    records = [json.loads(line) for line in trace.read_text().splitlines()]
+    assert sum(r["type"] == "request" for r in records) == 24 and any(r["type"] == "step" for r in records)
+
+
+def test_run_with_speculative_decoding_reports_the_drafts(tmp_path, capsys):
+    out = tmp_path / "spec.json"
+    assert main(["simulate", "run", "--step-time", "0.01", *SMALL, "--max-concurrency", "4",
+                 "--num-speculative-tokens", "4", "--spec-acceptance", "1", "--output-json", str(out),
+                 "--no-charts"]) == 0
+    text = capsys.readouterr().out
+    assert "speculative decoding: 4 drafts, each accepted with probability 1.0, none above 8 running" in text
+    assert "acceptance rate 100.0%" in text
+    assert main(["simulate", "run", "--step-time", "0.01", *SMALL, "--num-speculative-tokens", "2",
+                 "--spec-acceptance", "0.5", "--spec-disable-by-batch-size", "none"]) == 0
+    assert "each accepted with probability 0.5, at any batch size" in capsys.readouterr().out
+    result = json.loads(out.read_text())
+    sim = result["runs"][0]["simulated"]
+    assert sim["num_drafts"] > 0 and sim["num_accepted_tokens"] == sim["num_draft_tokens"]
+    assert result["simulation"]["engine"]["num_speculative_tokens"] == 4
+    assert result["runs"][0]["completed"] == 24
+
+
+def test_the_batch_limit_of_speculation_is_a_number_or_none(capsys):
+    with pytest.raises(SystemExit) as e:
+        main(["simulate", "run", "--step-time", "0.01", *SMALL, "--spec-disable-by-batch-size", "many"])
+    assert e.value.code == 2 and "a number of running sequences or 'none', got 'many'" in capsys.readouterr().err
 
 
 def test_calibrate_needs_input(capsys, tmp_path):

@@ -15,13 +15,17 @@ from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 
 import httpx
+import msgspec
 import pytest
+from prometheus_client.parser import text_string_to_metric_families
 
+from iterserve.config import EngineConfig, ServerConfig
 from iterserve.engine.messages import KV_CACHED, KV_FIRST_ROW, KV_FREE, SchedulerStats
+from iterserve.server import build_app
 from iterserve.server import dashboard as dashboard_module
 from iterserve.server.dashboard import COOKIE
 from iterserve.server.errors import APIError
-from tests.server.conftest import API_KEY, MODEL, ServerThread, wait_until_idle
+from tests.server.conftest import API_KEY, MODEL, TINY_MODEL, ServerThread, wait_until_idle
 
 AUTH = {"Authorization": f"Bearer {API_KEY}"}
 CHROMIUM = shutil.which("chromium") or "/usr/bin/chromium"
@@ -173,6 +177,49 @@ def test_a_crowd_of_viewers_costs_one_frame_per_tick_and_a_limit(monkeypatch):
     asyncio.run(crowd())
 
 
+def test_the_stats_carry_speculative_decoding_only_when_it_is_on():
+    plain = dashboard_module.Dashboard(_Engine(), {})  # type: ignore[arg-type]
+    plain.record_step(None, None, _stats(3))
+    assert "spec" not in plain.frame(dashboard_module._Cursor())["stats"]
+    spec = dashboard_module.Dashboard(_Engine(), {}, speculative=True)  # type: ignore[arg-type]
+    spec.record_step(None, None, _stats(1))  # nothing verified yet: no rate to show
+    assert spec.frame(dashboard_module._Cursor())["stats"]["spec"] == {
+        "drafts": 0, "draft_tokens": 0, "accepted_tokens": 0, "acceptance_rate": None, "mean_accepted_length": None}
+    stats = msgspec.structs.replace(_stats(9), spec_num_drafts=4, spec_num_draft_tokens=12, spec_num_accepted_tokens=6)
+    spec.record_step(None, None, stats)
+    assert spec.frame(dashboard_module._Cursor())["stats"]["spec"] == {
+        "drafts": 4, "draft_tokens": 12, "accepted_tokens": 6, "acceptance_rate": 0.5, "mean_accepted_length": 2.5}
+
+
+@pytest.fixture(scope="module")
+def spec_server() -> Iterator[tuple[ServerThread, dict[str, float]]]:
+    """A server with n-gram speculation after one completion, and its /metrics samples then."""
+    spec = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1, "prompt_lookup_max": 2}
+    config = EngineConfig(model=TINY_MODEL, dtype="float32", num_kv_blocks=64, max_model_len=256,
+                          speculative_config=spec)
+    with ServerThread(build_app(config, ServerConfig(served_model_name=MODEL))) as s:
+        r = httpx.post(f"{s.url}/v1/completions", timeout=60,
+                       json={"model": MODEL, "prompt": [5, 6, 7, 8] * 8, "max_tokens": 40, "ignore_eos": True,
+                             "temperature": 0})  # a random model repeats itself: n-gram lookup drafts
+        assert r.status_code == 200, r.text
+        wait_until_idle(s)
+        metrics = {sample.name: sample.value for family in text_string_to_metric_families(httpx.get(
+            f"{s.url}/metrics").text) for sample in family.samples}
+        yield s, metrics
+
+
+def test_the_feed_shows_the_servers_speculative_decoding_counters(spec_server):
+    s, metrics = spec_server
+    stop = threading.Event()
+    stop.set()  # the first frame is the whole state
+    shown = next(f for f in frames(s, {}, stop) if f is not None)["stats"]["spec"]
+    assert shown["drafts"] == metrics["vllm:spec_decode_num_drafts_total"] > 0
+    assert shown["draft_tokens"] == metrics["vllm:spec_decode_num_draft_tokens_total"]
+    assert shown["accepted_tokens"] == metrics["vllm:spec_decode_num_accepted_tokens_total"]
+    assert shown["acceptance_rate"] == pytest.approx(shown["accepted_tokens"] / shown["draft_tokens"])
+    assert shown["mean_accepted_length"] == pytest.approx(1 + shown["accepted_tokens"] / shown["drafts"])
+
+
 def test_an_idle_pool_shows_free_blocks_once_watched(server, quick_keepalive):
     """Opening the feed on an idle server brings a snapshot at once: every block is free or cached."""
     wait_until_idle(server)
@@ -281,6 +328,24 @@ def test_browser_login_prompt_takes_the_key(server, browser):
     page.wait_for_selector("#panels:not([hidden])")
     page.wait_for_function("document.getElementById('facts').textContent.includes('KV bytes per token')")
     assert "continuous batching: requests join and leave the batch at every step" in page.inner_text("#facts")
-    assert page.is_hidden("#login")
+    assert page.is_hidden("#login") and page.is_hidden("#spec-panel")  # no speculation on this server
     assert page.reload().status == 200  # the session cookie lets the page itself in now
+    context.close()
+
+
+def test_browser_shows_speculative_decoding(spec_server, browser):
+    s, metrics = spec_server
+    context = browser.new_context(bypass_csp=True)
+    page = context.new_page()
+    errors: list[str] = []
+    page.on("pageerror", lambda e: errors.append(str(e)))
+    assert page.goto(f"{s.url}/dashboard").status == 200
+    page.wait_for_selector("#spec-panel:not([hidden])")
+    rows = dict(tuple(td.inner_text() for td in tr.query_selector_all("td"))
+                for tr in page.query_selector_all("#spec tr"))
+    drafts = metrics["vllm:spec_decode_num_drafts_total"]
+    accepted = metrics["vllm:spec_decode_num_accepted_tokens_total"]
+    assert rows["drafts verified"] == str(int(drafts)) and rows["accepted tokens"] == str(int(accepted))
+    assert rows["mean accepted length"] == f"{1 + accepted / drafts:.2f} tokens per pass"
+    assert rows["acceptance rate"].endswith("%") and not errors
     context.close()

@@ -46,7 +46,10 @@ class Speculator:
 
     @classmethod
     def build(cls, config: SpeculativeConfig, block_manager: BlockManager, executor: Executor,
-              max_model_len: int | None) -> Speculator:
+              max_model_len: int | None, proposer: Proposer | None = None) -> Speculator:
+        """The proposer ``config`` names, unless ``proposer`` stands in for it (a simulator's drafts)."""
+        if proposer is not None:
+            return cls(config, proposer, max_model_len)
         if config.uses_draft_model:
             return cls(config, DraftModelProposer(block_manager, executor), max_model_len)
         assert config.prompt_lookup_min is not None and config.prompt_lookup_max is not None  # set when checked

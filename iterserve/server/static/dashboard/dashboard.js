@@ -131,6 +131,7 @@ function render() {
   renderKV();
   renderSeries();
   renderLatencies();
+  renderSpec();
 }
 
 function cell(text, cls) {
@@ -331,6 +332,26 @@ function schedulingText(e) {
              `${Math.round(e.max_batch_wait * 1000)} ms, then runs until its last request finishes`,
   };
   return policies[e.batching] || `${e.batching} batching`;
+}
+
+// Speculative decoding since start (the spec_decode counters /metrics exports); the panel shows only when it is on.
+function renderSpec() {
+  const spec = state.stats ? state.stats.spec : undefined;
+  $("spec-panel").hidden = !spec;
+  if (!spec) return;
+  const rate = spec.acceptance_rate, length = spec.mean_accepted_length;
+  const rows = [
+    ["drafts verified", String(spec.drafts)],
+    ["draft tokens", String(spec.draft_tokens)],
+    ["accepted tokens", String(spec.accepted_tokens)],
+    ["acceptance rate", rate === null ? "-" : `${(100 * rate).toFixed(1)}%`],
+    ["mean accepted length", length === null ? "-" : `${length.toFixed(2)} tokens per pass`],
+  ];
+  $("spec").replaceChildren(...rows.map(([k, v]) => {
+    const tr = document.createElement("tr");
+    tr.append(cell(k), cell(v, "num"));
+    return tr;
+  }));
 }
 
 function renderFacts() {
