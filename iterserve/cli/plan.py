@@ -77,6 +77,10 @@ def _add_arguments(p: argparse.ArgumentParser) -> None:
                     "runs in: bf16 on a GPU or a CPU with bf16 instructions, else fp32) (default bf16; with "
                     "--validate fp32 on CPU)")
     wl.add_argument("--kv-dtype", help="KV-cache dtype (default: --dtype)")
+    wl.add_argument("--quantization", type=str.lower, choices=planner.QUANTIZATION_CHOICES, default="none",
+                    help="the matmul weights' format: gguf (a GGUF model's own mix of tensor types; approximated "
+                         "for other models), q4_0, q4_1, q8_0, int8, int4, fp8, or none (all in --dtype) "
+                         "(default %(default)s)"),
     wl.add_argument("--context", type=int, help="tokens per sequence for KV capacity and decode "
                     "(default min(4096, model max); 256 with --validate)")
     wl.add_argument("--prompt-len", type=int, help="prompt tokens for prefill/TTFT (default --context)")
@@ -183,15 +187,19 @@ def print_plans(plans: list[planner.Plan], out: TextIO) -> None:
     first = plans[0]
     tp = first.tensor_parallel_size
     per_gpu = f" per GPU (of {tp})" if tp > 1 else ""
+    weights = f"{first.dtype} weights" if first.quantization == "none" else f"{first.dtype} compute"
     _print_table(
-        f"{first.model}: {first.dtype} weights, {first.kv_dtype} KV cache"
+        f"{first.model}: {weights}, {first.kv_dtype} KV cache"
         + (f", tensor parallel over {tp} GPUs" if tp > 1 else ""),
         ["model", "value"],
         [
             ["parameters", f"{_fmt_count(first.num_parameters)} ({first.num_parameters:,})"],
+            ["weight format", first.quantization if first.quantization != "none"
+             else f"{first.dtype} (no quantization)"],
             [f"matmul parameters (per-token work){per_gpu}", _fmt_count(first.matmul_parameters)],
             *([["weight memory, all GPUs", _fmt_gib(first.total_weight_bytes)]] if tp > 1 else []),
             [f"weight memory{per_gpu}", _fmt_gib(first.weight_bytes)],
+            [f"weight bytes read per step{per_gpu}", _fmt_gib(first.streamed_weight_bytes)],
             [f"KV bytes per token{per_gpu}", f"{first.kv_bytes_per_token:,} B"],
             ["context / prompt / batch", f"{first.context} / {first.prompt_len} / {first.batch}"],
         ],
@@ -240,13 +248,14 @@ def print_plans(plans: list[planner.Plan], out: TextIO) -> None:
             print(f"{p.interconnect.name}: {p.interconnect.source}", file=out)
 
 
-def print_speculation(plans: list[planner.Plan], shard: ModelConfig, k: int, acceptance: float, out: TextIO) -> None:
+def print_speculation(plans: list[planner.Plan], shard: ModelConfig, k: int, acceptance: float, out: TextIO,
+                      quantization: planner.Quantization | None = None) -> None:
     """Decode tokens/s with and without speculative decoding over each plan's sweep (``shard``: what one
     device holds), and the batch where speculation stops paying."""
     length = mean_accepted_length(k, acceptance)
     for p in plans:
         points = speculative_sweep(shard, p.hardware, [s.batch for s in p.sweep], p.context, k, acceptance,
-                                   p.dtype, p.kv_dtype)
+                                   p.dtype, p.kv_dtype, quantization)
         rows = [(str(q.batch), f"{q.plain_tokens_per_s:,.0f}", f"{q.spec_tokens_per_s:,.0f}", f"{q.speedup:.2f}x",
                  q.verify_bound) for q in points]
         _print_table(f"Speculative decoding on {p.hardware.name}: k={k}, acceptance {acceptance:.2f} "
@@ -328,6 +337,8 @@ def _list_gpus(out: TextIO, as_json: bool) -> None:
 def _run_validate(args: argparse.Namespace, out: TextIO) -> int:
     if args.gpu or args.flops or args.bandwidth or args.memory:
         raise ValueError("--validate measures this machine; drop --gpu/--flops/--bandwidth/--memory")
+    if args.quantization != "none":
+        raise ValueError("--validate times the model's float weights; drop --quantization")
     import torch
 
     from iterserve.bench import validate
@@ -391,12 +402,14 @@ def _run(args: argparse.Namespace, out: TextIO, err: TextIO) -> int:
     dtype = _plan_dtype(args.dtype, args.measure and args.device != "cuda")
     kv_dtype = canonical_dtype(args.kv_dtype) if args.kv_dtype else None
     cfg = planner.load_model_config(args.model)
+    quantization = planner.quantization_for(args.model, args.quantization)
     hws = _hardware_from_args(args, dtype)
     batches = _parse_batches(args.batches)
     options: dict[str, Any] = dict(dtype=dtype, kv_dtype=kv_dtype, context=args.context, prompt_len=args.prompt_len,
                                    batch=args.batch, gpu_memory_utilization=args.gpu_memory_utilization,
                                    block_size=args.block_size, tensor_parallel_size=args.tp,
-                                   interconnect=get_interconnect(args.interconnect) if args.interconnect else None)
+                                   interconnect=get_interconnect(args.interconnect) if args.interconnect else None,
+                                   quantization=quantization)
     shard = cfg.tensor_parallel_shard(args.tp)  # what one GPU holds
     if batches is None and len(hws) > 1:  # one sweep for every GPU, so the table lines up
         context = args.context if args.context is not None else min(
@@ -404,8 +417,9 @@ def _run(args: argparse.Namespace, out: TextIO, err: TextIO) -> int:
         sweeps = []
         for hw in hws:
             try:  # a GPU the model does not fit on is skipped below, with the reason, and adds no rows
-                planner.kv_capacity(shard, hw, context, dtype, kv_dtype, args.gpu_memory_utilization, args.block_size)
-                sweeps.append(planner.default_batches(shard, hw, context, dtype, kv_dtype))
+                planner.kv_capacity(shard, hw, context, dtype, kv_dtype, args.gpu_memory_utilization, args.block_size,
+                                    quantization)
+                sweeps.append(planner.default_batches(shard, hw, context, dtype, kv_dtype, quantization))
             except ValueError:
                 continue
         batches = sorted({b for sweep in sweeps for b in sweep}) or None
@@ -419,13 +433,13 @@ def _run(args: argparse.Namespace, out: TextIO, err: TextIO) -> int:
             skipped.append(f"{hw.name}: {e}")
     if not plans:
         raise ValueError(f"no GPU can run this: {'; '.join(skipped)}")
-    written = _charts(args, plans, cfg, hws, dtype, kv_dtype)
+    written = _charts(args, plans, cfg, hws, dtype, kv_dtype, quantization)
     if args.json:
         print(json.dumps({"plans": [p.to_dict() for p in plans], "skipped": skipped}, indent=2), file=out)
     else:
         print_plans(plans, out)
         if args.num_speculative_tokens:
-            print_speculation(plans, shard, args.num_speculative_tokens, args.spec_acceptance, out)
+            print_speculation(plans, shard, args.num_speculative_tokens, args.spec_acceptance, out, quantization)
         for line in skipped:
             print(f"skipped {line}", file=err)
         for chart in written:
@@ -445,7 +459,7 @@ def _plan_dtype(name: str | None, on_this_cpu: bool) -> str:
 
 
 def _charts(args: argparse.Namespace, plans: list[planner.Plan], cfg: Any, hws: list[Accelerator], dtype: str,
-            kv_dtype: str | None) -> list[str]:
+            kv_dtype: str | None, quantization: planner.Quantization) -> list[str]:
     """Draw the asked-for charts; returns the paths written. A measured machine's timing charts carry its
     stamp, and are refused when the machine was busy while it was measured."""
     from iterserve.cli import plan_charts
@@ -463,7 +477,7 @@ def _charts(args: argparse.Namespace, plans: list[planner.Plan], cfg: Any, hws: 
         plan_charts.chart_roofline(plans[-1] if args.measure else plans[0], args.roofline_chart, stamp=stamp)
     if args.capacity_chart:
         plan_charts.chart_capacity(cfg.tensor_parallel_shard(args.tp), hws, dtype, kv_dtype, args.capacity_chart,
-                                   args.gpu_memory_utilization)
+                                   args.gpu_memory_utilization, quantization)
     return [c for c in (args.chart if timed else None, args.roofline_chart if timed else None, args.capacity_chart)
             if c]
 

@@ -109,7 +109,8 @@ def chart_roofline(p: planner.Plan, path: str, stamp: str | None = None) -> None
 
 
 def chart_capacity(cfg: Any, hws: Sequence[Accelerator], dtype: str, kv_dtype: str | None, path: str,
-                   gpu_memory_utilization: float = planner.DEFAULT_GPU_MEMORY_UTILIZATION) -> None:
+                   gpu_memory_utilization: float = planner.DEFAULT_GPU_MEMORY_UTILIZATION,
+                   quantization: planner.Quantization | None = None) -> None:
     """Sequences whose KV cache fits beside the weights, against their context length, per accelerator."""
     fig, ax = subplots(figsize=(7.5, 4.5))
     contexts = [c for c in (2 ** k for k in range(7, 18)) if c <= cfg.max_position_embeddings]
@@ -117,7 +118,8 @@ def chart_capacity(cfg: Any, hws: Sequence[Accelerator], dtype: str, kv_dtype: s
         seqs = []
         for c in contexts:
             try:
-                seqs.append(planner.kv_capacity(cfg, hw, c, dtype, kv_dtype, gpu_memory_utilization).max_seqs)
+                seqs.append(planner.kv_capacity(cfg, hw, c, dtype, kv_dtype, gpu_memory_utilization,
+                                                quantization=quantization).max_seqs)
             except ValueError:  # the weights do not fit: no sequence does
                 seqs.append(0)
         ax.plot(contexts, [max(s, 0.5) for s in seqs], "o-", color=f"C{i}", label=hw.name)
@@ -127,6 +129,7 @@ def chart_capacity(cfg: Any, hws: Sequence[Accelerator], dtype: str, kv_dtype: s
     kv = planner.kv_bytes_per_token(cfg, kv_dtype or dtype)
     _log_batch_axes(((ax, "sequences that fit at once"),), "context length (tokens per sequence)")
     ax.set_title(f"{model_label(cfg)}: {kv:,} B of KV cache per token ({kv_dtype or dtype}), "
-                 f"weights in {dtype}, {gpu_memory_utilization:g} of memory used", fontsize=9)
+                 f"weights in {dtype if quantization is None or quantization.name == 'none' else quantization.name}, "
+                 f"{gpu_memory_utilization:g} of memory used", fontsize=9)
     ax.legend(fontsize=8)
     save_figure(fig, path, dpi=120)

@@ -14,6 +14,7 @@ from typing import Any
 from iterserve.cli.flags import add_config_args
 from iterserve.config import EngineConfig
 from iterserve.config.speculative import DEFAULT_DISABLE_BY_BATCH_SIZE
+from iterserve.planner.weights import QUANTIZATION_CHOICES
 from iterserve.simulate.cost import ConstantCost, CostModel, LinearCost, RooflineCost
 from iterserve.simulate.planning import PlannerTerms
 
@@ -29,6 +30,9 @@ def _add_run_parser(sub: Any) -> None:
     m = p.add_argument_group("model and cost model (one of --step-time, --gpu/--flops, --profile)")
     m.add_argument("--model", default=DEFAULT_SIM_MODEL, help="preset name, config.json, model folder or .gguf")
     m.add_argument("--dtype", default="bf16", help="weight and KV dtype (bf16, fp16, fp32, ...; default %(default)s)")
+    m.add_argument("--quantization", type=str.lower, default="none",
+                   choices=QUANTIZATION_CHOICES,
+                   help="the weights' format for the roofline, as iterserve plan --quantization (default %(default)s)")
     m.add_argument("--step-time", type=float, default=None, help="constant seconds per step")
     m.add_argument("--gpu", default=None, help="roofline on this accelerator (see iterserve plan --list-gpus)")
     m.add_argument("--flops", default=None, help="peak FLOP/s for --dtype, in TFLOP/s or with a unit")
@@ -183,8 +187,11 @@ def _cmd_run(args: argparse.Namespace) -> int:
     points = load_points(args)
     model = load_model_config(args.model)  # read once for the planner and the engine: a GGUF's takes seconds
     model = model if model.name else model.replace(name=args.model)
+    from iterserve.planner import quantization_for
+
     terms = planner_terms(model, args.dtype, gpu=args.gpu, flops=args.flops, bandwidth=args.bandwidth,
-                          memory=args.memory, gpu_memory_utilization=args.gpu_memory_utilization)
+                          memory=args.memory, gpu_memory_utilization=args.gpu_memory_utilization,
+                          quantization=quantization_for(args.model, args.quantization))
     cost = _cost_model(args, terms)
     cfg = sim_config_from_args(args, terms, cost)
     tokenizer = load_tokenizer(args.tokenizer) if args.tokenizer else None

@@ -39,6 +39,7 @@ from iterserve.engine.messages import (
     EngineFailed,
     EngineReady,
     KVSnapshot,
+    LoadedWeights,
     SchedulerStats,
     Shutdown,
     StepStats,
@@ -53,6 +54,7 @@ from iterserve.engine.validation import check_prompt
 from iterserve.errors import SamplingParamsError, TensorParallelError
 from iterserve.models.loader import LoadedModel
 from iterserve.outputs import RequestMetrics
+from iterserve.quantization.model import weight_formats
 from iterserve.sampling_params import SamplingParams, grammar_checks_deferred
 from iterserve.tokenizer import Tokenizer
 
@@ -431,7 +433,7 @@ def run_engine_core(config: EngineConfig, input_addr: str, output_addr: str, log
         outputs.close(linger=2000)
         raise SystemExit(1) from None
     core.emit_steps = True  # every step's record goes to the API process (its dashboard)
-    outputs.send(encoder.encode(EngineReady(os.getpid())))
+    outputs.send(encoder.encode(EngineReady(os.getpid(), loaded_weights(core.executor))))
     try:
         _busy_loop(core, inputs, outputs, encoder, parent)
     except Exception as e:  # noqa: BLE001 - a broken loop is fatal; say so before exiting
@@ -443,6 +445,14 @@ def run_engine_core(config: EngineConfig, input_addr: str, output_addr: str, log
         outputs.close(linger=2000)
         inputs.close(linger=0)
         ctx.term()
+
+
+def loaded_weights(executor: Executor) -> list[LoadedWeights]:
+    """The weights this process's worker holds, by format; none where no model runs in this process."""
+    worker = getattr(executor, "worker", None)
+    if worker is None:
+        return []
+    return [LoadedWeights(f.fmt, f.tensors, f.parameters, f.bytes) for f in weight_formats(worker.loaded.model)]
 
 
 def _busy_loop(core: EngineCore, inputs: zmq.Socket, outputs: zmq.Socket, encoder: msgspec.msgpack.Encoder,

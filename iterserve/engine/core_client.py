@@ -46,6 +46,7 @@ from iterserve.engine.messages import (
     EngineFailed,
     EngineReady,
     KVSnapshot,
+    LoadedWeights,
     SchedulerStats,
     Shutdown,
     StepStats,
@@ -76,6 +77,8 @@ class EngineObserver(Protocol):
     def record_finished(self, engine: int, output: RequestOutput) -> None: ...
 
     def record_finish_reason(self, engine: int, reason: str) -> None: ...
+
+    def record_weights(self, engine: int, weights: list[LoadedWeights]) -> None: ...
 
 
 class StepObserver(Protocol):
@@ -170,6 +173,7 @@ class EngineCoreClient:
         draft = load_model_config(spec.model) if spec is not None and spec.model else None  # shares the blocks
         self.capacity = Capacity.of(config, self.model_config, draft=draft)  # each replica's
         self.max_model_len = self.capacity.max_model_len
+        self.weights: list[LoadedWeights] = []  # what replica 0's core holds, by format, once it is ready
         self.on_dead: Callable[[], None] | None = None
         self.error: EngineDeadError | None = None
         n = data_parallel_size
@@ -241,6 +245,10 @@ class EngineCoreClient:
             raise RuntimeError(f"{core.label}the engine core could not start: {msg.message}")
         assert isinstance(msg, EngineReady)
         core.pid = msg.pid
+        if core.index == 0:
+            self.weights = msg.weights
+        if self.observer is not None:
+            self.observer.record_weights(core.index, msg.weights)
         logger.info("engine core process %d ready%s", msg.pid,
                     f" (replica {core.index} of {len(self._cores)})" if core.label else "")
 

@@ -135,10 +135,21 @@ class EngineCoreOutputs(msgspec.Struct, tag="outputs"):
     kv: KVSnapshot | None = None  # while a dashboard watches, at a bounded rate
 
 
+class LoadedWeights(msgspec.Struct, array_like=True):
+    """The core's weights held in one storage format (``Q4_1``, ``int8``, ``float32``...): tensors, parameters and
+    bytes, shared tensors once (under tensor parallelism, the core's own rank 0 shard)."""
+
+    format: str
+    tensors: int
+    parameters: int
+    bytes: int
+
+
 class EngineReady(msgspec.Struct, tag="ready"):
-    """Sent once the core process has loaded the model and is taking requests."""
+    """Sent once the core process has loaded the model and is taking requests, saying what it holds."""
 
     pid: int
+    weights: list[LoadedWeights] = msgspec.field(default_factory=list)
 
 
 class EngineFailed(msgspec.Struct, tag="failed"):

@@ -151,7 +151,8 @@ def load_model(
         logger.warning("float16 on CPU is slow and may be unsupported by some kernels; prefer bfloat16")
     loaded = _load(name, torch_dtype, device, seed, ps, quantization)
     quantize_model(loaded.model, quantization, linear)
-    logger.info("%s: %s", loaded.name, describe(weight_formats(loaded.model)))
+    for line in describe(weight_formats(loaded.model)):
+        logger.info("%s: %s", loaded.name, line)
     return loaded
 
 

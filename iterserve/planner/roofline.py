@@ -18,7 +18,8 @@ Counting conventions (``docs/planning.md`` has the derivation and a worked examp
   as the LM head (tied embeddings).
 * A decode step of ``B`` sequences at context ``C`` does ``B * (2 * P_mm + 4 * L * H * d * C)``
   FLOPs and reads ``P_mm * w + B * C * kv`` bytes (``w`` bytes per weight, ``kv`` KV bytes per
-  token, so grouped-query attention reads fewer bytes).
+  token, so grouped-query attention reads fewer bytes). Quantized weights
+  (:mod:`~iterserve.planner.weights`) replace ``P_mm * w`` by the bytes of their formats, scales included.
 * A prefill of ``N`` tokens runs the layers on all ``N`` tokens but the LM head on the last one,
   and causal attention costs ``2 * L * H * d * N * (N + 1)`` FLOPs; it reads the weights once and
   writes ``N * kv`` bytes of KV.
@@ -42,6 +43,7 @@ from typing import TYPE_CHECKING, Any
 
 from iterserve.config.dtypes import canonical_dtype, dtype_bytes
 from iterserve.planner.hardware import Accelerator, GiB, Interconnect, get_interconnect
+from iterserve.planner.weights import Quantization, as_quantization, streamed_bytes, total_bytes
 
 if TYPE_CHECKING:
     from iterserve.config import ModelConfig
@@ -68,14 +70,14 @@ def matmul_parameters(cfg: ModelConfig) -> int:
     return layer_matmul_parameters(cfg) + cfg.vocab_size * cfg.hidden_size
 
 
-def weight_bytes(cfg: ModelConfig, dtype: str = "bf16") -> int:
-    """Memory the weights occupy (every parameter, tied embeddings once)."""
-    return cfg.num_parameters() * dtype_bytes(dtype)
+def weight_bytes(cfg: ModelConfig, dtype: str = "bf16", quantization: Quantization | str | None = None) -> int:
+    """Memory the weights occupy (every parameter, tied embeddings once), in ``quantization``'s formats."""
+    return total_bytes(cfg, dtype, as_quantization(quantization))
 
 
-def streamed_weight_bytes(cfg: ModelConfig, dtype: str = "bf16") -> int:
-    """Weight bytes a forward step reads from memory: the matmul weights."""
-    return matmul_parameters(cfg) * dtype_bytes(dtype)
+def streamed_weight_bytes(cfg: ModelConfig, dtype: str = "bf16", quantization: Quantization | str | None = None) -> int:
+    """Weight bytes a forward step reads from memory: the matmul weights, in ``quantization``'s formats."""
+    return streamed_bytes(cfg, dtype, as_quantization(quantization))
 
 
 def kv_bytes_per_token(cfg: ModelConfig, kv_dtype: str = "bf16") -> int:
@@ -115,14 +117,16 @@ def check_context(cfg: ModelConfig, context: int, what: str = "context length") 
 
 
 def decode_cost(
-    cfg: ModelConfig, batch: int, context: int, dtype: str = "bf16", kv_dtype: str | None = None
+    cfg: ModelConfig, batch: int, context: int, dtype: str = "bf16", kv_dtype: str | None = None,
+    quantization: Quantization | str | None = None,
 ) -> Cost:
-    """One decode step: ``batch`` sequences each attending ``context`` cached tokens."""
+    """One decode step: ``batch`` sequences each attending ``context`` cached tokens (weights in
+    ``quantization``'s formats: they change the bytes read, not the FLOPs)."""
     check_positive(batch, "batch size")
     check_context(cfg, context)
     kv = kv_bytes_per_token(cfg, kv_dtype or dtype)
     flops = batch * (2 * matmul_parameters(cfg) + attention_flops_per_token(cfg, context))
-    return Cost(flops=flops, bytes=streamed_weight_bytes(cfg, dtype) + batch * context * kv)
+    return Cost(flops=flops, bytes=streamed_weight_bytes(cfg, dtype, quantization) + batch * context * kv)
 
 
 def prefill_cost(
@@ -131,6 +135,7 @@ def prefill_cost(
     batch: int = 1,
     dtype: str = "bf16",
     kv_dtype: str | None = None,
+    quantization: Quantization | str | None = None,
 ) -> Cost:
     """Prefill of ``batch`` prompts of ``prompt_len`` tokens in one step (causal attention)."""
     check_positive(batch, "batch size")
@@ -139,7 +144,7 @@ def prefill_cost(
     attn = 2 * cfg.num_layers * cfg.num_heads * cfg.head_dim * n * (n + 1)
     per_seq = 2 * layer_matmul_parameters(cfg) * n + 2 * cfg.vocab_size * cfg.hidden_size + attn
     kv = kv_bytes_per_token(cfg, kv_dtype or dtype)
-    return Cost(flops=batch * per_seq, bytes=streamed_weight_bytes(cfg, dtype) + batch * n * kv)
+    return Cost(flops=batch * per_seq, bytes=streamed_weight_bytes(cfg, dtype, quantization) + batch * n * kv)
 
 
 @dataclass(frozen=True)
@@ -187,7 +192,8 @@ def tensor_parallel_comm_s(cfg: ModelConfig, tokens: int, logits_rows: int, tp: 
 
 
 def decode_knee(
-    cfg: ModelConfig, hw: Accelerator, context: int, dtype: str = "bf16", kv_dtype: str | None = None
+    cfg: ModelConfig, hw: Accelerator, context: int, dtype: str = "bf16", kv_dtype: str | None = None,
+    quantization: Quantization | str | None = None,
 ) -> int | None:
     """Smallest batch whose decode step is compute-bound at ``context``; None if none is.
 
@@ -201,10 +207,10 @@ def decode_knee(
     denom = f - ratio * k
     if denom <= 0:
         return None
-    b = max(1, math.ceil(ratio * streamed_weight_bytes(cfg, dtype) / denom))
+    b = max(1, math.ceil(ratio * streamed_weight_bytes(cfg, dtype, quantization) / denom))
 
     def compute_bound(batch: int) -> bool:
-        return roofline(decode_cost(cfg, batch, context, dtype, kv_dtype), hw, dtype).bound == "compute"
+        return roofline(decode_cost(cfg, batch, context, dtype, kv_dtype, quantization), hw, dtype).bound == "compute"
 
     # the closed form can be off by one in floating point; settle it with the same predicate
     while b > 1 and compute_bound(b - 1):
@@ -238,6 +244,7 @@ def kv_capacity(
     kv_dtype: str | None = None,
     gpu_memory_utilization: float = DEFAULT_GPU_MEMORY_UTILIZATION,
     block_size: int = DEFAULT_BLOCK_SIZE,
+    quantization: Quantization | str | None = None,
 ) -> MemoryPlan:
     """KV memory left after the weights, in tokens and in sequences of ``context`` tokens.
 
@@ -249,10 +256,12 @@ def kv_capacity(
     check_positive(block_size, "block size")
     check_context(cfg, context)
     usable = int(hw.memory_bytes * gpu_memory_utilization)
-    weights = weight_bytes(cfg, dtype)
+    q = as_quantization(quantization)
+    weights = weight_bytes(cfg, dtype, q)
     if weights >= usable:
+        stored = canonical_dtype(dtype) + (f" with {q.name} weights" if q.name != "none" else "")
         raise ValueError(
-            f"{model_label(cfg)} weights need {weights / GiB:.1f} GiB in {canonical_dtype(dtype)} "
+            f"{model_label(cfg)} weights need {weights / GiB:.1f} GiB in {stored} "
             f"but {hw.name} offers {hw.memory_bytes / GiB:.1f} GiB x {gpu_memory_utilization:g} = "
             f"{usable / GiB:.1f} GiB; the weights do not fit"
         )
@@ -318,6 +327,7 @@ class Plan:
     tensor_parallel_size: int = 1  # memory, work and times above are one device's of this many
     interconnect: Interconnect | None = None  # the devices' link (tensor_parallel_size > 1)
     total_weight_bytes: int = 0  # the whole model's, on all devices together
+    quantization: str = "none"  # the weights' formats (a Quantization's label)
 
     @property
     def knee_reachable(self) -> bool:
@@ -332,10 +342,11 @@ class Plan:
 
 
 def default_batches(
-    cfg: ModelConfig, hw: Accelerator, context: int, dtype: str = "bf16", kv_dtype: str | None = None
+    cfg: ModelConfig, hw: Accelerator, context: int, dtype: str = "bf16", kv_dtype: str | None = None,
+    quantization: Quantization | str | None = None,
 ) -> list[int]:
     """The decode sweep a plan draws by default: powers of two up to 256, or to twice the knee."""
-    knee = decode_knee(cfg, hw, context, dtype, kv_dtype)
+    knee = decode_knee(cfg, hw, context, dtype, kv_dtype, quantization)
     top = min(max(DEFAULT_BATCHES[-1], 2 * knee if knee else 0), 8192)
     return [2**i for i in range(int(math.log2(top)) + 1)]
 
@@ -354,6 +365,7 @@ def build_plan(
     block_size: int = DEFAULT_BLOCK_SIZE,
     tensor_parallel_size: int = 1,
     interconnect: Interconnect | None = None,
+    quantization: Quantization | str | None = None,
 ) -> Plan:
     """Every planner answer for one model on one accelerator (per device of ``tensor_parallel_size``,
     linked by ``interconnect``, default the accelerator's own).
@@ -361,7 +373,8 @@ def build_plan(
     ``context`` (default ``min(4096, max_position_embeddings)``) is the per-sequence context
     used for KV capacity and decode steps; ``prompt_len`` (default ``context``) is the prompt
     prefilled for TTFT; ``batch`` is the batch for the headline TTFT/TPOT; ``batches`` the
-    decode sweep (default :func:`default_batches`).
+    decode sweep (default :func:`default_batches`); ``quantization`` the weights' formats (default: all
+    in ``dtype``), which change weight memory, KV room and the bytes a step reads.
     """
     dtype = canonical_dtype(dtype)
     kv_dtype = canonical_dtype(kv_dtype or dtype)
@@ -378,24 +391,25 @@ def build_plan(
             raise ValueError(f"{hw.name} names no interconnect; say which links the {tp} devices")
         interconnect = get_interconnect(hw.interconnect)
     link = interconnect if tp > 1 else None
+    q = as_quantization(quantization)
     peak = hw.peak_flops(dtype)
-    capacity = kv_capacity(cfg, hw, context, dtype, kv_dtype, gpu_memory_utilization, block_size)
-    knee = decode_knee(cfg, hw, context, dtype, kv_dtype)
+    capacity = kv_capacity(cfg, hw, context, dtype, kv_dtype, gpu_memory_utilization, block_size, q)
+    knee = decode_knee(cfg, hw, context, dtype, kv_dtype, q)
 
     # weights-only knee: R W / f with f = 2 P_mm, the classic "batch ~ ops:byte x bytes/2" rule
     ratio = hw.ops_per_byte(dtype)
-    knee_no_kv = max(1, math.ceil(ratio * streamed_weight_bytes(cfg, dtype) / (2 * matmul_parameters(cfg))))
+    knee_no_kv = max(1, math.ceil(ratio * streamed_weight_bytes(cfg, dtype, q) / (2 * matmul_parameters(cfg))))
     per_seq_flops = 2 * matmul_parameters(cfg) + attention_flops_per_token(cfg, context)
     limit = per_seq_flops / (context * kv_bytes_per_token(cfg, kv_dtype))
 
     if batches is None:
-        batches = default_batches(cfg, hw, context, dtype, kv_dtype)
+        batches = default_batches(cfg, hw, context, dtype, kv_dtype, q)
     batches = sorted({check_positive(b, "batch size") for b in batches} | {batch})
 
     def point(b: int) -> SweepPoint:
-        dec = roofline(decode_cost(cfg, b, context, dtype, kv_dtype), hw, dtype,
+        dec = roofline(decode_cost(cfg, b, context, dtype, kv_dtype, q), hw, dtype,
                        tensor_parallel_comm_s(whole, b, b, tp, link, dtype))
-        pre = roofline(prefill_cost(cfg, prompt_len, b, dtype, kv_dtype), hw, dtype,
+        pre = roofline(prefill_cost(cfg, prompt_len, b, dtype, kv_dtype, q), hw, dtype,
                        tensor_parallel_comm_s(whole, b * prompt_len, b, tp, link, dtype))
         return SweepPoint(b, dec, b / dec.time_s, pre.time_s, b <= capacity.max_seqs)
 
@@ -406,13 +420,13 @@ def build_plan(
         model=model_label(whole), hardware=hw, dtype=dtype, kv_dtype=kv_dtype, context=context,
         prompt_len=prompt_len, batch=batch, gpu_memory_utilization=gpu_memory_utilization,
         num_parameters=whole.num_parameters(), matmul_parameters=matmul_parameters(cfg),
-        weight_bytes=weight_bytes(cfg, dtype), streamed_weight_bytes=streamed_weight_bytes(cfg, dtype),
+        weight_bytes=weight_bytes(cfg, dtype, q), streamed_weight_bytes=streamed_weight_bytes(cfg, dtype, q),
         kv_bytes_per_token=kv_bytes_per_token(cfg, kv_dtype), peak_flops=peak, bandwidth=hw.bandwidth,
         ops_per_byte=ratio, capacity=capacity, knee_batch=knee, knee_batch_no_kv=knee_no_kv,
         decode_intensity_limit=limit,
-        prefill=roofline(prefill_cost(cfg, prompt_len, 1, dtype, kv_dtype), hw, dtype,
+        prefill=roofline(prefill_cost(cfg, prompt_len, 1, dtype, kv_dtype, q), hw, dtype,
                          tensor_parallel_comm_s(whole, prompt_len, 1, tp, link, dtype)),
         decode=at_batch.decode, ttft_s=at_batch.ttft_s, tpot_s=at_batch.decode.time_s,
         tokens_per_s=at_batch.tokens_per_s, sweep=sweep, knee_point=knee_point, tensor_parallel_size=tp,
-        interconnect=link, total_weight_bytes=weight_bytes(whole, dtype),
+        interconnect=link, total_weight_bytes=weight_bytes(whole, dtype, q), quantization=q.label,
     )

@@ -26,6 +26,7 @@ from iterserve.planner.roofline import (
     roofline,
     streamed_weight_bytes,
 )
+from iterserve.planner.weights import Quantization
 
 
 def mean_accepted_length(num_speculative_tokens: int, acceptance: float) -> float:
@@ -37,14 +38,14 @@ def mean_accepted_length(num_speculative_tokens: int, acceptance: float) -> floa
 
 
 def verify_cost(cfg: ModelConfig, batch: int, context: int, num_speculative_tokens: int, dtype: str = "bf16",
-                kv_dtype: str | None = None) -> Cost:
+                kv_dtype: str | None = None, quantization: Quantization | str | None = None) -> Cost:
     """One verification step: ``batch`` sequences of ``1 + k`` query tokens each over ``context`` cached tokens."""
     check_positive(batch, "batch size")
     check_context(cfg, context)
     queries = batch * (1 + num_speculative_tokens)
     flops = queries * (2 * matmul_parameters(cfg) + attention_flops_per_token(cfg, context))
     kv = kv_bytes_per_token(cfg, kv_dtype or dtype)
-    return Cost(flops=flops, bytes=streamed_weight_bytes(cfg, dtype) + batch * context * kv)
+    return Cost(flops=flops, bytes=streamed_weight_bytes(cfg, dtype, quantization) + batch * context * kv)
 
 
 @dataclass(frozen=True)
@@ -61,14 +62,15 @@ class SpecPoint:
 
 def speculative_sweep(cfg: ModelConfig, hw: Accelerator, batches: list[int], context: int,
                       num_speculative_tokens: int, acceptance: float, dtype: str = "bf16",
-                      kv_dtype: str | None = None) -> list[SpecPoint]:
+                      kv_dtype: str | None = None, quantization: Quantization | str | None = None) -> list[SpecPoint]:
     """Decode tokens/s without and with speculation at each batch size (drafting itself costs nothing
     here: n-gram lookup; a draft model adds its own, smaller, decode steps)."""
     length = mean_accepted_length(num_speculative_tokens, acceptance)
     points = []
     for b in batches:
-        plain = roofline(decode_cost(cfg, b, context, dtype, kv_dtype), hw, dtype)
-        verify = roofline(verify_cost(cfg, b, context, num_speculative_tokens, dtype, kv_dtype), hw, dtype)
+        plain = roofline(decode_cost(cfg, b, context, dtype, kv_dtype, quantization), hw, dtype)
+        verify = roofline(verify_cost(cfg, b, context, num_speculative_tokens, dtype, kv_dtype, quantization), hw,
+                          dtype)
         points.append(SpecPoint(b, b / plain.time_s, b * length / verify.time_s, verify.bound))
     return points
 

@@ -242,12 +242,11 @@ def _dtype_name(t: torch.Tensor) -> str:
     return str(t.dtype).removeprefix("torch.")
 
 
-def describe(formats: list[WeightFormat]) -> str:
-    """One log line: ``weights 96.5 MB: Q4_1 210 tensors 66.4 MB, Q8_0 1 tensor 30.1 MB, float32 ...``."""
+def describe(formats: list[WeightFormat]) -> list[str]:
+    """One log line per format, e.g. ``weights in Q4_1: 182 tensors, 61.6 MB of 93.5 MB``."""
     total = sum(f.bytes for f in formats)
-    parts = ", ".join(f"{f.fmt} {f.tensors} tensor{'s' if f.tensors != 1 else ''} {f.bytes / 1e6:.1f} MB"
-                      for f in formats)
-    return f"weights {total / 1e6:.1f} MB: {parts}"
+    return [f"weights in {f.fmt}: {f.tensors} tensor{'s' if f.tensors != 1 else ''}, {f.bytes / 1e6:.1f} MB of "
+            f"{total / 1e6:.1f} MB" for f in formats]
 
 
 def streamed_weight_bytes(model: nn.Module) -> int:

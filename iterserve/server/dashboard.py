@@ -169,8 +169,9 @@ class Dashboard:
         if cursor.version == self._version:
             return None
         frame: dict[str, Any] = {"now": time.perf_counter(), "viewers": self.viewers}
-        if cursor.version < 0:
-            frame["facts"] = self.facts
+        if cursor.version < 0:  # the weights are known once the core is ready, after the facts were taken
+            weights = [msgspec.structs.asdict(w) for w in self.engine.weights]
+            frame["facts"] = {**self.facts, "weights": weights}
         cursor.version = self._version
         if self.stats is not None:
             s = self.stats

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
-from iterserve.engine.messages import SchedulerStats
+from iterserve.engine.messages import LoadedWeights, SchedulerStats
 from iterserve.outputs import RequestOutput
 
 TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0,
@@ -41,6 +41,15 @@ _SPEC_COUNTERS = {
     "spec_num_drafts": ("vllm:spec_decode_num_drafts", "Draft proposals verified (one per sequence per step)."),
     "spec_num_draft_tokens": ("vllm:spec_decode_num_draft_tokens", "Draft tokens verified."),
     "spec_num_accepted_tokens": ("vllm:spec_decode_num_accepted_tokens", "Draft tokens accepted."),
+}
+
+
+# The weights a core holds, by storage format (one child per format, set when the core is ready): LoadedWeights
+# field -> (name, help). vLLM has no such series.
+_WEIGHT_GAUGES = {
+    "bytes": ("iterserve:weight_bytes", "Bytes of the loaded weights in each storage format (under tensor "
+              "parallelism, rank 0's shard)."),
+    "tensors": ("iterserve:weight_tensors", "Weight tensors loaded in each storage format."),
 }
 
 
@@ -82,6 +91,8 @@ class ServerMetrics:
         # vLLM's name before 0.9, still queried by its published Grafana dashboard
         self.gpu_cache_usage = gauge("vllm:gpu_cache_usage_perc", "Fraction of KV cache blocks in use (1 is all). "
                                      "Older name of vllm:kv_cache_usage_perc.")
+        self._weights = {field: Gauge(name, doc, [*names, "format"], registry=self.registry)
+                         for field, (name, doc) in _WEIGHT_GAUGES.items()}
         self.prefix_hit_rate = gauge(
             "iterserve:prefix_cache_hit_rate", "Prompt tokens served from the prefix cache / prompt tokens looked up."
         )
@@ -155,6 +166,12 @@ class ServerMetrics:
         if stats.num_steps > self._last_step[engine]:  # stats also arrive between steps, repeating the last one's
             self.iteration_tokens.labels(**labels).observe(stats.step_tokens)
             self._last_step[engine] = stats.num_steps
+
+    def record_weights(self, engine: int, weights: list[LoadedWeights]) -> None:
+        """The weights a core holds, by format (once, as it reports ready)."""
+        for w in weights:
+            for field, g in self._weights.items():
+                g.labels(**self._labels[engine], format=w.format).set(getattr(w, field))
 
     def record_admitted(self, engine: int, max_tokens: int) -> None:
         self.max_tokens_param.labels(**self._labels[engine]).observe(max_tokens)

@@ -105,7 +105,7 @@ class RooflineCost:
     def describe(self) -> dict[str, Any]:
         t = self.terms
         return {"kind": "roofline", "model": t.model_name, "accelerator": t.accelerator, "peak_flops": t.peak_flops,
-                "bandwidth": t.bandwidth, "overhead_s": self.overhead_s}
+                "bandwidth": t.bandwidth, "overhead_s": self.overhead_s, "quantization": t.quantization}
 
 
 @dataclass(frozen=True)

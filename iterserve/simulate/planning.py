@@ -7,9 +7,12 @@ through :func:`planner_terms`, so the rest of the package depends on plain numbe
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from iterserve.config import ModelConfig
+
+if TYPE_CHECKING:
+    from iterserve.planner.weights import Quantization
 
 
 @dataclass(frozen=True)
@@ -22,7 +25,7 @@ class PlannerTerms:
     kv_bytes_per_token: int  # at the simulated dtype
     layer_matmul_params: int  # linear layers of all decoder layers
     lm_head_params: int  # V x h, run once per sampled token
-    streamed_weight_bytes: int  # matmul weights a forward step reads
+    streamed_weight_bytes: int  # matmul weights a forward step reads, in the weights' formats
     attention_flops_per_pair: int  # FLOPs of one query attending one key over all layers: 4 L H d
     weight_bytes: int  # every parameter, for the KV pool left beside the weights
     accelerator: str | None = None
@@ -30,18 +33,22 @@ class PlannerTerms:
     bandwidth: float | None = None
     memory_bytes: int | None = None
     kv_pool_bytes: int | None = None  # memory x utilization - weights, on the accelerator
+    quantization: str = "none"  # the weights' formats (a planner Quantization's label)
 
 
 def planner_terms(
     model: str | ModelConfig, dtype: str = "bf16", *, gpu: str | None = None, flops: str | None = None,
     bandwidth: str | None = None, memory: str | None = None, gpu_memory_utilization: float = 0.9,
+    quantization: Quantization | str | None = None,
 ) -> PlannerTerms:
     """Terms for ``model`` (a preset, config.json, folder or .gguf, or its config already read) and
     optionally an accelerator: a named one (``gpu``) with any of ``flops``/``bandwidth``/``memory``
     replaced, or, without a name, ``flops`` and ``bandwidth`` given. Quantities are read as
-    ``iterserve plan`` reads them ("312" is TFLOP/s, "2039" GB/s, "40" GiB, or with a unit)."""
+    ``iterserve plan`` reads them ("312" is TFLOP/s, "2039" GB/s, "40" GiB, or with a unit); ``quantization``
+    the weights' formats, as :func:`iterserve.planner.quantization_for` resolves them."""
     from iterserve.config.units import parse_bandwidth, parse_flops, parse_size
     from iterserve.models.loader import load_model_config
+    from iterserve.planner import quantization_for
     from iterserve.planner.hardware import GiB, custom_accelerator, get_accelerator
     from iterserve.planner.roofline import (
         attention_flops_per_token,
@@ -53,15 +60,17 @@ def planner_terms(
     )
 
     cfg = load_model_config(model)
+    q = quantization if quantization is None or not isinstance(quantization, str) else quantization_for(
+        model, quantization)
     layer = layer_matmul_parameters(cfg)
     terms: dict[str, Any] = {
         "model_name": cfg.name or str(model), "vocab_size": cfg.vocab_size,
         "max_position_embeddings": cfg.max_position_embeddings,
         "kv_bytes_per_token": kv_bytes_per_token(cfg, dtype), "layer_matmul_params": layer,
         "lm_head_params": matmul_parameters(cfg) - layer,
-        "streamed_weight_bytes": streamed_weight_bytes(cfg, dtype),
+        "streamed_weight_bytes": streamed_weight_bytes(cfg, dtype, q),
         "attention_flops_per_pair": attention_flops_per_token(cfg, 1),
-        "weight_bytes": weight_bytes(cfg, dtype),
+        "weight_bytes": weight_bytes(cfg, dtype, q), "quantization": "none" if q is None else q.label,
     }
     if gpu is None and flops is None and bandwidth is None and memory is None:
         return PlannerTerms(**terms)

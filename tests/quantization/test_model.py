@@ -112,7 +112,8 @@ def test_gguf_blocks_stay_in_blocks_and_other_types_load_float(tiny_gguf, caplog
     assert model.embed_tokens.weight.numel() == 0  # the float copy is gone
     assert formats["float32"].tensors == 2 * LAYERS + 1 + LAYERS  # norms, and the F16 ffn_down as float32
     assert formats["Q8_0"].tensors == 1 + LAYERS
-    assert describe(weight_formats(model)).startswith("weights ")
+    lines = describe(weight_formats(model))
+    assert len(lines) == len(formats) and lines[0].startswith(f"weights in {weight_formats(model)[0].fmt}: ")
 
 
 def test_gguf_model_computes_what_the_dequantized_model_does(tiny_gguf, monkeypatch):

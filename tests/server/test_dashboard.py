@@ -8,6 +8,7 @@ import asyncio
 import base64
 import json
 import os
+import re
 import shutil
 import threading
 import time
@@ -20,7 +21,7 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from iterserve.config import EngineConfig, ServerConfig
-from iterserve.engine.messages import KV_CACHED, KV_FIRST_ROW, KV_FREE, SchedulerStats
+from iterserve.engine.messages import KV_CACHED, KV_FIRST_ROW, KV_FREE, LoadedWeights, SchedulerStats
 from iterserve.server import build_app
 from iterserve.server import dashboard as dashboard_module
 from iterserve.server.dashboard import COOKIE
@@ -126,6 +127,7 @@ class _Engine:
     """What the dashboard reads of the engine client."""
 
     num_waiting = 0
+    weights: list[LoadedWeights] = []
 
     def __init__(self) -> None:
         self.watching: list[bool] = []
@@ -159,7 +161,7 @@ def test_a_crowd_of_viewers_costs_one_frame_per_tick_and_a_limit(monkeypatch):
             dash.open_feed()
         assert refused.value.status_code == 429 and refused.value.code == "too_many_viewers"
         first = await asyncio.gather(*(f.__anext__() for f in feeds))
-        assert all(json.loads(f.removeprefix(b"data: "))["facts"] == {"model": "m"} for f in first)
+        assert all(json.loads(f.removeprefix(b"data: "))["facts"] == {"model": "m", "weights": []} for f in first)
         assert built <= 4  # not one per viewer
         for steps in (1, 2):
             built = 0
@@ -328,6 +330,7 @@ def test_browser_login_prompt_takes_the_key(server, browser):
     page.wait_for_selector("#panels:not([hidden])")
     page.wait_for_function("document.getElementById('facts').textContent.includes('KV bytes per token')")
     assert "continuous batching: requests join and leave the batch at every step" in page.inner_text("#facts")
+    assert re.search(r"weights\s+\d+\.\d MB \(quantization none\): float32: \d+ tensors", page.inner_text("#facts"))
     assert page.is_hidden("#login") and page.is_hidden("#spec-panel")  # no speculation on this server
     assert page.reload().status == 200  # the session cookie lets the page itself in now
     context.close()

@@ -42,6 +42,21 @@ def test_roofline_decode_step_matches_the_planner(a100_13b):
         assert cost.step_time(shape) == pytest.approx(expected.time_s, rel=1e-9)
 
 
+def test_roofline_reads_quantized_weights_as_the_planner_counts_them():
+    """The simulator's weight bytes come from the planner's one count: a Q4_1 decode step costs what the
+    planner's does, and the KV pool gets the memory the smaller weights leave."""
+    cfg, hw = planner.load_model_config("llama-2-13b"), planner.get_accelerator("A100-40GB")
+    dense = planner_terms("llama-2-13b", "bf16", gpu="A100-40GB")
+    q4 = planner_terms("llama-2-13b", "bf16", gpu="A100-40GB", quantization="q4_1")
+    assert q4.streamed_weight_bytes == planner.streamed_weight_bytes(cfg, "bf16", "q4_1")
+    assert q4.kv_pool_bytes - dense.kv_pool_bytes == dense.weight_bytes - q4.weight_bytes > 0
+    shape = StepShape(0, 1, 512, 512, 0, 1)
+    expected = planner.roofline(planner.decode_cost(cfg, 1, 512, quantization="q4_1"), hw)
+    assert RooflineCost(q4).step_time(shape) == pytest.approx(expected.time_s, rel=1e-9)
+    assert RooflineCost(q4).step_time(shape) < 0.5 * RooflineCost(dense).step_time(shape)
+    assert RooflineCost(q4).describe()["quantization"].startswith("Q4_1")
+
+
 def test_roofline_prefill_matches_the_planner_and_overhead_adds(a100_13b):
     cfg, hw = planner.load_model_config("llama-2-13b"), planner.get_accelerator("A100-40GB")
     n = 2000

@@ -354,6 +354,13 @@ function renderSpec() {
   }));
 }
 
+function weightsText(weights, quantization) {
+  const total = weights.reduce((sum, w) => sum + w.bytes, 0);
+  const parts = weights.map(w => `${w.format}: ${w.tensors} tensor${w.tensors === 1 ? "" : "s"}, ` +
+                                 `${(w.bytes / 1e6).toFixed(1)} MB`);
+  return `${(total / 1e6).toFixed(1)} MB (quantization ${quantization || "none"}): ${parts.join("; ")}`;
+}
+
 function renderFacts() {
   const f = state.facts;
   const c = f.capacity, e = f.engine, m = f.model;
@@ -362,6 +369,7 @@ function renderFacts() {
     ["model", `${e.model} (${m.architecture}, ${m.num_layers} layers, hidden ${m.hidden_size}, ` +
               `${m.num_heads} heads / ${m.num_kv_heads} KV heads of ${m.head_dim})`],
     ["precision, device", `${e.dtype}, ${e.device || "auto"}`],
+    ["weights", weightsText(f.weights || [], e.quantization)],
     ["KV bytes per token", String(c.kv_bytes_per_token)],
     ["KV pool", `${c.num_blocks} blocks × ${c.block_size} tokens = ${c.total_tokens} tokens ` +
                 `(${(c.total_tokens * c.kv_bytes_per_token / 2 ** 20).toFixed(1)} MiB)`],
