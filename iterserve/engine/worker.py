@@ -38,7 +38,7 @@ class Worker:
             prepare_cpu()
         self.loaded = loaded
         spec = config.speculative_config
-        self.draft = load_draft(spec.model, loaded, config.seed) if spec and spec.model else None
+        self.draft = load_draft(spec.model, loaded, config.seed, spec.quantization) if spec and spec.model else None
         self.capacity = Capacity.of(config, loaded.config, loaded.model.dtype.itemsize,
                                     self.draft.config if self.draft else None)
         self.runner = ModelRunner(loaded.model, self.capacity.num_blocks, config.block_size, config.seed,

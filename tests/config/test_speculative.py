@@ -31,6 +31,8 @@ def test_vllm_dicts_parse_with_vllms_defaults():
     ({"num_speculative_tokens": 2, "prompt_lookup_min": 4, "prompt_lookup_max": 2}, "exceeds"),
     ({"num_speculative_tokens": 2, "lookahead": 3}, "unknown key"),
     ({"num_speculative_tokens": 2, "disable_by_batch_size": 0}, "disable_by_batch_size"),
+    ({"model": "smollm2-135m", "num_speculative_tokens": 2, "quantization": "awq"}, "'gguf' or 'int8'"),
+    ({"num_speculative_tokens": 2, "quantization": "gguf"}, "applies to a draft model"),
     ("{not json", "not valid JSON"),
     ([1, 2], "must be a dict"),
 ])

@@ -25,13 +25,15 @@ from iterserve.models.loader import LoadedModel, load_model
 logger = logging.getLogger(__name__)
 
 
-def load_draft(name: str, target: LoadedModel, seed: int) -> LoadedModel:
-    """Load the draft ``name`` beside ``target`` (same device and dtype); it must share the vocabulary."""
-    draft = load_model(name, target.model.dtype, target.model.device, seed)
+def load_draft(name: str, target: LoadedModel, seed: int, quantization: str | None = None) -> LoadedModel:
+    """Load the draft ``name`` beside ``target`` (same device and dtype; its weights kept in ``quantization``'s
+    blocks if given); it must share the vocabulary."""
+    draft = load_model(name, target.model.dtype, target.model.device, seed, quantization=quantization)
     if draft.config.vocab_size != target.config.vocab_size:
         raise ValueError(f"draft model {name!r} has a vocabulary of {draft.config.vocab_size} tokens and the target "
                          f"{target.config.vocab_size}: a draft model must use the target's tokenizer")
-    logger.info("speculative decoding: draft model %s (%.0fM parameters)", name, draft.config.num_parameters() / 1e6)
+    logger.info("speculative decoding: draft model %s (%.0fM parameters%s)", name,
+                draft.config.num_parameters() / 1e6, f", {quantization} weights" if quantization else "")
     return draft
 
 

@@ -17,7 +17,9 @@ NGRAM = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 1,
 # between them both branches of verification run on every step.
 SELF_DRAFT = {"model": "smollm2-135m", "num_speculative_tokens": 3}
 RANDOM_DRAFT = {"model": "random:smollm2-135m?num_layers=1", "num_speculative_tokens": 2}
-SPECS = {"ngram": NGRAM, "self-draft": SELF_DRAFT, "random-draft": RANDOM_DRAFT}
+# The target's own file in gguf blocks: a draft that reads a fifth of the bytes and agrees on most tokens.
+GGUF_DRAFT = {"model": "smollm2-135m", "num_speculative_tokens": 3, "quantization": "gguf"}
+SPECS = {"ngram": NGRAM, "self-draft": SELF_DRAFT, "random-draft": RANDOM_DRAFT, "gguf-draft": GGUF_DRAFT}
 COPY_TEXT = ("The lighthouse keeper climbed the spiral stairs every evening at dusk, carrying a lantern, "
              "a notebook and a flask of tea, and wrote down the ships he saw pass.")
 
@@ -54,7 +56,8 @@ def copy_prompts(smollm) -> list[list[int]]:
 @pytest.mark.parametrize(
     "spec_name, options",
     [("ngram", {}), ("ngram", dict(max_num_batched_tokens=16)), ("ngram", dict(block_size=1, num_kv_blocks=4096)),
-     ("ngram", dict(kv_allocation="reserved")), ("self-draft", {}), ("random-draft", dict(max_num_batched_tokens=16)),
+     ("ngram", dict(kv_allocation="reserved")), ("self-draft", {}), ("gguf-draft", {}),
+     ("random-draft", dict(max_num_batched_tokens=16)),
      ("random-draft", dict(block_size=1, num_kv_blocks=4096))],
     ids=lambda o: (",".join(f"{k}={v}" for k, v in o.items()) or "default") if isinstance(o, dict) else o,
 )
