@@ -16,6 +16,7 @@ from typing import Any, cast
 
 import torch
 from tqdm.auto import tqdm
+from transformers import PreTrainedTokenizerFast
 
 from iterserve.config import EngineConfig
 from iterserve.engine.llm_engine import LLMEngine
@@ -25,6 +26,7 @@ from iterserve.outputs import RequestOutput
 from iterserve.platforms.memory import available_memory_bytes
 from iterserve.sampling_params import RequestOutputKind, SamplingParams
 from iterserve.tokenizer import Tokenizer
+from iterserve.tokenizer.hf import to_transformers
 
 logger = logging.getLogger(__name__)
 
@@ -111,6 +113,7 @@ class LLM:
                                           quantization=config.quantization)
             engine_kwargs["kv_cache_memory"] = int(fraction * _free_memory(loaded.model.device))
         self.llm_engine = LLMEngine(EngineConfig(model=model, **engine_kwargs), loaded)
+        self._hf_tokenizer: PreTrainedTokenizerFast | None = None
 
     @property
     def engine(self) -> LLMEngine:
@@ -120,7 +123,14 @@ class LLM:
     def tokenizer(self) -> Tokenizer | None:
         return self.llm_engine.tokenizer
 
-    def get_tokenizer(self) -> Tokenizer:
+    def get_tokenizer(self) -> PreTrainedTokenizerFast:
+        """The model's tokenizer as a transformers ``PreTrainedTokenizerFast`` (what vLLM returns, so scripts
+        calling its methods run unchanged); built once. ``llm.tokenizer`` is iterserve's own."""
+        if self._hf_tokenizer is None:
+            self._hf_tokenizer = to_transformers(self._own_tokenizer())
+        return self._hf_tokenizer
+
+    def _own_tokenizer(self) -> Tokenizer:
         if self.llm_engine.tokenizer is None:
             raise ValueError("this model has no tokenizer; pass prompts as token ids")
         return self.llm_engine.tokenizer
@@ -169,7 +179,7 @@ class LLM:
     ) -> list[RequestOutput]:
         """Apply the model's chat template (or ``chat_template``) to each conversation, then generate;
         each output's ``prompt`` is the rendered text, as vLLM gives it."""
-        tokenizer = self.get_tokenizer()
+        tokenizer = self._own_tokenizer()
         conversations = cast(list[list[dict[str, Any]]],
                              [messages] if messages and isinstance(messages[0], dict) else list(messages))
         rendered = [
