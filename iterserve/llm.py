@@ -18,13 +18,14 @@ import torch
 from tqdm.auto import tqdm
 from transformers import PreTrainedTokenizerFast
 
+from iterserve.beam_search import BeamSearchOutput, run_beam_search
 from iterserve.config import EngineConfig
 from iterserve.engine.llm_engine import LLMEngine
 from iterserve.inputs import PromptType
 from iterserve.models.loader import DEFAULT_MODEL, LoadedModel, load_model
 from iterserve.outputs import RequestOutput
 from iterserve.platforms.memory import available_memory_bytes
-from iterserve.sampling_params import RequestOutputKind, SamplingParams
+from iterserve.sampling_params import BeamSearchParams, RequestOutputKind, SamplingParams
 from iterserve.tokenizer import Tokenizer
 from iterserve.tokenizer.hf import to_transformers
 
@@ -194,6 +195,24 @@ class LLM:
         for output, prompt in zip(outputs, rendered):
             output.prompt = prompt
         return outputs
+
+    def beam_search(
+        self, prompts: PromptType | Seq[PromptType], params: BeamSearchParams, use_tqdm: bool = False,
+    ) -> list[BeamSearchOutput]:
+        """vLLM's beam search over the engine (:mod:`iterserve.beam_search`): one output per prompt, its
+        ``beam_width`` best sequences best first. A text prompt is encoded with special tokens, as vLLM does;
+        a sequence's ``tokens`` and ``text`` include the prompt's, as in vLLM."""
+        tokenizer = self._own_tokenizer()
+        batch = [prompts] if _is_single(prompts) else list(cast(Seq[PromptType], prompts))
+        parsed = [parse_prompt(cast(PromptType, p)) for p in batch]
+        ids = [p if isinstance(p, list) else tokenizer.encode(p) for p in parsed]
+
+        def generate(beams: list[list[int]], step: SamplingParams) -> list[RequestOutput]:
+            return self.generate(beams, step, use_tqdm=False)
+
+        return run_beam_search(generate, ids, params, tokenizer.eos_token_id,
+                               lambda tokens: tokenizer.decode(tokens, skip_special_tokens=False),
+                               self.llm_engine.max_model_len, use_tqdm)
 
     def _run(self, ids: list[str], use_tqdm: bool) -> list[RequestOutput]:
         final: dict[str, RequestOutput] = {}
