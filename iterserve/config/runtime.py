@@ -132,6 +132,14 @@ class EngineConfig:
             raise ValueError(f"step_history must be an integer >= 0, got {self.step_history!r}")
         self.scheduler_config(self.max_model_len)  # the scheduler's fields are checked where they are defined
 
+    @property
+    def resolved_device(self) -> str:
+        """Where the model runs: ``device``, or cuda where available, else cpu (the loader's choice), so that
+        what is shown is the device in use, never an unset default."""
+        import torch  # torch loads with the engine, not with the settings
+
+        return self.device or ("cuda" if torch.cuda.is_available() else "cpu")
+
     def scheduler_config(self, max_model_len: int | None) -> SchedulerConfig:
         """The scheduler's share of this config, with max_model_len resolved against the KV pool."""
         return SchedulerConfig(self.max_num_seqs, self.max_num_batched_tokens, self.batching, self.max_batch_wait,

@@ -16,6 +16,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import httpx
 import pytest
+import torch
 
 from iterserve.engine.messages import KV_CACHED, KV_FIRST_ROW, KV_FREE, SchedulerStats
 from iterserve.server import dashboard as dashboard_module
@@ -96,6 +97,8 @@ def test_feed_shows_the_batch_and_kv_blocks_while_requests_run(server, quick_kee
         if first is None:
             first = frame
             assert frame["facts"]["served_model_name"] == MODEL and frame["facts"]["capacity"]["num_blocks"] == 256
+            # the device in use, never the unset default ("auto" on the page)
+            assert frame["facts"]["engine"]["device"] == ("cuda" if torch.cuda.is_available() else "cpu")
             assert dashboard.viewers == 1 and server.engine.is_running
             running = Load(server, 4, max_tokens=4)
         if "step" in frame:
@@ -283,4 +286,35 @@ def test_browser_login_prompt_takes_the_key(server, browser):
     assert "continuous batching: requests join and leave the batch at every step" in page.inner_text("#facts")
     assert page.is_hidden("#login")
     assert page.reload().status == 200  # the session cookie lets the page itself in now
+    context.close()
+
+
+# every label a chart draws: where its text starts and ends, and its canvas' width (in CSS pixels)
+RECORD_LABELS = """
+window.labels = [];
+const fillText = CanvasRenderingContext2D.prototype.fillText;
+CanvasRenderingContext2D.prototype.fillText = function (text, x, y, ...rest) {
+  const width = this.measureText(text).width;
+  const start = this.textAlign === "center" ? x - width / 2 : this.textAlign === "right" ? x - width : x;
+  window.labels.push({text: String(text), canvas: this.canvas.id, start, end: start + width,
+                      width: this.canvas.width / (window.devicePixelRatio || 1)});
+  return fillText.call(this, text, x, y, ...rest);
+};
+"""
+
+
+def test_browser_chart_labels_fit_their_canvas(server, browser):
+    """The time axis' last label, "now", is drawn whole (it was cut to "nov" at the canvas' right edge)."""
+    context = browser.new_context(viewport={"width": 1280, "height": 1100}, extra_http_headers=AUTH, bypass_csp=True)
+    page = context.new_page()
+    page.add_init_script(RECORD_LABELS)
+    assert page.goto(f"{server.url}/dashboard").status == 200
+    page.wait_for_function("window.labels.some((l) => l.text === 'now')", timeout=30_000)
+    labels = page.evaluate("window.labels.filter((l) => l.canvas.startsWith('chart-'))")
+    assert any(label["text"] == "now" for label in labels)
+    outside = [label for label in labels if label["start"] < 0 or label["end"] > label["width"] + 0.5]
+    assert not outside
+    page.wait_for_function("document.getElementById('facts').textContent.includes('precision, device')")
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    assert f", {device}" in page.inner_text("#facts")
     context.close()
