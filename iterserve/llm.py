@@ -111,7 +111,7 @@ class LLM:
                                  "tensor_parallel_size > 1 give kv_cache_memory (per rank) instead")
             config = EngineConfig(model=model, **engine_kwargs)
             loaded = loaded or load_model(config.model, config.dtype, config.device, config.seed,
-                                          quantization=config.quantization)
+                                          quantization=config.quantization, progress=config.load_progress)
             engine_kwargs["kv_cache_memory"] = int(fraction * _free_memory(loaded.model.device))
         self.llm_engine = LLMEngine(EngineConfig(model=model, **engine_kwargs), loaded)
         self._hf_tokenizer: PreTrainedTokenizerFast | None = None

@@ -109,6 +109,8 @@ class EngineConfig:
                                         "under torchrun, the launcher's WORLD_SIZE")
     seed: int = _opt(0, "seed of random weights and of sampling without a per-request seed")
     step_trace: str | None = _opt(None, "write a JSON-lines trace of every step and request to this file")
+    load_progress: bool = _opt(True, "count the weights on stderr while the model loads (drawn only where stderr "
+                                     "is a terminal)")
     step_history: int = _opt(0, "keep the last N steps' StepStats in memory (benchmarks, tests)", cli=False)
     speculative_config: SpeculativeConfig | None = _opt(
         None, 'speculative decoding, as vLLM\'s JSON: {"method": "ngram", "num_speculative_tokens": 4, '
