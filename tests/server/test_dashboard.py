@@ -17,10 +17,12 @@ from concurrent.futures import ThreadPoolExecutor
 import httpx
 import pytest
 import torch
+from itsdangerous import TimestampSigner
+from starlette.requests import Request
 
 from iterserve.engine.messages import KV_CACHED, KV_FIRST_ROW, KV_FREE, SchedulerStats
 from iterserve.server import dashboard as dashboard_module
-from iterserve.server.dashboard import COOKIE
+from iterserve.server.dashboard import COOKIE, SessionAuth
 from iterserve.server.errors import APIError
 from tests.server.conftest import API_KEY, MODEL, ServerThread, wait_until_idle
 
@@ -214,6 +216,23 @@ def test_the_page_and_feed_need_the_key_or_a_session_cookie(server):
             line = next(line for line in feed.iter_lines() if line.startswith("data: "))
             assert "facts" in json.loads(line.removeprefix("data: "))
     assert httpx.get(f"{server.url}/dashboard", headers=AUTH).status_code == 200
+
+
+def cookie_request(value: str) -> Request:
+    return Request({"type": "http", "headers": [(b"cookie", f"{COOKIE}={value}".encode())]})
+
+
+def test_a_session_cookie_is_signed_with_the_key_and_expires(monkeypatch):
+    auth = SessionAuth("sk-test")
+    token = auth.token()
+    assert TimestampSigner(b"sk-test", salt="dashboard-session").unsign(token) == b"dashboard"  # itsdangerous'
+    assert auth.allows(cookie_request(token))
+    assert not SessionAuth("another key").allows(cookie_request(token))
+    assert not auth.allows(cookie_request(token[:-2] + ("AA" if not token.endswith("AA") else "BB")))
+    assert not auth.allows(cookie_request("99999999999.forged")) and not auth.allows(cookie_request(""))
+    later = time.time() + dashboard_module.SESSION_TTL_S + 5
+    monkeypatch.setattr(time, "time", lambda: later)  # what itsdangerous reads the cookie's age against
+    assert not auth.allows(cookie_request(token))
 
 
 # -- in a browser ----------------------------------------------------------------------------------
