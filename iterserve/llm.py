@@ -16,15 +16,18 @@ from typing import Any, cast
 
 import torch
 from tqdm.auto import tqdm
+from transformers import PreTrainedTokenizerFast
 
+from iterserve.beam_search import BeamSearchOutput, run_beam_search
 from iterserve.config import EngineConfig
 from iterserve.engine.llm_engine import LLMEngine
 from iterserve.inputs import PromptType
 from iterserve.models.loader import DEFAULT_MODEL, LoadedModel, load_model
 from iterserve.outputs import RequestOutput
 from iterserve.platforms.memory import available_memory_bytes
-from iterserve.sampling_params import RequestOutputKind, SamplingParams
+from iterserve.sampling_params import BeamSearchParams, RequestOutputKind, SamplingParams
 from iterserve.tokenizer import Tokenizer
+from iterserve.tokenizer.hf import to_transformers
 
 logger = logging.getLogger(__name__)
 
@@ -108,9 +111,10 @@ class LLM:
                                  "tensor_parallel_size > 1 give kv_cache_memory (per rank) instead")
             config = EngineConfig(model=model, **engine_kwargs)
             loaded = loaded or load_model(config.model, config.dtype, config.device, config.seed,
-                                          quantization=config.quantization)
+                                          quantization=config.quantization, progress=config.load_progress)
             engine_kwargs["kv_cache_memory"] = int(fraction * _free_memory(loaded.model.device))
         self.llm_engine = LLMEngine(EngineConfig(model=model, **engine_kwargs), loaded)
+        self._hf_tokenizer: PreTrainedTokenizerFast | None = None
 
     @property
     def engine(self) -> LLMEngine:
@@ -120,7 +124,14 @@ class LLM:
     def tokenizer(self) -> Tokenizer | None:
         return self.llm_engine.tokenizer
 
-    def get_tokenizer(self) -> Tokenizer:
+    def get_tokenizer(self) -> PreTrainedTokenizerFast:
+        """The model's tokenizer as a transformers ``PreTrainedTokenizerFast`` (what vLLM returns, so scripts
+        calling its methods run unchanged); built once. ``llm.tokenizer`` is iterserve's own."""
+        if self._hf_tokenizer is None:
+            self._hf_tokenizer = to_transformers(self._own_tokenizer())
+        return self._hf_tokenizer
+
+    def _own_tokenizer(self) -> Tokenizer:
         if self.llm_engine.tokenizer is None:
             raise ValueError("this model has no tokenizer; pass prompts as token ids")
         return self.llm_engine.tokenizer
@@ -169,7 +180,7 @@ class LLM:
     ) -> list[RequestOutput]:
         """Apply the model's chat template (or ``chat_template``) to each conversation, then generate;
         each output's ``prompt`` is the rendered text, as vLLM gives it."""
-        tokenizer = self.get_tokenizer()
+        tokenizer = self._own_tokenizer()
         conversations = cast(list[list[dict[str, Any]]],
                              [messages] if messages and isinstance(messages[0], dict) else list(messages))
         rendered = [
@@ -184,6 +195,24 @@ class LLM:
         for output, prompt in zip(outputs, rendered):
             output.prompt = prompt
         return outputs
+
+    def beam_search(
+        self, prompts: PromptType | Seq[PromptType], params: BeamSearchParams, use_tqdm: bool = False,
+    ) -> list[BeamSearchOutput]:
+        """vLLM's beam search over the engine (:mod:`iterserve.beam_search`): one output per prompt, its
+        ``beam_width`` best sequences best first. A text prompt is encoded with special tokens, as vLLM does;
+        a sequence's ``tokens`` and ``text`` include the prompt's, as in vLLM."""
+        tokenizer = self._own_tokenizer()
+        batch = [prompts] if _is_single(prompts) else list(cast(Seq[PromptType], prompts))
+        parsed = [parse_prompt(cast(PromptType, p)) for p in batch]
+        ids = [p if isinstance(p, list) else tokenizer.encode(p) for p in parsed]
+
+        def generate(beams: list[list[int]], step: SamplingParams) -> list[RequestOutput]:
+            return self.generate(beams, step, use_tqdm=False)
+
+        return run_beam_search(generate, ids, params, tokenizer.eos_token_id,
+                               lambda tokens: tokenizer.decode(tokens, skip_special_tokens=False),
+                               self.llm_engine.max_model_len, use_tqdm)
 
     def _run(self, ids: list[str], use_tqdm: bool) -> list[RequestOutput]:
         final: dict[str, RequestOutput] = {}

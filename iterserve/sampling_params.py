@@ -19,7 +19,7 @@ from typing import Any, Protocol
 
 from iterserve.errors import SamplingParamsError
 
-__all__ = ["RequestOutputKind", "SamplingParams", "SamplingParamsError", "StructuredOutputsParams",
+__all__ = ["BeamSearchParams", "RequestOutputKind", "SamplingParams", "SamplingParamsError", "StructuredOutputsParams",
            "grammar_checks_deferred"]
 
 # Below this temperature sampling is indistinguishable from greedy, and dividing logits by it
@@ -453,3 +453,27 @@ class SamplingParams:
     def has_penalties(self) -> bool:
         return self.repetition_penalty != 1 or self.presence_penalty != 0 or self.frequency_penalty != 0
 
+
+@dataclass
+class BeamSearchParams:
+    """Options of ``LLM.beam_search`` (vLLM's names and defaults): keep ``beam_width`` sequences, each step
+    extended by one token, for at most ``max_tokens`` tokens; rank by cumulative logprob divided by
+    length ** ``length_penalty``."""
+
+    beam_width: int
+    max_tokens: int
+    ignore_eos: bool = False
+    temperature: float = 0.0
+    length_penalty: float = 1.0
+
+    def __post_init__(self) -> None:
+        # each step asks for 2 * beam_width candidates per beam, and logprobs go up to 20
+        if not (isinstance(self.beam_width, int) and 1 <= self.beam_width <= 10):
+            raise SamplingParamsError("beam_width", f"beam_width must be an integer in [1, 10], got {self.beam_width}")
+        if not (isinstance(self.max_tokens, int) and self.max_tokens >= 1):
+            raise SamplingParamsError("max_tokens", f"max_tokens must be an integer >= 1, got {self.max_tokens}")
+        if not 0 <= self.temperature <= MAX_TEMPERATURE:
+            raise SamplingParamsError("temperature", f"temperature must be in [0, {MAX_TEMPERATURE:g}], "
+                                                     f"got {self.temperature}")
+        if not math.isfinite(self.length_penalty):
+            raise SamplingParamsError("length_penalty", f"length_penalty must be finite, got {self.length_penalty}")

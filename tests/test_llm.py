@@ -62,6 +62,18 @@ def test_prompt_shapes_give_the_same_outputs(smollm):
     assert not llm.llm_engine.has_unfinished_requests()
 
 
+def test_get_tokenizer_is_a_transformers_tokenizer(smollm):
+    from transformers import PreTrainedTokenizerFast
+
+    llm = LLM(loaded=smollm, num_kv_blocks=64)
+    hf = llm.get_tokenizer()
+    assert isinstance(hf, PreTrainedTokenizerFast) and llm.get_tokenizer() is hf
+    assert llm.tokenizer is not None and hf("Hello there")["input_ids"] == llm.tokenizer.encode("Hello there")
+    messages = [{"role": "user", "content": "Hi"}]
+    assert hf.apply_chat_template(messages, tokenize=False, add_generation_prompt=True) == \
+        llm.tokenizer.apply_chat_template(messages)
+
+
 def test_logprob_objects_and_cumulative_logprob(smollm):
     llm = LLM(loaded=smollm, num_kv_blocks=64)
     c = llm.generate("Hello", SamplingParams(temperature=0, max_tokens=4, logprobs=3), use_tqdm=False)[0].outputs[0]

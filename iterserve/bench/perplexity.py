@@ -44,7 +44,9 @@ def windows_of(ids: list[int], window: int) -> list[list[int]]:
 
 def perplexity(llm: LLM, text: str, window: int = 512) -> Perplexity:
     """Score ``text`` with ``llm`` (every window at once, so the engine batches them)."""
-    ids = llm.get_tokenizer().encode(text, add_special_tokens=False)
+    if llm.tokenizer is None:
+        raise ValueError("perplexity of a text needs the model's tokenizer, and this model has none")
+    ids = llm.tokenizer.encode(text, add_special_tokens=False)
     chunks = windows_of(ids, window)
     if not chunks:
         raise ValueError("the text is shorter than two tokens")

@@ -32,6 +32,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+import transformers
 
 from iterserve.bench.machine import MachineMonitor
 from iterserve.bench.metrics import DEFAULT_PERCENTILES, RequestResult, compute_metrics
@@ -293,13 +294,6 @@ def run_engine_mode(
 
 def _load_hf_model(name: str, dtype: torch.dtype, device: torch.device) -> Any:
     """transformers' model for ``name`` (its class depends on the checkpoint, hence Any)."""
-    try:
-        import transformers
-    except ImportError:
-        raise ValueError(
-            "--hf-baseline runs transformers' generate, and transformers is not installed; "
-            "install it with: pip install 'iterserve[test]'"
-        ) from None
     source = resolve_model(name)
     model: Any
     if source.kind == "gguf" and source.path is not None:

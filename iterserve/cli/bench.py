@@ -373,7 +373,7 @@ def _add_throughput_parser(sub: argparse._SubParsersAction) -> None:
                          "the --speculative-config; with it, the speed-up is reported) (default %(default)s); every "
                          "request is queued at once, so dynamic batches are full at once and run as static ones")
     tp.add_argument("--hf-baseline", action="store_true",
-                    help="also run transformers' generate on padded batches of --max-num-seqs (needs transformers)")
+                    help="also run transformers' generate on padded batches of --max-num-seqs ")
     tp.add_argument("--temperature", type=float, default=0.0, help="sampling temperature of every request")
     _add_percentiles_arg(tp)
     tp.add_argument("--output-json", default=None, help="write the result as JSON to this file")

@@ -109,6 +109,8 @@ class EngineConfig:
                                         "under torchrun, the launcher's WORLD_SIZE")
     seed: int = _opt(0, "seed of random weights and of sampling without a per-request seed")
     step_trace: str | None = _opt(None, "write a JSON-lines trace of every step and request to this file")
+    load_progress: bool = _opt(True, "count the weights on stderr while the model loads (drawn only where stderr "
+                                     "is a terminal)")
     step_history: int = _opt(0, "keep the last N steps' StepStats in memory (benchmarks, tests)", cli=False)
     speculative_config: SpeculativeConfig | None = _opt(
         None, 'speculative decoding, as vLLM\'s JSON: {"method": "ngram", "num_speculative_tokens": 4, '
@@ -131,6 +133,14 @@ class EngineConfig:
         if not isinstance(self.step_history, int) or self.step_history < 0:
             raise ValueError(f"step_history must be an integer >= 0, got {self.step_history!r}")
         self.scheduler_config(self.max_model_len)  # the scheduler's fields are checked where they are defined
+
+    @property
+    def resolved_device(self) -> str:
+        """Where the model runs: ``device``, or cuda where available, else cpu (the loader's choice), so that
+        what is shown is the device in use, never an unset default."""
+        import torch  # torch loads with the engine, not with the settings
+
+        return self.device or ("cuda" if torch.cuda.is_available() else "cpu")
 
     def scheduler_config(self, max_model_len: int | None) -> SchedulerConfig:
         """The scheduler's share of this config, with max_model_len resolved against the KV pool."""

@@ -169,7 +169,7 @@ class EngineCore:
         return future
 
     def _queue(self, request: EngineCoreRequest, max_tokens: int, grammar: GrammarMatcher | None) -> None:
-        """Hand a checked request to the scheduler (check_prompt allows one sequence per constrained one)."""
+        """Hand a checked request to the scheduler; each of its sequences gets its own copy of the grammar."""
         rid, params, ids = request.request_id, request.params, request.prompt_token_ids
         stop_ids = stop_token_ids(params, self.model_config, self.tokenizer)
         if params.bad_words:
@@ -180,7 +180,8 @@ class EngineCore:
             Sequence(
                 request_id=rid, prompt=None, prompt_token_ids=list(ids), params=params, max_tokens=max_tokens,
                 metrics=RequestMetrics(arrival_time=request.arrival_time, num_prompt_tokens=len(ids)),
-                stop_ids=stop_ids, index=index, generator=self._generator(params.seed, index), grammar=grammar,
+                stop_ids=stop_ids, index=index, generator=self._generator(params.seed, index),
+                grammar=grammar.copy() if grammar is not None and index else grammar,
             )
             for index in range(params.num_seqs)
         ]

@@ -4,9 +4,9 @@ A :class:`~iterserve.sampling_params.StructuredOutputsParams` (JSON schema, any 
 choice or Lark grammar) is checked where the request is made (it knows its own grammar, no vocabulary
 needed) and compiled against the model's vocabulary (:class:`GrammarCompiler`): by the server before
 it admits the request, to prove that the grammar runs, and by the engine core, which runs it. Each
-constrained sequence holds a :class:`GrammarMatcher`: before a step it writes the tokens the grammar
-allows next into a packed bitmask row that the sampler applies; after the step it consumes the
-sampled token, and once the grammar admits nothing more the request ends.
+constrained sequence (each of a request's n or best_of) holds its own :class:`GrammarMatcher`: before a
+step it writes the tokens the grammar allows next into a packed bitmask row that the sampler applies;
+after the step it consumes the sampled token, and once the grammar admits nothing more the sequence ends.
 
 Compiling takes from microseconds to tens of seconds (50,000 choices: 25 s), so it runs on worker
 threads (:class:`GrammarPool`; llguidance releases the GIL while it compiles and computes masks), never
@@ -60,6 +60,10 @@ class GrammarMatcher:
                     words[word] |= np.uint32(1 << bit)
                 else:
                     words[word] &= ~np.uint32(1 << bit)
+
+    def copy(self) -> GrammarMatcher:
+        """An independent matcher at the same position: each of a request's n sequences advances its own."""
+        return GrammarMatcher(self._matcher.deep_copy(), self._grammar_eos)
 
     def accept(self, token: int) -> bool:
         """Advance by a sampled token; False (and the matcher is broken) if the grammar forbids it."""

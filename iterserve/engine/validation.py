@@ -30,8 +30,6 @@ def check_prompt(token_ids: list[int], params: SamplingParams, vocab_size: int, 
         outside = [t for t in ids if t >= vocab_size]
         if outside:
             raise SamplingParamsError(name, f"{name} token ids must be in [0, {vocab_size}); got {outside[:5]}")
-    if params.structured_outputs is not None and params.num_seqs > 1:
-        raise SamplingParamsError("n", "n or best_of above 1 cannot be combined with structured output yet")
     if max_num_seqs is not None and params.num_seqs > max_num_seqs:
         raise SamplingParamsError("n", f"n/best_of ({params.num_seqs}) exceeds max_num_seqs ({max_num_seqs}): "
                                        "the sequences could never run together")

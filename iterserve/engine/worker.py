@@ -49,8 +49,10 @@ class Worker:
         """Load ``config.model`` (the shard ``parallel`` names) onto ``device``."""
         if (device or ("cuda" if torch.cuda.is_available() else "cpu")).startswith("cpu"):
             prepare_cpu()  # before loading: the linear methods are timed on the threads they will run on
+        # under tensor parallelism rank 0 alone draws the load's progress
+        progress = config.load_progress and (parallel is None or parallel.rank == 0)
         return cls(config, load_model(config.model, config.dtype, device, config.seed, parallel=parallel,
-                                      quantization=config.quantization))
+                                      quantization=config.quantization, progress=progress))
 
     def execute_model(self, scheduled: list[ScheduledSeq], block_copies: list[tuple[int, int]]) -> SampleResult:
         """One whole step in this process: inputs, forward pass, samples."""

@@ -32,6 +32,7 @@ from iterserve.distributed.parallel_state import ParallelState
 from iterserve.formats.gguf_file import gguf_field, open_gguf
 from iterserve.models.linear import MethodChooser
 from iterserve.models.llama import LlamaModel, RotaryEmbedding
+from iterserve.models.load_progress import tensor_progress
 from iterserve.quantization.model import (
     check_quantization,
     describe,
@@ -134,6 +135,7 @@ def load_model(
     parallel: ParallelState | None = None,
     quantization: str | None = None,
     linear: MethodChooser | None = None,
+    progress: bool = False,
 ) -> LoadedModel:
     """Load weights and tokenizer for ``name`` onto ``device`` (CUDA when available by default).
 
@@ -141,7 +143,8 @@ def load_model(
     and dropped, so a rank's memory holds its shard plus one tensor at a time. Once loaded, every linear
     layer gets its :class:`~iterserve.models.linear.LinearMethod` and prepares its weights for it: the
     quantized method for the layers ``quantization`` keeps in blocks (:mod:`iterserve.quantization.model`),
-    ``linear``'s pick for the others (by default the fastest measured on this CPU).
+    ``linear``'s pick for the others (by default the fastest measured on this CPU). With ``progress`` the
+    tensors are counted on stderr when it is a terminal (:mod:`iterserve.models.load_progress`).
     """
     quantization = check_quantization(quantization)
     torch_dtype = parse_dtype(dtype)
@@ -149,7 +152,7 @@ def load_model(
     device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
     if torch_dtype == torch.float16 and device.type == "cpu":
         logger.warning("float16 on CPU is slow and may be unsupported by some kernels; prefer bfloat16")
-    loaded = _load(name, torch_dtype, device, seed, ps, quantization)
+    loaded = _load(name, torch_dtype, device, seed, ps, quantization, progress)
     quantize_model(loaded.model, quantization, linear)
     for line in describe(weight_formats(loaded.model)):
         logger.info("%s: %s", loaded.name, line)
@@ -157,7 +160,7 @@ def load_model(
 
 
 def _load(name: str, dtype: torch.dtype, device: torch.device, seed: int, ps: ParallelState,
-          quantization: str | None) -> LoadedModel:
+          quantization: str | None, progress: bool) -> LoadedModel:
     source = resolve_model(name)
     if quantization == "gguf" and source.kind != "gguf":
         raise ValueError(f"quantization 'gguf' keeps a GGUF file's blocks, and {name!r} is not a GGUF file; "
@@ -168,8 +171,8 @@ def _load(name: str, dtype: torch.dtype, device: torch.device, seed: int, ps: Pa
         raise _without_weights(source)
     assert source.path is not None
     if source.kind == "gguf":
-        return _load_gguf(source.path, source.name, dtype, device, ps, keep_blocks=quantization == "gguf")
-    return _load_hf_folder(source.path, dtype, device, ps)
+        return _load_gguf(source.path, source.name, dtype, device, ps, quantization == "gguf", progress)
+    return _load_hf_folder(source.path, dtype, device, ps, progress)
 
 
 def load_model_config(model: str | os.PathLike[str] | ModelConfig) -> ModelConfig:
@@ -381,12 +384,13 @@ def _gguf_tensors(reader, config: ModelConfig, keep_blocks: bool = False):
 
 
 def _load_gguf(path: Path, name: str, dtype: torch.dtype, device: torch.device, ps: ParallelState,
-               keep_blocks: bool = False) -> LoadedModel:
+               keep_blocks: bool = False, progress: bool = False) -> LoadedModel:
     reader = open_gguf(path)
     config = gguf_config(reader, name)
     model = _empty_model(config, dtype, device, ps)
     try:
-        load_hf_state_dict(model, _gguf_tensors(reader, config, keep_blocks))
+        load_hf_state_dict(model, tensor_progress(_gguf_tensors(reader, config, keep_blocks), len(reader.tensors),
+                                                  progress))
     except (ValueError, RuntimeError) as e:
         raise ValueError(f"cannot load weights from {str(path)!r}: {e}") from None
     return LoadedModel(name=name, config=config, model=model, tokenizer=Tokenizer.from_gguf(reader))
@@ -395,7 +399,8 @@ def _load_gguf(path: Path, name: str, dtype: torch.dtype, device: torch.device, 
 # -- Hugging Face folders -------------------------------------------------------------------------
 
 
-def _load_hf_folder(path: Path, dtype: torch.dtype, device: torch.device, ps: ParallelState) -> LoadedModel:
+def _load_hf_folder(path: Path, dtype: torch.dtype, device: torch.device, ps: ParallelState,
+                    progress: bool = False) -> LoadedModel:
     from safetensors import safe_open
 
     config = _hf_config(path)
@@ -410,7 +415,7 @@ def _load_hf_folder(path: Path, dtype: torch.dtype, device: torch.device, ps: Pa
                 for key in st.keys():
                     yield key, st.get_tensor(key)
 
-    load_hf_state_dict(model, tensors())
+    load_hf_state_dict(model, tensor_progress(tensors(), None, progress))
     return LoadedModel(name=str(path), config=config, model=model, tokenizer=_hf_tokenizer(path))
 
 

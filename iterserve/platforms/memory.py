@@ -1,25 +1,18 @@
-"""How much host memory there is, and how much is free: for KV-cache sizing and benchmark buffers."""
+"""How much host memory there is, and how much is free: for KV-cache sizing and benchmark buffers.
+
+psutil reads it on every OS (``/proc/meminfo``'s MemAvailable on Linux), where reading that file by hand
+knew Linux alone."""
 
 from __future__ import annotations
 
-import os
+import psutil
 
 
 def physical_memory_bytes() -> int:
-    """Installed RAM, 0 where the OS does not say."""
-    try:
-        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-    except (ValueError, OSError, AttributeError):
-        return 0
+    """Installed RAM."""
+    return int(psutil.virtual_memory().total)
 
 
 def available_memory_bytes() -> int:
-    """RAM the kernel could hand out now (MemAvailable), else all of it."""
-    try:
-        with open("/proc/meminfo") as f:
-            for line in f:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    return physical_memory_bytes()
+    """RAM the kernel could hand out now without swapping (MemAvailable on Linux)."""
+    return int(psutil.virtual_memory().available)

@@ -76,7 +76,8 @@ def build_app(config: EngineConfig, server: ServerConfig | None = None) -> FastA
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         await engine.start()
-        logger.info("engine core started; serving %r", served_model_name)
+        logger.info("engine core started; serving %r on %s (%s)", served_model_name, config.resolved_device,
+                    config.dtype)
         try:
             yield
         finally:

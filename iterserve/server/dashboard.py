@@ -12,7 +12,7 @@ once; more get 429.
 
 With an API key, the page and its feed need it. A browser cannot put a header on a page load, so
 the page posts the key once (``POST /dashboard/session``, behind the server's key check like every
-route) and gets an HttpOnly cookie holding an expiry signed with the key; the page and the feed
+route) and gets an HttpOnly cookie holding its time signed with the key (itsdangerous); the page and the feed
 take either the ``Authorization: Bearer`` header or that cookie. The page and its scripts are
 package files (no CDN); without the key the page answers 401 and shows only its login form.
 """
@@ -21,9 +21,6 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
-import hashlib
-import hmac
-import re
 import time
 from collections import deque
 from collections.abc import AsyncIterator
@@ -34,6 +31,7 @@ from typing import Any
 import msgspec
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
+from itsdangerous import BadSignature, TimestampSigner
 from starlette.background import BackgroundTask
 
 from iterserve import __version__
@@ -50,7 +48,7 @@ SESSION = "/dashboard/session"
 STATIC = "/dashboard/static/"
 COOKIE = "iterserve_dashboard"
 SESSION_TTL_S = 12 * 3600
-EXPIRY = re.compile(r"[0-9]{1,12}")  # a session cookie's expiry: Unix seconds, ASCII digits only
+SESSION_SALT = "dashboard-session"  # a signature for the dashboard's cookie is good for nothing else
 FRAME_INTERVAL_S = 0.1  # a page gets at most ten frames a second, however fast the engine steps
 KEEPALIVE_S = 15.0  # an idle feed sends a comment this often, so a page that left is noticed
 BUCKET_S = 0.5  # the time series' resolution
@@ -299,6 +297,7 @@ def facts(engine: EngineCoreClient, model_name: str) -> dict[str, Any]:
     m = engine.model_config
     config = dataclasses.asdict(engine.config)
     config.pop("step_history")
+    config["device"] = engine.config.resolved_device
     return {
         "version": __version__, "served_model_name": model_name,
         "model": {"architecture": m.architecture, "num_layers": m.num_layers, "hidden_size": m.hidden_size,
@@ -310,26 +309,26 @@ def facts(engine: EngineCoreClient, model_name: str) -> dict[str, Any]:
 
 
 class SessionAuth:
-    """The API key, or a cookie holding an expiry signed with it (what a browser can send on a page load)."""
+    """The API key, or a cookie signed with it, with its time, that lasts SESSION_TTL_S (what a browser can send
+    on a page load); itsdangerous signs and checks it."""
 
     def __init__(self, api_key: str | None) -> None:
         self._key = api_key.encode() if api_key else None
-
-    def _sign(self, expiry: str) -> str:
-        assert self._key is not None
-        return hmac.new(self._key, f"dashboard-session:{expiry}".encode(), hashlib.sha256).hexdigest()
+        self._signer = TimestampSigner(self._key, salt=SESSION_SALT) if self._key else None
 
     def token(self) -> str:
-        expiry = str(int(time.time() + SESSION_TTL_S))
-        return f"{expiry}.{self._sign(expiry)}"
+        assert self._signer is not None
+        return self._signer.sign(b"dashboard").decode()
 
     def allows(self, request: Request) -> bool:
-        if self._key is None or bearer_matches(request.headers.get("authorization", ""), self._key):
+        if self._key is None or self._signer is None \
+                or bearer_matches(request.headers.get("authorization", ""), self._key):
             return True
-        expiry, _, signature = request.cookies.get(COOKIE, "").partition(".")
-        # str.isdigit() is true of superscripts and other scripts' digits, which int() refuses
-        return (EXPIRY.fullmatch(expiry) is not None and int(expiry) > time.time()
-                and hmac.compare_digest(signature.encode(), self._sign(expiry).encode()))
+        try:
+            self._signer.unsign(request.cookies.get(COOKIE, ""), max_age=SESSION_TTL_S)
+        except BadSignature:  # forged, altered, malformed or expired (SignatureExpired is one)
+            return False
+        return True
 
     @property
     def enabled(self) -> bool:

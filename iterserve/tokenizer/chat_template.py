@@ -1,18 +1,17 @@
-"""Chat templates rendered with jinja2 the way transformers renders them: the conversation's shape checked,
-then the template compiled in a sandbox with transformers' filters and globals."""
+"""Chat templates: the conversation's shape checked, then the template rendered by transformers' renderer
+(the one ``PreTrainedTokenizer.apply_chat_template`` uses), so prompts are the model's own."""
 
 from __future__ import annotations
 
-import json
 from collections.abc import Mapping, Sequence
-from datetime import datetime
-from functools import lru_cache
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import jinja2
-import jinja2.ext
-from jinja2.sandbox import ImmutableSandboxedEnvironment
+from transformers.utils.chat_template_utils import render_jinja_template
+
+# render_jinja_template's own arguments, which a template variable of the same name would collide with
+_RENDERER_ARGUMENTS = frozenset({"conversations", "messages", "chat_template", "return_assistant_tokens_mask"})
 
 
 def normalize_messages(messages: Any) -> list[dict[str, Any]]:
@@ -61,32 +60,22 @@ def _text_part(part: Any, index: int) -> str:
     return part["text"]
 
 
-def _raise_exception(message: str) -> None:
-    raise jinja2.exceptions.TemplateError(message)
-
-
-def _tojson(value: Any, ensure_ascii: bool = False, indent: int | None = None,
-            separators: tuple[str, str] | None = None, sort_keys: bool = False) -> str:
-    # jinja's own tojson escapes HTML characters, which would change the prompt
-    return json.dumps(value, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
-
-
-def _strftime_now(fmt: str) -> str:
-    return datetime.now().strftime(fmt)
-
-
-@lru_cache(maxsize=16)
-def compile_template(source: str) -> jinja2.Template:
-    """Compile a chat template in the environment transformers uses; templates come with model
-    files and are untrusted, hence the sandbox."""
-    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=[jinja2.ext.loopcontrols])
-    env.filters["tojson"] = _tojson
-    env.globals["raise_exception"] = _raise_exception
-    env.globals["strftime_now"] = _strftime_now
+def render_chat_template(template: str, messages: list[dict[str, Any]], /, *, add_generation_prompt: bool,
+                         continue_final_message: bool, **variables: Any) -> str:
+    """Render with transformers' own renderer, so a prompt is the one the model's tokenizer would build: its
+    sandbox (templates come with model files, or in a request, and are untrusted), filters, globals,
+    ``{% generation %}`` tag and continue_final_message cut. Raises ValueError naming what failed."""
+    reserved = sorted(_RENDERER_ARGUMENTS & variables.keys())
+    if reserved:
+        raise ValueError(f"chat template variable(s) {', '.join(reserved)} cannot be set: the renderer sets them")
     try:
-        return env.from_string(source)
+        # annotated as returning str, it returns (prompts, generation indices)
+        rendered, _ = cast(tuple[list[str], Any], render_jinja_template(
+            [messages], chat_template=template, add_generation_prompt=add_generation_prompt,
+            continue_final_message=continue_final_message, **variables))
     except jinja2.TemplateError as exc:
-        raise ValueError(f"the chat template does not compile: {exc}") from exc
+        raise ValueError(f"chat template failed: {exc}") from exc
+    return rendered[0]
 
 
 def load_chat_template(value: str) -> str:

@@ -1,9 +1,10 @@
 """Tokenizers for the models we serve, built from a GGUF file or a Hugging Face folder.
 
-The backend is always a Hugging Face ``tokenizers.Tokenizer``; transformers is not needed at run
-time. A GGUF's vocabulary becomes that pipeline in :mod:`iterserve.tokenizer.gguf_vocab`. Chat templates
-are rendered by :mod:`iterserve.tokenizer.chat_template`, and `IncrementalDetokenizer` turns a stream of
-generated ids into text deltas for streaming responses.
+The backend is always a Hugging Face ``tokenizers.Tokenizer``. A GGUF's vocabulary becomes that pipeline in
+:mod:`iterserve.tokenizer.gguf_vocab`. Chat templates are checked and rendered (by transformers' renderer) in
+:mod:`iterserve.tokenizer.chat_template`, :mod:`iterserve.tokenizer.hf` wraps the pipeline in the transformers
+object ``LLM.get_tokenizer()`` returns, and `IncrementalDetokenizer` turns a stream of generated ids into text
+deltas for streaming responses.
 """
 
 from __future__ import annotations
@@ -16,14 +17,12 @@ from pathlib import Path
 from typing import Any, Literal, overload
 
 import gguf
-import jinja2
-import jinja2.ext
 from tokenizers import AddedToken
 from tokenizers import Tokenizer as BackendTokenizer
 from tokenizers.decoders import DecodeStream
 
 from iterserve.formats.gguf_file import open_gguf
-from iterserve.tokenizer.chat_template import compile_template, normalize_messages
+from iterserve.tokenizer.chat_template import normalize_messages, render_chat_template
 from iterserve.tokenizer.gguf_vocab import gguf_vocabulary
 
 _NAMED_SPECIAL_TOKENS = ("bos_token", "eos_token", "unk_token", "pad_token")
@@ -227,19 +226,20 @@ class Tokenizer:
 
     @overload
     def apply_chat_template(
-        self, messages: Sequence[Mapping[str, Any]], add_generation_prompt: bool = ...,
+        self, messages: Sequence[Mapping[str, Any]], /, add_generation_prompt: bool = ...,
         tokenize: Literal[False] = ..., tools: Sequence[Mapping[str, Any]] | None = ..., **kwargs: Any,
     ) -> str: ...
 
     @overload
     def apply_chat_template(
-        self, messages: Sequence[Mapping[str, Any]], add_generation_prompt: bool = ..., *,
+        self, messages: Sequence[Mapping[str, Any]], /, add_generation_prompt: bool = ..., *,
         tokenize: Literal[True], tools: Sequence[Mapping[str, Any]] | None = ..., **kwargs: Any,
     ) -> list[int]: ...
 
     def apply_chat_template(
         self,
         messages: Sequence[Mapping[str, Any]],
+        /,
         add_generation_prompt: bool = True,
         tokenize: bool = False,
         tools: Sequence[Mapping[str, Any]] | None = None,
@@ -262,20 +262,10 @@ class Tokenizer:
             isinstance(tools, (str, bytes, Mapping)) or not all(isinstance(t, Mapping) for t in tools)
         ):
             raise ValueError("tools must be a list of JSON-schema dicts")
-        context = {
-            **self.special_tokens,
-            "tools": [dict(t) for t in tools] if tools is not None else None,
-            "documents": None,
-            **kwargs,
-            "messages": normalize_messages(messages),
-            "add_generation_prompt": add_generation_prompt,
-        }
-        try:
-            prompt = compile_template(template).render(**context)
-        except jinja2.TemplateError as exc:
-            raise ValueError(f"chat template failed: {exc}") from exc
-        if continue_final_message:
-            prompt = _cut_after_final_message(prompt, messages[-1])
+        variables = {**self.special_tokens, **kwargs}
+        prompt = render_chat_template(template, normalize_messages(messages), tools=[dict(t) for t in tools]
+                                      if tools is not None else None, add_generation_prompt=add_generation_prompt,
+                                      continue_final_message=continue_final_message, **variables)
         return self.encode(prompt, add_special_tokens=False) if tokenize else prompt
 
     def _select_template(self, tools: Sequence[Mapping[str, Any]] | None) -> str:
@@ -329,15 +319,6 @@ class IncrementalDetokenizer:
 
 
 # -- building backends ------------------------------------------------------------------------------
-
-
-def _cut_after_final_message(prompt: str, message: Mapping[str, Any]) -> str:
-    """The rendered prompt up to the end of the last message's content (what follows closes the turn)."""
-    content = message.get("content")
-    if not isinstance(content, str) or not content.strip() or content.strip() not in prompt:
-        raise ValueError("continue_final_message needs the final message's text content in the rendered prompt")
-    end = prompt.rindex(content.strip()) + len(content.strip())
-    return prompt[:end]
 
 
 def _keeps_characters(pre_tokenizer: Mapping[str, Any] | None) -> bool:

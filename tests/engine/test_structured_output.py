@@ -59,3 +59,20 @@ def test_greedy_neighbours_are_unchanged_by_a_constrained_request(llm):
     assert mixed[3].outputs[0].token_ids != alone[0].outputs[0].token_ids  # the grammar did act on its row
     assert mixed[3].outputs[0].text.startswith('{"city":"')
 
+
+
+@pytest.mark.parametrize("best_of", [None, 4])
+def test_n_choices_each_follow_the_grammar(llm, best_of):
+    """Each of n (or best_of) sequences advances its own matcher: with one shared, a sibling's token would
+    move the others' grammar, and their JSON would not parse."""
+    ask = [{"role": "user", "content": "Give a city and its population as JSON."}]
+    params = SamplingParams(n=3, best_of=best_of, temperature=1.0, seed=5, max_tokens=96,
+                            structured_outputs=StructuredOutputsParams(json=SCHEMA))
+    choices = llm.generate(chat_ids(llm, ask), params)[0].outputs
+    assert len(choices) == 3
+    for choice in choices:
+        assert choice.finish_reason == "stop", choice.text
+        value = json.loads(choice.text)
+        assert set(value) == {"city", "population"} and isinstance(value["population"], int)
+    assert len({c.text for c in choices}) > 1  # temperature 1 sampled different documents
+    assert llm.engine.block_manager.num_used_blocks == 0

@@ -19,12 +19,15 @@ import httpx
 import msgspec
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
+import torch
+from itsdangerous import TimestampSigner
+from starlette.requests import Request
 
 from iterserve.config import EngineConfig, ServerConfig
 from iterserve.engine.messages import KV_CACHED, KV_FIRST_ROW, KV_FREE, LoadedWeights, SchedulerStats
 from iterserve.server import build_app
 from iterserve.server import dashboard as dashboard_module
-from iterserve.server.dashboard import COOKIE
+from iterserve.server.dashboard import COOKIE, SessionAuth
 from iterserve.server.errors import APIError
 from tests.server.conftest import API_KEY, MODEL, TINY_MODEL, ServerThread, wait_until_idle
 
@@ -101,6 +104,8 @@ def test_feed_shows_the_batch_and_kv_blocks_while_requests_run(server, quick_kee
         if first is None:
             first = frame
             assert frame["facts"]["served_model_name"] == MODEL and frame["facts"]["capacity"]["num_blocks"] == 256
+            # the device in use, never the unset default ("auto" on the page)
+            assert frame["facts"]["engine"]["device"] == ("cuda" if torch.cuda.is_available() else "cpu")
             assert dashboard.viewers == 1 and server.engine.is_running
             running = Load(server, 4, max_tokens=4)
         if "step" in frame:
@@ -262,6 +267,23 @@ def test_the_page_and_feed_need_the_key_or_a_session_cookie(server):
     assert httpx.get(f"{server.url}/dashboard", headers=AUTH).status_code == 200
 
 
+def cookie_request(value: str) -> Request:
+    return Request({"type": "http", "headers": [(b"cookie", f"{COOKIE}={value}".encode())]})
+
+
+def test_a_session_cookie_is_signed_with_the_key_and_expires(monkeypatch):
+    auth = SessionAuth("sk-test")
+    token = auth.token()
+    assert TimestampSigner(b"sk-test", salt="dashboard-session").unsign(token) == b"dashboard"  # itsdangerous'
+    assert auth.allows(cookie_request(token))
+    assert not SessionAuth("another key").allows(cookie_request(token))
+    assert not auth.allows(cookie_request(token[:-2] + ("AA" if not token.endswith("AA") else "BB")))
+    assert not auth.allows(cookie_request("99999999999.forged")) and not auth.allows(cookie_request(""))
+    later = time.time() + dashboard_module.SESSION_TTL_S + 5
+    monkeypatch.setattr(time, "time", lambda: later)  # what itsdangerous reads the cookie's age against
+    assert not auth.allows(cookie_request(token))
+
+
 # -- in a browser ----------------------------------------------------------------------------------
 
 
@@ -351,4 +373,34 @@ def test_browser_shows_speculative_decoding(spec_server, browser):
     assert rows["drafts verified"] == str(int(drafts)) and rows["accepted tokens"] == str(int(accepted))
     assert rows["mean accepted length"] == f"{1 + accepted / drafts:.2f} tokens per pass"
     assert rows["acceptance rate"].endswith("%") and not errors
+
+
+# every label a chart draws: where its text starts and ends, and its canvas' width (in CSS pixels)
+RECORD_LABELS = """
+window.labels = [];
+const fillText = CanvasRenderingContext2D.prototype.fillText;
+CanvasRenderingContext2D.prototype.fillText = function (text, x, y, ...rest) {
+  const width = this.measureText(text).width;
+  const start = this.textAlign === "center" ? x - width / 2 : this.textAlign === "right" ? x - width : x;
+  window.labels.push({text: String(text), canvas: this.canvas.id, start, end: start + width,
+                      width: this.canvas.width / (window.devicePixelRatio || 1)});
+  return fillText.call(this, text, x, y, ...rest);
+};
+"""
+
+
+def test_browser_chart_labels_fit_their_canvas(server, browser):
+    """The time axis' last label, "now", is drawn whole (it was cut to "nov" at the canvas' right edge)."""
+    context = browser.new_context(viewport={"width": 1280, "height": 1100}, extra_http_headers=AUTH, bypass_csp=True)
+    page = context.new_page()
+    page.add_init_script(RECORD_LABELS)
+    assert page.goto(f"{server.url}/dashboard").status == 200
+    page.wait_for_function("window.labels.some((l) => l.text === 'now')", timeout=30_000)
+    labels = page.evaluate("window.labels.filter((l) => l.canvas.startsWith('chart-'))")
+    assert any(label["text"] == "now" for label in labels)
+    outside = [label for label in labels if label["start"] < 0 or label["end"] > label["width"] + 0.5]
+    assert not outside
+    page.wait_for_function("document.getElementById('facts').textContent.includes('precision, device')")
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    assert f", {device}" in page.inner_text("#facts")
     context.close()

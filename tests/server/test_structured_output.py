@@ -87,6 +87,23 @@ def test_json_schema_responses_validate_for_20_seeded_prompts(server):
     wait_until_idle(server)
 
 
+@pytest.mark.parametrize("stream", [False, True])
+def test_n_choices_with_a_json_schema_each_validate(server, stream):
+    body = dict(model=MODEL, temperature=1.0, seed=11, max_tokens=160, n=3,
+                messages=[{"role": "user", "content": "Describe a person called Ada as JSON."}],
+                response_format={"type": "json_schema", "json_schema": {"name": "person", "schema": PERSON}})
+    if stream:
+        texts = ["", "", ""]
+        for chunk in client(server).chat.completions.create(**body, stream=True):
+            for choice in chunk.choices:
+                texts[choice.index] += choice.delta.content or ""
+    else:
+        texts = [c.message.content for c in client(server).chat.completions.create(**body).choices]
+    assert len(texts) == 3 and all(is_person(json.loads(text)) for text in texts), texts
+    assert len(set(texts)) > 1
+    wait_until_idle(server)
+
+
 def test_json_object_and_guided_extensions(server):
     c = client(server)
     r = c.chat.completions.create(model=MODEL, messages=ASK_WEATHER, temperature=1.0, seed=3, max_tokens=200,

@@ -180,6 +180,23 @@ def test_chat_template_environment_matches_transformers(tok, ref):
         custom.apply_chat_template([{"role": "tool", "content": "r"}])
 
 
+def test_chat_templates_render_through_transformers_renderer(tok, ref):
+    """What transformers' renderer has and a hand-made jinja environment lacked: the {% generation %} tag
+    (templates that mark assistant turns for training masks), and a sandbox that refuses dunder names on a
+    namespace, for a template a request brings."""
+    marked = ("{% for m in messages %}{% if m['role'] == 'assistant' %}{% generation %}{{ m['content'] }}"
+              "{% endgeneration %}{% else %}{{ m['content'] }}{% endif %}|{% endfor %}")
+    conversation = CONVERSATIONS[2]
+    assert tok.apply_chat_template(conversation, chat_template=marked) == ref.apply_chat_template(
+        conversation, chat_template=marked, tokenize=False, add_generation_prompt=True) == "Name a colour.|Blue.|" \
+        "Another, in French: 日本? 😀|"
+    with pytest.raises(ValueError, match="underscore"):
+        tok.apply_chat_template(conversation, chat_template="{% set ns = namespace(__x=1) %}x")
+    for name in ("conversations", "messages"):  # a request's chat_template_kwargs
+        with pytest.raises(ValueError, match=f"{name} cannot be set"):
+            tok.apply_chat_template(conversation, **{name: []})
+
+
 @pytest.mark.parametrize(
     "messages, match",
     [

@@ -240,8 +240,11 @@ function drawChart(canvas, series, {bars = false, yMax = null} = {}) {
   ctx.textAlign = "right";
   ctx.fillText(formatNumber(max), left - 3, top + 8);
   ctx.fillText("0", left - 3, H - bottom);
-  ctx.textAlign = "center";
-  for (const t of [-300, -240, -180, -120, -60, 0]) ctx.fillText(t ? `${t / 60}m` : "now", x(t), H - 3);
+  // centred under its tick, but "now" ends at the axis' end: centred there it would run off the canvas
+  for (const t of [-300, -240, -180, -120, -60, 0]) {
+    ctx.textAlign = t ? "center" : "right";
+    ctx.fillText(t ? `${t / 60}m` : "now", t ? x(t) : W, H - 3);
+  }
   for (const s of series) {
     ctx.strokeStyle = ctx.fillStyle = s.color;
     if (bars) {
