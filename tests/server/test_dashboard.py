@@ -18,9 +18,9 @@ from concurrent.futures import ThreadPoolExecutor
 import httpx
 import msgspec
 import pytest
-from prometheus_client.parser import text_string_to_metric_families
 import torch
 from itsdangerous import TimestampSigner
+from prometheus_client.parser import text_string_to_metric_families
 from starlette.requests import Request
 
 from iterserve.config import EngineConfig, ServerConfig
