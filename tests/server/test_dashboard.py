@@ -107,7 +107,7 @@ def test_feed_shows_the_batch_and_kv_blocks_while_requests_run(server, quick_kee
             # the device in use, never the unset default ("auto" on the page)
             assert frame["facts"]["engine"]["device"] == ("cuda" if torch.cuda.is_available() else "cpu")
             assert dashboard.viewers == 1 and server.engine.is_running
-            running = Load(server, 4, max_tokens=4)
+            running = Load(server, 4, max_tokens=16)
         if "step" in frame:
             seen_rows.update(row[0] for row in frame["step"]["seqs"])
         if "kv" in frame:
