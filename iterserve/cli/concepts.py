@@ -28,11 +28,14 @@ class Size:
     ttft_output: int
     loads: str
     timing_flags: tuple[str, ...]  # the small run's timings mean nothing, so a busy machine need not refuse them
+    batch_repeats: int  # the knee is read off small differences between neighbouring batch sizes
+    load_extra: tuple[str, ...]  # more requests per offered-load point: a p99 TTFT of 32 requests is their maximum
 
 
-FULL = Size(("--model", "smollm2-135m", "--dtype", "auto"), 2, "32,128,512", "1,2,4,8,16", 8, "0.25,0.5,0.75,1,1.5", ())
+FULL = Size(("--model", "smollm2-135m", "--dtype", "auto"), 2, "32,128,512", "1,2,4,8,16,32,64", 8,
+            "0.25,0.5,0.75,1,1.5", (), 5, ("--num-prompts", "96"))
 SMALL = Size(("--model", SMALL_MODEL, "--dtype", "float32"), 1, "16,64,256", "1,2,4", 4, "0.5,1.5",
-             ("--allow-busy",))
+             ("--allow-busy",), 1, ())
 
 # sections 1, 2 and 4 share one workload: more requests than slots, heavy-tailed outputs
 WORKLOAD = ("--num-prompts", "32", "--max-num-seqs", "8", "--input-len", "uniform:8:32",
@@ -61,7 +64,7 @@ def _arrivals(out: Path, s: Size) -> list[list[str]]:
 
 def _offered_load(out: Path, s: Size) -> list[list[str]]:
     """Item 4: throughput and TTFT against offered load, per policy, measured."""
-    return [["bench", "load", *s.model, *WORKLOAD, "--modes", ",".join(POLICIES), "--loads", s.loads,
+    return [["bench", "load", *s.model, *WORKLOAD, *s.load_extra, "--modes", ",".join(POLICIES), "--loads", s.loads,
              "--max-batch-wait", "0.2", "--disable-tqdm", "--chart", str(out / "offered_load.png"),
              "--output-json", str(out / "offered_load.json"), *s.timing_flags]]
 
@@ -84,8 +87,8 @@ def _ttft(out: Path, s: Size) -> list[list[str]]:
 def _batch(out: Path, s: Size) -> list[list[str]]:
     """Items 7, 9: decode step time against batch size on this machine."""
     return [["bench", "batch", *s.model, "--batch-sizes", s.batch_sizes, "--context", "64",
-             "--repeats", str(s.repeats), "--no-prefill", "--disable-tqdm", "--chart", str(out / "batch_sweep.png"),
-             "--output-json", str(out / "batch_sweep.json"), *s.timing_flags]]
+             "--repeats", str(s.batch_repeats), "--no-prefill", "--disable-tqdm",
+             "--chart", str(out / "batch_sweep.png"), "--output-json", str(out / "batch_sweep.json"), *s.timing_flags]]
 
 
 def _plan(out: Path, s: Size) -> list[list[str]]:
