@@ -25,11 +25,11 @@ needs_build = pytest.mark.skipif(
 TOL = {torch.float32: dict(atol=2e-5, rtol=1e-4), torch.bfloat16: dict(atol=1e-2, rtol=1e-2)}
 
 
-def decode_case(ratio: int, block_size: int, dtype: torch.dtype, window: int | None, head_dim: int, seed: int):
-    """A decode batch with ragged contexts (including a 1-token one) over scattered blocks."""
+def decode_case(ratio: int, block_size: int, dtype: torch.dtype, window: int | None, head_dim: int, seed: int,
+                contexts: list[int] | None = None, kv_heads: int = 2):
+    """A decode batch with ragged contexts (by default including a 1-token one) over scattered blocks."""
     g = torch.Generator().manual_seed(seed)
-    kv_heads = 2
-    contexts = [1, 2, block_size, block_size + 1, 77, 3 * block_size + 5]
+    contexts = contexts or [1, 2, block_size, block_size + 1, 77, 3 * block_size + 5]
     tables, nxt = [], 0
     total = sum(-(-c // block_size) for c in contexts) + 3
     perm = torch.randperm(total, generator=g).tolist()
@@ -77,24 +77,7 @@ def test_paged_decode_matches_reference(ratio, block_size, dtype, window):
 def test_paged_decode_splits_a_small_batch_long_context_and_merges_it(contexts, window):
     """Fewer (sequence, KV head) pairs than the pool wants: contexts are cut into pieces, some empty for
     the shorter sequences, and the pieces' softmaxes merged; the result is the one-pass attention."""
-    g = torch.Generator().manual_seed(sum(contexts))
-    block_size, kv_heads, head_dim = 16, 1, 64
-    tables, nxt = [], 0
-    for c in contexts:
-        n = -(-c // block_size)
-        tables.append(list(range(nxt, nxt + n))[::-1])  # blocks out of order
-        nxt += n
-    cache = KVCache.allocate(nxt, block_size, kv_heads, head_dim, torch.float32, "cpu")
-    cache.k.normal_(generator=g)
-    cache.v.normal_(generator=g)
-    width = max(len(t) for t in tables)
-    empty = torch.zeros(0, dtype=torch.long)
-    meta = AttentionMetadata(
-        slot_mapping=empty, slot_blocks=empty, slot_offsets=empty, block_size=block_size, sliding_window=window,
-        num_decode_tokens=len(contexts), decode_block_tables=torch.tensor([t + [0] * (width - len(t)) for t in tables]),
-        decode_context_lens=torch.tensor(contexts),
-    )
-    q = torch.randn(len(contexts), 3, head_dim, generator=g)
+    q, cache, meta = decode_case(3, 16, torch.float32, window, 64, seed=sum(contexts), contexts=contexts, kv_heads=1)
     out = torch.full_like(q, float("nan"))
     OPS.paged_decode(out, q, cache.k, cache.v, meta.decode_block_tables, meta.decode_context_lens, 0.125, window or 0)
     torch.testing.assert_close(out, decode_attention_reference(q, cache, meta, 0.125), **TOL[torch.float32])
