@@ -63,6 +63,15 @@ def test_best_of(server, reference):
     assert [c.text for c in r.choices] == [c.text for c in ranked[:2]]
 
 
+def test_best_of_usage_counts_every_candidate(server):
+    """The two discarded candidates were generated too: completion_tokens bills all four (as OpenAI does)."""
+    r = client(server).completions.create(model=MODEL, prompt=PROMPT, n=2, best_of=4, max_tokens=6, temperature=1.0,
+                                          seed=5, extra_body={"ignore_eos": True})
+    assert len(r.choices) == 2
+    assert r.usage.completion_tokens == 4 * 6
+    assert r.usage.total_tokens == r.usage.prompt_tokens + 24
+
+
 def test_logit_bias_bans_a_token(server):
     c = client(server)
     greedy = c.completions.create(model=MODEL, prompt=PROMPT, max_tokens=1, temperature=0, logprobs=0)
