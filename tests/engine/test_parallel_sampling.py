@@ -145,6 +145,23 @@ def test_a_forked_group_in_a_tiny_pool_is_preempted_and_frees_every_block(smollm
     assert llm.engine.block_manager.num_free_blocks == 4
 
 
+@pytest.mark.slow  # two engines on the model: about a minute on two busy cores
+def test_reserved_allocation_gives_each_child_its_own_blocks_from_the_reservation(smollm):
+    """Under reserved allocation the children's blocks come out of the group's reservation (the prompt's
+    partial block copied into the first): in a pool that holds exactly the group it runs unpreempted and
+    samples the same tokens as paged allocation does."""
+    params = SamplingParams(n=3, temperature=1.0, seed=7, max_tokens=12, ignore_eos=True)
+    paged = LLM(loaded=smollm, num_kv_blocks=64, block_size=16, max_model_len=64).generate(PROMPT, params)[0]
+    llm = LLM(loaded=smollm, num_kv_blocks=6, block_size=16, max_model_len=64, kv_allocation="reserved")
+    ids = llm.get_tokenizer().encode(PROMPT)
+    assert 0 < len(ids) < 16 and len(ids) + 12 <= 32  # 2 blocks a choice, the first one partial when forked
+    reserved = llm.generate(PROMPT, params)[0]
+    assert llm.engine.num_preemptions == 0
+    assert [c.token_ids for c in reserved.outputs] == [c.token_ids for c in paged.outputs]
+    llm.engine.block_manager.check_no_leaks()
+    assert llm.engine.block_manager.num_free_blocks == 6
+
+
 @pytest.mark.slow  # constant preemption and recompute: minutes on two busy cores
 def test_forked_groups_under_preemption_free_every_block(smollm, chat_prompt_ids, hf_greedy):
     # 10 blocks of 16 tokens for three requests of three sequences each: constant preemption
