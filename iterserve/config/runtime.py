@@ -69,7 +69,7 @@ class SchedulerConfig:
     max_batch_wait: float = _opt(0.05, "dynamic batching: seconds the oldest waiting request may wait for its batch "
                                        "to fill before the batch starts")
     kv_allocation: KVAllocation = _opt("paged", "paged: KV blocks as tokens arrive; reserved: blocks for "
-                                                "prompt + max_tokens held from admission")
+                                                "prompt + max_tokens (each of n) held from admission")
     max_model_len: int | None = _opt(None, "a sequence reaching this many tokens finishes with 'length'", cli=False)
 
     def __post_init__(self) -> None:

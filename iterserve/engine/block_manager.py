@@ -170,6 +170,25 @@ class BlockManager:
         child.block_hashes = list(parent.block_hashes)
         child.num_hashed_blocks = parent.num_hashed_blocks
 
+    def fork_reserved(self, parent: Sequence, children: list[Sequence], own_blocks: int) -> None:
+        """Reserved allocation: the parent's table holds its ``own_blocks`` and then each child's share
+        of the group's reservation. Each child shares the prompt's full blocks and takes its share, the
+        first block of which gets a copy of the partly filled prompt block, so no child ever needs a
+        block from the free queue (and nobody is preempted for one)."""
+        full = parent.num_computed_tokens // self.block_size
+        shares = parent.block_table[own_blocks:]
+        del parent.block_table[own_blocks:]
+        per_child = own_blocks - full
+        for i, child in enumerate(children):
+            share = shares[i * per_child:(i + 1) * per_child]
+            for block_id in parent.block_table[:full]:
+                self.blocks[block_id].ref_count += 1
+            child.block_table = parent.block_table[:full] + share
+            child.block_hashes = parent.block_hashes[:full]
+            child.num_hashed_blocks = min(parent.num_hashed_blocks, full)
+            if parent.num_computed_tokens % self.block_size:
+                self.pending_copies.append((parent.block_table[full], share[0]))
+
     def take_copies(self) -> list[tuple[int, int]]:
         """The copy-on-write pairs queued since the last call, for the next forward pass."""
         copies, self.pending_copies = self.pending_copies, []

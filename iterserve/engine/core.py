@@ -121,13 +121,9 @@ class EngineCore:
         # constrained requests whose grammars compile: (request, resolved max_tokens, the compile)
         self._compiling: dict[str, tuple[EngineCoreRequest, int, Future[GrammarMatcher]]] = {}
         self._grammar_pool = GrammarPool(self.tokenizer, self.model_config.vocab_size)
-        self.num_requests_received = 0
-        self.num_steps = 0
-        self.num_preemptions = 0
-        self.prefix_hit_tokens = 0
-        self.prefix_query_tokens = 0
-        self.num_prompt_tokens = 0
-        self.num_generation_tokens = 0
+        self.num_requests_received = self.num_steps = self.num_preemptions = 0
+        self.prefix_hit_tokens = self.prefix_query_tokens = 0
+        self.num_prompt_tokens = self.num_generation_tokens = 0
         self.peak_running = 0
         self.spec_stats = SpecDecodeStats()  # drafts verified and tokens accepted since start
         self._last_step_tokens = 0
@@ -230,6 +226,13 @@ class EngineCore:
                 member.metrics.finished_time = self.clock()
         self._trace_request(seq)
         return True
+
+    def abort_sequence(self, request_id: str, index: int) -> None:
+        """Stop one sequence of an n > 1 request (a stop string ended it) and free its blocks; the rest go on."""
+        parent = self.requests.get(request_id)
+        if parent is not None and index < len(parent.group) and not parent.group[index].is_finished:
+            self.scheduler.finish(parent.group[index], "stop")
+            self._retire(parent.group[index], self.clock())
 
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished() or bool(self._compiling)
@@ -480,6 +483,8 @@ def _busy_loop(core: EngineCore, inputs: zmq.Socket, outputs: zmq.Socket, encode
             if isinstance(msg, AbortRequests):
                 for request_id in msg.request_ids:
                     core.abort_request(request_id)
+                for request_id, index in msg.sequences:
+                    core.abort_sequence(request_id, index)
                 continue
             if isinstance(msg, WatchKV):
                 core.watch_kv = msg.on

@@ -427,8 +427,8 @@ class EngineCoreClient:
                 stream._fail(RequestFailedError("the engine failed while generating this request"))
             else:
                 stream._put(out)
-        if processed.to_abort:
-            core.send(self._encoder, AbortRequests(processed.to_abort))
+        if processed.to_abort or processed.seqs_to_abort:
+            core.send(self._encoder, AbortRequests(processed.to_abort, processed.seqs_to_abort))
         if self.observer is not None:
             self.observer.record_stats(core.index, msg.stats, core.num_waiting)
         if self.step_observer is not None and core.index == 0:  # the dashboard shows one engine: replica 0

@@ -86,6 +86,8 @@ class LLMEngine:
         processed = self.output_processor.process_outputs(self.core.step().outputs)
         for request_id in processed.to_abort:
             self.core.abort_request(request_id)
+        for request_id, index in processed.seqs_to_abort:
+            self.core.abort_sequence(request_id, index)
         return processed.outputs
 
     # -- the core's state, for tests and benchmarks ---------------------------------------------

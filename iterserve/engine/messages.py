@@ -25,6 +25,8 @@ class EngineCoreRequest(msgspec.Struct, tag="add"):
 
 class AbortRequests(msgspec.Struct, tag="abort"):
     request_ids: list[str]
+    # single sequences of n > 1 requests (request id, index), ended by a stop string; the rest go on
+    sequences: list[tuple[str, int]] = msgspec.field(default_factory=list)
 
 
 class Shutdown(msgspec.Struct, tag="shutdown"):

@@ -69,6 +69,9 @@ class RequestState:
 class ProcessedOutputs:
     outputs: list[RequestOutput] = field(default_factory=list)
     to_abort: list[str] = field(default_factory=list)  # finished here (a stop string) but still alive in the core
+    # (request id, index): one of an n > 1 request's sequences ended here by a stop string while its
+    # siblings go on; the core stops computing it and frees its blocks
+    seqs_to_abort: list[tuple[str, int]] = field(default_factory=list)
 
 
 class OutputProcessor:
@@ -111,6 +114,9 @@ class OutputProcessor:
                 del self.states[o.request_id]
                 if not all(s.core_finished for s in state.seqs):
                     result.to_abort.append(o.request_id)
+            elif seq.finish_reason is not None and not seq.core_finished:
+                seq.core_finished = True  # the core is told now and reports nothing more for it
+                result.seqs_to_abort.append((o.request_id, o.index))
             if out is not None:
                 result.outputs.append(out)
         return result

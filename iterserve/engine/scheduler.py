@@ -135,9 +135,16 @@ class Scheduler:
         return left if left > HOLD_RESOLUTION_S else 0.0
 
     def _reserve(self, seq: Sequence) -> int:
+        """Tokens' worth of blocks to hold from admission on (reserved allocation): the whole output, and
+        for a group (n > 1) each child's share too, so that no sequence of it is ever preempted."""
         if self.config.kv_allocation != "reserved":
             return 0
-        return seq.num_tokens + seq.max_tokens - len(seq.output_token_ids)
+        tokens = seq.num_tokens + seq.max_tokens - len(seq.output_token_ids)
+        if not seq.forks:
+            return tokens
+        bm = self.block_manager
+        own = bm.blocks_needed(tokens)
+        return (own + len(seq.forks) * (own - seq.num_tokens // bm.block_size)) * bm.block_size
 
     def _preempt(self, seq: Sequence, out: SchedulerOutput) -> None:
         self.running.remove(seq)
@@ -286,10 +293,15 @@ class Scheduler:
         return len(run)
 
     def _fork(self, parent: Sequence) -> None:
-        """The parent's prompt is computed: its children join the batch holding the same blocks."""
+        """The parent's prompt is computed: its children join the batch holding the same blocks (reserved
+        allocation: the prompt's full blocks, plus each child's share of the group's reservation)."""
+        if self.config.kv_allocation == "reserved":
+            own = self.block_manager.blocks_needed(parent.num_tokens + parent.max_tokens)
+            self.block_manager.fork_reserved(parent, parent.forks, own)
         for child in parent.forks:
             child.num_computed_tokens = parent.num_computed_tokens
-            self.block_manager.fork(parent, child)
+            if self.config.kv_allocation != "reserved":
+                self.block_manager.fork(parent, child)
             child.metrics.first_scheduled_time = parent.metrics.first_scheduled_time
             child.status = SequenceStatus.RUNNING
             self.running.append(child)

@@ -6,9 +6,10 @@ of the tools each (as vLLM does), so both work for any model. ``"auto"`` leaves 
 reads the Hermes format (``<tool_call>{"name": ..., "arguments": ...}</tool_call>``, Qwen2/Qwen3 and
 others) out of its text; a model whose chat template has no tool format just answers in text.
 
-Streaming follows OpenAI: a call's first delta carries its id, type, name and empty arguments, later
-deltas append argument text. A named call streams its arguments as they are generated; "required"
-and "auto" calls are sent whole once their text is complete.
+Streaming follows OpenAI and vLLM: a call's first delta carries its id, type, name and empty arguments,
+later deltas append argument text as it is generated. A named call's text is its arguments; for
+"required" and "auto" a :class:`CallScanner` reads the JSON as it grows, sends a call's head once its
+name is complete and then the raw text of its arguments value piece by piece.
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ from __future__ import annotations
 import json
 import re
 import uuid
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import jiter
@@ -128,15 +129,155 @@ def parse_hermes(text: str) -> tuple[str | None, list[ToolCall]]:
 
 
 @dataclass
+class _ScannedCall:
+    """A call the scanner found: its name once complete, where its arguments value starts and ends."""
+
+    name: str | None = None
+    args_start: int | None = None
+    args_end: int | None = None  # None while the value is still being generated
+    head_sent: bool = False
+    sent: int = 0  # characters of the arguments value already sent
+
+    def piece(self, text: str, finished: bool = False) -> str:
+        """The arguments text not sent yet; at the end, ``{}`` for a call that never got any (as the
+        whole-text parser gives). Arguments written as a JSON string go out unquoted, once complete."""
+        if self.args_start is None:
+            if finished and self.sent == 0:
+                self.sent = 2
+                return "{}"
+            return ""
+        raw = text[self.args_start:self.args_end if self.args_end is not None else len(text)]
+        if text[self.args_start] == '"':
+            if self.args_end is None or self.sent:
+                return ""
+            self.sent = len(raw)
+            value = _loads(raw)
+            return value if isinstance(value, str) else raw
+        piece, self.sent = raw[self.sent:], len(raw)
+        return piece
+
+
+def _loads(text: str) -> Any:
+    try:
+        return json.loads(text)
+    except json.JSONDecodeError:
+        return None
+
+
+@dataclass
+class CallScanner:
+    """Reads call objects out of JSON text as it grows: a "required" array's items (``depth`` 2) or a
+    Hermes block's object (``depth`` 1). It finds each call's name and the span of the raw text of its
+    arguments value, so that the arguments can be sent while they are being generated. It stops at the
+    end of the outermost value (the text after it is not its business)."""
+
+    depth: int
+    arg_keys: tuple[str, ...]
+    calls: list[_ScannedCall] = field(default_factory=list)
+    pos: int = 0  # characters of the text scanned
+    level: int = 0  # nesting of objects and arrays at ``pos``
+    started: bool = False
+    in_string: bool = False
+    escape: bool = False
+    string_start: int = 0
+    key: str | None = None  # the call's key whose value is being read
+    expect: str = ""  # at the calls' level: "key", "value" (after a colon), or "" (in or after a value)
+
+    @property
+    def done(self) -> bool:
+        return self.started and self.level == 0
+
+    def scan(self, text: str) -> None:
+        while self.pos < len(text) and not self.done:
+            self._char(text, self.pos)
+            self.pos += 1
+
+    def _char(self, text: str, i: int) -> None:
+        c = text[i]
+        call = self.calls[-1] if self.calls else None
+        if self.in_string:
+            if self.escape:
+                self.escape = False
+            elif c == "\\":
+                self.escape = True
+            elif c == '"':
+                self.in_string = False
+                if self.level == self.depth and call is not None:
+                    self._string(call, _loads(text[self.string_start:i + 1]), i + 1)
+            return
+        if c.isspace():
+            return
+        if self.level == self.depth and call is not None and self.expect == "value":
+            self.expect = ""
+            if self.key in self.arg_keys and call.args_start is None:
+                call.args_start = i
+        if c == '"':
+            self.in_string, self.string_start = True, i
+        elif c in "{[":
+            if c == "{" and self.level == self.depth - 1:
+                self.calls.append(_ScannedCall())
+                self.expect, self.key = "key", None
+            self.level += 1
+            self.started = True
+        elif c in "}]":
+            self.level -= 1
+            if call is not None and self.level == self.depth - 1:  # the call closed: a number or literal ends
+                self._value_end(call, i)
+            elif call is not None and self.level == self.depth and self.key in self.arg_keys:
+                if call.args_start is not None and call.args_end is None:
+                    call.args_end = i + 1  # the arguments object closed
+        elif self.level == self.depth and call is not None:
+            if c == ":":
+                self.expect = "value"
+            elif c == ",":
+                self._value_end(call, i)
+                self.expect, self.key = "key", None
+
+    def _string(self, call: _ScannedCall, value: Any, end: int) -> None:
+        if self.expect == "key":
+            self.key, self.expect = (value if isinstance(value, str) else None), ""
+        elif self.key == "name" and isinstance(value, str) and call.name is None:
+            call.name = value
+        elif self.key in self.arg_keys and call.args_end is None:
+            call.args_end = end
+
+    def _value_end(self, call: _ScannedCall, i: int) -> None:
+        if self.key in self.arg_keys and call.args_start is not None and call.args_end is None:
+            call.args_end = i
+
+    def deltas(self, text: str, base: int, finished: bool = False) -> list[DeltaToolCall]:
+        """The deltas for what was found since the last call: a head once a call's name is complete,
+        then its argument pieces; ``base`` is the index of the scanner's first call."""
+        out = []
+        for k, call in enumerate(self.calls):
+            if call.name is None:
+                continue
+            if not call.head_sent:
+                call.head_sent = True
+                out.append(DeltaToolCall(index=base + k, id=_call_id(), type="function",
+                                         function=DeltaFunctionCall(name=call.name, arguments="")))
+            piece = call.piece(text, finished)
+            if piece:
+                out.append(DeltaToolCall(index=base + k, function=DeltaFunctionCall(arguments=piece)))
+        return out
+
+    @property
+    def num_sent(self) -> int:
+        return sum(call.head_sent for call in self.calls)
+
+
+@dataclass
 class ToolCallStream:
     """Turns a streamed completion's text deltas into content deltas and tool-call deltas."""
 
     plan: ToolCallPlan
     text: str = ""
     _sent_head: bool = False
-    _held: str = ""  # auto mode: text that may be the start of a tool call
+    _held: str = ""  # auto mode: text that may be the start of a tool call, then the tool-call blocks
     _in_call: bool = False
     _num_calls: int = 0
+    # required: one scanner over the array; auto: one per Hermes block, with where its JSON starts in _held
+    _scanners: list[tuple[int, CallScanner]] = field(default_factory=list)
 
     def feed(self, delta: str) -> tuple[str, list[DeltaToolCall]]:
         """(content to send now, tool-call deltas to send now) for the next piece of text."""
@@ -154,30 +295,58 @@ class ToolCallStream:
                 calls.append(DeltaToolCall(index=0, function=DeltaFunctionCall(arguments=delta)))
             return "", calls
         if mode == "required":
-            return "", []
+            if not self._scanners:
+                self._scanners.append((0, CallScanner(2, ("parameters",))))
+            return "", self._scan(self.text)
         if self._in_call:
             self._held += delta
-            return "", []
+            return "", self._scan(self._held)
         # auto: pass text through until a tool call may be starting, then hold the rest
         held = self._held + delta
         start = held.find(HERMES_OPEN)
         if start >= 0:
             self._in_call = True
             self._held = held[start:]
-            return held[:start], []
+            return held[:start], self._scan(self._held)
         keep = next((k for k in range(min(len(held), len(HERMES_OPEN) - 1), 0, -1)
                      if HERMES_OPEN.startswith(held[-k:])), 0)
         self._held = held[len(held) - keep:] if keep else ""
         return held[:len(held) - keep], []
 
+    def _scan(self, text: str, finished: bool = False) -> list[DeltaToolCall]:
+        """Scan the calls' text so far; in auto mode, move on to the next Hermes block once one closes."""
+        deltas: list[DeltaToolCall] = []
+        while True:
+            if not self._scanners:
+                if not text.startswith(HERMES_OPEN):
+                    return deltas
+                self._scanners.append((len(HERMES_OPEN), CallScanner(1, ("arguments", "parameters"))))
+            offset, scanner = self._scanners[-1]
+            block = text[offset:]
+            scanner.scan(block)
+            base = sum(s.num_sent for _, s in self._scanners[:-1])
+            deltas += scanner.deltas(block, base, finished)
+            after = text.find(HERMES_OPEN, offset + scanner.pos)
+            if self.plan.mode != "auto" or not scanner.done or after < 0:
+                return deltas
+            self._scanners.append((after + len(HERMES_OPEN), CallScanner(1, ("arguments", "parameters"))))
+
+    @property
+    def _num_streamed(self) -> int:
+        return sum(s.num_sent for _, s in self._scanners)
+
     def finish(self) -> tuple[str, list[DeltaToolCall]]:
-        """What is left once the text is complete: held content, or the calls the text holds."""
+        """What is left once the text is complete: held content, the rest of the streamed calls, or,
+        where no call could be streamed, the calls the whole text holds (or the text as content)."""
         if self.plan.mode in ("none", "named"):
             return "", []
         if self.plan.mode == "auto" and not self._in_call:
             held, self._held = self._held, ""
             return held, []
         text = self._held if self.plan.mode == "auto" else self.text
+        if self._num_streamed:
+            self._num_calls = self._num_streamed
+            return "", self._scan(text, finished=True)
         content, calls = (parse_hermes(text) if self.plan.mode == "auto" else self.plan.parse(text))
         self._num_calls = len(calls)
         deltas = [DeltaToolCall(index=i, id=c.id, type="function",
@@ -187,7 +356,7 @@ class ToolCallStream:
 
     @property
     def has_calls(self) -> bool:
-        return self.plan.mode == "named" or self._num_calls > 0
+        return self.plan.mode == "named" or self._num_calls > 0 or self._num_streamed > 0
 
 
 def render_tool_calls_as_text(messages: list[dict[str, Any]], chat_template: str | None) -> list[dict[str, Any]]:

@@ -91,6 +91,49 @@ def test_best_of_keeps_the_n_with_the_highest_cumulative_logprob(smollm):
     assert best[0].logprobs is None  # not asked for: only used for the ranking
 
 
+def _early_stop_string(tokenizer, outputs) -> tuple[int, int, str]:
+    """(choice, tokens it keeps, stop string): two tokens' text that one choice writes early and no
+    other choice writes at all."""
+    texts = [c.text for c in outputs]
+    for c in outputs:
+        for k in range(1, 4):
+            stop = tokenizer.decode(c.token_ids[k:k + 2])
+            before = tokenizer.decode(c.token_ids[:k + 1])
+            if (len(stop.strip()) >= 3 and stop not in before and texts[c.index].find(stop) >= 0
+                    and not any(stop in t for i, t in enumerate(texts) if i != c.index)):
+                return c.index, k + 2, stop
+    raise AssertionError(f"no choice has a stop string of its own early: {texts}")
+
+
+def test_a_choice_that_hits_a_stop_string_stops_computing_while_the_others_go_on(smollm):
+    engine = LLMEngine(EngineConfig(num_kv_blocks=64, enable_prefix_caching=False, step_history=64), smollm)
+    common = dict(n=3, temperature=1.0, seed=0, max_tokens=12, ignore_eos=True)
+    free = run(engine, PROMPT, SamplingParams(**common))
+    stopper, kept, stop = _early_stop_string(engine.tokenizer, free.outputs)
+    generated = engine.core.num_generation_tokens
+    engine.core.step_history.clear()
+    rid = engine.add_request(PROMPT, SamplingParams(stop=[stop], **common), output_kind=RequestOutputKind.FINAL_ONLY)
+    group = engine.requests[rid].group
+    outputs, freed_while_siblings_ran = [], False
+    while engine.has_unfinished_requests():
+        outputs += engine.step()
+        running = [s for s in group if not s.is_finished]
+        if group[stopper].is_finished and running:
+            assert group[stopper].block_table == [] and engine.num_running == len(running)
+            freed_while_siblings_ran = True
+    assert freed_while_siblings_ran
+    (out,) = outputs
+    choices = {c.index: c for c in out.outputs}
+    assert choices[stopper].finish_reason == "stop" and len(choices[stopper].token_ids) == kept < 12
+    others = [c for i, c in choices.items() if i != stopper]
+    assert [(c.finish_reason, len(c.token_ids)) for c in others] == [("length", 12)] * 2
+    # the core computed the stopped choice's tokens only up to the stop string, not on to max_tokens
+    assert engine.core.num_generation_tokens - generated == kept + 2 * 12
+    decode_seqs = [s.num_decode_seqs for s in engine.core.step_history]
+    assert decode_seqs[-1] == 2 and decode_seqs.count(3) == kept - 1
+    engine.block_manager.check_no_leaks()
+
+
 def test_a_forked_group_in_a_tiny_pool_is_preempted_and_frees_every_block(smollm):
     # 4 blocks of 16 tokens; each of the three sequences needs 3 of them by the end
     llm = LLM(loaded=smollm, num_kv_blocks=4, block_size=16, max_model_len=64)
@@ -100,6 +143,23 @@ def test_a_forked_group_in_a_tiny_pool_is_preempted_and_frees_every_block(smollm
     assert [c.token_ids for c in out.outputs] == [expected.outputs[0].token_ids] * 3
     llm.engine.block_manager.check_no_leaks()
     assert llm.engine.block_manager.num_free_blocks == 4
+
+
+@pytest.mark.slow  # two engines on the model: about a minute on two busy cores
+def test_reserved_allocation_gives_each_child_its_own_blocks_from_the_reservation(smollm):
+    """Under reserved allocation the children's blocks come out of the group's reservation (the prompt's
+    partial block copied into the first): in a pool that holds exactly the group it runs unpreempted and
+    samples the same tokens as paged allocation does."""
+    params = SamplingParams(n=3, temperature=1.0, seed=7, max_tokens=12, ignore_eos=True)
+    paged = LLM(loaded=smollm, num_kv_blocks=64, block_size=16, max_model_len=64).generate(PROMPT, params)[0]
+    llm = LLM(loaded=smollm, num_kv_blocks=6, block_size=16, max_model_len=64, kv_allocation="reserved")
+    ids = llm.get_tokenizer().encode(PROMPT)
+    assert 0 < len(ids) < 16 and len(ids) + 12 <= 32  # 2 blocks a choice, the first one partial when forked
+    reserved = llm.generate(PROMPT, params)[0]
+    assert llm.engine.num_preemptions == 0
+    assert [c.token_ids for c in reserved.outputs] == [c.token_ids for c in paged.outputs]
+    llm.engine.block_manager.check_no_leaks()
+    assert llm.engine.block_manager.num_free_blocks == 6
 
 
 @pytest.mark.slow  # constant preemption and recompute: minutes on two busy cores

@@ -8,7 +8,7 @@ import pytest
 from iterserve.config import SchedulerConfig
 from iterserve.engine.block_manager import BlockManager
 from iterserve.engine.sampler import SampleResult, Verdict
-from iterserve.engine.scheduler import Scheduler, SchedulerOutput
+from iterserve.engine.scheduler import Scheduler, SchedulerOutput, sampling_seqs
 from iterserve.engine.sequence import Sequence, SequenceStatus
 from iterserve.outputs import RequestMetrics
 from iterserve.sampling_params import SamplingParams
@@ -26,8 +26,8 @@ def make(num_blocks=64, block_size=4, prefix=False, clock=None, **cfg) -> Schedu
 
 
 def simulate(sched: Scheduler, out: SchedulerOutput, token: int = 7) -> list[Sequence]:
-    """What the engine does after the forward pass: every sampling sequence samples ``token``."""
-    n = sum(s.samples for s in out.scheduled)
+    """What the engine does after the forward pass: every sampling sequence (forks too) samples ``token``."""
+    n = len(sampling_seqs(out.scheduled))
     return sched.update_from_output(out, SampleResult([token] * n, [None] * n)).finished
 
 
@@ -177,6 +177,38 @@ def test_reserved_allocation_holds_blocks_for_the_whole_output():
             sched.add(seq(r, 4, max_tokens=12, base=ord(r) * 10))
     assert len(paged.schedule().scheduled) == 4  # 1 block each
     assert len(reserved.schedule().scheduled) == 2  # 4 blocks each (16 tokens)
+
+
+def group(rid: str, prompt_len: int, n: int, max_tokens: int) -> Sequence:
+    """An n > 1 request as the core queues it: the parent, its children waiting to fork off it."""
+    members = [seq(rid, prompt_len, max_tokens=max_tokens, n=n) for _ in range(n)]
+    for index, member in enumerate(members):
+        member.index = index
+    members[0].forks, members[0].group = members[1:], members
+    return members[0]
+
+
+@pytest.mark.parametrize("prompt_len", [6, 8])  # the last prompt block partly filled, or full
+def test_reserved_allocation_admits_a_group_only_if_every_choice_fits_and_never_preempts(prompt_len):
+    # 4-token blocks, 8 output tokens: the parent needs ceil((prompt + 8) / 4) blocks, and each child
+    # the same less the prompt's full blocks it shares
+    own = -(-(prompt_len + 8) // 4)
+    need = own + 2 * (own - prompt_len // 4)
+    sched = make(num_blocks=need + 2, block_size=4, kv_allocation="reserved")
+    a = group("a", prompt_len, n=3, max_tokens=8)
+    sched.add(a)
+    sched.add(seq("b", 4, max_tokens=8, base=100))  # 3 blocks: only 2 are left beside the group
+    steps = 0
+    while sched.has_unfinished():
+        out = sched.schedule()
+        assert not out.preempted
+        if any(m.status == SequenceStatus.RUNNING for m in a.group):
+            assert "b" not in {s.seq.request_id for s in out.scheduled}
+        simulate(sched, out)
+        steps += 1
+    assert [len(m.output_token_ids) for m in a.group] == [8, 8, 8]
+    assert steps == 8 + 8  # the group's prefill and seven decodes, then b's
+    sched.block_manager.check_no_leaks()
 
 
 def test_prefix_hit_skips_cached_tokens():

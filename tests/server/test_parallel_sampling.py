@@ -63,6 +63,51 @@ def test_best_of(server, reference):
     assert [c.text for c in r.choices] == [c.text for c in ranked[:2]]
 
 
+def test_best_of_usage_counts_every_candidate(server):
+    """The two discarded candidates were generated too: completion_tokens bills all four (as OpenAI does)."""
+    r = client(server).completions.create(model=MODEL, prompt=PROMPT, n=2, best_of=4, max_tokens=6, temperature=1.0,
+                                          seed=5, extra_body={"ignore_eos": True})
+    assert len(r.choices) == 2
+    assert r.usage.completion_tokens == 4 * 6
+    assert r.usage.total_tokens == r.usage.prompt_tokens + 24
+
+
+def _own_early_stop(choices) -> tuple[int, str]:
+    """(choice, stop string): two tokens one choice writes early on and no other choice writes."""
+    texts = [ch.text for ch in choices]
+    for ch in choices:
+        tokens = ch.logprobs.tokens
+        for k in range(1, 4):
+            stop = "".join(tokens[k:k + 2])
+            if (len(stop.strip()) >= 3 and stop not in "".join(tokens[:k + 1])
+                    and not any(stop in t for i, t in enumerate(texts) if i != ch.index)):
+                return ch.index, stop
+    raise AssertionError(f"no choice has a stop string of its own early: {texts}")
+
+
+def test_a_choice_ended_by_a_stop_string_leaves_the_batch(server, trace_path):
+    """n=3: the choice that writes the stop string stops being computed; the other two run to max_tokens."""
+    c = client(server)
+    common = dict(model=MODEL, prompt=PROMPT, n=3, max_tokens=12, temperature=1.0, seed=2, logprobs=0,
+                  extra_body={"ignore_eos": True})
+    free = c.completions.create(**common)
+    stopper, stop = _own_early_stop(free.choices)
+    wait_until_idle(server)
+    first_line = len(trace_path.read_text().splitlines())
+    r = c.completions.create(stop=[stop], **common)
+    choices = {ch.index: ch for ch in r.choices}
+    assert choices[stopper].finish_reason == "stop" and len(choices[stopper].logprobs.tokens) < 5
+    assert [ch.finish_reason for i, ch in sorted(choices.items()) if i != stopper] == ["length", "length"]
+    assert all(len(ch.logprobs.tokens) == 12 for i, ch in choices.items() if i != stopper)
+    wait_until_idle(server)
+    steps = [json.loads(line) for line in trace_path.read_text().splitlines()[first_line:]]
+    rows = [[row for row in s["seqs"] if row[0] == r.id] for s in steps if s["type"] == "step"]
+    rows = [rs for rs in rows if rs]
+    # the core hears of the stop a step or two late at most, then decodes the other two alone
+    assert sum(len(rs) == 3 for rs in rows) <= 7 and len(rows[-1]) == 2
+    assert max(row[4] for rs in rows for row in rs) == 12
+
+
 def test_logit_bias_bans_a_token(server):
     c = client(server)
     greedy = c.completions.create(model=MODEL, prompt=PROMPT, max_tokens=1, temperature=0, logprobs=0)

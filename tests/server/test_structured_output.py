@@ -181,7 +181,10 @@ def test_required_tool_calls(server, stream):
     if stream:
         deltas = [d for ch in client(server).chat.completions.create(stream=True, **kw)
                   for d in (ch.choices[0].delta.tool_calls or [])]
-        calls = [(d.function.name, d.function.arguments) for d in deltas]
+        head, pieces = deltas[0], deltas[1:]
+        assert head.id.startswith("call_") and head.function.arguments == ""
+        assert len(pieces) > 1 and all(d.id is None and d.function.name is None and d.index == 0 for d in pieces)
+        calls = [(head.function.name, "".join(d.function.arguments for d in pieces))]
     else:
         r = client(server).chat.completions.create(**kw)
         assert r.choices[0].finish_reason == "tool_calls"
@@ -191,6 +194,23 @@ def test_required_tool_calls(server, stream):
         assert is_weather_call(arguments)
     else:
         assert name == "get_time" and set(json.loads(arguments)) == {"zone"}
+
+
+def test_auto_tool_call_streamed_in_pieces(server):
+    """"auto" reads a Hermes block as it is written (a regex makes this model write one): the call's head
+    once its name is complete, then its arguments in pieces, as vLLM streams them."""
+    call = '<tool_call>{"name": "get_weather", "arguments": {"city": "Paris", "unit": "celsius"}}</tool_call>'
+    chunks = list(client(server).chat.completions.create(
+        model=MODEL, messages=ASK_WEATHER, tools=[WEATHER], temperature=0, max_tokens=60, stream=True,
+        extra_body={"guided_regex": "Sure\\. " + re.escape(call)}))
+    content = "".join(ch.choices[0].delta.content or "" for ch in chunks if ch.choices)
+    deltas = [d for ch in chunks if ch.choices for d in (ch.choices[0].delta.tool_calls or [])]
+    head, pieces = deltas[0], deltas[1:]
+    assert content == "Sure. "
+    assert head.id.startswith("call_") and head.function.name == "get_weather" and head.function.arguments == ""
+    assert len(pieces) > 1 and all(d.id is None and d.index == 0 for d in pieces)
+    assert json.loads("".join(d.function.arguments for d in pieces)) == {"city": "Paris", "unit": "celsius"}
+    assert chunks[-1].choices[0].finish_reason == "tool_calls"
 
 
 def test_auto_answers_in_text_and_tool_turns_are_accepted(server):
