@@ -34,12 +34,12 @@ def spec_llm(loaded, spec, **options) -> LLM:
 
 
 def check_exercised(llm: LLM, spec_name: str) -> None:
-    """Drafts were verified; some were accepted and (but for the self-draft) some rejected."""
+    """Drafts were verified; some were accepted and (but for the drafts that are the target) some rejected."""
     stats = llm.engine.core.spec_stats
     assert stats.num_drafts > 0
     if spec_name != "random-draft":
         assert stats.num_accepted_tokens > 0
-    if spec_name != "self-draft":
+    if spec_name not in ("self-draft", "gguf-draft"):  # the gguf draft is the target itself on the reference path
         assert stats.num_accepted_tokens < stats.num_draft_tokens
     llm.engine.block_manager.check_no_leaks()
 
