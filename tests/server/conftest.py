@@ -5,6 +5,7 @@ from __future__ import annotations
 import threading
 import time
 from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import httpx
@@ -80,6 +81,22 @@ def wait_until_idle(server: ServerThread, timeout: float = 10.0) -> float:
             return time.monotonic() - start
         assert time.monotonic() - start < timeout, f"the engine is still busy: {busy}"
         time.sleep(0.05)
+
+
+@contextmanager
+def speculating_server() -> Iterator[ServerThread]:
+    """A tiny-model server with n-gram speculation (k=3), after one greedy 40-token completion whose
+    drafts it verified (a random model repeats itself, so lookup finds drafts) and once it is idle."""
+    spec = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1, "prompt_lookup_max": 2}
+    config = EngineConfig(model=TINY_MODEL, dtype="float32", num_kv_blocks=64, max_model_len=256,
+                          speculative_config=spec)
+    with ServerThread(build_app(config, ServerConfig(served_model_name=MODEL))) as s:
+        r = httpx.post(f"{s.url}/v1/completions", timeout=60,
+                       json={"model": MODEL, "prompt": [5, 6, 7, 8] * 8, "max_tokens": 40, "ignore_eos": True,
+                             "temperature": 0})
+        assert r.status_code == 200, r.text
+        wait_until_idle(s)
+        yield s
 
 
 @pytest.fixture(scope="session")

@@ -23,13 +23,11 @@ from itsdangerous import TimestampSigner
 from prometheus_client.parser import text_string_to_metric_families
 from starlette.requests import Request
 
-from iterserve.config import EngineConfig, ServerConfig
 from iterserve.engine.messages import KV_CACHED, KV_FIRST_ROW, KV_FREE, LoadedWeights, SchedulerStats
-from iterserve.server import build_app
 from iterserve.server import dashboard as dashboard_module
 from iterserve.server.dashboard import COOKIE, SessionAuth
 from iterserve.server.errors import APIError
-from tests.server.conftest import API_KEY, MODEL, TINY_MODEL, ServerThread, wait_until_idle
+from tests.server.conftest import API_KEY, MODEL, ServerThread, speculating_server, wait_until_idle
 
 AUTH = {"Authorization": f"Bearer {API_KEY}"}
 CHROMIUM = shutil.which("chromium") or "/usr/bin/chromium"
@@ -201,15 +199,7 @@ def test_the_stats_carry_speculative_decoding_only_when_it_is_on():
 @pytest.fixture(scope="module")
 def spec_server() -> Iterator[tuple[ServerThread, dict[str, float]]]:
     """A server with n-gram speculation after one completion, and its /metrics samples then."""
-    spec = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1, "prompt_lookup_max": 2}
-    config = EngineConfig(model=TINY_MODEL, dtype="float32", num_kv_blocks=64, max_model_len=256,
-                          speculative_config=spec)
-    with ServerThread(build_app(config, ServerConfig(served_model_name=MODEL))) as s:
-        r = httpx.post(f"{s.url}/v1/completions", timeout=60,
-                       json={"model": MODEL, "prompt": [5, 6, 7, 8] * 8, "max_tokens": 40, "ignore_eos": True,
-                             "temperature": 0})  # a random model repeats itself: n-gram lookup drafts
-        assert r.status_code == 200, r.text
-        wait_until_idle(s)
+    with speculating_server() as s:
         metrics = {sample.name: sample.value for family in text_string_to_metric_families(httpx.get(
             f"{s.url}/metrics").text) for sample in family.samples}
         yield s, metrics

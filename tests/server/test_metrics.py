@@ -13,7 +13,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from iterserve.config import EngineConfig, ServerConfig
 from iterserve.server import build_app
 from iterserve.server.metrics import count_buckets
-from tests.server.conftest import MODEL, TINY_MODEL, ServerThread, wait_until_idle
+from tests.server.conftest import MODEL, TINY_MODEL, ServerThread, speculating_server, wait_until_idle
 
 DASHBOARD = Path(__file__).parent / "data" / "vllm_grafana_queries.json"
 
@@ -84,15 +84,7 @@ def test_every_series_vllms_dashboard_queries_is_served():
 
 
 def test_speculative_decoding_counters_under_vllms_names():
-    spec = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1, "prompt_lookup_max": 2}
-    config = EngineConfig(model=TINY_MODEL, dtype="float32", num_kv_blocks=64, max_model_len=256,
-                          speculative_config=spec)
-    with ServerThread(build_app(config, ServerConfig(served_model_name=MODEL))) as s:
-        r = httpx.post(f"{s.url}/v1/completions", timeout=60,
-                       json={"model": MODEL, "prompt": [5, 6, 7, 8] * 8, "max_tokens": 40, "ignore_eos": True,
-                             "temperature": 0})  # a random model repeats itself: n-gram lookup drafts
-        assert r.status_code == 200, r.text
-        wait_until_idle(s)
+    with speculating_server() as s:
         text = httpx.get(f"{s.url}/metrics").text
     samples = [sample for family in text_string_to_metric_families(text) for sample in family.samples]
 
