@@ -142,6 +142,12 @@ class EngineConfig:
 
         return self.device or ("cuda" if torch.cuda.is_available() else "cpu")
 
+    @property
+    def resolved_dtype(self) -> str:
+        """The dtype the weights load in: ``dtype``, with ``auto`` resolved as the loader resolves it (bfloat16
+        where the hardware computes in it, else float32), so that what is shown is never ``auto``."""
+        return str(parse_dtype(self.dtype)).removeprefix("torch.")
+
     def scheduler_config(self, max_model_len: int | None) -> SchedulerConfig:
         """The scheduler's share of this config, with max_model_len resolved against the KV pool."""
         return SchedulerConfig(self.max_num_seqs, self.max_num_batched_tokens, self.batching, self.max_batch_wait,

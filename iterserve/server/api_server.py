@@ -77,7 +77,7 @@ def build_app(config: EngineConfig, server: ServerConfig | None = None) -> FastA
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         await engine.start()
         logger.info("engine core started; serving %r on %s (%s)", served_model_name, config.resolved_device,
-                    config.dtype)
+                    config.resolved_dtype)
         try:
             yield
         finally:

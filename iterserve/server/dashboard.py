@@ -297,7 +297,7 @@ def facts(engine: EngineCoreClient, model_name: str) -> dict[str, Any]:
     m = engine.model_config
     config = dataclasses.asdict(engine.config)
     config.pop("step_history")
-    config["device"] = engine.config.resolved_device
+    config["device"], config["dtype"] = engine.config.resolved_device, engine.config.resolved_dtype
     return {
         "version": __version__, "served_model_name": model_name,
         "model": {"architecture": m.architecture, "num_layers": m.num_layers, "hidden_size": m.hidden_size,

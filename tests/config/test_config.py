@@ -33,6 +33,9 @@ def test_auto_is_bf16_only_where_it_is_native(monkeypatch, native, expected):
     monkeypatch.setattr(dtypes, "cpu_has_native_bf16", lambda: native)
     assert parse_dtype("auto") == expected
     assert parse_dtype("AUTO") == expected
+    # what the dashboard and the start-up log show: the dtype in use, never "auto"
+    assert config.EngineConfig(dtype="auto").resolved_dtype == str(expected).removeprefix("torch.")
+    assert config.EngineConfig(dtype="fp16").resolved_dtype == "float16"
 
 
 def test_named_dtypes_and_errors():

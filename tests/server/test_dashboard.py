@@ -104,6 +104,7 @@ def test_feed_shows_the_batch_and_kv_blocks_while_requests_run(server, quick_kee
             assert frame["facts"]["served_model_name"] == MODEL and frame["facts"]["capacity"]["num_blocks"] == 256
             # the device in use, never the unset default ("auto" on the page)
             assert frame["facts"]["engine"]["device"] == ("cuda" if torch.cuda.is_available() else "cpu")
+            assert frame["facts"]["engine"]["dtype"] == "float32"
             assert dashboard.viewers == 1 and server.engine.is_running
             running = Load(server, 4, max_tokens=16)
         if "step" in frame:
