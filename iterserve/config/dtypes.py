@@ -6,9 +6,13 @@ the table without it.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Literal
 
 from iterserve.platforms.cpu import cpu_has_native_bf16
+
+# What weights may be kept in instead of a dtype (iterserve.quantization): a GGUF file's own blocks, or int8
+# quantized at load. The engine's option and a draft model's both take these.
+Quantization = Literal["gguf", "int8"]
 
 if TYPE_CHECKING:
     import torch

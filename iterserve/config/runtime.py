@@ -11,7 +11,7 @@ import typing
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
-from iterserve.config.dtypes import parse_dtype
+from iterserve.config.dtypes import Quantization, parse_dtype
 from iterserve.config.model import DEFAULT_MODEL
 from iterserve.config.speculative import SpeculativeConfig
 
@@ -19,7 +19,6 @@ Dtype = Literal["auto", "float32", "bfloat16", "float16"]
 Batching = Literal["continuous", "static", "dynamic"]
 KVAllocation = Literal["paged", "reserved"]
 LogLevel = Literal["DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL"]
-Quantization = Literal["gguf", "int8"]
 LOG_LEVELS: tuple[str, ...] = typing.get_args(LogLevel)
 
 

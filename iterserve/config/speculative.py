@@ -11,9 +11,12 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import typing
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any, Literal
+
+from iterserve.config.dtypes import Quantization
 
 SpecMethod = Literal["ngram", "draft_model"]
 
@@ -39,7 +42,7 @@ class SpeculativeConfig:
     disable_by_batch_size: int | None = DEFAULT_DISABLE_BY_BATCH_SIZE
     # vLLM's name: the draft's weights kept quantized (gguf or int8), whatever the target's are. A draft of
     # the target's own file in gguf blocks reads a fifth of float32's bytes per pass.
-    quantization: str | None = None
+    quantization: Quantization | None = None
 
     def __post_init__(self) -> None:
         k = self.num_speculative_tokens
@@ -65,8 +68,9 @@ class SpeculativeConfig:
                     raise ValueError(f"speculative_config: {name} must be an integer >= 1, got {value!r}")
             if low > high:
                 raise ValueError(f"speculative_config: prompt_lookup_min ({low}) exceeds prompt_lookup_max ({high})")
-        if self.quantization is not None and self.quantization not in ("gguf", "int8"):
-            raise ValueError(f"speculative_config: quantization must be 'gguf' or 'int8', got {self.quantization!r}")
+        if self.quantization is not None and self.quantization not in typing.get_args(Quantization):
+            raise ValueError(f"speculative_config: quantization must be "
+                             f"{' or '.join(map(repr, typing.get_args(Quantization)))}, got {self.quantization!r}")
         if self.quantization is not None and not self.model:
             raise ValueError("speculative_config: quantization applies to a draft model; n-gram lookup has no weights")
         limit = self.disable_by_batch_size
