@@ -288,11 +288,14 @@ def print_validation(v: Validation, out: TextIO) -> None:
 # -- running ------------------------------------------------------------------------------------
 
 
-def _hardware_from_args(args: argparse.Namespace, dtype: str) -> list[Accelerator]:
+def _hardware_from_args(args: argparse.Namespace, dtype: str) -> tuple[list[Accelerator], dict[str, Any] | None]:
+    """The accelerators to plan for, and with --measure the readings of this machine while it was measured
+    (its charts say, or refuse, what they were drawn on)."""
     flops = parse_flops(args.flops) if args.flops else None
     bandwidth = parse_bandwidth(args.bandwidth) if args.bandwidth else None
     memory = parse_size(args.memory) if args.memory else None
     hws: list[Accelerator] = []
+    machine = None
     if args.gpu:
         names = [n.strip() for n in args.gpu.split(",") if n.strip()]
         if not names:
@@ -306,16 +309,17 @@ def _hardware_from_args(args: argparse.Namespace, dtype: str) -> list[Accelerato
         monitor.sample()
         hws.append(measure_local_repeated(args.device, dtype, repeats=args.measure_repeats))
         monitor.sample()
-        args.machine = monitor.check.to_dict()  # the charts of this machine say, or refuse, what they were drawn on
+        machine = monitor.check.to_dict()
     if hws:
-        return [hw.with_overrides(dtype=dtype, flops=flops, bandwidth=bandwidth, memory_bytes=memory) for hw in hws]
+        return [hw.with_overrides(dtype=dtype, flops=flops, bandwidth=bandwidth, memory_bytes=memory)
+                for hw in hws], machine
     missing = [f"--{k}" for k, v in (("flops", args.flops), ("bandwidth", args.bandwidth),
                                      ("memory", args.memory)) if not v]
     if len(missing) == 3:
         raise ValueError("say which hardware: --gpu NAME, --measure, or --flops/--bandwidth/--memory")
     if missing:
         raise ValueError(f"explicit hardware needs --flops, --bandwidth and --memory; missing {', '.join(missing)}")
-    return [planner.custom_accelerator(dtype=dtype, flops=flops, bandwidth=bandwidth, memory_bytes=memory)]
+    return [planner.custom_accelerator(dtype=dtype, flops=flops, bandwidth=bandwidth, memory_bytes=memory)], None
 
 
 def _list_gpus(out: TextIO, as_json: bool) -> None:
@@ -403,7 +407,7 @@ def _run(args: argparse.Namespace, out: TextIO, err: TextIO) -> int:
     kv_dtype = canonical_dtype(args.kv_dtype) if args.kv_dtype else None
     cfg = planner.load_model_config(args.model)
     quantization = planner.quantization_for(args.model, args.quantization)
-    hws = _hardware_from_args(args, dtype)
+    hws, machine = _hardware_from_args(args, dtype)
     batches = _parse_batches(args.batches)
     options: dict[str, Any] = dict(dtype=dtype, kv_dtype=kv_dtype, context=args.context, prompt_len=args.prompt_len,
                                    batch=args.batch, gpu_memory_utilization=args.gpu_memory_utilization,
@@ -433,7 +437,7 @@ def _run(args: argparse.Namespace, out: TextIO, err: TextIO) -> int:
             skipped.append(f"{hw.name}: {e}")
     if not plans:
         raise ValueError(f"no GPU can run this: {'; '.join(skipped)}")
-    written = _charts(args, plans, cfg, hws, dtype, kv_dtype, quantization)
+    written = _charts(args, plans, cfg, hws, dtype, kv_dtype, quantization, machine)
     if args.json:
         print(json.dumps({"plans": [p.to_dict() for p in plans], "skipped": skipped}, indent=2), file=out)
     else:
@@ -459,17 +463,17 @@ def _plan_dtype(name: str | None, on_this_cpu: bool) -> str:
 
 
 def _charts(args: argparse.Namespace, plans: list[planner.Plan], cfg: Any, hws: list[Accelerator], dtype: str,
-            kv_dtype: str | None, quantization: planner.Quantization) -> list[str]:
+            kv_dtype: str | None, quantization: planner.Quantization, machine: dict[str, Any] | None) -> list[str]:
     """Draw the asked-for charts; returns the paths written. A measured machine's timing charts carry its
     stamp, and are refused when the machine was busy while it was measured."""
     from iterserve.cli import plan_charts
 
     stamp, timed = None, True
-    if args.measure:
+    if machine is not None:
         from iterserve.bench.machine import machine_stamp, may_draw_timing_figure
 
-        stamp = machine_stamp(args.machine)
-        timed = may_draw_timing_figure(args.machine, "this machine's roofline and plan (its ops:byte)",
+        stamp = machine_stamp(machine)
+        timed = may_draw_timing_figure(machine, "this machine's roofline and plan (its ops:byte)",
                                        args.allow_busy)
     if args.chart and timed:
         plan_charts.chart_plans(plans, args.chart, stamp=stamp)
