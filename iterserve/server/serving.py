@@ -28,12 +28,12 @@ from iterserve.engine.core_client import EngineCoreClient
 from iterserve.engine.request_stream import RequestStream
 from iterserve.errors import QueueFullError, RequestError
 from iterserve.outputs import CompletionOutput, Logprob, RequestOutput
-from iterserve.sampling_params import SamplingParams, StructuredOutputsParams
+from iterserve.sampling_params import SamplingParams, StructuredOutputsParams, grammar_checks_deferred
 from iterserve.server.admission import Outputs, PacedStream, share_of
 from iterserve.server.errors import APIError, bad_request, request_error
 from iterserve.server.grammars import GrammarChecker
 from iterserve.server.metrics import ServerMetrics
-from iterserve.server.protocol import ChatMessage
+from iterserve.server.protocol import ChatMessage, _SamplingRequest
 from iterserve.server.response_bodies import PromptTokensDetails, Usage
 from iterserve.server.streaming import wait_for_disconnect
 from iterserve.server.tool_calls import render_tool_calls_as_text
@@ -99,6 +99,14 @@ class OpenAIServing:
         if self.grammars is None:
             raise RuntimeError(f"{type(self).__name__} was built without a grammar checker")
         await self.grammars.check(spec, param)
+
+    def _accept(self, body: _SamplingRequest) -> StructuredOutputsParams | None:
+        """Refuse a request for another model or with a field we do not serve; then its structured-output
+        constraint, whose grammar the grammar pool checks later, off the event loop."""
+        self._check_model(body.model)
+        body.check_supported()
+        with grammar_checks_deferred():
+            return body.structured_outputs_params()
 
     def _check_model(self, model: str | None) -> None:
         if model is not None and model != self.model_name:

@@ -75,10 +75,7 @@ class ChatServing(OpenAIServing):
 
     async def chat_completions(self, body: Annotated[ChatCompletionRequest, validated(ChatCompletionRequest)],
                                 request: Request) -> Response:
-        self._check_model(body.model)
-        body.check_supported()
-        with grammar_checks_deferred():  # checked by the grammar pool, off the event loop
-            constraint = body.structured_outputs_params()
+        constraint = self._accept(body)
         tool_plan, params, prompt_ids = await self._prepare(body, constraint, body.structured_outputs_field)
         request_id = f"chatcmpl-{uuid.uuid4().hex}"
         stream = await self._submit(request_id, prompt_ids, params, bool(body.stream), prompt_param="messages")

@@ -14,7 +14,6 @@ from fastapi.responses import JSONResponse, Response
 from iterserve.engine.validation import check_prompt_ids
 from iterserve.errors import EngineDeadError, RequestError, RequestFailedError
 from iterserve.outputs import RequestOutput
-from iterserve.sampling_params import grammar_checks_deferred
 from iterserve.server.admission import Outputs
 from iterserve.server.errors import bad_request, engine_error, request_error
 from iterserve.server.protocol import CompletionRequest
@@ -94,10 +93,7 @@ class CompletionServing(OpenAIServing):
 
     async def completions(self, body: Annotated[CompletionRequest, validated(CompletionRequest)],
                            request: Request) -> Response:
-        self._check_model(body.model)
-        body.check_supported()
-        with grammar_checks_deferred():  # checked by the grammar pool, off the event loop
-            constraint = body.structured_outputs_params()
+        constraint = self._accept(body)
         params = body.completion_params(constraint)
         await self._check_grammar(constraint, body.structured_outputs_field or "structured_outputs")
         prompts = await self._completion_prompts(body.prompt, body.echo)
