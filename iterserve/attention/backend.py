@@ -10,12 +10,15 @@ the model's forward pass; no layer reads a global to decide. Three exist:
 * :class:`~iterserve.attention.cuda.CudaBackend`: CUDA tensors, decode attention through PyTorch's SDPA.
 
 Besides attention a backend computes the decoder's other fused operations (RMSNorm with the residual
-add, RoPE, SiLU-and-multiply), so that the kernel-or-reference choice is made in this one place.
+add, RoPE, SiLU-and-multiply), so that the kernel-or-reference choice is made in this one place; the CPU
+backend can also run a decode step's whole layer stack in one native call (``decode_layers``).
 """
 
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from types import ModuleType
+from typing import Any, Protocol
 
 import torch
 
@@ -50,3 +53,17 @@ class AttentionBackend(ABC):
     @abstractmethod
     def silu_and_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
         """``silu(gate) * up`` of a ``[tokens, 2 * width]`` tensor holding ``[gate | up]``."""
+
+    def decode_layers(self, model: NativeDecoderModel, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                      kv_caches: list[KVCache], meta: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """All of ``model``'s decoder layers for a step whose every token is a decode, in one native call:
+        ``(output, residual)`` as the last layer returns them; None where this backend has no such loop for
+        the step or the model (the layers then run one by one)."""
+        return None
+
+
+class NativeDecoderModel(Protocol):
+    """A model that can hand its layers to a backend's native decode loop."""
+
+    def native_decoder(self, ops: ModuleType) -> Any:
+        """The loop built from ``ops`` (the kernels' extension), or None where a layer has no native kernel."""

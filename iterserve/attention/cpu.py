@@ -1,12 +1,16 @@
 """The CPU backend: the C++ kernels of :mod:`iterserve.kernels` (``csrc/cpu_ops.cpp``) where they exist, the
-reference PyTorch path for the rest (prefill attention)."""
+reference PyTorch path for the rest (prefill attention), and a decode step's whole layer stack in one call
+(``csrc/decoder.cpp``)."""
 
 from __future__ import annotations
 
+import weakref
 from types import ModuleType
+from typing import Any
 
 import torch
 
+from iterserve.attention.backend import NativeDecoderModel
 from iterserve.attention.metadata import AttentionMetadata, KVCache
 from iterserve.attention.reference import ReferenceBackend
 
@@ -18,6 +22,23 @@ class CpuBackend(ReferenceBackend):
 
     def __init__(self, ops: ModuleType) -> None:
         self.ops = ops
+        self._stacks: weakref.WeakKeyDictionary[NativeDecoderModel, Any] = weakref.WeakKeyDictionary()
+
+    def decode_layers(self, model: NativeDecoderModel, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                      kv_caches: list[KVCache], meta: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor] | None:
+        # csrc/decoder.cpp calls this backend's kernels in this backend's order, built once per model.
+        if not meta.num_decode_tokens or meta.num_decode_tokens != x.shape[0]:
+            return None
+        if model not in self._stacks:
+            self._stacks[model] = model.native_decoder(self.ops)
+        stack = self._stacks[model]
+        if stack is None:
+            return None
+        tables, context_lens = meta.decode_tables()
+        out: tuple[torch.Tensor, torch.Tensor] = stack.forward(
+            x, cos[:, 0], sin[:, 0], [c.k for c in kv_caches], [c.v for c in kv_caches], meta.slot_blocks,
+            meta.slot_offsets, tables, context_lens, meta.sliding_window or 0)
+        return out
 
     def write_kv(self, k: torch.Tensor, v: torch.Tensor, cache: KVCache, meta: AttentionMetadata) -> None:
         self.ops.write_kv(k, v, cache.k, cache.v, meta.slot_blocks, meta.slot_offsets)

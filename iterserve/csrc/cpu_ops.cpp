@@ -11,6 +11,7 @@
 #include <ATen/cpu/vec/functional.h>
 #include <ATen/cpu/vec/vec.h>
 
+#include "ops.h"
 #include "parallel.h"
 
 #include <algorithm>
@@ -491,6 +492,7 @@ at::Tensor silu_and_mul(const at::Tensor& x) {
 }
 
 void register_linear(pybind11::module& m);  // linear.cpp
+void register_decoder(pybind11::module& m);  // decoder.cpp
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("paged_decode", &paged_decode, "Paged decode attention reading K/V blocks in place");
@@ -500,6 +502,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("rope_", &rope_, "Rotate-half RoPE on q and k in place");
   m.def("silu_and_mul", &silu_and_mul, "SiLU(gate) * up");
   register_linear(m);
+  register_decoder(m);
   m.def("set_threads", [](int64_t n) { iterserve::ChunkPool::get().resize(static_cast<int>(n)); },
         "Run the kernels' parallel loops on n threads (the caller included)");
   m.def("threads", [] { return iterserve::ChunkPool::get().threads(); }, "Threads of the kernels' pool");

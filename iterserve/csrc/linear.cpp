@@ -17,6 +17,7 @@
 #include <ATen/cpu/vec/functional.h>
 #include <ATen/cpu/vec/vec.h>
 
+#include "ops.h"
 #include "parallel.h"
 
 #include <algorithm>

@@ -28,6 +28,7 @@
 #include <type_traits>
 #include <vector>
 
+#include "ops.h"
 #include "parallel.h"
 
 namespace {
@@ -301,6 +302,8 @@ void store_tile(const float* tile, int64_t mr, int64_t cols, T* out, int64_t ldo
 // stay in registers.
 constexpr int64_t kRowGroup = 16;
 
+}  // namespace
+
 // x [M, K] (float32/bfloat16/float16) times the packed weight [tiles, blocks, tile_block_bytes] ->
 // [M, n] in x's dtype.
 at::Tensor qgemm(const at::Tensor& x, const at::Tensor& w, int64_t n, int64_t bits, int64_t isa) {
@@ -346,6 +349,8 @@ at::Tensor qgemm(const at::Tensor& x, const at::Tensor& w, int64_t n, int64_t bi
   });
   return out;
 }
+
+namespace {
 
 // Rows `ids` of a packed [n, k] weight as `dtype` values, shaped [*ids.shape, k]: an embedding lookup
 // that reads a few hundred bytes per id (the PyTorch path gathers whole tiles and took 160 us per token).

@@ -23,7 +23,15 @@ import torch
 from torch import nn
 
 from iterserve import kernels
-from iterserve.models.linear import DENSE, LinearBase, LinearMethod, MethodChooser, dense_chooser
+from iterserve.models.linear import (
+    DENSE,
+    NATIVE_PACKED,
+    LinearBase,
+    LinearMethod,
+    MethodChooser,
+    NativeLinear,
+    dense_chooser,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -54,6 +62,9 @@ class PackedLinear(LinearMethod):
 
     def apply(self, layer: LinearBase, x: torch.Tensor) -> torch.Tensor:
         return self.ops.packed_linear(x, layer.packed, layer.out_features, layer.bias, AMX_MIN_ROWS)
+
+    def native(self, layer: LinearBase) -> NativeLinear:
+        return NATIVE_PACKED, layer.get_buffer("packed"), layer.out_features, AMX_MIN_ROWS, layer.bias
 
     def dense_weight(self, layer: LinearBase) -> torch.Tensor:
         p = layer.get_buffer("packed")

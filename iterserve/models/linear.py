@@ -27,6 +27,12 @@ from iterserve.quantization.packed import PackedWeight
 logger = logging.getLogger(__name__)
 
 
+NATIVE_DENSE, NATIVE_PACKED, NATIVE_QUANTIZED = 0, 1, 2  # csrc/decoder.cpp's LinearKind
+NativeLinear = tuple[int, torch.Tensor, int, int, "torch.Tensor | None"]
+"""``(kind, weight, out_features, param, bias)``: one linear layer as the C++ decode loop takes it; ``param`` is
+AMX's minimum rows for the packed kernel and the bits of quantized blocks."""
+
+
 class LinearMethod:
     """One way to compute a linear layer; stateless: whatever it prepares lives on the layer."""
 
@@ -51,6 +57,11 @@ class LinearMethod:
         if it released the plain one (for inspection and tests, not for the hot path)."""
         return layer.weight
 
+    def native(self, layer: LinearBase) -> NativeLinear | None:
+        """How ``csrc/decoder.cpp``'s decode loop multiplies this layer in C++, or None where it cannot
+        (a method with no C++ kernel: the step then runs the layers in Python)."""
+        return None
+
 
 class DenseLinear(LinearMethod):
     """``F.linear`` on the plain ``[out, in]`` weight: the reference every other method must match."""
@@ -59,6 +70,9 @@ class DenseLinear(LinearMethod):
 
     def apply(self, layer: LinearBase, x: torch.Tensor) -> torch.Tensor:
         return F.linear(x, layer.weight, layer.bias)
+
+    def native(self, layer: LinearBase) -> NativeLinear | None:
+        return (NATIVE_DENSE, layer.weight, layer.out_features, 0, layer.bias) if layer.weight.is_cpu else None
 
 
 DENSE = DenseLinear()

@@ -10,6 +10,8 @@ rank holds its heads and its slice of the MLP and vocabulary (:mod:`iterserve.di
 from __future__ import annotations
 
 import math
+import typing
+from types import ModuleType
 
 import torch
 from torch import nn
@@ -187,6 +189,23 @@ class LlamaModel(nn.Module):
             for _ in range(c.num_layers)
         ]
 
+    def native_decoder(self, ops: ModuleType) -> typing.Any:
+        """The layers as ``csrc/decoder.cpp``'s ``DecoderStack`` (a decode step in one call, the kernels of
+        ``ops``), or None where it cannot run them: a sharded model (its all-reduces are Python's), or a
+        linear layer whose method has no C++ kernel."""
+        if self.parallel.world_size > 1:
+            return None
+        c = self.config
+        stack = ops.DecoderStack(c.num_heads, c.num_kv_heads, c.head_dim, c.rms_norm_eps, c.head_dim**-0.5)
+        for layer in typing.cast(list[DecoderLayer], self.layers):
+            attn, mlp = layer.self_attn, layer.mlp
+            linears = [p.method.native(p) for p in (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)]
+            if any(lin is None for lin in linears):
+                return None
+            qk_norms = (attn.q_norm.weight, attn.k_norm.weight) if attn.q_norm and attn.k_norm else (None, None)
+            stack.add_layer(layer.input_layernorm.weight, layer.post_attention_layernorm.weight, *qk_norms, *linears)
+        return stack
+
     @torch.inference_mode()
     def forward(
         self,
@@ -201,9 +220,13 @@ class LlamaModel(nn.Module):
         parallelism on rank 0 only (the other ranks get an empty tensor)."""
         x = self.embed_tokens(input_ids)
         cos, sin = self.rotary(positions, x.dtype)
-        residual = None
-        for layer, cache in zip(self.layers, kv_caches):
-            x, residual = layer(x, residual, cos, sin, cache, meta, backend)
+        native = backend.decode_layers(self, x, cos, sin, kv_caches, meta)
+        residual: torch.Tensor | None = None
+        if native is not None:
+            x, residual = native
+        else:
+            for layer, cache in zip(self.layers, kv_caches):
+                x, residual = layer(x, residual, cos, sin, cache, meta, backend)
         assert residual is not None  # every layer returns it
         if logits_indices is not None:
             x, residual = x[logits_indices], residual[logits_indices]

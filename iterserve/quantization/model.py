@@ -22,6 +22,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from iterserve import kernels
 from iterserve.config.runtime import Quantization
 from iterserve.distributed.layers import (
     ColumnParallelLinear,
@@ -30,7 +31,14 @@ from iterserve.distributed.layers import (
     VocabParallelEmbedding,
 )
 from iterserve.models.cpu_linear import default_chooser
-from iterserve.models.linear import LinearBase, LinearMethod, MethodChooser, process_weights
+from iterserve.models.linear import (
+    NATIVE_QUANTIZED,
+    LinearBase,
+    LinearMethod,
+    MethodChooser,
+    NativeLinear,
+    process_weights,
+)
 from iterserve.models.llama import LlamaModel
 from iterserve.quantization.packed import (
     GGUF_PACKED_TYPES,
@@ -169,6 +177,12 @@ class QuantizedLinear(LinearMethod):
     def dense_weight(self, layer: LinearBase) -> torch.Tensor:
         assert layer.qweight is not None, "process_weights packs the weight first"
         return dequantize(layer.qweight, layer.weight.dtype)
+
+    def native(self, layer: LinearBase) -> NativeLinear | None:
+        w = layer.qweight
+        if w is None or kernels.ops is None or not w.data.is_cpu:
+            return None
+        return NATIVE_QUANTIZED, w.data, w.n, w.bits, layer.bias
 
 
 QUANTIZED = QuantizedLinear()

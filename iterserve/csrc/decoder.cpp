@@ -1,0 +1,123 @@
+// The decoder stack's decode step in one call: for every layer, RMSNorm (with the residual add), the
+// fused QKV matmul, QK-norm where the model has it, RoPE, the KV-cache write, paged decode attention, the
+// output projection, RMSNorm again and the gate/up -> SiLU * up -> down MLP; the same kernels, in the same
+// order, as the Python layers of iterserve/models/llama.py call through the CPU backend, without going
+// back to Python between them. A decode step of a small model is short enough that Python's share
+// was large: SmolLM2-135M in Q4_1 spent about 1.5 of its 5.9 ms a step (batch 1) in 30 layers of module
+// calls and op dispatch. Steps with a prompt chunk take the Python path (their attention is SDPA's).
+
+#include "ops.h"
+
+#include <optional>
+#include <tuple>
+#include <vector>
+
+namespace {
+
+// How one linear layer multiplies (iterserve.models.linear.LinearMethod.native): F.linear on the plain
+// weight, packed_linear on the packed one (param: AMX's minimum rows), or qgemm on quantized blocks (param:
+// bits).
+enum LinearKind : int64_t { kDense = 0, kPacked = 1, kQuantized = 2 };
+
+struct Linear {
+  int64_t kind;
+  at::Tensor weight;
+  int64_t out_features;
+  int64_t param;
+  c10::optional<at::Tensor> bias;
+
+  at::Tensor operator()(const at::Tensor& x) const {
+    switch (kind) {
+      case kDense: return at::linear(x, weight, bias);
+      case kPacked: return packed_linear(x, weight, out_features, bias, param);
+      default: {
+        at::Tensor y = qgemm(x, weight, out_features, param, 0);
+        return bias.has_value() ? y.add_(*bias) : y;
+      }
+    }
+  }
+};
+
+using LinearArgs = std::tuple<int64_t, at::Tensor, int64_t, int64_t, c10::optional<at::Tensor>>;
+
+Linear make_linear(const LinearArgs& a) {
+  const auto& [kind, weight, n, param, bias] = a;
+  TORCH_CHECK(kind >= kDense && kind <= kQuantized, "unknown linear kind ", kind);
+  return Linear{kind, weight, n, param, bias};
+}
+
+struct Layer {
+  at::Tensor input_norm, post_norm;
+  c10::optional<at::Tensor> q_norm, k_norm;
+  Linear qkv, o, gate_up, down;
+};
+
+class DecoderStack {
+ public:
+  DecoderStack(int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, double eps, double scale)
+      : heads_(num_heads), kv_heads_(num_kv_heads), dim_(head_dim), eps_(eps), scale_(scale) {}
+
+  void add_layer(const at::Tensor& input_norm, const at::Tensor& post_norm, const c10::optional<at::Tensor>& q_norm,
+                 const c10::optional<at::Tensor>& k_norm, const LinearArgs& qkv, const LinearArgs& o,
+                 const LinearArgs& gate_up, const LinearArgs& down) {
+    TORCH_CHECK(q_norm.has_value() == k_norm.has_value(), "QK-norm needs both weights");
+    layers_.push_back(Layer{input_norm.contiguous(), post_norm.contiguous(), q_norm, k_norm, make_linear(qkv),
+                            make_linear(o), make_linear(gate_up), make_linear(down)});
+  }
+
+  // x [tokens, hidden], every token a decode (one query over its sequence's cached context) -> the last
+  // layer's output and the residual stream before it, as iterserve.models.llama.DecoderLayer returns them.
+  std::tuple<at::Tensor, at::Tensor> forward(at::Tensor x, const at::Tensor& cos, const at::Tensor& sin,
+                                             const std::vector<at::Tensor>& k_caches,
+                                             const std::vector<at::Tensor>& v_caches, const at::Tensor& slot_blocks,
+                                             const at::Tensor& slot_offsets, const at::Tensor& block_tables,
+                                             const at::Tensor& context_lens, int64_t sliding_window) const {
+    TORCH_CHECK(k_caches.size() == layers_.size() && v_caches.size() == layers_.size(),
+                "one K and one V cache per layer expected");
+    TORCH_CHECK(block_tables.size(0) == x.size(0), "every token of a decode-only step is a decode");
+    const int64_t n = x.size(0), q_size = heads_ * dim_, kv_size = kv_heads_ * dim_;
+    at::Tensor residual;
+    for (size_t l = 0; l < layers_.size(); ++l) {
+      const Layer& L = layers_[l];
+      at::Tensor h;
+      if (!residual.defined()) {
+        h = rms_norm(x, L.input_norm, eps_);
+        residual = x;
+      } else {
+        fused_add_rms_norm(x, residual, L.input_norm, eps_);
+        h = x;
+      }
+      const at::Tensor qkv = L.qkv(h);
+      at::Tensor q = qkv.narrow(1, 0, q_size).view({n, heads_, dim_});
+      at::Tensor k = qkv.narrow(1, q_size, kv_size).view({n, kv_heads_, dim_});
+      const at::Tensor v = qkv.narrow(1, q_size + kv_size, kv_size).view({n, kv_heads_, dim_});
+      if (L.q_norm.has_value()) {
+        q = rms_norm(q, *L.q_norm, eps_);
+        k = rms_norm(k, *L.k_norm, eps_);
+      }
+      rope_(q, k, cos, sin);
+      write_kv(k, v, k_caches[l], v_caches[l], slot_blocks, slot_offsets);
+      at::Tensor attn = at::empty({n, heads_, dim_}, q.options());
+      paged_decode(attn, q, k_caches[l], v_caches[l], block_tables, context_lens, scale_, sliding_window);
+      x = L.o(attn.view({n, q_size}));
+      fused_add_rms_norm(x, residual, L.post_norm, eps_);
+      x = L.down(silu_and_mul(L.gate_up(x)));
+    }
+    return {x, residual};
+  }
+
+ private:
+  int64_t heads_, kv_heads_, dim_;
+  double eps_, scale_;
+  std::vector<Layer> layers_;
+};
+
+}  // namespace
+
+void register_decoder(pybind11::module& m) {
+  pybind11::class_<DecoderStack>(m, "DecoderStack", "The decoder stack's decode step in one call (decoder.cpp)")
+      .def(pybind11::init<int64_t, int64_t, int64_t, double, double>(), pybind11::arg("num_heads"),
+           pybind11::arg("num_kv_heads"), pybind11::arg("head_dim"), pybind11::arg("eps"), pybind11::arg("scale"))
+      .def("add_layer", &DecoderStack::add_layer)
+      .def("forward", &DecoderStack::forward, pybind11::call_guard<pybind11::gil_scoped_release>());
+}

@@ -1,0 +1,23 @@
+// The kernels' entry points, for the C++ that calls them directly (decoder.cpp's decode loop) as well as
+// through Python. Each is defined, with what it expects of its arguments, in the file named beside it.
+#pragma once
+
+#include <torch/extension.h>
+
+// cpu_ops.cpp
+void paged_decode(at::Tensor out, const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
+                  const at::Tensor& block_tables, const at::Tensor& context_lens, double scale,
+                  int64_t sliding_window);
+void write_kv(const at::Tensor& k, const at::Tensor& v, at::Tensor k_cache, at::Tensor v_cache,
+              const at::Tensor& slot_blocks, const at::Tensor& slot_offsets);
+at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps);
+void fused_add_rms_norm(at::Tensor x, at::Tensor residual, const at::Tensor& weight, double eps);
+void rope_(at::Tensor q, at::Tensor k, const at::Tensor& cos, const at::Tensor& sin);
+at::Tensor silu_and_mul(const at::Tensor& x);
+
+// linear.cpp
+at::Tensor packed_linear(const at::Tensor& x, const at::Tensor& packed, int64_t N, const c10::optional<at::Tensor>& bias,
+                         int64_t amx_min_rows);
+
+// quant_ops.cpp
+at::Tensor qgemm(const at::Tensor& x, const at::Tensor& w, int64_t n, int64_t bits, int64_t isa);

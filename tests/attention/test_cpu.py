@@ -1,0 +1,121 @@
+"""The CPU backend's native decode loop (csrc/decoder.cpp) against the same kernels called layer by layer
+from Python: the same logits and the same K/V written, to the bit, for every linear method and family."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from iterserve import kernels
+from iterserve.attention import AttentionMetadata
+from iterserve.attention.cpu import CpuBackend
+from iterserve.config import ModelConfig
+from iterserve.distributed.parallel_state import ParallelState
+from iterserve.models.cpu_linear import MeasuredChooser, PackedLinear
+from iterserve.models.linear import DENSE, LinearMethod, process_weights
+from iterserve.models.llama import LlamaModel
+from iterserve.models.loader import _empty_model
+from iterserve.quantization.model import quantize_model
+
+OPS = kernels.ops
+pytestmark = pytest.mark.skipif(OPS is None, reason="the C++ CPU kernels are not built (scripts/setup.sh builds them)")
+
+
+class LayerByLayer(CpuBackend):
+    """The same kernels with the native loop turned off: the model's Python layers call them one by one."""
+
+    def decode_layers(self, *args):
+        return None
+
+
+def tiny(**kw) -> ModelConfig:
+    base = dict(architecture="llama", vocab_size=300, hidden_size=64, intermediate_size=96, num_layers=3,
+                num_heads=4, num_kv_heads=2, head_dim=16, max_position_embeddings=256)
+    return ModelConfig(**(base | kw))
+
+
+CONFIGS = {
+    "llama-gqa": tiny(),
+    "mistral-sliding-window": tiny(architecture="mistral", sliding_window=6),
+    "qwen2-qkv-bias": tiny(architecture="qwen2", attention_bias=True, tie_word_embeddings=True),
+    "qwen3-qk-norm": tiny(architecture="qwen3", qk_norm=True, head_dim=32),
+}
+
+
+def model_with(cfg: ModelConfig, method: str, dtype: torch.dtype) -> LlamaModel:
+    torch.manual_seed(0)
+    model = _empty_model(cfg, dtype, torch.device("cpu"))
+    with torch.no_grad():
+        for p in model.parameters():
+            p.normal_(0, 0.2)
+    if method == "int8":
+        quantize_model(model, "int8")
+    else:
+        packed = MeasuredChooser([PackedLinear(OPS)])  # one candidate: every layer takes it
+        process_weights(model, (lambda layer: DENSE) if method == "dense" else packed)
+    return model
+
+
+def decode_step(model: LlamaModel, backend: CpuBackend, seed: int = 1):
+    """One step of three decodes (contexts 9, 1 and 20 over blocks out of order) and a sequence verifying 3
+    speculated tokens: its logits and every layer's K and V cache after it."""
+    cfg = model.config
+    g = torch.Generator().manual_seed(seed)
+    caches = model.allocate_kv_cache(24, 4)
+    for c in caches:
+        c.k.normal_(generator=g)
+        c.v.normal_(generator=g)
+    tables = [[7, 3, 11], [5], [0, 9, 2, 14, 8, 1], [4, 6, 10, 12]]
+    cached, qlens = [8, 1, 19, 10], [1, 1, 1, 3]
+    meta = AttentionMetadata.build(block_size=4, block_tables=tables, num_cached=cached, query_lens=qlens,
+                                   sliding_window=cfg.sliding_window, max_decode_query=3)
+    assert meta.num_decode_tokens == 6 and not meta.prefills
+    ids = torch.randint(0, cfg.vocab_size, (6,), generator=g)
+    positions = torch.tensor([8, 1, 19, 10, 11, 12])
+    logits = model(ids, positions, caches, meta, backend)
+    return logits, [c.k for c in caches] + [c.v for c in caches]
+
+
+@pytest.mark.parametrize("family", CONFIGS)
+@pytest.mark.parametrize("method,dtype", [("dense", torch.float32), ("packed", torch.float32),
+                                          ("packed", torch.bfloat16), ("int8", torch.float32)])
+def test_native_decode_loop_equals_the_layers_one_by_one(family, method, dtype):
+    model = model_with(CONFIGS[family], method, dtype)
+    native = CpuBackend(OPS)
+    logits, kv = decode_step(model, native)
+    assert native._stacks[model] is not None, "the native loop ran"
+    want_logits, want_kv = decode_step(model, LayerByLayer(OPS))
+    assert torch.equal(logits, want_logits)
+    assert all(torch.equal(a, b) for a, b in zip(kv, want_kv, strict=True))
+
+
+def test_a_step_with_a_prompt_chunk_runs_the_layers_in_python():
+    model = model_with(CONFIGS["llama-gqa"], "packed", torch.float32)
+    backend = CpuBackend(OPS)
+    caches = model.allocate_kv_cache(8, 4)
+    meta = AttentionMetadata.build(block_size=4, block_tables=[[0, 1], [2, 3]], num_cached=[4, 0],
+                                   query_lens=[1, 5])
+    x = torch.zeros(6, 64)
+    cos = sin = torch.zeros(6, 1, 16)
+    assert backend.decode_layers(model, x, cos, sin, caches, meta) is None
+    assert model not in backend._stacks  # nothing built for a step it does not run
+
+
+class PythonOnly(LinearMethod):
+    name = "python-only"
+
+    def apply(self, layer, x):
+        return torch.nn.functional.linear(x, layer.weight, layer.bias)
+
+
+def test_no_native_loop_for_a_method_without_a_kernel_or_a_sharded_model():
+    model = model_with(CONFIGS["llama-gqa"], "dense", torch.float32)
+    model.layers[1].mlp.down_proj.method = PythonOnly()
+    assert model.native_decoder(OPS) is None
+    logits, _ = decode_step(model, CpuBackend(OPS))  # the layers run in Python, still correct
+    want, _ = decode_step(model, LayerByLayer(OPS))
+    assert torch.equal(logits, want)
+    model.layers[1].mlp.down_proj.method = DENSE
+    assert model.native_decoder(OPS) is not None
+    model.parallel = ParallelState(rank=0, world_size=2)
+    assert model.native_decoder(OPS) is None
