@@ -2,7 +2,7 @@
 consecutive steps of each format in turn (as a server runs step after step of one model, so a model that
 fits the last-level cache stays there; alternating every step would evict it), medians over the rounds.
 
-    /work/bin/cpu-exclusive .venv/bin/python scripts/bench_quant_decode.py --batches 1,64
+    .venv/bin/python scripts/bench_quant_decode.py --batches 1,64
 
 For each weight format (``none``: float32 dense, ``bf16`` dense, ``gguf`` blocks, ``int8`` blocks) and decode
 batch this prints ms per step, tokens/s, the speed-up over float32, the matmul weight bytes a step streams, and
@@ -20,6 +20,7 @@ import torch
 
 from iterserve import kernels
 from iterserve.attention import AttentionMetadata
+from iterserve.attention.cpu import CpuBackend
 from iterserve.attention.selector import select_backend
 from iterserve.engine.worker import prepare_cpu
 from iterserve.models.loader import load_model
@@ -42,6 +43,13 @@ def peak_read_gbs() -> float:
     return x.numel() * 4 / statistics.median(times[1:]) / 1e9
 
 
+class LayerByLayer(CpuBackend):
+    """The CPU backend's kernels, with the layers called one by one from Python (no native decode loop)."""
+
+    def decode_layers(self, *args: object) -> None:
+        return None
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default="smollm2-135m")
@@ -51,13 +59,14 @@ def main() -> None:
     ap.add_argument("--context", type=int, default=128, help="tokens already cached per sequence")
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--steps", type=int, default=10, help="consecutive steps of one format per round")
+    ap.add_argument("--layer-by-layer", action="store_true",
+                    help="also time each format with the layers called one by one from Python (rows '/py'): the "
+                         "same kernels without the CPU backend's native decode loop")
     args = ap.parse_args()
     prepare_cpu()  # as a CPU engine does: malloc tuning, the kernels' thread pool
     block = 16
     batches = [int(b) for b in args.batches.split(",")]
-    read = peak_read_gbs()
-    print(f"model={args.model} context={args.context} threads={kernels.ops.threads() if kernels.ops else 1} "
-          f"streaming read {read:.1f} GB/s")
+    print(f"model={args.model} context={args.context} threads={kernels.ops.threads() if kernels.ops else 1}")
     models = {}
     for fmt in args.formats.split(","):
         dense = fmt in ("none", "bf16")
@@ -69,29 +78,38 @@ def main() -> None:
     cfg = next(iter(models.values())).config
     blocks_per_seq = -(-(args.context + 1) // block)
     caches = {f: m.allocate_kv_cache(max(batches) * blocks_per_seq, block) for f, m in models.items()}
-    print(f"{'format':<6} {'batch':>5} {'ms':>8} {'tokens/s':>9} {'vs f32':>7} {'floor ms':>9} {'of floor':>9}")
+    backends = {"": select_backend("cpu")}
+    if args.layer_by_layer:
+        backends["/py"] = LayerByLayer(kernels.ops)
+    print(f"{'format':<9} {'batch':>5} {'ms':>8} {'tokens/s':>9} {'vs f32':>7} {'floor ms':>9} {'of floor':>9}")
     for b in batches:
         tables = [list(range(i * blocks_per_seq, (i + 1) * blocks_per_seq)) for i in range(b)]
         meta = AttentionMetadata.build(block_size=block, block_tables=tables, num_cached=[args.context] * b,
                                        query_lens=[1] * b, sliding_window=cfg.sliding_window)
         ids, pos = torch.randint(100, cfg.vocab_size, (b,)), torch.full((b,), args.context)
-        backend = select_backend("cpu")
-        steps = {f: functools.partial(m, ids, pos, caches[f], meta, backend) for f, m in models.items()}
-        times: dict[str, list[float]] = {f: [] for f in models}
+        steps = {f + tag: functools.partial(m, ids, pos, caches[f], meta, backend)
+                 for tag, backend in backends.items() for f, m in models.items()}
+        times: dict[str, list[float]] = {f: [] for f in steps}
+        reads = []
         for i in range(args.rounds + 1):  # the first round warms up
+            if i:
+                reads.append(peak_read_gbs())
             for f, step in steps.items():
                 for _ in range(args.steps):
                     start = time.perf_counter()
                     step()
                     if i:
                         times[f].append(time.perf_counter() - start)
-        base = statistics.median(times["none"]) if "none" in times else None
+        read = statistics.median(reads)
+        print(f"batch {b}: streaming read {read:.1f} GB/s (median of the rounds' probes, "
+              f"{min(reads):.1f}-{max(reads):.1f})")
+        base = {tag: statistics.median(times["none" + tag]) for tag in backends if "none" + tag in times}
         for f, t in times.items():
             s = statistics.median(t)
-            floor = streamed_weight_bytes(models[f]) / (read * 1e9)
-            ratio = f"{base / s:6.2f}x" if base else "-"
-            print(f"{f:<6} {b:>5} {s * 1e3:8.2f} {b / s:9.1f} {ratio:>7} {floor * 1e3:9.2f} {floor / s:9.2f}")
-
+            fmt, tag = f.split("/")[0], f[len(f.split("/")[0]):]
+            floor = streamed_weight_bytes(models[fmt]) / (read * 1e9)
+            ratio = f"{base[tag] / s:6.2f}x" if tag in base else "-"
+            print(f"{f:<9} {b:>5} {s * 1e3:8.2f} {b / s:9.1f} {ratio:>7} {floor * 1e3:9.2f} {floor / s:9.2f}")
 
 if __name__ == "__main__":
     main()

@@ -1,6 +1,6 @@
 """Time the quantized matmul against F.linear on the float32 and bfloat16 weights, per shape and number of rows.
 
-    /work/bin/cpu-exclusive .venv/bin/python scripts/bench_quant_matmul.py [--torch-ops]
+    .venv/bin/python scripts/bench_quant_matmul.py [--torch-ops]
 
 Shapes are SmolLM2-135M's projections (qkv 576->960, o 576->576, gate/up 576->3072, down 1536->576, LM
 head 576->49152) and one Llama-7B projection (4096->4096). ``--torch-ops`` adds torch's own weight-only
