@@ -138,6 +138,9 @@ def main() -> None:
     with busy_processes(args.busy):
         for dtype, linear_gflops in linear.items():
             run_dtype(args, dtype, models.pop(dtype), paths, threads, (linear_gflops, read_gbs), batches, chunks)
+    if "fused" in paths:
+        print(f"kernels' pool: its caller went on alone {kernels.ops.pool_solos()} times (stalled by a descheduled "
+              f"worker, csrc/parallel.h)")
 
 
 def run_dtype(args, dtype: str, loaded: dict, paths: dict[str, AttentionBackend], threads: dict[str, int],

@@ -506,4 +506,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("set_threads", [](int64_t n) { iterserve::ChunkPool::get().resize(static_cast<int>(n)); },
         "Run the kernels' parallel loops on n threads (the caller included)");
   m.def("threads", [] { return iterserve::ChunkPool::get().threads(); }, "Threads of the kernels' pool");
+  m.def("pool_solos", [] { return iterserve::ChunkPool::get().solos(); },
+        "Times the pool's caller, stalled by descheduled workers, went on alone for a while");
 }

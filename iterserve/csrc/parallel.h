@@ -10,6 +10,14 @@
 //
 // Workers spin briefly between loops (a decode step's Python between two kernels takes tens of
 // microseconds), then sleep on a futex (std::atomic::wait), so an idle engine burns no CPU.
+//
+// A worker descheduled while it holds a chunk still costs the caller a wait of about one time slice. A wait
+// past kStallMicros and four times what one chunk took the caller is such a stall. A quiet VM has a few (2 ms
+// each, three or four in a second-long run); a second stall within kStallWindowMillis of the last says that
+// another process holds a core: the caller then runs every loop alone for kSoloMillis before trying the
+// workers again. Alone, the caller and the other process each keep a core, where two threads of ours
+// sharing one stalled each other: a float32 batch-1 decode step beside one busy process took 2.8x its quiet
+// time.
 
 #pragma once
 
@@ -35,6 +43,9 @@ class ChunkPool {
 
   int threads() const { return limit_.load(std::memory_order_relaxed) + 1; }
 
+  // The times so far that the caller went on alone for kSoloMillis.
+  int64_t solos() const { return solos_.load(std::memory_order_relaxed); }
+
   // Use `threads` threads (the caller included) from the next loop on; workers beyond that sleep.
   void resize(int threads) {
     const int workers = std::max(0, threads - 1);
@@ -49,8 +60,9 @@ class ChunkPool {
   // fn(ctx, c) for every c in [0, n), on this thread and whichever workers are running.
   void run(int64_t n, Fn fn, void* ctx) {
     bool idle = false;
-    if (n <= 1 || limit_.load(std::memory_order_relaxed) == 0 || !active_.compare_exchange_strong(idle, true)) {
-      for (int64_t c = 0; c < n; ++c) fn(ctx, c);  // one chunk, no workers, or nested / concurrent use
+    if (n <= 1 || limit_.load(std::memory_order_relaxed) == 0 ||
+        Clock::now() < solo_until_.load(std::memory_order_relaxed) || !active_.compare_exchange_strong(idle, true)) {
+      for (int64_t c = 0; c < n; ++c) fn(ctx, c);  // one chunk, no workers, alone for a while, or nested use
       return;
     }
     fn_.store(fn, std::memory_order_relaxed);
@@ -63,11 +75,25 @@ class ChunkPool {
       wake_.fetch_add(1, std::memory_order_release);
       wake_.notify_all();
     }
+    const auto begin = Clock::now();
     int64_t mine = 0;
     for (int64_t c; (c = claim(gen, n)) >= 0; ++mine) fn(ctx, c);
     // Only chunks claimed by a running worker are left: wait for them to finish.
     const int64_t target = n - mine;
-    while (done_.load(std::memory_order_acquire) < target) std::this_thread::yield();
+    if (done_.load(std::memory_order_acquire) < target) {
+      const auto start = Clock::now();
+      while (done_.load(std::memory_order_acquire) < target) std::this_thread::yield();
+      const auto end = Clock::now();
+      // A stall: far longer than a quiet wake, and than the chunks took this thread (a large chunk is no stall).
+      const auto per_chunk = (start - begin) / std::max<int64_t>(1, mine);
+      if (end - start > std::chrono::microseconds(kStallMicros) && end - start > 4 * per_chunk) {
+        if (end - last_stall_ < std::chrono::milliseconds(kStallWindowMillis)) {
+          solo_until_.store(end + std::chrono::milliseconds(kSoloMillis), std::memory_order_relaxed);
+          solos_.fetch_add(1, std::memory_order_relaxed);
+        }
+        last_stall_ = end;
+      }
+    }
     active_.store(false, std::memory_order_release);
   }
 
@@ -124,8 +150,16 @@ class ChunkPool {
     sleepers_.fetch_sub(1, std::memory_order_seq_cst);
   }
 
+  using Clock = std::chrono::steady_clock;
+
   // Long enough to bridge the Python between two kernels of a step, short enough to free the core soon.
   static constexpr int kSpinMicros = 200;
+  static constexpr int kStallMicros = 1000;
+  static constexpr int kSoloMillis = 200;
+  static constexpr int kStallWindowMillis = 20;
+  std::atomic<Clock::time_point> solo_until_{};
+  Clock::time_point last_stall_{};  // written by the caller only (one job at a time)
+  std::atomic<int64_t> solos_{0};
 
   int spawned_ = 0;                 // worker threads started (resize() is called with the GIL held)
   std::atomic<int> limit_{0};       // of which the first limit_ take part
