@@ -1,7 +1,7 @@
 """The client the API process uses to run the EngineCore in a process of its own.
 
 The core process (spawned, so it shares no torch state with the API process) loads the model and
-runs the busy loop on its main thread (:func:`iterserve.engine.core.run_engine_core`): drain the
+runs the busy loop on its main thread (:func:`iterserve.engine.core_proc.run_engine_core`): drain the
 input socket, step, push one batch of deltas and the scheduler's counters. The API process (HTTP,
 tokenization, detokenization, stop strings) holds the model's config and tokenizer only. Two ZeroMQ
 sockets over IPC carry msgspec messages:
@@ -36,7 +36,7 @@ import zmq.asyncio
 
 from iterserve.config import EngineConfig, ModelConfig
 from iterserve.engine.capacity import Capacity
-from iterserve.engine.core import run_engine_core
+from iterserve.engine.core_proc import run_engine_core
 from iterserve.engine.messages import (
     AbortRequests,
     EngineCoreEvent,
