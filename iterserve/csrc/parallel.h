@@ -12,12 +12,14 @@
 // microseconds), then sleep on a futex (std::atomic::wait), so an idle engine burns no CPU.
 //
 // A worker descheduled while it holds a chunk still costs the caller a wait of about one time slice. A wait
-// past kStallMicros and four times what one chunk took the caller is such a stall. A quiet VM has a few (2 ms
-// each, three or four in a second-long run); a second stall within kStallWindowMillis of the last says that
-// another process holds a core: the caller then runs every loop alone for kSoloMillis before trying the
-// workers again. Alone, the caller and the other process each keep a core, where two threads of ours
-// sharing one stalled each other: a float32 batch-1 decode step beside one busy process took 2.8x its quiet
-// time.
+// past kStallMicros and four times what one chunk took the caller is such a stall. Beside a busy process
+// stalls come every 4-12 ms (400 in a run of about 8 s on a 2-core EPYC); a quiet VM has a few a second, now
+// and then two close together. kStallStreak stalls each within kStallGapMillis of the last say that another
+// process holds a core: the caller then runs every loop alone for ITERSERVE_POOL_SOLO_MS (default 200; 0
+// turns this off), twice as long each time the contention is back within kRetryMillis of the last stretch
+// (up to kSoloMaxMillis), before trying the workers again. Alone, the caller and the other process each keep
+// a core, where two threads of ours sharing one stalled each other: a float32 batch-1 decode step beside one
+// busy process took 2.8x its quiet time.
 
 #pragma once
 
@@ -25,6 +27,7 @@
 
 #include <atomic>
 #include <chrono>
+#include <cstdlib>
 #include <cstdint>
 #include <thread>
 
@@ -43,7 +46,7 @@ class ChunkPool {
 
   int threads() const { return limit_.load(std::memory_order_relaxed) + 1; }
 
-  // The times so far that the caller went on alone for kSoloMillis.
+  // The times so far that the caller went on alone for a while (see the top of this file).
   int64_t solos() const { return solos_.load(std::memory_order_relaxed); }
 
   // Use `threads` threads (the caller included) from the next loop on; workers beyond that sleep.
@@ -87,18 +90,30 @@ class ChunkPool {
       // A stall: far longer than a quiet wake, and than the chunks took this thread (a large chunk is no stall).
       const auto per_chunk = (start - begin) / std::max<int64_t>(1, mine);
       if (end - start > std::chrono::microseconds(kStallMicros) && end - start > 4 * per_chunk) {
-        if (end - last_stall_ < std::chrono::milliseconds(kStallWindowMillis)) {
-          solo_until_.store(end + std::chrono::milliseconds(kSoloMillis), std::memory_order_relaxed);
-          solos_.fetch_add(1, std::memory_order_relaxed);
-        }
+        streak_ = end - last_stall_ < std::chrono::milliseconds(kStallGapMillis) ? streak_ + 1 : 1;
         last_stall_ = end;
+        if (solo_ms_ > 0 && streak_ >= kStallStreak) {
+          // Contention back right after the last stretch alone: stay alone twice as long, up to kSoloMaxMillis.
+          const auto last_end = solo_until_.load(std::memory_order_relaxed);
+          solo_len_ = end - last_end < std::chrono::milliseconds(kRetryMillis)
+                          ? std::min(2 * solo_len_, std::chrono::milliseconds(kSoloMaxMillis))
+                          : std::chrono::milliseconds(solo_ms_);
+          solo_until_.store(end + solo_len_, std::memory_order_relaxed);
+          solos_.fetch_add(1, std::memory_order_relaxed);
+          streak_ = 0;
+        }
       }
     }
     active_.store(false, std::memory_order_release);
   }
 
  private:
-  explicit ChunkPool(int threads) { resize(threads); }
+  explicit ChunkPool(int threads) : solo_ms_(env_int("ITERSERVE_POOL_SOLO_MS", 200)) { resize(threads); }
+
+  static int env_int(const char* name, int fallback) {
+    const char* v = std::getenv(name);
+    return v != nullptr && *v != '\0' ? std::atoi(v) : fallback;
+  }
 
   // The next unclaimed chunk of job `gen`, or -1 once none is left (or the job is over).
   int64_t claim(uint64_t gen, int64_t n) {
@@ -155,10 +170,16 @@ class ChunkPool {
   // Long enough to bridge the Python between two kernels of a step, short enough to free the core soon.
   static constexpr int kSpinMicros = 200;
   static constexpr int kStallMicros = 1000;
-  static constexpr int kSoloMillis = 200;
-  static constexpr int kStallWindowMillis = 20;
+  static constexpr int kStallGapMillis = 20;
+  static constexpr int kStallStreak = 4;
+  static constexpr int kRetryMillis = 100;
+  static constexpr int kSoloMaxMillis = 1600;
+  const int solo_ms_;
   std::atomic<Clock::time_point> solo_until_{};
-  Clock::time_point last_stall_{};  // written by the caller only (one job at a time)
+  // Written by the caller only (one job at a time).
+  Clock::time_point last_stall_{};
+  int streak_ = 0;
+  std::chrono::milliseconds solo_len_{0};
   std::atomic<int64_t> solos_{0};
 
   int spawned_ = 0;                 // worker threads started (resize() is called with the GIL held)
