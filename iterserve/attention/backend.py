@@ -29,6 +29,9 @@ class AttentionBackend(ABC):
     """One way of computing a decoder layer's attention and its fused operations."""
 
     name: str
+    decode_prompts_up_to: int = 0
+    """Prompt chunks of sequences holding at most this many tokens are attended like decodes, each token over
+    its own prefix, by the decode kernel instead of the prefill path (:meth:`AttentionMetadata.build`)."""
 
     @abstractmethod
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache: KVCache, meta: AttentionMetadata,

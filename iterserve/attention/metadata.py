@@ -114,6 +114,7 @@ class AttentionMetadata:
         device: torch.device | str = "cpu",
         sliding_window: int | None = None,
         max_decode_query: int = 1,
+        decode_prompts_up_to: int = 0,
     ) -> AttentionMetadata:
         """Describe a batch of sequences; decode sequences (query length 1) must come first.
 
@@ -125,7 +126,10 @@ class AttentionMetadata:
         decoding's verifications, placed right after the decodes) are attended as one decode per
         token, each over its own prefix: all of the step's K/V is written before attention reads it,
         so the batched decode path serves them, where a masked attention call per sequence cost
-        about 1 ms per layer (SmolLM2-sized heads, 256 verifying sequences).
+        about 1 ms per layer (SmolLM2-sized heads, 256 verifying sequences). Prompt chunks of sequences
+        that hold at most ``decode_prompts_up_to`` tokens after the step are attended the same way (a
+        backend whose decode kernel beats its prefill path on short contexts asks for it), as long as
+        only such sequences come before them.
         """
         cached = np.asarray(num_cached, dtype=np.int64)
         qlens = np.asarray(query_lens, dtype=np.int64)
@@ -136,7 +140,7 @@ class AttentionMetadata:
         pos = cached[seq_of_token] + np.arange(len(seq_of_token)) - token_starts[seq_of_token]
         blocks = tables[seq_of_token, pos // block_size]
         offsets = pos % block_size
-        is_decode = (qlens <= max_decode_query) & (cached > 0)
+        is_decode = ((qlens <= max_decode_query) & (cached > 0)) | (cached + qlens <= decode_prompts_up_to)
         num_decode_seqs = int(np.cumprod(is_decode).sum())
         num_decodes = int(qlens[:num_decode_seqs].sum())  # decode rows: one per token of those sequences
         meta = cls(

@@ -149,7 +149,7 @@ class ModelRunner:
         meta = AttentionMetadata.build(
             block_size=self.block_size, block_tables=inputs.block_tables, num_cached=inputs.num_cached,
             query_lens=inputs.query_lens, device=self.device, sliding_window=self.model.config.sliding_window,
-            max_decode_query=inputs.max_decode_query,
+            max_decode_query=inputs.max_decode_query, decode_prompts_up_to=self.attn_backend.decode_prompts_up_to,
         )
         dev = self.device
         input_ids = torch.tensor(inputs.input_ids, dtype=torch.long, device=dev)

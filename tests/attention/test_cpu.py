@@ -119,3 +119,33 @@ def test_no_native_loop_for_a_method_without_a_kernel_or_a_sharded_model():
     assert model.native_decoder(OPS) is not None
     model.parallel = ParallelState(rank=0, world_size=2)
     assert model.native_decoder(OPS) is None
+
+
+@pytest.mark.parametrize("family", CONFIGS)
+def test_a_step_with_short_prompts_runs_natively_and_attends_them_as_the_prefill_path_does(family):
+    """A decode, a fresh 5-token prompt and a 4-token chunk after 6 cached tokens: under the backend's limit
+    the prompts are attended as decodes, in the native loop, and give the prefill path's logits and K/V."""
+    model = model_with(CONFIGS[family], "packed", torch.float32)
+    cfg = model.config
+    g = torch.Generator().manual_seed(3)
+    ids = torch.randint(0, cfg.vocab_size, (10,), generator=g)
+    positions = torch.tensor([8, 0, 1, 2, 3, 4, 6, 7, 8, 9])
+    tables, cached, qlens = [[7, 3, 11], [5, 2], [0, 9, 4]], [8, 0, 6], [1, 5, 4]
+    results = []
+    for limit in (CpuBackend.decode_prompts_up_to, 0):
+        backend = CpuBackend(OPS)
+        backend.decode_prompts_up_to = limit
+        caches = model.allocate_kv_cache(12, 4)
+        for c in caches:
+            c.k.normal_(generator=torch.Generator().manual_seed(4))
+            c.v.normal_(generator=torch.Generator().manual_seed(5))
+        meta = AttentionMetadata.build(block_size=4, block_tables=tables, num_cached=cached, query_lens=qlens,
+                                       sliding_window=cfg.sliding_window, decode_prompts_up_to=limit)
+        logits = model(ids, positions, caches, meta, backend, torch.tensor([0, 5, 9]))
+        results.append((logits, [c.k for c in caches] + [c.v for c in caches], meta, backend))
+    (native, native_kv, meta, backend), (spans, spans_kv, span_meta, _) = results
+    assert meta.num_decode_tokens == 10 and backend._stacks[model] is not None
+    assert span_meta.num_decode_tokens == 1 and len(span_meta.prefills) == 2
+    torch.testing.assert_close(native, spans, atol=1e-4, rtol=1e-4)
+    for a, b in zip(native_kv, spans_kv, strict=True):
+        torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)

@@ -16,7 +16,9 @@ H, KVH, D, BS = 4, 2, 8, 4
 
 BACKENDS = {"reference": ReferenceBackend(), "cuda": CudaBackend()}
 if kernels.ops is not None:
-    BACKENDS["cpu"] = CpuBackend(kernels.ops)
+    BACKENDS["cpu"] = CpuBackend(kernels.ops)  # as the engine runs it: short prompts attended as decodes
+    BACKENDS["cpu-prompt-spans"] = CpuBackend(kernels.ops)
+    BACKENDS["cpu-prompt-spans"].decode_prompts_up_to = 0  # every prompt chunk through the prefill path
 
 
 @pytest.fixture(params=sorted(BACKENDS))
@@ -67,7 +69,8 @@ def run_steps(backend, lengths, chunks, window=None, seed=0):
             vs.append(seqs[s][2][a:b])
         meta = AttentionMetadata.build(block_size=BS, block_tables=[tables[s] for s in order],
                                        num_cached=[done[s] for s in order],
-                                       query_lens=[step_chunks[s] for s in order], sliding_window=window)
+                                       query_lens=[step_chunks[s] for s in order], sliding_window=window,
+                                       decode_prompts_up_to=backend.decode_prompts_up_to)
         out = backend.forward(torch.cat(qs), torch.cat(ks), torch.cat(vs), cache, meta, D**-0.5)
         row = 0
         for s in order:
@@ -128,3 +131,19 @@ def test_slots_and_tables_of_a_mixed_batch():
     assert meta.decode_context_lens.tolist() == [6, 2]
     assert [(s.start, s.end, s.context_len, s.block_table.tolist()) for s in meta.prefills] == [
         (2, 6, 10, [4, 0, 6]), (6, 11, 5, [2, 5])]
+
+
+def test_short_prompts_attended_as_decodes_up_to_the_backends_limit():
+    """Each token of a prompt chunk whose sequence holds at most the limit becomes a decode row over its own
+    prefix, while only such sequences come before it; the others stay prefill spans."""
+    tables, cached, qlens = [[7, 3], [1], [4, 0, 6], [2, 5]], [5, 1, 6, 0], [1, 1, 4, 5]
+    some = AttentionMetadata.build(block_size=BS, block_tables=tables, num_cached=cached, query_lens=qlens,
+                                   decode_prompts_up_to=8)  # the third holds 10 tokens: it and all after stay spans
+    assert some.num_decode_tokens == 2 and [(s.start, s.context_len) for s in some.prefills] == [(2, 10), (6, 5)]
+    every = AttentionMetadata.build(block_size=BS, block_tables=tables, num_cached=cached, query_lens=qlens,
+                                    decode_prompts_up_to=10)
+    assert every.num_decode_tokens == 11 and not every.prefills
+    assert every.decode_context_lens.tolist() == [6, 2, 7, 8, 9, 10, 1, 2, 3, 4, 5]
+    assert every.decode_block_tables.tolist() == [[7, 3, 0], [1, 0, 0]] + [[4, 0, 6]] * 4 + [[2, 5, 0]] * 5
+    want = [t[p // BS] * BS + p % BS for t, c, n in zip(tables, cached, qlens) for p in range(c, c + n)]
+    assert every.slot_mapping.tolist() == want

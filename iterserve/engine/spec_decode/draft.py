@@ -62,7 +62,8 @@ class DraftModel:
         return AttentionMetadata.build(block_size=self.block_size, block_tables=block_tables, num_cached=num_cached,
                                        query_lens=query_lens, device=self.model.device,
                                        sliding_window=self.model.config.sliding_window,
-                                       max_decode_query=max_decode_query)
+                                       max_decode_query=max_decode_query,
+                                       decode_prompts_up_to=self.backend.decode_prompts_up_to)
 
     @torch.inference_mode()
     def mirror(self, input_ids: torch.Tensor, positions: torch.Tensor, block_tables: list[list[int]],
