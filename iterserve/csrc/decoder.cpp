@@ -4,7 +4,8 @@
 // order, as the Python layers of iterserve/models/llama.py call through the CPU backend, without going
 // back to Python between them. A decode step of a small model is short enough that Python's share
 // was large: SmolLM2-135M in Q4_1 spent about 1.5 of its 5.9 ms a step (batch 1) in 30 layers of module
-// calls and op dispatch. Steps with a prompt chunk take the Python path (their attention is SDPA's).
+// calls and op dispatch. Every token of such a step is attended as a decode (short prompts included, see
+// CpuBackend.decode_prompts_up_to); a step with a longer prompt chunk takes the Python path (SDPA's).
 
 #include "ops.h"
 
