@@ -30,7 +30,9 @@ from iterserve.quantization.model import describe, streamed_weight_bytes, weight
 def peak_read_gbs() -> float:
     """Streaming read bandwidth: summing a tensor far larger than the caches (median of 5), on as many threads
     as the engine's kernels use (``prepare_cpu`` leaves torch one thread; one thread read 29 GB/s where two
-    read 36 on a 2-core EPYC, and the kernels stream the weights on two)."""
+    read 36 on a 2-core EPYC, and the kernels stream the weights on two). A median, not the best of many as
+    :func:`iterserve.bench.microbench.measure_bandwidth` takes: the floor is set against this VM's usual
+    bandwidth, not its best moment."""
     x = torch.ones(128 * 2**20, dtype=torch.float32)
     threads = torch.get_num_threads()
     torch.set_num_threads(kernels.ops.threads() if kernels.ops is not None else threads)
@@ -41,13 +43,6 @@ def peak_read_gbs() -> float:
         times.append(time.perf_counter() - start)
     torch.set_num_threads(threads)
     return x.numel() * 4 / statistics.median(times[1:]) / 1e9
-
-
-class LayerByLayer(CpuBackend):
-    """The CPU backend's kernels, with the layers called one by one from Python (no native decode loop)."""
-
-    def decode_layers(self, *args: object) -> None:
-        return None
 
 
 def main() -> None:
@@ -80,7 +75,7 @@ def main() -> None:
     caches = {f: m.allocate_kv_cache(max(batches) * blocks_per_seq, block) for f, m in models.items()}
     backends = {"": select_backend("cpu")}
     if args.layer_by_layer:
-        backends["/py"] = LayerByLayer(kernels.ops)
+        backends["/py"] = CpuBackend(kernels.ops, native_layers=False)
     print(f"{'format':<9} {'batch':>5} {'ms':>8} {'tokens/s':>9} {'vs f32':>7} {'floor ms':>9} {'of floor':>9}")
     for b in batches:
         tables = [list(range(i * blocks_per_seq, (i + 1) * blocks_per_seq)) for i in range(b)]

@@ -16,7 +16,8 @@ from iterserve.attention.reference import ReferenceBackend
 
 
 class CpuBackend(ReferenceBackend):
-    """``ops`` is the loaded extension (``iterserve.kernels.ops``)."""
+    """``ops`` is the loaded extension (``iterserve.kernels.ops``); ``native_layers=False`` keeps every step's
+    layers in Python (the same kernels, called one by one: the native loop's A/B)."""
 
     name = "cpu"
     # paged_decode on every prompt token, over its own prefix, on the kernels' threads, against SDPA on torch's
@@ -25,14 +26,15 @@ class CpuBackend(ReferenceBackend):
     # reuses a tile of K/V across rows. A whole step of decodes then runs in one native call.
     decode_prompts_up_to = 512
 
-    def __init__(self, ops: ModuleType) -> None:
+    def __init__(self, ops: ModuleType, native_layers: bool = True) -> None:
         self.ops = ops
+        self.native_layers = native_layers
         self._stacks: weakref.WeakKeyDictionary[NativeDecoderModel, Any] = weakref.WeakKeyDictionary()
 
     def decode_layers(self, model: NativeDecoderModel, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                       kv_caches: list[KVCache], meta: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor] | None:
         # csrc/decoder.cpp calls this backend's kernels in this backend's order, built once per model.
-        if not meta.num_decode_tokens or meta.num_decode_tokens != x.shape[0]:
+        if not self.native_layers or not meta.num_decode_tokens or meta.num_decode_tokens != x.shape[0]:
             return None
         if model not in self._stacks:
             self._stacks[model] = model.native_decoder(self.ops)

@@ -21,13 +21,6 @@ OPS = kernels.ops
 pytestmark = pytest.mark.skipif(OPS is None, reason="the C++ CPU kernels are not built (scripts/setup.sh builds them)")
 
 
-class LayerByLayer(CpuBackend):
-    """The same kernels with the native loop turned off: the model's Python layers call them one by one."""
-
-    def decode_layers(self, *args):
-        return None
-
-
 def tiny(**kw) -> ModelConfig:
     base = dict(architecture="llama", vocab_size=300, hidden_size=64, intermediate_size=96, num_layers=3,
                 num_heads=4, num_kv_heads=2, head_dim=16, max_position_embeddings=256)
@@ -84,7 +77,7 @@ def test_native_decode_loop_equals_the_layers_one_by_one(family, method, dtype):
     native = CpuBackend(OPS)
     logits, kv = decode_step(model, native)
     assert native._stacks[model] is not None, "the native loop ran"
-    want_logits, want_kv = decode_step(model, LayerByLayer(OPS))
+    want_logits, want_kv = decode_step(model, CpuBackend(OPS, native_layers=False))
     assert torch.equal(logits, want_logits)
     assert all(torch.equal(a, b) for a, b in zip(kv, want_kv, strict=True))
 
@@ -113,7 +106,7 @@ def test_no_native_loop_for_a_method_without_a_kernel_or_a_sharded_model():
     model.layers[1].mlp.down_proj.method = PythonOnly()
     assert model.native_decoder(OPS) is None
     logits, _ = decode_step(model, CpuBackend(OPS))  # the layers run in Python, still correct
-    want, _ = decode_step(model, LayerByLayer(OPS))
+    want, _ = decode_step(model, CpuBackend(OPS, native_layers=False))
     assert torch.equal(logits, want)
     model.layers[1].mlp.down_proj.method = DENSE
     assert model.native_decoder(OPS) is not None
