@@ -110,16 +110,17 @@ inline float exp_sum_(float* p, float m, int64_t n) {
   return sum;
 }
 
-// The tile's scores for a GQA group of G query heads sharing one KV head, scores[g * kTile + j] = q_g . k_j:
-// each K vector is loaded once for all G heads. Needs dim to be a multiple of the vector width.
-template <int G>
-void group_scores(const float* qf, const float* rows, int64_t n, int64_t dim, float* scores) {
+// The tile's scores for a GQA group of G query heads sharing one KV head, scores[g * kTile + j] = q_g . k_j,
+// reading key j where it lies in the cache (rows[j]): each K vector is loaded (and widened) once for all G
+// heads. Needs dim to be a multiple of the vector width.
+template <int G, typename T>
+void group_scores(const float* qf, const T* const* rows, int64_t n, int64_t dim, float* scores) {
   for (int64_t j = 0; j < n; ++j) {
     Vec acc[G];
     for (int g = 0; g < G; ++g) acc[g] = Vec(0.f);
-    const float* k = rows + j * dim;
+    const T* k = rows[j];
     for (int64_t i = 0; i < dim; i += kVecSize) {
-      const Vec kv = Vec::loadu(k + i);
+      const Vec kv = load_f(k + i);
       for (int g = 0; g < G; ++g) acc[g] = at::vec::fmadd(Vec::loadu(qf + g * dim + i), kv, acc[g]);
     }
     for (int g = 0; g < G; ++g) scores[g * kTile + j] = acc[g].reduce_add();
@@ -130,31 +131,34 @@ void group_scores(const float* qf, const float* rows, int64_t n, int64_t dim, fl
 // registers: each V vector is loaded once, no accumulator is reloaded per key. Batch 8 at context 128, K/V
 // hot in cache: 74 us a layer with the per-head loops, 48 us blocked; in a whole step, where each layer's
 // K/V comes from DRAM, the two measured within noise (scripts/bench_quant_decode.py).
-template <int G>
-void group_values(const float* scores, const float* rows, int64_t n, int64_t dim, float* acc) {
+template <int G, typename T>
+void group_values(const float* scores, const T* const* rows, int64_t n, int64_t dim, float* acc) {
   for (int64_t i = 0; i < dim; i += kVecSize) {
     Vec a[G];
     for (int g = 0; g < G; ++g) a[g] = Vec::loadu(acc + g * dim + i);
     for (int64_t j = 0; j < n; ++j) {
-      const Vec v = Vec::loadu(rows + j * dim + i);
+      const Vec v = load_f(rows[j] + i);
       for (int g = 0; g < G; ++g) a[g] = at::vec::fmadd(Vec(scores[g * kTile + j]), v, a[g]);
     }
     for (int g = 0; g < G; ++g) a[g].store(acc + g * dim + i);
   }
 }
 
+template <typename T>
 struct GroupKernels {
-  void (*scores)(const float*, const float*, int64_t, int64_t, float*);
-  void (*values)(const float*, const float*, int64_t, int64_t, float*);
+  void (*scores)(const float*, const T* const*, int64_t, int64_t, float*);
+  void (*values)(const float*, const T* const*, int64_t, int64_t, float*);
 };
 
 // The register-blocked kernels for groups of 1-8 heads and whole vectors; {nullptr, nullptr} for the rest,
 // which take the per-head loops.
-inline GroupKernels group_kernels(int64_t group, int64_t dim) {
-  static constexpr GroupKernels table[] = {
-      {group_scores<1>, group_values<1>}, {group_scores<2>, group_values<2>}, {group_scores<3>, group_values<3>},
-      {group_scores<4>, group_values<4>}, {group_scores<5>, group_values<5>}, {group_scores<6>, group_values<6>},
-      {group_scores<7>, group_values<7>}, {group_scores<8>, group_values<8>}};
+template <typename T>
+inline GroupKernels<T> group_kernels(int64_t group, int64_t dim) {
+  static constexpr GroupKernels<T> table[] = {
+      {group_scores<1, T>, group_values<1, T>}, {group_scores<2, T>, group_values<2, T>},
+      {group_scores<3, T>, group_values<3, T>}, {group_scores<4, T>, group_values<4, T>},
+      {group_scores<5, T>, group_values<5, T>}, {group_scores<6, T>, group_values<6, T>},
+      {group_scores<7, T>, group_values<7, T>}, {group_scores<8, T>, group_values<8, T>}};
   if (group < 1 || group > 8 || dim % kVecSize != 0) return {nullptr, nullptr};
   return table[group - 1];
 }
@@ -163,18 +167,25 @@ inline GroupKernels group_kernels(int64_t group, int64_t dim) {
 // merge costs more than the parallelism gains.
 constexpr int64_t kMinSplit = 64;
 
-// Ask for K/V rows [from, to) of one head ahead of use. At batch 1 the step streams the weights between two
-// layers' attention, so every layer's K/V comes from DRAM; fetched on demand, row by row through the block
-// table, decode attention took 70 us a layer at context 128 (SmolLM2 at batch 1: 196 KB of K/V, 6 us at
-// the streaming read rate).
+// Where one head's K or V rows [from, to) lie, walking the block table a block at a time: a division per
+// row, four times per key (two prefetches, two reads), took a third of a decode task's time (perf, batch 8).
 template <typename T>
-inline void prefetch_rows(const T* cache, const int64_t* table, int64_t block_size, int64_t s0, int64_t s2,
-                          int64_t head_offset, int64_t from, int64_t to, int64_t row_bytes) {
-  for (int64_t pos = from; pos < to; ++pos) {
-    const char* row =
-        reinterpret_cast<const char*>(cache + table[pos / block_size] * s0 + head_offset + (pos % block_size) * s2);
-    for (int64_t b = 0; b < row_bytes; b += 64) __builtin_prefetch(row + b);
+inline void head_rows(const T* cache, const int64_t* table, int64_t block_size, int64_t s0, int64_t s2,
+                      int64_t head_offset, int64_t from, int64_t to, const T** rows) {
+  int64_t b = from / block_size, off = from % block_size;
+  for (int64_t pos = from; pos < to; ++b, off = 0) {
+    const T* base = cache + table[b] * s0 + head_offset;
+    for (; off < block_size && pos < to; ++off, ++pos) *rows++ = base + off * s2;
   }
+}
+
+// Ask for n rows ahead of use. At batch 1 the step streams the weights between two layers' attention, so
+// every layer's K/V comes from DRAM; fetched on demand, decode attention took 70 us a layer at context 128
+// (SmolLM2 at batch 1: 196 KB of K/V, 6 us at the streaming read rate).
+template <typename T>
+inline void prefetch_rows(const T* const* rows, int64_t n, int64_t row_bytes) {
+  for (int64_t j = 0; j < n; ++j)
+    for (int64_t b = 0; b < row_bytes; b += 64) __builtin_prefetch(reinterpret_cast<const char*>(rows[j]) + b);
 }
 
 template <typename T>
@@ -214,7 +225,7 @@ void paged_decode_impl(at::Tensor& out, const at::Tensor& q, const at::Tensor& k
   // unnormalised output.
   const int64_t pstride = dim + 2;
   std::vector<float> partial(splits > 1 ? seqs * heads * splits * pstride : 0);
-  const GroupKernels blocked = group_kernels(group, dim);
+  const GroupKernels<T> blocked = group_kernels<T>(group, dim);
 
   iterserve::parallel_chunks(pairs * splits, 1, [&](int64_t begin, int64_t end) {
     // Per-thread scratch, grown once: a chunk is one task, and a malloc per task showed at batch 64.
@@ -226,11 +237,20 @@ void paged_decode_impl(at::Tensor& out, const at::Tensor& q, const at::Tensor& k
     float* scores = rows + kTile * dim;
     float* m = scores + group * kTile;
     float* l = m + group;
+    const T* krows[2][kTile];  // this tile's keys and values, and the next tile's
+    const T* vrows[2][kTile];
     for (int64_t task = begin; task < end; ++task) {
       const int64_t s = task / (kv_heads * splits), h = (task / splits) % kv_heads, part = task % splits;
       const int64_t lo = first_key(s) + part * piece, hi = std::min(ctx_lens[s], lo + piece);
       const int64_t* table = tables + s * table_stride;
-      prefetch_rows(k_ptr, table, block_size, kc_s0, kc_s2, h * kc_s1, lo, std::min(hi, lo + kTile), row_bytes);
+      auto rows_of = [&](const T* cache, int64_t s0, int64_t s1, int64_t s2, int64_t from, int64_t to, const T** out) {
+        head_rows(cache, table, block_size, s0, s2, h * s1, from, to, out);
+        prefetch_rows(out, to - from, row_bytes);
+      };
+      if (lo < hi) {
+        rows_of(k_ptr, kc_s0, kc_s1, kc_s2, lo, std::min(hi, lo + kTile), krows[0]);
+        rows_of(v_ptr, vc_s0, vc_s1, vc_s2, lo, std::min(hi, lo + kTile), vrows[0]);
+      }
       for (int64_t g = 0; g < group; ++g) {
         to_float(q_ptr + s * q_s0 + (h * group + g) * q_s1, qf + g * dim, dim);
         scale_(qf + g * dim, fscale, dim);
@@ -238,20 +258,16 @@ void paged_decode_impl(at::Tensor& out, const at::Tensor& q, const at::Tensor& k
       std::fill(acc, acc + group * dim, 0.f);
       std::fill(m, m + group, -std::numeric_limits<float>::infinity());
       std::fill(l, l + group, 0.f);
-      for (int64_t t0 = lo; t0 < hi; t0 += kTile) {
+      for (int64_t t0 = lo, cur = 0; t0 < hi; t0 += kTile, cur ^= 1) {
         const int64_t n = std::min(kTile, hi - t0);
-        // This tile's V and the next tile's K arrive while this tile's scores are computed.
-        prefetch_rows(v_ptr, table, block_size, vc_s0, vc_s2, h * vc_s1, t0, t0 + n, row_bytes);
-        prefetch_rows(k_ptr, table, block_size, kc_s0, kc_s2, h * kc_s1, t0 + n, std::min(hi, t0 + n + kTile),
-                      row_bytes);
-        for (int64_t j = 0; j < n; ++j) {
-          const int64_t pos = t0 + j;
-          const T* row = k_ptr + table[pos / block_size] * kc_s0 + h * kc_s1 + (pos % block_size) * kc_s2;
-          to_float(row, rows + j * dim, dim);
-        }
+        // The next tile's K and V arrive while this tile is computed.
+        const int64_t next = std::min(hi, t0 + n + kTile);
+        rows_of(k_ptr, kc_s0, kc_s1, kc_s2, t0 + n, next, krows[cur ^ 1]);
+        rows_of(v_ptr, vc_s0, vc_s1, vc_s2, t0 + n, next, vrows[cur ^ 1]);
         if (blocked.scores != nullptr) {
-          blocked.scores(qf, rows, n, dim, scores);
+          blocked.scores(qf, krows[cur], n, dim, scores);
         } else {
+          for (int64_t j = 0; j < n; ++j) to_float(krows[cur][j], rows + j * dim, dim);
           for (int64_t g = 0; g < group; ++g)
             for (int64_t j = 0; j < n; ++j) scores[g * kTile + j] = dot(qf + g * dim, rows + j * dim, dim);
         }
@@ -265,14 +281,10 @@ void paged_decode_impl(at::Tensor& out, const at::Tensor& q, const at::Tensor& k
           scale_(acc + g * dim, correction, dim);
           m[g] = new_m;
         }
-        for (int64_t j = 0; j < n; ++j) {
-          const int64_t pos = t0 + j;
-          const T* row = v_ptr + table[pos / block_size] * vc_s0 + h * vc_s1 + (pos % block_size) * vc_s2;
-          to_float(row, rows + j * dim, dim);
-        }
         if (blocked.values != nullptr) {
-          blocked.values(scores, rows, n, dim, acc);
+          blocked.values(scores, vrows[cur], n, dim, acc);
         } else {
+          for (int64_t j = 0; j < n; ++j) to_float(vrows[cur][j], rows + j * dim, dim);
           for (int64_t g = 0; g < group; ++g)
             for (int64_t j = 0; j < n; ++j) axpy(acc + g * dim, scores[g * kTile + j], rows + j * dim, dim);
         }
