@@ -17,7 +17,7 @@ OPS = kernels.ops or kernels.load_build()
 needs_build = pytest.mark.skipif(OPS is None, reason="the C++ CPU kernels are not built for this source")
 
 # Shapes with tails: K and N not multiples of the vector width (8/16) nor of AMX's 32-element k-steps.
-SHAPES = [(1, 1), (7, 15), (33, 17), (64, 40), (100, 130), (576, 960)]
+SHAPES = [(1, 1), (7, 15), (33, 17), (64, 40), (100, 130), (576, 960), (64, 1600)]  # the last: chunks of two groups
 ROWS = [1, 2, 3, 5, 8, 9, 16, 17, 64]
 
 
