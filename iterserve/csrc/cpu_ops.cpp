@@ -19,6 +19,10 @@
 #include <limits>
 #include <vector>
 
+#if defined(CPU_CAPABILITY_AVX512)
+#include <immintrin.h>
+#endif
+
 // float32, bfloat16 and float16 storage; double has no use in serving.
 #define DISPATCH_FLOAT_TYPES(TYPE, NAME, ...)                                                 \
   AT_DISPATCH_SWITCH(TYPE, NAME, AT_DISPATCH_CASE(at::kFloat, __VA_ARGS__)                     \
@@ -110,37 +114,124 @@ inline float exp_sum_(float* p, float m, int64_t n) {
   return sum;
 }
 
-// The tile's scores for a GQA group of G query heads sharing one KV head, scores[g * kTile + j] = q_g . k_j,
-// reading key j where it lies in the cache (rows[j]): each K vector is loaded (and widened) once for all G
-// heads. Needs dim to be a multiple of the vector width.
-template <int G, typename T>
-void group_scores(const float* qf, const T* const* rows, int64_t n, int64_t dim, float* scores) {
-  for (int64_t j = 0; j < n; ++j) {
-    Vec acc[G];
-    for (int g = 0; g < G; ++g) acc[g] = Vec(0.f);
-    const T* k = rows[j];
-    for (int64_t i = 0; i < dim; i += kVecSize) {
-      const Vec kv = load_f(k + i);
-      for (int g = 0; g < G; ++g) acc[g] = at::vec::fmadd(Vec::loadu(qf + g * dim + i), kv, acc[g]);
+// The largest of p[0, n).
+inline float max_of(const float* p, int64_t n) {
+  int64_t i = 0;
+  float top = -std::numeric_limits<float>::infinity();
+  if (n >= kVecSize) {
+    Vec v = Vec::loadu(p);
+    for (i = kVecSize; i + kVecSize <= n; i += kVecSize) v = at::vec::maximum(v, Vec::loadu(p + i));
+    top = v.reduce_max();
+  }
+  for (; i < n; ++i) top = std::max(top, p[i]);
+  return top;
+}
+
+// q_g . k for P keys, one vector of partial sums per head and key: each K vector is loaded (and widened) once
+// for all G heads, read where it lies in the cache, and each q vector once for the P keys.
+template <int G, int P, typename T>
+inline void key_partials(const float* qf, const T* const* k, int64_t dim, Vec (*acc)[G]) {
+  for (int p = 0; p < P; ++p)
+    for (int g = 0; g < G; ++g) acc[p][g] = Vec(0.f);
+  for (int64_t i = 0; i < dim; i += kVecSize) {
+    Vec kv[P];
+    for (int p = 0; p < P; ++p) kv[p] = load_f(k[p] + i);
+    for (int g = 0; g < G; ++g) {
+      const Vec qv = Vec::loadu(qf + g * dim + i);
+      for (int p = 0; p < P; ++p) acc[p][g] = at::vec::fmadd(qv, kv[p], acc[p][g]);
     }
-    for (int g = 0; g < G; ++g) scores[g * kTile + j] = acc[g].reduce_add();
   }
 }
 
-// acc_g += sum_j p[g][j] v_j over the tile, one vector of the head at a time with the G heads' sums held in
-// registers: each V vector is loaded once, no accumulator is reloaded per key. Batch 8 at context 128, K/V
-// hot in cache: 74 us a layer with the per-head loops, 48 us blocked; in a whole step, where each layer's
-// K/V comes from DRAM, the two measured within noise (scripts/bench_quant_decode.py).
+#if defined(CPU_CAPABILITY_AVX512)
+// Lane j of the result is the sum of v[j]'s sixteen lanes: a transposing add tree, 45 shuffles and adds for
+// sixteen sums where sixteen separate reductions take about 150. Each sum depends on its own vector alone.
+inline __m512 sum16(const float (*v)[16]) {
+  __m512 b[8], c[4], d[2];
+  for (int i = 0; i < 8; ++i) {  // per 128-bit lane: [v2i 0+2, v2i+1 0+2, v2i 1+3, v2i+1 1+3]
+    const __m512 x = _mm512_load_ps(v[2 * i]), y = _mm512_load_ps(v[2 * i + 1]);
+    b[i] = _mm512_add_ps(_mm512_unpacklo_ps(x, y), _mm512_unpackhi_ps(x, y));
+  }
+  for (int i = 0; i < 4; ++i)  // per 128-bit lane: that lane's sums of v4i .. v4i+3
+    c[i] = _mm512_add_ps(_mm512_shuffle_ps(b[2 * i], b[2 * i + 1], 0x44), _mm512_shuffle_ps(b[2 * i], b[2 * i + 1], 0xEE));
+  for (int i = 0; i < 2; ++i)  // the four lanes added in pairs
+    d[i] = _mm512_add_ps(_mm512_shuffle_f32x4(c[2 * i], c[2 * i + 1], 0x88),
+                         _mm512_shuffle_f32x4(c[2 * i], c[2 * i + 1], 0xDD));
+  return _mm512_add_ps(_mm512_shuffle_f32x4(d[0], d[1], 0x88), _mm512_shuffle_f32x4(d[0], d[1], 0xDD));
+}
+#endif
+
+// The tile's scores for a GQA group of G query heads sharing one KV head, scores[g * kTile + j] = q_g . k_j,
+// reading key j where it lies in the cache (rows[j]). Needs dim to be a multiple of the vector width. With
+// AVX-512, two keys at a time (twice the independent sums) and sixteen keys' partial sums reduced together.
+template <int G, typename T>
+void group_scores(const float* qf, const T* const* rows, int64_t n, int64_t dim, float* scores) {
+#if defined(CPU_CAPABILITY_AVX512)
+  static_assert(kTile % 16 == 0, "a tile's score rows hold whole groups of sixteen");
+  alignas(64) float part[G][16][16];
+  for (int64_t j0 = 0; j0 < n; j0 += 16) {
+    const int64_t keys = std::min<int64_t>(16, n - j0);
+    for (int64_t j = 0; j < 16; j += 2) {
+      Vec acc[2][G];
+      if (j + 1 < keys) {
+        key_partials<G, 2>(qf, rows + j0 + j, dim, acc);
+      } else if (j < keys) {
+        key_partials<G, 1>(qf, rows + j0 + j, dim, acc);
+        for (int g = 0; g < G; ++g) acc[1][g] = Vec(0.f);
+      } else {
+        for (int g = 0; g < G; ++g) acc[0][g] = acc[1][g] = Vec(0.f);
+      }
+      for (int g = 0; g < G; ++g) {
+        acc[0][g].store(part[g][j]);
+        acc[1][g].store(part[g][j + 1]);
+      }
+    }
+    for (int g = 0; g < G; ++g) _mm512_storeu_ps(scores + g * kTile + j0, sum16(part[g]));
+  }
+#else
+  for (int64_t j = 0; j < n; ++j) {
+    Vec acc[1][G];
+    key_partials<G, 1>(qf, rows + j, dim, acc);
+    for (int g = 0; g < G; ++g) scores[g * kTile + j] = acc[0][g].reduce_add();
+  }
+#endif
+}
+
+// acc_g += sum_j p[g][j] v_j over the tile, R vectors of the head at a time with the G heads' sums held in
+// registers: each V vector is loaded once and no accumulator is reloaded per key. One vector at a time, the
+// G sums were G chains of n dependent FMAs, bound by the FMA's latency; G x R chains pipeline.
+template <int G, int R, typename T>
+void values_block(const float* scores, const T* const* rows, int64_t n, int64_t dim, float* acc) {
+  for (int64_t i = 0; i < dim; i += R * kVecSize) {
+    Vec a[G][R];
+    for (int g = 0; g < G; ++g)
+      for (int r = 0; r < R; ++r) a[g][r] = Vec::loadu(acc + g * dim + i + r * kVecSize);
+    for (int64_t j = 0; j < n; ++j) {
+      Vec v[R];
+      for (int r = 0; r < R; ++r) v[r] = load_f(rows[j] + i + r * kVecSize);
+      for (int g = 0; g < G; ++g) {
+        const Vec p(scores[g * kTile + j]);
+        for (int r = 0; r < R; ++r) a[g][r] = at::vec::fmadd(p, v[r], a[g][r]);
+      }
+    }
+    for (int g = 0; g < G; ++g)
+      for (int r = 0; r < R; ++r) a[g][r].store(acc + g * dim + i + r * kVecSize);
+  }
+}
+
+// The widest R whose G x R sums, R V vectors and a score fit in the vector registers (32 with AVX-512, else 16).
+constexpr int values_width(int g) {
+  const int regs = kVecSize == 16 ? 32 : 16;
+  return g * 4 + 5 <= regs ? 4 : g * 2 + 3 <= regs ? 2 : 1;
+}
+
 template <int G, typename T>
 void group_values(const float* scores, const T* const* rows, int64_t n, int64_t dim, float* acc) {
-  for (int64_t i = 0; i < dim; i += kVecSize) {
-    Vec a[G];
-    for (int g = 0; g < G; ++g) a[g] = Vec::loadu(acc + g * dim + i);
-    for (int64_t j = 0; j < n; ++j) {
-      const Vec v = load_f(rows[j] + i);
-      for (int g = 0; g < G; ++g) a[g] = at::vec::fmadd(Vec(scores[g * kTile + j]), v, a[g]);
-    }
-    for (int g = 0; g < G; ++g) a[g].store(acc + g * dim + i);
+  constexpr int R = values_width(G);
+  if ((dim / kVecSize) % R == 0) {
+    values_block<G, R, T>(scores, rows, n, dim, acc);
+  } else {
+    values_block<G, 1, T>(scores, rows, n, dim, acc);
   }
 }
 
@@ -227,8 +318,11 @@ void paged_decode_impl(at::Tensor& out, const at::Tensor& q, const at::Tensor& k
   std::vector<float> partial(splits > 1 ? seqs * heads * splits * pstride : 0);
   const GroupKernels<T> blocked = group_kernels<T>(group, dim);
 
-  iterserve::parallel_chunks(pairs * splits, 1, [&](int64_t begin, int64_t end) {
-    // Per-thread scratch, grown once: a chunk is one task, and a malloc per task showed at batch 64.
+  // The tasks of a chunk run in order, so a task asks for the next one's first tile of K and V as it starts:
+  // a task that started cold waited on DRAM for it. Four chunks a thread, as for the matmuls.
+  const int64_t tasks = pairs * splits, chunk = std::max<int64_t>(1, tasks / want);
+  iterserve::parallel_chunks(tasks, chunk, [&](int64_t begin, int64_t end) {
+    // Per-thread scratch, grown once: a malloc per task showed at batch 64.
     thread_local std::vector<float> scratch;
     scratch.resize(2 * group * dim + kTile * dim + group * kTile + 2 * group);
     float* qf = scratch.data();
@@ -239,17 +333,34 @@ void paged_decode_impl(at::Tensor& out, const at::Tensor& q, const at::Tensor& k
     float* l = m + group;
     const T* krows[2][kTile];  // this tile's keys and values, and the next tile's
     const T* vrows[2][kTile];
+    const T* next_rows[kTile];
+    // Task -> its sequence, KV head and key range [lo, hi).
+    auto span = [&](int64_t task, int64_t& s, int64_t& h, int64_t& lo, int64_t& hi) {
+      s = task / (kv_heads * splits);
+      h = (task / splits) % kv_heads;
+      lo = first_key(s) + (task % splits) * piece;
+      hi = std::min(ctx_lens[s], lo + piece);
+    };
+    // Where rows [from, to) of sequence s's head h lie in `cache`, asked for ahead of use.
+    auto rows_of = [&](const T* cache, int64_t s0, int64_t s1, int64_t s2, int64_t s, int64_t h, int64_t from,
+                       int64_t to, const T** out) {
+      head_rows(cache, tables + s * table_stride, block_size, s0, s2, h * s1, from, to, out);
+      prefetch_rows(out, to - from, row_bytes);
+    };
     for (int64_t task = begin; task < end; ++task) {
-      const int64_t s = task / (kv_heads * splits), h = (task / splits) % kv_heads, part = task % splits;
-      const int64_t lo = first_key(s) + part * piece, hi = std::min(ctx_lens[s], lo + piece);
-      const int64_t* table = tables + s * table_stride;
-      auto rows_of = [&](const T* cache, int64_t s0, int64_t s1, int64_t s2, int64_t from, int64_t to, const T** out) {
-        head_rows(cache, table, block_size, s0, s2, h * s1, from, to, out);
-        prefetch_rows(out, to - from, row_bytes);
-      };
+      int64_t s, h, lo, hi;
+      span(task, s, h, lo, hi);
       if (lo < hi) {
-        rows_of(k_ptr, kc_s0, kc_s1, kc_s2, lo, std::min(hi, lo + kTile), krows[0]);
-        rows_of(v_ptr, vc_s0, vc_s1, vc_s2, lo, std::min(hi, lo + kTile), vrows[0]);
+        rows_of(k_ptr, kc_s0, kc_s1, kc_s2, s, h, lo, std::min(hi, lo + kTile), krows[0]);
+        rows_of(v_ptr, vc_s0, vc_s1, vc_s2, s, h, lo, std::min(hi, lo + kTile), vrows[0]);
+      }
+      if (task + 1 < end) {
+        int64_t s2, h2, lo2, hi2;
+        span(task + 1, s2, h2, lo2, hi2);
+        if (lo2 < hi2) {
+          rows_of(k_ptr, kc_s0, kc_s1, kc_s2, s2, h2, lo2, std::min(hi2, lo2 + kTile), next_rows);
+          rows_of(v_ptr, vc_s0, vc_s1, vc_s2, s2, h2, lo2, std::min(hi2, lo2 + kTile), next_rows);
+        }
       }
       for (int64_t g = 0; g < group; ++g) {
         to_float(q_ptr + s * q_s0 + (h * group + g) * q_s1, qf + g * dim, dim);
@@ -262,8 +373,8 @@ void paged_decode_impl(at::Tensor& out, const at::Tensor& q, const at::Tensor& k
         const int64_t n = std::min(kTile, hi - t0);
         // The next tile's K and V arrive while this tile is computed.
         const int64_t next = std::min(hi, t0 + n + kTile);
-        rows_of(k_ptr, kc_s0, kc_s1, kc_s2, t0 + n, next, krows[cur ^ 1]);
-        rows_of(v_ptr, vc_s0, vc_s1, vc_s2, t0 + n, next, vrows[cur ^ 1]);
+        rows_of(k_ptr, kc_s0, kc_s1, kc_s2, s, h, t0 + n, next, krows[cur ^ 1]);
+        rows_of(v_ptr, vc_s0, vc_s1, vc_s2, s, h, t0 + n, next, vrows[cur ^ 1]);
         if (blocked.scores != nullptr) {
           blocked.scores(qf, krows[cur], n, dim, scores);
         } else {
@@ -273,9 +384,7 @@ void paged_decode_impl(at::Tensor& out, const at::Tensor& q, const at::Tensor& k
         }
         for (int64_t g = 0; g < group; ++g) {
           float* sc = scores + g * kTile;
-          float tile_max = -std::numeric_limits<float>::infinity();
-          for (int64_t j = 0; j < n; ++j) tile_max = std::max(tile_max, sc[j]);
-          const float new_m = std::max(m[g], tile_max);
+          const float new_m = std::max(m[g], max_of(sc, n));
           const float correction = std::exp(m[g] - new_m);  // 0 on the first tile (m = -inf)
           l[g] = l[g] * correction + exp_sum_(sc, new_m, n);
           scale_(acc + g * dim, correction, dim);
@@ -295,7 +404,7 @@ void paged_decode_impl(at::Tensor& out, const at::Tensor& q, const at::Tensor& k
           from_float(acc + g * dim, out_ptr + s * o_s0 + (h * group + g) * o_s1, dim);
           continue;
         }
-        float* p = partial.data() + ((s * heads + h * group + g) * splits + part) * pstride;
+        float* p = partial.data() + ((s * heads + h * group + g) * splits + task % splits) * pstride;
         p[0] = m[g];  // -inf for an empty piece (a shorter context than the longest): it weighs nothing
         p[1] = l[g];
         std::copy(acc + g * dim, acc + (g + 1) * dim, p + 2);
