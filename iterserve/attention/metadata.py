@@ -23,6 +23,8 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
+from iterserve.platforms import huge_pages
+
 
 @dataclass
 class KVCache:
@@ -37,6 +39,8 @@ class KVCache:
         dtype: torch.dtype, device: torch.device | str,
     ) -> KVCache:
         shape = (num_blocks, num_kv_heads, block_size, head_dim)
+        if torch.device(device).type == "cpu":  # each decode streams its blocks: on 2 MiB pages
+            return cls(huge_pages.empty(shape, dtype), huge_pages.empty(shape, dtype))
         return cls(torch.zeros(shape, dtype=dtype, device=device), torch.zeros(shape, dtype=dtype, device=device))
 
 

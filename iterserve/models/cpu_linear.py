@@ -32,6 +32,7 @@ from iterserve.models.linear import (
     NativeLinear,
     dense_chooser,
 )
+from iterserve.platforms import huge_pages
 
 logger = logging.getLogger(__name__)
 
@@ -57,8 +58,10 @@ class PackedLinear(LinearMethod):
         return w.device.type == "cpu" and w.dtype in (torch.float32, torch.bfloat16, torch.float16)
 
     def process_weights(self, layer: LinearBase) -> None:
-        # A buffer, not a parameter: the model's parameters stay the checkpoint's tensors.
-        layer.register_buffer("packed", self.ops.pack_linear_weight(layer.weight.detach()), persistent=False)
+        # A buffer, not a parameter: the model's parameters stay the checkpoint's tensors. Every step streams
+        # it: on 2 MiB pages.
+        packed = huge_pages.copy(self.ops.pack_linear_weight(layer.weight.detach()))
+        layer.register_buffer("packed", packed, persistent=False)
 
     def apply(self, layer: LinearBase, x: torch.Tensor) -> torch.Tensor:
         return self.ops.packed_linear(x, layer.packed, layer.out_features, layer.bias, AMX_MIN_ROWS)
