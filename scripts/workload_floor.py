@@ -1,0 +1,87 @@
+"""The floor of a workload on this machine: its matmul FLOPs at the rate ``F.linear`` reaches on the model's
+weight shapes, plus every decode's K/V read at the streaming read bandwidth, both measured here and now.
+
+    .venv/bin/python scripts/workload_floor.py wl64.jsonl --dtype bfloat16 [--threads 2]
+
+The workload is ``scripts/workload_jsonl.py``'s file (prompt token ids and output lengths). Every prompt and
+output token passes through each layer's matmuls; each output token also through the LM head, and its
+decode reads the K/V of its whole context. ``F.linear`` is timed on each distinct weight shape at 64 rows
+(the largest batch of the 64-request workload) on ``--threads`` torch threads, and weighted by the FLOPs
+each shape does. An engine's time over the floor says how much of the machine it used.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+
+import torch
+import torch.nn.functional as F
+
+from iterserve.models.loader import load_model_config
+
+
+def median_seconds(fn, repeats: int = 7) -> float:
+    fn()
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
+def read_gbs() -> float:
+    """Streaming read: the median of summing a tensor far larger than the caches."""
+    x = torch.ones(128 * 2**20, dtype=torch.float32)
+    return x.numel() * 4 / median_seconds(x.sum) / 1e9
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("workload")
+    ap.add_argument("--model", default="smollm2-135m")
+    ap.add_argument("--dtype", default="bfloat16")
+    ap.add_argument("--threads", type=int, default=torch.get_num_threads())
+    ap.add_argument("--rows", type=int, default=64)
+    args = ap.parse_args()
+    torch.set_num_threads(args.threads)
+    dtype = getattr(torch, args.dtype)
+    cfg = load_model_config(args.model)
+    requests = [json.loads(line) for line in open(args.workload)]
+    prompt_tokens = sum(len(r["prompt"]) for r in requests)
+    output_tokens = sum(r["output_len"] for r in requests)
+    # Each output token's decode reads the K/V of the context before it.
+    kv_tokens = sum(len(r["prompt"]) * r["output_len"] + r["output_len"] * (r["output_len"] - 1) // 2
+                    for r in requests)
+    kv_bytes = kv_tokens * cfg.kv_bytes_per_token(dtype.itemsize)
+
+    h, q, kv, ff = cfg.hidden_size, cfg.q_size, cfg.kv_size, cfg.intermediate_size
+    layer_shapes = [(h, q + 2 * kv), (q, h), (h, 2 * ff), (ff, h)]  # [in, out]: qkv, o, gate/up, down
+    head_shape = (h, cfg.vocab_size)
+    tokens = prompt_tokens + output_tokens
+    flops = {s: 2 * s[0] * s[1] * tokens * cfg.num_layers for s in layer_shapes}
+    flops[head_shape] = flops.get(head_shape, 0) + 2 * h * cfg.vocab_size * output_tokens
+    rates = {}
+    for k, n in flops:
+        x, w = torch.randn(args.rows, k).to(dtype), torch.randn(n, k).to(dtype)
+        rates[(k, n)] = 2 * args.rows * k * n / median_seconds(lambda: F.linear(x, w))
+    total = sum(flops.values())
+    matmul_s = sum(f / rates[s] for s, f in flops.items())
+    gbs = read_gbs()
+    kv_s = kv_bytes / (gbs * 1e9)
+    floor = matmul_s + kv_s
+    print(f"{len(requests)} requests: {prompt_tokens} prompt + {output_tokens} output tokens, {args.dtype}, "
+          f"{args.threads} threads")
+    for s in flops:
+        print(f"  F.linear {s[0]}->{s[1]} at {args.rows} rows: {rates[s] / 1e9:.1f} GFLOP/s")
+    print(f"matmuls: {total / 1e12:.2f} TFLOP at {total / matmul_s / 1e9:.1f} GFLOP/s (FLOP-weighted) "
+          f"= {matmul_s:.2f} s")
+    print(f"K/V: {kv_bytes / 1e9:.1f} GB at {gbs:.1f} GB/s = {kv_s:.2f} s")
+    print(f"floor: {floor:.2f} s = {output_tokens / floor:.1f} output tok/s")
+
+
+if __name__ == "__main__":
+    main()
