@@ -7,8 +7,9 @@ F.linear in the benchmarked dtype. ``floor ms`` is the step's bytes at the strea
 ``floor`` that time over the measured one (1.0: the step runs at the memory floor), ``xB=1`` a decode
 step's time over the batch-1 step's on the same path.
 
-When the C++ CPU kernels are built, each shape runs on both paths, alternating pass by pass so
-that load from other processes hits both alike: ``fused`` (the kernels, the linear methods chosen at
+When the C++ CPU kernels are built, each shape runs on both paths. Passes alternate (every decode
+batch and path in turn, then each prefill chunk's paths) so that load from other processes and the
+VM's moving bandwidth hit them alike, and the xB=1 ratios compare steps taken side by side: ``fused`` (the kernels, the linear methods chosen at
 load, listed first, and the kernels' thread pool as an engine runs them) and ``reference`` (PyTorch
 and F.linear on torch's threads, as with ITERSERVE_CPU_KERNELS=0). ``--busy N`` runs N busy-looping
 processes beside the steps: what a step costs on a shared machine. ``--paths fused`` keeps one copy of the
@@ -53,10 +54,9 @@ def median_time(fn, repeats: int) -> float:
     return statistics.median(times)
 
 
-def interleaved_medians(fns: dict[str, functools.partial], threads: dict[str, int],
-                        repeats: int) -> dict[str, float]:
-    """Median seconds of each path's ``fn`` (on its torch thread count), the paths alternating pass by pass."""
-    times: dict[str, list[float]] = {p: [] for p in fns}
+def interleaved_medians(fns: dict, threads: dict, repeats: int) -> dict:
+    """Median seconds of each ``fn`` (on its torch thread count), all of them alternating pass by pass."""
+    times: dict = {p: [] for p in fns}
     for i in range(repeats + 1):  # the first round warms up
         for path, fn in fns.items():
             torch.set_num_threads(threads[path])
@@ -157,10 +157,7 @@ def run_dtype(args, dtype: str, loaded: dict, paths: dict[str, AttentionBackend]
 
     batch1: dict[str, float] = {}  # each path's batch-1 decode step
 
-    def run(tokens: int, label: str, cost, ids, pos, meta, rows) -> None:
-        fns = {path: functools.partial(m.model, ids, pos, caches, meta, paths[path], logits_indices=rows)
-               for path, m in loaded.items()}
-        medians = interleaved_medians(fns, threads, args.repeats)
+    def report(label: str, tokens: int, cost, medians: dict[str, float]) -> None:
         floor = cost.bytes / (read_gbs * 1e9)
         for path, seconds in medians.items():
             gbs, gflops = cost.bytes / seconds / 1e9, cost.flops / seconds / 1e9
@@ -173,19 +170,31 @@ def run_dtype(args, dtype: str, loaded: dict, paths: dict[str, AttentionBackend]
         if len(medians) == 2:
             print(f"{'':<9} {label:<14} {'speed-up':<10} {medians['reference'] / medians['fused']:8.2f}x")
 
+    def passes(ids, pos, meta, rows) -> dict[str, functools.partial]:
+        return {path: functools.partial(m.model, ids, pos, caches, meta, paths[path], logits_indices=rows)
+                for path, m in loaded.items()}
+
+    # Every decode batch and path alternate pass by pass, so the xB=1 ratios compare steps taken under
+    # the same load and bandwidth (the VM's streaming read moves within minutes).
+    decodes: dict[tuple[int, str], functools.partial] = {}
     for b in batches:
         perm = torch.randperm(num_blocks).tolist()
         tables = [perm[i * blocks_per_seq:(i + 1) * blocks_per_seq] for i in range(b)]
         meta = AttentionMetadata.build(block_size=block, block_tables=tables, num_cached=[args.context] * b,
                                        query_lens=[1] * b, sliding_window=cfg.sliding_window)
         ids = torch.randint(100, cfg.vocab_size, (b,))
-        run(b, f"decode B={b}", decode_cost(cfg, b, args.context, pdt), ids, torch.full((b,), args.context), meta,
-            torch.arange(b))
+        for path, fn in passes(ids, torch.full((b,), args.context), meta, torch.arange(b)).items():
+            decodes[(b, path)] = fn
+    medians = interleaved_medians(decodes, {key: threads[key[1]] for key in decodes}, args.repeats)
+    for b in batches:
+        report(f"decode B={b}", b, decode_cost(cfg, b, args.context, pdt),
+               {path: medians[(b, path)] for path in loaded})
     for n in chunks:
         meta = AttentionMetadata.build(block_size=block, block_tables=[list(range(-(-n // block)))],
                                        num_cached=[0], query_lens=[n], sliding_window=cfg.sliding_window)
         ids = torch.randint(100, cfg.vocab_size, (n,))
-        run(n, f"prefill N={n}", prefill_cost(cfg, n, 1, pdt), ids, torch.arange(n), meta, torch.tensor([n - 1]))
+        report(f"prefill N={n}", n, prefill_cost(cfg, n, 1, pdt),
+               interleaved_medians(passes(ids, torch.arange(n), meta, torch.tensor([n - 1])), threads, args.repeats))
 
 
 if __name__ == "__main__":
