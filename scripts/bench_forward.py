@@ -7,11 +7,12 @@ F.linear in the benchmarked dtype. ``floor ms`` is the step's bytes at the strea
 ``floor`` that time over the measured one (1.0: the step runs at the memory floor), ``xB=1`` a decode
 step's time over the batch-1 step's on the same path.
 
-When the C++ CPU kernels are built, each shape runs on both paths. Passes alternate (every decode
-batch and path in turn, then each prefill chunk's paths) so that load from other processes and the
-VM's moving bandwidth hit them alike, and the xB=1 ratios compare steps taken side by side: ``fused`` (the kernels, the linear methods chosen at
-load, listed first, and the kernels' thread pool as an engine runs them) and ``reference`` (PyTorch
-and F.linear on torch's threads, as with ITERSERVE_CPU_KERNELS=0). ``--busy N`` runs N busy-looping
+When the C++ CPU kernels are built, each shape runs on both paths: ``fused`` (the kernels, the
+linear methods chosen at load, listed first, and the kernels' thread pool as an engine runs them) and
+``reference`` (PyTorch and F.linear on torch's threads, as with ITERSERVE_CPU_KERNELS=0). Passes
+alternate (every decode batch and path in turn, then each prefill chunk's paths) so that load from
+other processes and the VM's moving bandwidth hit them alike, and the xB=1 ratios compare steps taken
+side by side. ``--busy N`` runs N busy-looping
 processes beside the steps: what a step costs on a shared machine. ``--paths fused`` keeps one copy of the
 weights in memory, as an engine does (two copies evict each other from the last-level cache).
 
