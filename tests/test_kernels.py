@@ -72,6 +72,23 @@ def test_paged_decode_matches_reference(ratio, block_size, dtype, window):
 
 
 @needs_build
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("ratio,head_dim", [(3, 64), (9, 32), (2, 36)])  # 9: more heads than the blocked loops
+def test_paged_decode_batch_of_many_tasks_a_chunk(dtype, ratio, head_dim):
+    """Enough (sequence, head) tasks that each thread's chunks hold several, each asking for the next one's
+    first tile; contexts cut tiles of every length, from one key up."""
+    contexts = [1, 17, 40, 129, 33, 64, 5, 200, 16, 90, 3, 47]
+    q, cache, meta = decode_case(ratio, 16, torch.float32, None, head_dim, seed=7, contexts=contexts)
+    q, cache = q.to(dtype), KVCache(cache.k.to(dtype), cache.v.to(dtype))
+    expected = decode_attention_reference(q.float(), KVCache(cache.k.float(), cache.v.float()), meta,
+                                          head_dim**-0.5)
+    out = torch.full_like(q, float("nan"))
+    OPS.paged_decode(out, q, cache.k, cache.v, meta.decode_block_tables, meta.decode_context_lens,
+                     head_dim**-0.5, 0)
+    torch.testing.assert_close(out.float(), expected, **TOL[dtype])
+
+
+@needs_build
 @pytest.mark.parametrize("contexts", [[300], [200, 1], [130, 5, 64]])
 @pytest.mark.parametrize("window", [None, 150])
 def test_paged_decode_splits_a_small_batch_long_context_and_merges_it(contexts, window):
