@@ -28,7 +28,8 @@ import statistics
 import subprocess
 import sys
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Hashable, Iterator
+from typing import TypeVar
 
 import torch
 import torch.nn.functional as F
@@ -55,9 +56,13 @@ def median_time(fn, repeats: int) -> float:
     return statistics.median(times)
 
 
-def interleaved_medians(fns: dict, threads: dict, repeats: int) -> dict:
+Key = TypeVar("Key", bound=Hashable)
+
+
+def interleaved_medians(fns: dict[Key, Callable[[], object]], threads: dict[Key, int],
+                        repeats: int) -> dict[Key, float]:
     """Median seconds of each ``fn`` (on its torch thread count), all of them alternating pass by pass."""
-    times: dict = {p: [] for p in fns}
+    times: dict[Key, list[float]] = {p: [] for p in fns}
     for i in range(repeats + 1):  # the first round warms up
         for path, fn in fns.items():
             torch.set_num_threads(threads[path])
@@ -171,13 +176,13 @@ def run_dtype(args, dtype: str, loaded: dict, paths: dict[str, AttentionBackend]
         if len(medians) == 2:
             print(f"{'':<9} {label:<14} {'speed-up':<10} {medians['reference'] / medians['fused']:8.2f}x")
 
-    def passes(ids, pos, meta, rows) -> dict[str, functools.partial]:
+    def passes(ids, pos, meta, rows) -> dict[str, Callable[[], object]]:
         return {path: functools.partial(m.model, ids, pos, caches, meta, paths[path], logits_indices=rows)
                 for path, m in loaded.items()}
 
     # Every decode batch and path alternate pass by pass, so the xB=1 ratios compare steps taken under
     # the same load and bandwidth (the VM's streaming read moves within minutes).
-    decodes: dict[tuple[int, str], functools.partial] = {}
+    decodes: dict[tuple[int, str], Callable[[], object]] = {}
     for b in batches:
         perm = torch.randperm(num_blocks).tolist()
         tables = [perm[i * blocks_per_seq:(i + 1) * blocks_per_seq] for i in range(b)]

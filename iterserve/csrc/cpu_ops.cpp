@@ -153,7 +153,8 @@ inline __m512 sum16(const float (*v)[16]) {
     b[i] = _mm512_add_ps(_mm512_unpacklo_ps(x, y), _mm512_unpackhi_ps(x, y));
   }
   for (int i = 0; i < 4; ++i)  // per 128-bit lane: that lane's sums of v4i .. v4i+3
-    c[i] = _mm512_add_ps(_mm512_shuffle_ps(b[2 * i], b[2 * i + 1], 0x44), _mm512_shuffle_ps(b[2 * i], b[2 * i + 1], 0xEE));
+    c[i] = _mm512_add_ps(_mm512_shuffle_ps(b[2 * i], b[2 * i + 1], 0x44),
+                         _mm512_shuffle_ps(b[2 * i], b[2 * i + 1], 0xEE));
   for (int i = 0; i < 2; ++i)  // the four lanes added in pairs
     d[i] = _mm512_add_ps(_mm512_shuffle_f32x4(c[2 * i], c[2 * i + 1], 0x88),
                          _mm512_shuffle_f32x4(c[2 * i], c[2 * i + 1], 0xDD));

@@ -263,7 +263,8 @@ void run_blocks(const char* x, int64_t x_row_bytes, int64_t xs, int64_t M, const
     for (int64_t r = 0, i = 0; r < M; r += kMaxMR, ++i) {
       const void* xr = x + r * x_row_bytes;
       T* yr = y + r * N;
-      const int64_t from = i ? std::min(next_lines, (i - 1) * per) : next_lines;
+      // Row group 0 streams this group from memory; each later one fetches its share of the next group.
+      const int64_t from = i ? std::min(next_lines, (i - 1) * per) : 0;
       const char* ah = next + from * 64;
       const int64_t al = i ? std::min(next_lines, from + per) - from : 0;
       switch (std::min<int64_t>(kMaxMR, M - r)) {
