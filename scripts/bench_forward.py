@@ -38,23 +38,13 @@ from iterserve import kernels
 from iterserve.attention import AttentionBackend, AttentionMetadata
 from iterserve.attention.cpu import CpuBackend
 from iterserve.attention.reference import ReferenceBackend
+from iterserve.bench.microbench import median_seconds, streaming_read_gbs
 from iterserve.config.dtypes import canonical_dtype
 from iterserve.models import cpu_linear
 from iterserve.models.linear import dense_chooser
 from iterserve.models.loader import load_model
 from iterserve.planner import decode_cost, prefill_cost
 from iterserve.platforms.malloc import tune_allocator
-
-
-def median_time(fn, repeats: int) -> float:
-    fn()  # warm-up: first calls build kernels for the shape
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - start)
-    return statistics.median(times)
-
 
 Key = TypeVar("Key", bound=Hashable)
 
@@ -85,17 +75,11 @@ def busy_processes(n: int) -> Iterator[None]:
             p.wait()
 
 
-def peak_read_gbs() -> float:
-    """Streaming read bandwidth: summing a tensor far larger than the caches."""
-    x = torch.ones(128 * 2**20, dtype=torch.float32)
-    return x.numel() * 4 / median_time(x.sum, 5) / 1e9
-
-
 def peak_linear_gflops(dtype: torch.dtype) -> float:
     """F.linear on a large square problem in ``dtype``: the best the matmul library does here."""
     n = 2048
     x, w = torch.randn(n, n).to(dtype), torch.randn(n, n).to(dtype)
-    return 2 * n**3 / median_time(lambda: F.linear(x, w), 5) / 1e9
+    return 2 * n**3 / median_seconds(lambda: F.linear(x, w), 5) / 1e9
 
 
 def main() -> None:
@@ -121,7 +105,7 @@ def main() -> None:
         paths["fused"] = CpuBackend(kernels.ops)
     if "reference" in wanted or not paths:
         paths["reference"] = ReferenceBackend()
-    read_gbs = peak_read_gbs()
+    read_gbs = streaming_read_gbs()
     threads = {"reference": torch.get_num_threads()}
     if "fused" in paths:
         kernels.run_on_pool()  # as an engine does: the kernels' pool gets the threads, torch keeps one

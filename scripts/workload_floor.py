@@ -14,29 +14,12 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
-import time
 
 import torch
 import torch.nn.functional as F
 
+from iterserve.bench.microbench import median_seconds, streaming_read_gbs
 from iterserve.models.loader import load_model_config
-
-
-def median_seconds(fn, repeats: int = 7) -> float:
-    fn()
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - start)
-    return statistics.median(times)
-
-
-def read_gbs() -> float:
-    """Streaming read: the median of summing a tensor far larger than the caches."""
-    x = torch.ones(128 * 2**20, dtype=torch.float32)
-    return x.numel() * 4 / median_seconds(x.sum) / 1e9
 
 
 def main() -> None:
@@ -67,10 +50,10 @@ def main() -> None:
     rates = {}
     for k, n in flops:
         x, w = torch.randn(args.rows, k).to(dtype), torch.randn(n, k).to(dtype)
-        rates[(k, n)] = 2 * args.rows * k * n / median_seconds(lambda: F.linear(x, w))
+        rates[(k, n)] = 2 * args.rows * k * n / median_seconds(lambda: F.linear(x, w), 7)
     total = sum(flops.values())
     matmul_s = sum(f / rates[s] for s, f in flops.items())
-    gbs = read_gbs()
+    gbs = streaming_read_gbs()
     kv_s = kv_bytes / (gbs * 1e9)
     floor = matmul_s + kv_s
     print(f"{len(requests)} requests: {prompt_tokens} prompt + {output_tokens} output tokens, {args.dtype}, "

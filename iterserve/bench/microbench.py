@@ -45,6 +45,24 @@ def _time_op(fn: Callable[[], Any], device: str, budget_s: float, min_iters: int
     return best
 
 
+def median_seconds(fn: Callable[[], Any], repeats: int) -> float:
+    """Median wall seconds of ``fn`` over ``repeats`` calls, after one warm-up call (on the CPU). The median,
+    not the best: what a run of steps meets on a machine whose bandwidth moves."""
+    fn()
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
+def streaming_read_gbs(repeats: int = 5) -> float:
+    """The CPU's streaming read in GB/s: the median of summing a 512 MiB tensor, far larger than the caches."""
+    x = torch.ones(128 * 2**20, dtype=torch.float32)
+    return x.numel() * 4 / median_seconds(x.sum, repeats) / 1e9
+
+
 def _cpu_llc_bytes() -> int:
     try:
         sizes = []
