@@ -114,19 +114,6 @@ inline float exp_sum_(float* p, float m, int64_t n) {
   return sum;
 }
 
-// The largest of p[0, n).
-inline float max_of(const float* p, int64_t n) {
-  int64_t i = 0;
-  float top = -std::numeric_limits<float>::infinity();
-  if (n >= kVecSize) {
-    Vec v = Vec::loadu(p);
-    for (i = kVecSize; i + kVecSize <= n; i += kVecSize) v = at::vec::maximum(v, Vec::loadu(p + i));
-    top = v.reduce_max();
-  }
-  for (; i < n; ++i) top = std::max(top, p[i]);
-  return top;
-}
-
 // q_g . k for P keys, one vector of partial sums per head and key: each K vector is loaded (and widened) once
 // for all G heads, read where it lies in the cache, and each q vector once for the P keys.
 template <int G, int P, typename T>
@@ -334,7 +321,8 @@ void paged_decode_impl(at::Tensor& out, const at::Tensor& q, const at::Tensor& k
     float* l = m + group;
     const T* krows[2][kTile];  // this tile's keys and values, and the next tile's
     const T* vrows[2][kTile];
-    const T* next_rows[kTile];
+    const T* ahead_k[kTile];  // the next task's first tile, found and asked for by the task before it
+    const T* ahead_v[kTile];
     // Task -> its sequence, KV head and key range [lo, hi).
     auto span = [&](int64_t task, int64_t& s, int64_t& h, int64_t& lo, int64_t& hi) {
       s = task / (kv_heads * splits);
@@ -351,17 +339,20 @@ void paged_decode_impl(at::Tensor& out, const at::Tensor& q, const at::Tensor& k
     for (int64_t task = begin; task < end; ++task) {
       int64_t s, h, lo, hi;
       span(task, s, h, lo, hi);
-      if (lo < hi) {
-        rows_of(k_ptr, kc_s0, kc_s1, kc_s2, s, h, lo, std::min(hi, lo + kTile), krows[0]);
-        rows_of(v_ptr, vc_s0, vc_s1, vc_s2, s, h, lo, std::min(hi, lo + kTile), vrows[0]);
+      const int64_t first = std::max<int64_t>(0, std::min(hi, lo + kTile) - lo);
+      if (task == begin) {
+        rows_of(k_ptr, kc_s0, kc_s1, kc_s2, s, h, lo, lo + first, krows[0]);
+        rows_of(v_ptr, vc_s0, vc_s1, vc_s2, s, h, lo, lo + first, vrows[0]);
+      } else {
+        std::copy(ahead_k, ahead_k + first, krows[0]);
+        std::copy(ahead_v, ahead_v + first, vrows[0]);
       }
       if (task + 1 < end) {
         int64_t s2, h2, lo2, hi2;
         span(task + 1, s2, h2, lo2, hi2);
-        if (lo2 < hi2) {
-          rows_of(k_ptr, kc_s0, kc_s1, kc_s2, s2, h2, lo2, std::min(hi2, lo2 + kTile), next_rows);
-          rows_of(v_ptr, vc_s0, vc_s1, vc_s2, s2, h2, lo2, std::min(hi2, lo2 + kTile), next_rows);
-        }
+        const int64_t n2 = std::max<int64_t>(0, std::min(hi2, lo2 + kTile) - lo2);
+        rows_of(k_ptr, kc_s0, kc_s1, kc_s2, s2, h2, lo2, lo2 + n2, ahead_k);
+        rows_of(v_ptr, vc_s0, vc_s1, vc_s2, s2, h2, lo2, lo2 + n2, ahead_v);
       }
       for (int64_t g = 0; g < group; ++g) {
         to_float(q_ptr + s * q_s0 + (h * group + g) * q_s1, qf + g * dim, dim);
@@ -385,7 +376,9 @@ void paged_decode_impl(at::Tensor& out, const at::Tensor& q, const at::Tensor& k
         }
         for (int64_t g = 0; g < group; ++g) {
           float* sc = scores + g * kTile;
-          const float new_m = std::max(m[g], max_of(sc, n));
+          const float tile_max =
+              at::vec::reduce_all<float>([](Vec& a, Vec& b) { return at::vec::maximum(a, b); }, sc, n);
+          const float new_m = std::max(m[g], tile_max);
           const float correction = std::exp(m[g] - new_m);  // 0 on the first tile (m = -inf)
           l[g] = l[g] * correction + exp_sum_(sc, new_m, n);
           scale_(acc + g * dim, correction, dim);
