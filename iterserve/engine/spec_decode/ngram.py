@@ -12,23 +12,33 @@ and would leave one token to propose. No model runs.
 from __future__ import annotations
 
 import numpy as np
-from numpy.lib.stride_tricks import sliding_window_view
 
 from iterserve.engine.sequence import Sequence
 
 
 def ngram_lookup(tokens: np.ndarray, min_n: int, max_n: int, k: int) -> list[int]:
     """Up to ``k`` tokens that followed the first occurrence of the longest suffix of ``tokens``
-    (``min_n`` to ``max_n`` long) that occurred before; [] when none did."""
+    (``min_n`` to ``max_n`` long) that occurred before; [] when none did.
+
+    The candidates are the earlier positions holding the last token, narrowed one token further back
+    per suffix length: one pass over the sequence, then work on the few candidates. A window
+    comparison per length took 58 us on a 300-token sequence and 178 us on 2,000 tokens (this
+    way: 4 us), up to 2% of a batch-1 step.
+    """
     length = len(tokens)
-    for n in range(min(max_n, length - 1), min_n - 1, -1):
-        # windows starting at 0 .. length-1-n: every earlier n-gram that has a token after it
-        windows = sliding_window_view(tokens[:-1], n)
-        hits = np.flatnonzero((windows == tokens[length - n:]).all(axis=1))
-        if len(hits):
-            start = int(hits[0]) + n
-            return tokens[start:start + k].tolist()
-    return []
+    ends = np.flatnonzero(tokens[:-1] == tokens[-1])  # where an earlier match of the suffix would end
+    best = ends if min_n <= 1 else ends[:0]
+    for n in range(2, min(max_n, length - 1) + 1):
+        ends = ends[ends >= n - 1]
+        ends = ends[tokens[ends - (n - 1)] == tokens[length - n]]
+        if not len(ends):
+            break
+        if n >= min_n:
+            best = ends
+    if not len(best):
+        return []
+    start = int(best[0]) + 1
+    return tokens[start:start + k].tolist()
 
 
 class NgramProposer:

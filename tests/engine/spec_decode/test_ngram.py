@@ -30,3 +30,23 @@ def test_nothing_when_no_suffix_of_min_n_occurred():
     assert lookup([1, 2, 3, 1], min_n=2) == []  # the 1-gram [1] would match, but 2 are required
     assert lookup([7]) == []
     assert lookup([1, 2, 1, 2], k=0) == []
+
+
+def windows_lookup(tokens, min_n, max_n, k):
+    """The definition, spelled out: every earlier window of each length from the longest down."""
+    for n in range(min(max_n, len(tokens) - 1), min_n - 1, -1):
+        for start in range(len(tokens) - n):
+            if tokens[start:start + n] == tokens[len(tokens) - n:]:
+                return tokens[start + n:start + n + k]
+    return []
+
+
+def test_agrees_with_comparing_every_window():
+    rng = np.random.default_rng(0)
+    for _ in range(500):
+        vocab = int(rng.integers(2, 6))  # few distinct tokens: long and repeated matches
+        tokens = rng.integers(0, vocab, size=int(rng.integers(1, 40))).tolist()
+        min_n = int(rng.integers(1, 4))
+        max_n = min_n + int(rng.integers(0, 4))
+        k = int(rng.integers(0, 6))
+        assert lookup(tokens, min_n, max_n, k) == windows_lookup(tokens, min_n, max_n, k), (tokens, min_n, max_n, k)
