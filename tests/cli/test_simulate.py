@@ -107,7 +107,7 @@ def test_run_with_speculative_decoding_reports_the_drafts(tmp_path, capsys):
                  "--num-speculative-tokens", "4", "--spec-acceptance", "1", "--output-json", str(out),
                  "--no-charts"]) == 0
     text = capsys.readouterr().out
-    assert "speculative decoding: 4 drafts, each accepted with probability 1.0, none above 8 running" in text
+    assert "speculative decoding: 4 drafts, each accepted with probability 1.0, none above 16 running" in text
     assert "acceptance rate 100.0%" in text
     assert main(["simulate", "run", "--step-time", "0.01", *SMALL, "--num-speculative-tokens", "2",
                  "--spec-acceptance", "0.5", "--spec-disable-by-batch-size", "none"]) == 0
