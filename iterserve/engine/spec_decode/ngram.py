@@ -26,6 +26,8 @@ def ngram_lookup(tokens: np.ndarray, min_n: int, max_n: int, k: int) -> list[int
     way: 4 us), up to 2% of a batch-1 step.
     """
     length = len(tokens)
+    if length < 2:
+        return []
     ends = np.flatnonzero(tokens[:-1] == tokens[-1])  # where an earlier match of the suffix would end
     best = ends if min_n <= 1 else ends[:0]
     for n in range(2, min(max_n, length - 1) + 1):
