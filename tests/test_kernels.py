@@ -200,3 +200,20 @@ def test_missing_build_falls_back_with_one_log_line(monkeypatch, tmp_path, caplo
 def test_env_var_forces_the_reference_path(monkeypatch):
     monkeypatch.setenv(kernels.ENV_VAR, "0")
     assert kernels._load() is None
+
+
+@needs_build
+def test_argmax_rows_is_torch_argmax():
+    """The first index of each row's maximum, ties and NaN as torch.argmax takes them."""
+    torch.manual_seed(0)
+    x = torch.randn(12, 1000)
+    x[1, 10] = x[1, 500] = 100.0  # a tie: the first
+    x[2, 7] = x[2, 900] = float("nan")  # NaN is the largest: the first NaN
+    x[2, 3] = 1e30
+    x[3] = float("-inf")
+    x[4] = 0.0
+    x[5, 999] = 1e9  # the last element
+    for t in (x, torch.randn(3, 5), torch.randn(1, 1), torch.randn(70, 49152), torch.randn(8, 40)[:, ::2].contiguous()):
+        assert torch.equal(OPS.argmax_rows(t), t.argmax(dim=-1))
+    with pytest.raises(RuntimeError, match="float32"):
+        OPS.argmax_rows(x.to(torch.bfloat16))

@@ -651,6 +651,33 @@ at::Tensor silu_and_mul(const at::Tensor& x) {
   return out;
 }
 
+// Each row's index of its largest value: the first of equal ones, and the first NaN where there is one (as
+// torch.argmax). torch's CPU argmax compared one element at a time: 0.9-1.6 ms for 64 rows of SmolLM2's
+// 49,152 logits, where a vector max over them took 0.08 ms. Here the vector max, then a scan for its first index.
+at::Tensor argmax_rows(const at::Tensor& x) {
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.stride(1) == 1 && x.size(1) > 0,
+              "argmax_rows: float32 [rows, n > 0] with contiguous rows expected");
+  const int64_t n = x.size(1), xs = x.stride(0);
+  at::Tensor out = at::empty({x.size(0)}, x.options().dtype(at::kLong));
+  const float* xp = x.data_ptr<float>();
+  int64_t* op = out.data_ptr<int64_t>();
+  iterserve::parallel_chunks(x.size(0), 1, [&](int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; ++r) {
+      const float* row = xp + r * xs;
+      // at::vec::maximum propagates NaN, so `top` is NaN exactly when the row holds one.
+      const float top = at::vec::reduce_all<float>([](Vec& a, Vec& b) { return at::vec::maximum(a, b); }, row, n);
+      int64_t i = 0;
+      if (std::isnan(top)) {
+        while (!std::isnan(row[i])) ++i;
+      } else {
+        while (row[i] != top) ++i;
+      }
+      op[r] = i;
+    }
+  });
+  return out;
+}
+
 void register_linear(pybind11::module& m);  // linear.cpp
 void register_decoder(pybind11::module& m);  // decoder.cpp
 
@@ -661,6 +688,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("fused_add_rms_norm", &fused_add_rms_norm, "residual += x; x = RMSNorm(residual), in place");
   m.def("rope_", &rope_, "Rotate-half RoPE on q and k in place");
   m.def("silu_and_mul", &silu_and_mul, "SiLU(gate) * up");
+  m.def("argmax_rows", &argmax_rows, "Each row's first index of its maximum, as torch.argmax(dim=-1)");
   register_linear(m);
   register_decoder(m);
   m.def("set_threads", [](int64_t n) { iterserve::ChunkPool::get().resize(static_cast<int>(n)); },

