@@ -84,15 +84,17 @@ def throughput_report(result: dict[str, Any]) -> str:
 def _spec_lines(result: dict[str, Any]) -> list[str]:
     """Speculative decoding's counts per mode that verified drafts, and its speed-up over no-spec."""
     runs = [r for r in result["runs"] if r.get("num_drafts")]
-    lines = [""] + (["speculative decoding", render_table(
-        ["mode", "drafts", "draft tokens", "accepted", "acceptance rate", "mean accepted length"],
-        [[r["mode"], r["num_drafts"], r["num_draft_tokens"], r["num_accepted_tokens"], f"{r['acceptance_rate']:.1%}",
-          f"{r['mean_accepted_length']:.2f}"] for r in runs])] if runs else [])
+    lines = []
+    if runs:
+        lines += ["speculative decoding", render_table(
+            ["mode", "drafts", "draft tokens", "accepted", "acceptance rate", "mean accepted length"],
+            [[r["mode"], r["num_drafts"], r["num_draft_tokens"], r["num_accepted_tokens"],
+              f"{r['acceptance_rate']:.1%}", f"{r['mean_accepted_length']:.2f}"] for r in runs])]
     if "spec_over_no_spec" in result:  # also where nothing was drafted: what the proposer costs alone
         ratios = result["spec_over_no_spec_runs"]
         spread = f" (runs: {', '.join(f'{x:.2f}' for x in ratios)})" if len(ratios) > 1 else ""
         lines.append(f"speculative / no-spec: {result['spec_over_no_spec']:.2f}x output tokens/s{spread}")
-    return lines if len(lines) > 1 else []
+    return [""] + lines if lines else []
 
 
 # timeline panel titles, in panel order: the batching and how KV blocks are allocated
