@@ -166,8 +166,8 @@ def _draw(probs: torch.Tensor, generator: torch.Generator) -> int:
 
 
 def argmax_rows(logits: torch.Tensor) -> torch.Tensor:
-    """``logits.argmax(dim=-1)`` of float32 rows: on the CPU by the C++ kernel where it is built (torch's
-    compares one element at a time: 1.7 against 0.45 ms for 64 rows of a 49,152-token vocabulary)."""
+    """``logits.argmax(dim=-1)`` of float32 rows: on the CPU by the C++ kernel where it is built, a quarter
+    of torch's time (``csrc/cpu_ops.cpp``, ``argmax_rows``)."""
     ops = kernels.ops
     if (ops is not None and logits.device.type == "cpu" and logits.dtype == torch.float32 and logits.dim() == 2
             and logits.shape[1] > 0 and logits.stride(1) == 1):
