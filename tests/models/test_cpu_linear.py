@@ -58,11 +58,11 @@ def test_a_row_gets_the_same_bits_alone_or_in_any_batch(dtype):
     g = torch.Generator().manual_seed(1)
     w = torch.randn(130, 100, generator=g).to(dtype)
     packed = OPS.pack_linear_weight(w)
-    x = torch.randn(8, 100, generator=g).to(dtype)
-    alone = torch.cat([OPS.packed_linear(x[i:i + 1], packed, 130, None, 1 << 30) for i in range(8)])
-    for rows in (2, 3, 8):
-        batched = torch.cat([OPS.packed_linear(x[i:i + rows], packed, 130, None, 1 << 30) for i in range(0, 8, rows)
-                             if i + rows <= 8])
+    x = torch.randn(20, 100, generator=g).to(dtype)
+    alone = torch.cat([OPS.packed_linear(x[i:i + 1], packed, 130, None, 1 << 30) for i in range(20)])
+    for rows in (2, 3, 8, 9, 13, 20):  # over 8 rows the weight is taken a tile at a time, row groups in turn
+        batched = torch.cat([OPS.packed_linear(x[i:i + rows], packed, 130, None, 1 << 30) for i in range(0, 20, rows)
+                             if i + rows <= 20])
         assert torch.equal(batched, alone[:len(batched)])
 
 
