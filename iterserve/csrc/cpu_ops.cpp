@@ -57,6 +57,13 @@ inline void to_float(const T* src, float* dst, int64_t n) {
   for (; i < n; ++i) dst[i] = static_cast<float>(src[i]);
 }
 
+// Round one vector of float32 values to the storage dtype.
+inline void store_f(const Vec& v, float* dst) { v.store(dst); }
+template <typename T>
+inline void store_f(const Vec& v, T* dst) {
+  at::vec::convert_from_float<T>(v, v).store(dst, kVecSize);
+}
+
 // Round n float32 values to the storage dtype.
 template <typename T>
 inline void from_float(const float* src, T* dst, int64_t n) {
@@ -631,20 +638,26 @@ at::Tensor silu_and_mul(const at::Tensor& x) {
   at::Tensor out = at::empty({tokens, inter}, x.options());
   DISPATCH_FLOAT_TYPES(x.scalar_type(), "silu_and_mul", [&] {
     using T = scalar_t;
+    const T* xp = x.data_ptr<T>();
+    T* op = out.data_ptr<T>();
+    const int64_t xs = x.stride(0);
+    // One pass a row, widening and rounding on the way (three passes through float buffers took 3.5% of a
+    // 2,048-token prefill).
     iterserve::parallel_chunks(tokens, 8, [&](int64_t begin, int64_t end) {
-      std::vector<float> g(inter), u(inter);
+      const Vec one(1.f);
       for (int64_t i = begin; i < end; ++i) {
-        const T* row = x.data_ptr<T>() + i * x.stride(0);
-        to_float(row, g.data(), inter);
-        to_float(row + inter, u.data(), inter);
+        const T* g = xp + i * xs;
+        const T* u = g + inter;
+        T* o = op + i * inter;
         int64_t d = 0;
-        const Vec one(1.f);
         for (; d + kVecSize <= inter; d += kVecSize) {
-          Vec gv = Vec::loadu(g.data() + d);
-          (gv / (one + gv.neg().exp_u20()) * Vec::loadu(u.data() + d)).store(g.data() + d);
+          const Vec gv = load_f(g + d);
+          store_f(gv / (one + gv.neg().exp_u20()) * load_f(u + d), o + d);
         }
-        for (; d < inter; ++d) g[d] = g[d] / (1.f + std::exp(-g[d])) * u[d];
-        from_float(g.data(), out.data_ptr<T>() + i * inter, inter);
+        for (; d < inter; ++d) {
+          const float gf = static_cast<float>(g[d]);
+          o[d] = static_cast<T>(gf / (1.f + std::exp(-gf)) * static_cast<float>(u[d]));
+        }
       }
     });
   });
