@@ -18,6 +18,7 @@ import logging
 import torch
 
 from iterserve.attention import AttentionBackend, AttentionMetadata, KVCache
+from iterserve.engine.sampler import argmax_rows
 from iterserve.engine.sequence import Sequence
 from iterserve.models.llama import LlamaModel
 from iterserve.models.loader import LoadedModel, load_model
@@ -87,7 +88,7 @@ class DraftModel:
                                 torch.tensor(positions, dtype=torch.long, device=dev), self.kv_caches,
                                 self._meta([seqs[i].block_table for i in active], positions, [1] * len(active)),
                                 self.backend, torch.arange(len(active), device=dev))
-            for i, token in zip(active, logits.argmax(dim=-1).tolist()):
+            for i, token in zip(active, argmax_rows(logits).tolist()):
                 drafts[i].append(token)
                 last[i] = token
         return drafts
