@@ -218,6 +218,8 @@ def test_dynamic_batching_offline_runs_as_static_when_every_request_is_queued_at
     result = run_throughput(loaded, config, workload, ["static", "dynamic"], use_tqdm=False, monitor=quiet_monitor())
     static, dynamic = result["runs"]
     assert dynamic["num_steps"] == static["num_steps"] and dynamic["mean_running"] == static["mean_running"]
+
+
 def test_speculation_against_no_spec_in_one_run(loaded, workload):
     """With --speculative-config, continuous decodes with drafts and no-spec without: the same tokens in
     fewer steps, the acceptance counted from the step trace, the speed-up reported."""
