@@ -116,3 +116,12 @@ def run_on_pool(threads: int | None = None) -> int:
     torch.set_num_threads(1)
     _pool_threads = n
     return n
+
+
+def pool_solos_line() -> str:
+    """The benchmark scripts' last line: how often the pool's caller, stalled by a descheduled worker, went on
+    alone for a while (``csrc/parallel.h``); empty without the kernels."""
+    if ops is None:
+        return ""
+    return f"kernels' pool: its caller went on alone {ops.pool_solos()} times (stalled by a descheduled worker, " \
+           "csrc/parallel.h)"

@@ -129,8 +129,7 @@ def main() -> None:
         for dtype, linear_gflops in linear.items():
             run_dtype(args, dtype, models.pop(dtype), paths, threads, (linear_gflops, read_gbs), batches, chunks)
     if "fused" in paths:
-        print(f"kernels' pool: its caller went on alone {kernels.ops.pool_solos()} times (stalled by a descheduled "
-              f"worker, csrc/parallel.h)")
+        print(kernels.pool_solos_line())
 
 
 def run_dtype(args, dtype: str, loaded: dict, paths: dict[str, AttentionBackend], threads: dict[str, int],

@@ -106,8 +106,7 @@ def main() -> None:
             ratio = f"{base[tag] / s:6.2f}x" if tag in base else "-"
             print(f"{f:<9} {b:>5} {s * 1e3:8.2f} {b / s:9.1f} {ratio:>7} {floor * 1e3:9.2f} {floor / s:9.2f}")
     if kernels.ops is not None:
-        print(f"kernels' pool: its caller went on alone {kernels.ops.pool_solos()} times (stalled by a descheduled "
-              f"worker, csrc/parallel.h)")
+        print(kernels.pool_solos_line())
 
 if __name__ == "__main__":
     main()
