@@ -123,5 +123,5 @@ def pool_solos_line() -> str:
     alone for a while (``csrc/parallel.h``); empty without the kernels."""
     if ops is None:
         return ""
-    return f"kernels' pool: its caller went on alone {ops.pool_solos()} times (stalled by a descheduled worker, " \
-           "csrc/parallel.h)"
+    return (f"kernels' pool: its caller went on alone {ops.pool_solos()} times (stalled by a descheduled worker, "
+            "csrc/parallel.h)")
