@@ -7,13 +7,16 @@ The workload is ``scripts/workload_jsonl.py``'s file (prompt token ids and outpu
 output token passes through each layer's matmuls; each output token also through the LM head, and its
 decode reads the K/V of its whole context. ``F.linear`` is timed on each distinct weight shape at 64 rows
 (the largest batch of the 64-request workload) on ``--threads`` torch threads, and weighted by the FLOPs
-each shape does. An engine's time over the floor says how much of the machine it used.
+each shape does: the median of ``--rounds`` rounds that take the shapes in turn, since on a VM one shape's
+rate moved 3x between two runs a minute apart (the LM head's, 160-522 GFLOP/s in bf16). An engine's time
+over the floor says how much of the machine it used.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import statistics
 
 import torch
 import torch.nn.functional as F
@@ -29,6 +32,7 @@ def main() -> None:
     ap.add_argument("--dtype", default="bfloat16")
     ap.add_argument("--threads", type=int, default=torch.get_num_threads())
     ap.add_argument("--rows", type=int, default=64)
+    ap.add_argument("--rounds", type=int, default=5, help="rounds over the shapes; each shape's median is taken")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     dtype = getattr(torch, args.dtype)
@@ -47,10 +51,12 @@ def main() -> None:
     tokens = prompt_tokens + output_tokens
     flops = {s: 2 * s[0] * s[1] * tokens * cfg.num_layers for s in layer_shapes}
     flops[head_shape] = flops.get(head_shape, 0) + 2 * h * cfg.vocab_size * output_tokens
-    rates = {}
-    for k, n in flops:
-        x, w = torch.randn(args.rows, k).to(dtype), torch.randn(n, k).to(dtype)
-        rates[(k, n)] = 2 * args.rows * k * n / median_seconds(lambda: F.linear(x, w), 7)
+    operands = {(k, n): (torch.randn(args.rows, k).to(dtype), torch.randn(n, k).to(dtype)) for k, n in flops}
+    seconds: dict[tuple[int, int], list[float]] = {s: [] for s in flops}
+    for _ in range(args.rounds):
+        for s, (x, w) in operands.items():
+            seconds[s].append(median_seconds(lambda: F.linear(x, w), 7))
+    rates = {(k, n): 2 * args.rows * k * n / statistics.median(seconds[(k, n)]) for k, n in flops}
     total = sum(flops.values())
     matmul_s = sum(f / rates[s] for s, f in flops.items())
     gbs = streaming_read_gbs()
