@@ -72,10 +72,7 @@ inline void from_float(const float* src, T* dst, int64_t n) {
     std::copy(src, src + n, dst);
     return;
   } else {
-    for (; i + kVecSize <= n; i += kVecSize) {
-      auto v = at::vec::convert_from_float<T>(Vec::loadu(src + i), Vec::loadu(src + i));
-      v.store(dst + i, kVecSize);
-    }
+    for (; i + kVecSize <= n; i += kVecSize) store_f(Vec::loadu(src + i), dst + i);
     for (; i < n; ++i) dst[i] = static_cast<T>(src[i]);
   }
 }
