@@ -65,8 +65,19 @@ constexpr bool pairs() {
 #endif
 }
 
+// `lines` cache lines from `ahead`, fetched into L2 over the first k steps of a tile, as few per step as cover them.
+struct AheadLines {
+  const char* ahead;
+  int64_t lines, per_k, k_steps;
+  AheadLines(const char* a, int64_t n, int64_t K)
+      : ahead(a), lines(n), per_k((n + K - 1) / K), k_steps(per_k ? (n + per_k - 1) / per_k : 0) {}
+  void fetch(int64_t k) const {
+    for (int64_t q = k * per_k, e = std::min(lines, q + per_k); q < e; ++q) __builtin_prefetch(ahead + q * 64, 0, 2);
+  }
+};
+
 // out[m, j*V + v] = sum_k x[m, k] * block_j[k, v] for MR rows and NB blocks (the last `nb` real). Along the
-// way it fetches `ahead_lines` cache lines from `ahead` into L2, as few per k step as cover them (see run_blocks).
+// way it fetches `ahead_lines` cache lines from `ahead` into L2 (AheadLines; see run_blocks).
 template <typename T, int MR, int NB, int PF>
 inline void tile(const float* x, int64_t xs, const T* p, int64_t bstride, int64_t K, int nb, float* out,
                  const char* ahead, int64_t ahead_lines) {
@@ -85,11 +96,10 @@ inline void tile(const float* x, int64_t xs, const T* p, int64_t bstride, int64_
       for (int j = 0; j < NB; ++j) acc[m][j] = at::vec::fmadd(xb, w[j], acc[m][j]);
     }
   };
-  const int64_t per_k = (ahead_lines + K - 1) / K, k_ahead = per_k ? (ahead_lines + per_k - 1) / per_k : 0;
+  const AheadLines al{ahead, ahead_lines, K};
   int64_t k = 0;
-  for (; k < k_ahead; ++k) {
-    for (int64_t q = k * per_k, e = std::min(ahead_lines, q + per_k); q < e; ++q)
-      __builtin_prefetch(ahead + q * 64, 0, 2);  // into L2
+  for (; k < al.k_steps; ++k) {
+    al.fetch(k);
     step(k);
   }
   for (; k < K; ++k) step(k);
@@ -116,11 +126,10 @@ inline void tile_pairs(const uint32_t* x, int64_t xs, const c10::BFloat16* p, in
       for (int j = 0; j < NB; ++j) acc[m][j] = _mm512_dpbf16_ps(acc[m][j], xb, w[j]);
     }
   };
-  const int64_t per_k = (ahead_lines + K2 - 1) / K2, k_ahead = per_k ? (ahead_lines + per_k - 1) / per_k : 0;
+  const AheadLines al{ahead, ahead_lines, K2};
   int64_t k = 0;
-  for (; k < k_ahead; ++k) {
-    for (int64_t q = k * per_k, e = std::min(ahead_lines, q + per_k); q < e; ++q)
-      __builtin_prefetch(ahead + q * 64, 0, 2);
+  for (; k < al.k_steps; ++k) {
+    al.fetch(k);
     step(k);
   }
   for (; k < K2; ++k) step(k);
@@ -245,19 +254,18 @@ void rows_walk(const void* x, int64_t xs, const T* packed, int64_t bstride, int6
                      nullptr, 0);
 }
 
-// One row group (at most 8 rows) against one tile of NB blocks, fetching `lines` of `ahead` into L2 on the way.
-template <typename T, int NB>
-void group_tile(int rows, const void* x, int64_t xs, const T* packed, int64_t bstride, int64_t K, int64_t b, int nb,
-                const float* bias, T* y, int64_t N, const char* ahead, int64_t lines) {
+// f.template operator()<MR>() for MR = rows, 1 to 8: the register tile's row count is a template argument.
+template <typename F>
+inline void with_rows(int64_t rows, F&& f) {
   switch (rows) {
-    case 1: rows_tile<T, 1, NB>(x, xs, packed, bstride, K, b, nb, bias, y, N, ahead, lines); break;
-    case 2: rows_tile<T, 2, NB>(x, xs, packed, bstride, K, b, nb, bias, y, N, ahead, lines); break;
-    case 3: rows_tile<T, 3, NB>(x, xs, packed, bstride, K, b, nb, bias, y, N, ahead, lines); break;
-    case 4: rows_tile<T, 4, NB>(x, xs, packed, bstride, K, b, nb, bias, y, N, ahead, lines); break;
-    case 5: rows_tile<T, 5, NB>(x, xs, packed, bstride, K, b, nb, bias, y, N, ahead, lines); break;
-    case 6: rows_tile<T, 6, NB>(x, xs, packed, bstride, K, b, nb, bias, y, N, ahead, lines); break;
-    case 7: rows_tile<T, 7, NB>(x, xs, packed, bstride, K, b, nb, bias, y, N, ahead, lines); break;
-    default: rows_tile<T, 8, NB>(x, xs, packed, bstride, K, b, nb, bias, y, N, ahead, lines); break;
+    case 1: f.template operator()<1>(); break;
+    case 2: f.template operator()<2>(); break;
+    case 3: f.template operator()<3>(); break;
+    case 4: f.template operator()<4>(); break;
+    case 5: f.template operator()<5>(); break;
+    case 6: f.template operator()<6>(); break;
+    case 7: f.template operator()<7>(); break;
+    default: f.template operator()<8>(); break;
   }
 }
 
@@ -271,16 +279,7 @@ template <typename T>
 void run_blocks(const char* x, int64_t x_row_bytes, int64_t xs, int64_t M, const T* packed, int64_t bstride,
                 int64_t K, int64_t b0, int64_t b1, const float* bias, T* y, int64_t N) {
   if (M <= kMaxMR) {
-    switch (M) {
-      case 1: rows_walk<T, 1>(x, xs, packed, bstride, K, b0, b1, bias, y, N); break;
-      case 2: rows_walk<T, 2>(x, xs, packed, bstride, K, b0, b1, bias, y, N); break;
-      case 3: rows_walk<T, 3>(x, xs, packed, bstride, K, b0, b1, bias, y, N); break;
-      case 4: rows_walk<T, 4>(x, xs, packed, bstride, K, b0, b1, bias, y, N); break;
-      case 5: rows_walk<T, 5>(x, xs, packed, bstride, K, b0, b1, bias, y, N); break;
-      case 6: rows_walk<T, 6>(x, xs, packed, bstride, K, b0, b1, bias, y, N); break;
-      case 7: rows_walk<T, 7>(x, xs, packed, bstride, K, b0, b1, bias, y, N); break;
-      default: rows_walk<T, 8>(x, xs, packed, bstride, K, b0, b1, bias, y, N); break;
-    }
+    with_rows(M, [&]<int MR>() { rows_walk<T, MR>(x, xs, packed, bstride, K, b0, b1, bias, y, N); });
     return;
   }
   constexpr int NB = nb_for(kMaxMR);
@@ -291,9 +290,11 @@ void run_blocks(const char* x, int64_t x_row_bytes, int64_t xs, int64_t M, const
     const int64_t next_lines = std::clamp<int64_t>(b1 - b - NB, 0, NB) * block_lines;
     const int64_t per = (next_lines + row_groups - 1) / row_groups;
     for (int64_t r = 0, i = 0; r < M; r += kMaxMR, ++i) {
-      const int64_t from = std::min(next_lines, i * per);
-      group_tile<T, NB>(static_cast<int>(std::min<int64_t>(kMaxMR, M - r)), x + r * x_row_bytes, xs, packed, bstride,
-                        K, b, nb, bias, y + r * N, N, next + from * 64, std::min(next_lines, from + per) - from);
+      const int64_t from = std::min(next_lines, i * per), lines = std::min(next_lines, from + per) - from;
+      with_rows(std::min<int64_t>(kMaxMR, M - r), [&]<int MR>() {
+        rows_tile<T, MR, NB>(x + r * x_row_bytes, xs, packed, bstride, K, b, nb, bias, y + r * N, N, next + from * 64,
+                             lines);
+      });
     }
   }
 }
