@@ -73,7 +73,9 @@ def test_paged_decode_matches_reference(ratio, block_size, dtype, window):
 
 @needs_build
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("ratio,head_dim", [(3, 64), (9, 32), (2, 36)])  # 9: more heads than the blocked loops
+# 9: more heads than the blocked loops; (4, 128) and (6, 128): a bf16 group's scores on k-pairs where the
+# CPU has AVX512-BF16, and a group too wide for them.
+@pytest.mark.parametrize("ratio,head_dim", [(3, 64), (9, 32), (2, 36), (4, 128), (6, 128)])
 def test_paged_decode_batch_of_many_tasks_a_chunk(dtype, ratio, head_dim):
     """Enough (sequence, head) tasks that each thread's chunks hold several, each asking for the next one's
     first tile; contexts cut tiles of every length, from one key up."""
@@ -88,28 +90,40 @@ def test_paged_decode_batch_of_many_tasks_a_chunk(dtype, ratio, head_dim):
     torch.testing.assert_close(out.float(), expected, **TOL[dtype])
 
 
+def low_precision(q: torch.Tensor, cache: KVCache, dtype: torch.dtype) -> tuple[torch.Tensor, KVCache]:
+    """The case's query and K/V cache in `dtype`."""
+    return q.to(dtype), KVCache(cache.k.to(dtype), cache.v.to(dtype))
+
+
 @needs_build
 @pytest.mark.parametrize("contexts", [[300], [200, 1], [130, 5, 64]])
 @pytest.mark.parametrize("window", [None, 150])
-def test_paged_decode_splits_a_small_batch_long_context_and_merges_it(contexts, window):
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_paged_decode_splits_a_small_batch_long_context_and_merges_it(contexts, window, dtype):
     """Fewer (sequence, KV head) pairs than the pool wants: contexts are cut into pieces, some empty for
     the shorter sequences, and the pieces' softmaxes merged; the result is the one-pass attention."""
     q, cache, meta = decode_case(3, 16, torch.float32, window, 64, seed=sum(contexts), contexts=contexts, kv_heads=1)
+    q, cache = low_precision(q, cache, dtype)
     out = torch.full_like(q, float("nan"))
     OPS.paged_decode(out, q, cache.k, cache.v, meta.decode_block_tables, meta.decode_context_lens, 0.125, window or 0)
-    torch.testing.assert_close(out, decode_attention_reference(q, cache, meta, 0.125), **TOL[torch.float32])
+    expected = decode_attention_reference(q.float(), KVCache(cache.k.float(), cache.v.float()), meta, 0.125)
+    torch.testing.assert_close(out.float(), expected, **TOL[dtype])
 
 
 @needs_build
-def test_paged_decode_reads_strided_queries():
-    """Queries are views into the fused QKV output; the kernel must honour their row stride."""
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_paged_decode_reads_strided_queries(dtype):
+    """Queries are views into the fused QKV output; the kernel must honour their row stride (bf16 scores on
+    k-pairs read the query where it lies)."""
     q, cache, meta = decode_case(3, 16, torch.float32, None, 64, seed=7)
-    qkv = torch.randn(q.shape[0], q.shape[1] * q.shape[2] + 100)
+    q, cache = low_precision(q, cache, dtype)
+    qkv = torch.randn(q.shape[0], q.shape[1] * q.shape[2] + 100).to(dtype)
     strided = qkv[:, :q.shape[1] * q.shape[2]].view(q.shape)
     strided.copy_(q)
     out = torch.empty_like(q)
     OPS.paged_decode(out, strided, cache.k, cache.v, meta.decode_block_tables, meta.decode_context_lens, 0.125, 0)
-    torch.testing.assert_close(out, decode_attention_reference(q, cache, meta, 0.125), **TOL[torch.float32])
+    expected = decode_attention_reference(q.float(), KVCache(cache.k.float(), cache.v.float()), meta, 0.125)
+    torch.testing.assert_close(out.float(), expected, **TOL[dtype])
 
 
 @needs_build

@@ -17,6 +17,7 @@
 #include <algorithm>
 #include <cmath>
 #include <limits>
+#include <type_traits>
 #include <vector>
 
 #if defined(CPU_CAPABILITY_AVX512)
@@ -211,6 +212,45 @@ void group_scores(const float* qf, const T* const* rows, int64_t n, int64_t dim,
   pf.rest();
 }
 
+#if defined(ITERSERVE_DPBF16) && defined(CPU_CAPABILITY_AVX512)
+// group_scores for bf16 K on AVX512-BF16: scores[g * kTile + j] = scale * (q_g . k_j), each vdpbf16ps taking
+// 32 elements of a key against a query held in registers (D vectors of 32 per head; the G heads' rows are
+// q_stride apart), where the float kernel widens every K vector and multiplies it 16 elements at a time.
+// The products are exact and summed in float32 (bf16 subnormals read as zero). SmolLM2 in bf16, one process,
+// the two kernels alternating: a decode step at batch 16 / 32 / 64 took 0.98 / 0.99 / 0.97x the time, a
+// 2,044-token prefill 0.97x.
+template <int G, int D>
+void group_scores_pairs(const c10::BFloat16* q, int64_t q_stride, const c10::BFloat16* const* rows, int64_t n,
+                        float scale, float* scores, RowPrefetch<c10::BFloat16>& pf) {
+  __m512bh qv[G][D];
+  for (int g = 0; g < G; ++g)
+    for (int d = 0; d < D; ++d) qv[g][d] = (__m512bh)_mm512_loadu_si512(q + g * q_stride + 32 * d);
+  const __m512 vscale = _mm512_set1_ps(scale);
+  alignas(64) float part[G][16][16];
+  for (int64_t j0 = 0; j0 < n; j0 += 16) {
+    const int64_t keys = std::min<int64_t>(16, n - j0);
+    for (int64_t j = 0; j < 16; j += 2) {
+      pf.ask(2);
+      __m512 acc[2][G];
+      for (int p = 0; p < 2; ++p) {
+        for (int g = 0; g < G; ++g) acc[p][g] = _mm512_setzero_ps();
+        if (j + p >= keys) continue;
+        for (int d = 0; d < D; ++d) {
+          const __m512bh kv = (__m512bh)_mm512_loadu_si512(rows[j0 + j + p] + 32 * d);
+          for (int g = 0; g < G; ++g) acc[p][g] = _mm512_dpbf16_ps(acc[p][g], qv[g][d], kv);
+        }
+      }
+      for (int g = 0; g < G; ++g) {
+        _mm512_store_ps(part[g][j], acc[0][g]);
+        _mm512_store_ps(part[g][j + 1], acc[1][g]);
+      }
+    }
+    for (int g = 0; g < G; ++g) _mm512_storeu_ps(scores + g * kTile + j0, _mm512_mul_ps(sum16(part[g]), vscale));
+  }
+  pf.rest();
+}
+#endif
+
 // acc_g += sum_j p[g][j] v_j over the tile, R vectors of the head at a time with the G heads' sums held in
 // registers: each V vector is loaded once and no accumulator is reloaded per key. One vector at a time, the
 // G sums were G chains of n dependent FMAs, bound by the FMA's latency; G x R chains pipeline.
@@ -253,7 +293,27 @@ template <typename T>
 struct GroupKernels {
   void (*scores)(const float*, const T* const*, int64_t, int64_t, float*, RowPrefetch<T>&);
   void (*values)(const float*, const T* const*, int64_t, int64_t, float*);
+  // Scores from the query as stored (its G rows q_stride apart) and the scale, in place of `scores`.
+  void (*pair_scores)(const T*, int64_t, const T* const*, int64_t, float, float*, RowPrefetch<T>&) = nullptr;
 };
+
+// group_scores_pairs for a group of G heads of dim 64 or 128, where the CPU has it; nullptr otherwise.
+template <typename T>
+inline auto pair_scores_for([[maybe_unused]] int64_t group, [[maybe_unused]] int64_t dim)
+    -> decltype(GroupKernels<T>::pair_scores) {
+#if defined(ITERSERVE_DPBF16) && defined(CPU_CAPABILITY_AVX512)
+  if constexpr (std::is_same_v<T, c10::BFloat16>) {
+    static constexpr decltype(GroupKernels<T>::pair_scores) d64[] = {
+        group_scores_pairs<1, 2>, group_scores_pairs<2, 2>, group_scores_pairs<3, 2>, group_scores_pairs<4, 2>,
+        group_scores_pairs<5, 2>, group_scores_pairs<6, 2>, group_scores_pairs<7, 2>, group_scores_pairs<8, 2>};
+    static constexpr decltype(GroupKernels<T>::pair_scores) d128[] = {
+        group_scores_pairs<1, 4>, group_scores_pairs<2, 4>, group_scores_pairs<3, 4>, group_scores_pairs<4, 4>};
+    if (dim == 64 && group >= 1 && group <= 8) return d64[group - 1];
+    if (dim == 128 && group >= 1 && group <= 4) return d128[group - 1];
+  }
+#endif
+  return nullptr;
+}
 
 // The register-blocked kernels for groups of 1-8 heads and whole vectors; {nullptr, nullptr} for the rest,
 // which take the per-head loops.
@@ -265,7 +325,9 @@ inline GroupKernels<T> group_kernels(int64_t group, int64_t dim) {
       {group_scores<5, T>, group_values<5, T>}, {group_scores<6, T>, group_values<6, T>},
       {group_scores<7, T>, group_values<7, T>}, {group_scores<8, T>, group_values<8, T>}};
   if (group < 1 || group > 8 || dim % kVecSize != 0) return {nullptr, nullptr};
-  return table[group - 1];
+  GroupKernels<T> k = table[group - 1];
+  k.pair_scores = pair_scores_for<T>(group, dim);
+  return k;
 }
 
 // Keys at least this many per piece when one sequence's context is split across threads: below it the
@@ -383,8 +445,9 @@ void paged_decode_impl(at::Tensor& out, const at::Tensor& q, const at::Tensor& k
         rows_of(k_ptr, kc_s0, kc_s1, kc_s2, s2, h2, lo2, lo2 + ahead_n, ahead_k);
         rows_of(v_ptr, vc_s0, vc_s1, vc_s2, s2, h2, lo2, lo2 + ahead_n, ahead_v);
       }
-      for (int64_t g = 0; g < group; ++g) {
-        to_float(q_ptr + s * q_s0 + (h * group + g) * q_s1, qf + g * dim, dim);
+      const T* q_group = q_ptr + s * q_s0 + h * group * q_s1;
+      for (int64_t g = 0; g < group && blocked.pair_scores == nullptr; ++g) {
+        to_float(q_group + g * q_s1, qf + g * dim, dim);
         scale_(qf + g * dim, fscale, dim);
       }
       std::fill(acc, acc + group * dim, 0.f);
@@ -398,7 +461,9 @@ void paged_decode_impl(at::Tensor& out, const at::Tensor& q, const at::Tensor& k
         rows_of(v_ptr, vc_s0, vc_s1, vc_s2, s, h, t0 + n, next, vrows[cur ^ 1]);
         RowPrefetch<T> pf = next > t0 + n ? RowPrefetch<T>{krows[cur ^ 1], vrows[cur ^ 1], next - t0 - n, row_bytes}
                                           : RowPrefetch<T>{ahead_k, ahead_v, ahead_n, row_bytes};
-        if (blocked.scores != nullptr) {
+        if (blocked.pair_scores != nullptr) {
+          blocked.pair_scores(q_group, q_s1, krows[cur], n, fscale, scores, pf);
+        } else if (blocked.scores != nullptr) {
           blocked.scores(qf, krows[cur], n, dim, scores, pf);
         } else {
           pf.rest();

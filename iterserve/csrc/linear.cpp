@@ -23,9 +23,8 @@
 #include <algorithm>
 #include <vector>
 
-#if defined(__AVX512BF16__) && defined(__AVX512F__)
+#ifdef ITERSERVE_DPBF16
 #include <immintrin.h>
-#define ITERSERVE_DPBF16 1
 #if defined(__AMX_TILE__) && defined(__AMX_BF16__)
 #include <sys/syscall.h>
 #include <unistd.h>

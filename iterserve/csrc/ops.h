@@ -4,6 +4,11 @@
 
 #include <torch/extension.h>
 
+// AVX512-BF16 (vdpbf16ps: 32 exact bf16 products summed into 16 float32 lanes), where the compiler targets it.
+#if defined(__AVX512BF16__) && defined(__AVX512F__)
+#define ITERSERVE_DPBF16 1
+#endif
+
 // cpu_ops.cpp
 void paged_decode(at::Tensor out, const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
                   const at::Tensor& block_tables, const at::Tensor& context_lens, double scale,
