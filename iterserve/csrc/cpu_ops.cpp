@@ -105,9 +105,10 @@ inline void scale_(float* y, float a, int64_t n) {
   for (; i < n; ++i) y[i] *= a;
 }
 
-// The largest of p[0, n), one vector at a time and one reduction. Beside at::vec::reduce_all's, with the
-// rescale of the sums skipped where the running max is unchanged (equal to the bit): SmolLM2 bf16 decode
-// steps at batch 6 / 16 / 32 took 0.97-0.99x the time, a 2,044-token prefill 0.98x (one process, alternating).
+// The largest of p[0, n), one vector at a time and one reduction. Against at::vec::reduce_all's max, and
+// with paged_decode's rescale skipped while the running max holds (both equal to the bit), SmolLM2 bf16
+// decode steps at batch 6 / 16 / 32 took 0.97-0.99x the time, a 2,044-token prefill 0.98x (one process,
+// the two alternating).
 inline float max_of(const float* p, int64_t n) {
   Vec best(-std::numeric_limits<float>::infinity());
   int64_t i = 0;
@@ -264,9 +265,7 @@ void group_scores_pairs(const c10::BFloat16* q, int64_t q_stride, const c10::BFl
   }
   pf.rest();
 }
-#endif
 
-#if defined(ITERSERVE_DPBF16) && defined(CPU_CAPABILITY_AVX512)
 // group_values for bf16 V on AVX512-BF16: acc_g += sum_j p[g][j] v_j with the weights rounded to bf16 (as
 // PyTorch's CPU flash attention rounds them before its P @ V), two keys a vdpbf16ps: the rows of keys j and
 // j + 1 are interleaved element by element, so each 32-bit lane holds one dimension's pair of values. SmolLM2
