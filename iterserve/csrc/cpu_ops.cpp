@@ -189,34 +189,51 @@ struct RowPrefetch {
   void rest() { ask(n - next); }
 };
 
+#if defined(CPU_CAPABILITY_AVX512)
+// scores[g * kTile + j] = scale * (q_g . k_j) for n keys, sixteen at a time: pair(j, count, acc) leaves in
+// acc[p][g] head g's vector of partial sums for key j + p (zero for p >= count; count <= 2), and sixteen keys'
+// vectors are reduced together.
+template <int G, typename T, typename Pair>
+inline void scores_by_sixteen(int64_t n, float scale, float* scores, RowPrefetch<T>& pf, Pair&& pair) {
+  static_assert(kTile % 16 == 0, "a tile's score rows hold whole groups of sixteen");
+  alignas(64) float part[G][16][16];
+  const __m512 vscale = _mm512_set1_ps(scale);
+  for (int64_t j0 = 0; j0 < n; j0 += 16) {
+    const int64_t keys = std::min<int64_t>(16, n - j0);
+    for (int64_t j = 0; j < 16; j += 2) {
+      pf.ask(2);
+      __m512 acc[2][G];
+      pair(j0 + j, std::clamp<int64_t>(keys - j, 0, 2), acc);
+      for (int g = 0; g < G; ++g) {
+        _mm512_store_ps(part[g][j], acc[0][g]);
+        _mm512_store_ps(part[g][j + 1], acc[1][g]);
+      }
+    }
+    for (int g = 0; g < G; ++g) _mm512_storeu_ps(scores + g * kTile + j0, _mm512_mul_ps(sum16(part[g]), vscale));
+  }
+  pf.rest();
+}
+#endif
+
 // The tile's scores for a GQA group of G query heads sharing one KV head, scores[g * kTile + j] = q_g . k_j,
 // reading key j where it lies in the cache (rows[j]). Needs dim to be a multiple of the vector width. With
 // AVX-512, two keys at a time (twice the independent sums) and sixteen keys' partial sums reduced together.
 template <int G, typename T>
 void group_scores(const float* qf, const T* const* rows, int64_t n, int64_t dim, float* scores, RowPrefetch<T>& pf) {
 #if defined(CPU_CAPABILITY_AVX512)
-  static_assert(kTile % 16 == 0, "a tile's score rows hold whole groups of sixteen");
-  alignas(64) float part[G][16][16];
-  for (int64_t j0 = 0; j0 < n; j0 += 16) {
-    const int64_t keys = std::min<int64_t>(16, n - j0);
-    for (int64_t j = 0; j < 16; j += 2) {
-      pf.ask(2);
-      Vec acc[2][G];
-      if (j + 1 < keys) {
-        key_partials<G, 2>(qf, rows + j0 + j, dim, acc);
-      } else if (j < keys) {
-        key_partials<G, 1>(qf, rows + j0 + j, dim, acc);
-        for (int g = 0; g < G; ++g) acc[1][g] = Vec(0.f);
-      } else {
-        for (int g = 0; g < G; ++g) acc[0][g] = acc[1][g] = Vec(0.f);
-      }
-      for (int g = 0; g < G; ++g) {
-        acc[0][g].store(part[g][j]);
-        acc[1][g].store(part[g][j + 1]);
-      }
+  scores_by_sixteen<G>(n, 1.f, scores, pf, [&](int64_t j, int64_t count, __m512 (*acc)[G]) {
+    Vec v[2][G];
+    if (count == 2) {
+      key_partials<G, 2>(qf, rows + j, dim, v);
+    } else if (count == 1) {
+      key_partials<G, 1>(qf, rows + j, dim, v);
+      for (int g = 0; g < G; ++g) v[1][g] = Vec(0.f);
+    } else {
+      for (int g = 0; g < G; ++g) v[0][g] = v[1][g] = Vec(0.f);
     }
-    for (int g = 0; g < G; ++g) _mm512_storeu_ps(scores + g * kTile + j0, sum16(part[g]));
-  }
+    for (int p = 0; p < 2; ++p)
+      for (int g = 0; g < G; ++g) acc[p][g] = v[p][g];
+  });
 #else
   for (int64_t j = 0; j < n; ++j) {
     pf.ask(1);
@@ -224,8 +241,8 @@ void group_scores(const float* qf, const T* const* rows, int64_t n, int64_t dim,
     key_partials<G, 1>(qf, rows + j, dim, acc);
     for (int g = 0; g < G; ++g) scores[g * kTile + j] = acc[0][g].reduce_add();
   }
-#endif
   pf.rest();
+#endif
 }
 
 #if defined(ITERSERVE_DPBF16) && defined(CPU_CAPABILITY_AVX512)
@@ -241,29 +258,16 @@ void group_scores_pairs(const c10::BFloat16* q, int64_t q_stride, const c10::BFl
   __m512bh qv[G][D];
   for (int g = 0; g < G; ++g)
     for (int d = 0; d < D; ++d) qv[g][d] = (__m512bh)_mm512_loadu_si512(q + g * q_stride + 32 * d);
-  const __m512 vscale = _mm512_set1_ps(scale);
-  alignas(64) float part[G][16][16];
-  for (int64_t j0 = 0; j0 < n; j0 += 16) {
-    const int64_t keys = std::min<int64_t>(16, n - j0);
-    for (int64_t j = 0; j < 16; j += 2) {
-      pf.ask(2);
-      __m512 acc[2][G];
-      for (int p = 0; p < 2; ++p) {
-        for (int g = 0; g < G; ++g) acc[p][g] = _mm512_setzero_ps();
-        if (j + p >= keys) continue;
-        for (int d = 0; d < D; ++d) {
-          const __m512bh kv = (__m512bh)_mm512_loadu_si512(rows[j0 + j + p] + 32 * d);
-          for (int g = 0; g < G; ++g) acc[p][g] = _mm512_dpbf16_ps(acc[p][g], qv[g][d], kv);
-        }
-      }
-      for (int g = 0; g < G; ++g) {
-        _mm512_store_ps(part[g][j], acc[0][g]);
-        _mm512_store_ps(part[g][j + 1], acc[1][g]);
+  scores_by_sixteen<G>(n, scale, scores, pf, [&](int64_t j, int64_t count, __m512 (*acc)[G]) {
+    for (int p = 0; p < 2; ++p) {
+      for (int g = 0; g < G; ++g) acc[p][g] = _mm512_setzero_ps();
+      if (p >= count) continue;
+      for (int d = 0; d < D; ++d) {
+        const __m512bh kv = (__m512bh)_mm512_loadu_si512(rows[j + p] + 32 * d);
+        for (int g = 0; g < G; ++g) acc[p][g] = _mm512_dpbf16_ps(acc[p][g], qv[g][d], kv);
       }
     }
-    for (int g = 0; g < G; ++g) _mm512_storeu_ps(scores + g * kTile + j0, _mm512_mul_ps(sum16(part[g]), vscale));
-  }
-  pf.rest();
+  });
 }
 
 // group_values for bf16 V on AVX512-BF16: acc_g += sum_j p[g][j] v_j with the weights rounded to bf16 (as
