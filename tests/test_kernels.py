@@ -52,6 +52,16 @@ def decode_case(ratio: int, block_size: int, dtype: torch.dtype, window: int | N
     return q, cache, meta
 
 
+def low_precision(q: torch.Tensor, cache: KVCache, dtype: torch.dtype) -> tuple[torch.Tensor, KVCache]:
+    """The case's query and K/V cache in `dtype`."""
+    return q.to(dtype), KVCache(cache.k.to(dtype), cache.v.to(dtype))
+
+
+def float_reference(q: torch.Tensor, cache: KVCache, meta: AttentionMetadata, scale: float) -> torch.Tensor:
+    """The reference attention in float32 over the values the kernel reads (rounded to their dtype)."""
+    return decode_attention_reference(q.float(), KVCache(cache.k.float(), cache.v.float()), meta, scale)
+
+
 @needs_build
 @pytest.mark.parametrize("ratio", [1, 3, 4])
 @pytest.mark.parametrize("block_size", [1, 16, 32])
@@ -61,10 +71,9 @@ def test_paged_decode_matches_reference(ratio, block_size, dtype, window):
     head_dim = 36 if ratio == 3 else 64  # 36 is no multiple of the vector width: exercises the tails
     q, cache, meta = decode_case(ratio, block_size, dtype, window, head_dim, seed=ratio * 100 + block_size)
     expected = decode_attention_reference(q, cache, meta, head_dim**-0.5)  # float32, from the same values
-    q, cache = q.to(dtype), KVCache(cache.k.to(dtype), cache.v.to(dtype))
+    q, cache = low_precision(q, cache, dtype)
     if dtype != torch.float32:
-        expected = decode_attention_reference(q.float(), KVCache(cache.k.float(), cache.v.float()), meta,
-                                              head_dim**-0.5)
+        expected = float_reference(q, cache, meta, head_dim**-0.5)
     out = torch.full_like(q, float("nan"))
     OPS.paged_decode(out, q, cache.k, cache.v, meta.decode_block_tables, meta.decode_context_lens,
                      head_dim**-0.5, window or 0)
@@ -81,18 +90,12 @@ def test_paged_decode_batch_of_many_tasks_a_chunk(dtype, ratio, head_dim):
     first tile; contexts cut tiles of every length, from one key up."""
     contexts = [1, 17, 40, 129, 33, 64, 5, 200, 16, 90, 3, 47]
     q, cache, meta = decode_case(ratio, 16, torch.float32, None, head_dim, seed=7, contexts=contexts)
-    q, cache = q.to(dtype), KVCache(cache.k.to(dtype), cache.v.to(dtype))
-    expected = decode_attention_reference(q.float(), KVCache(cache.k.float(), cache.v.float()), meta,
-                                          head_dim**-0.5)
+    q, cache = low_precision(q, cache, dtype)
+    expected = float_reference(q, cache, meta, head_dim**-0.5)
     out = torch.full_like(q, float("nan"))
     OPS.paged_decode(out, q, cache.k, cache.v, meta.decode_block_tables, meta.decode_context_lens,
                      head_dim**-0.5, 0)
     torch.testing.assert_close(out.float(), expected, **TOL[dtype])
-
-
-def low_precision(q: torch.Tensor, cache: KVCache, dtype: torch.dtype) -> tuple[torch.Tensor, KVCache]:
-    """The case's query and K/V cache in `dtype`."""
-    return q.to(dtype), KVCache(cache.k.to(dtype), cache.v.to(dtype))
 
 
 @needs_build
@@ -106,7 +109,7 @@ def test_paged_decode_splits_a_small_batch_long_context_and_merges_it(contexts, 
     q, cache = low_precision(q, cache, dtype)
     out = torch.full_like(q, float("nan"))
     OPS.paged_decode(out, q, cache.k, cache.v, meta.decode_block_tables, meta.decode_context_lens, 0.125, window or 0)
-    expected = decode_attention_reference(q.float(), KVCache(cache.k.float(), cache.v.float()), meta, 0.125)
+    expected = float_reference(q, cache, meta, 0.125)
     torch.testing.assert_close(out.float(), expected, **TOL[dtype])
 
 
@@ -122,7 +125,7 @@ def test_paged_decode_reads_strided_queries(dtype):
     strided.copy_(q)
     out = torch.empty_like(q)
     OPS.paged_decode(out, strided, cache.k, cache.v, meta.decode_block_tables, meta.decode_context_lens, 0.125, 0)
-    expected = decode_attention_reference(q.float(), KVCache(cache.k.float(), cache.v.float()), meta, 0.125)
+    expected = float_reference(q, cache, meta, 0.125)
     torch.testing.assert_close(out.float(), expected, **TOL[dtype])
 
 
