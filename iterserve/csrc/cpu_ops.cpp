@@ -522,9 +522,11 @@ void paged_decode_impl(at::Tensor& out, const at::Tensor& q, const at::Tensor& k
         rows_of(v_ptr, vc_s0, vc_s1, vc_s2, s2, h2, lo2, lo2 + ahead_n, ahead_v);
       }
       const T* q_group = q_ptr + s * q_s0 + h * group * q_s1;
-      for (int64_t g = 0; g < group && blocked.pair_scores == nullptr; ++g) {
-        to_float(q_group + g * q_s1, qf + g * dim, dim);
-        scale_(qf + g * dim, fscale, dim);
+      if (blocked.pair_scores == nullptr) {  // the float kernels' query: widened and scaled
+        for (int64_t g = 0; g < group; ++g) {
+          to_float(q_group + g * q_s1, qf + g * dim, dim);
+          scale_(qf + g * dim, fscale, dim);
+        }
       }
       std::fill(acc, acc + group * dim, 0.f);
       std::fill(m, m + group, -std::numeric_limits<float>::infinity());
