@@ -57,6 +57,16 @@ def low_precision(q: torch.Tensor, cache: KVCache, dtype: torch.dtype) -> tuple[
     return q.to(dtype), KVCache(cache.k.to(dtype), cache.v.to(dtype))
 
 
+def group_keys(k: torch.Tensor) -> torch.Tensor:
+    """A K pool [blocks, kv_heads, block_size, D] in key groups, as ``KVCache.allocate(keys_in_groups=True)``
+    lays it out: each 16 keys' dimension pairs side by side."""
+    blocks, heads, block_size, dim = k.shape
+    return k.view(blocks, heads, block_size // 16, 16, dim // 2, 2).transpose(3, 4).contiguous()
+
+
+KEY_GROUPS = OPS is not None and OPS.keys_in_groups(torch.bfloat16, 64, 16)
+
+
 def float_reference(q: torch.Tensor, cache: KVCache, meta: AttentionMetadata, scale: float) -> torch.Tensor:
     """The reference attention in float32 over the values the kernel reads (rounded to their dtype)."""
     return decode_attention_reference(q.float(), KVCache(cache.k.float(), cache.v.float()), meta, scale)
@@ -127,6 +137,53 @@ def test_paged_decode_reads_strided_queries(dtype):
     OPS.paged_decode(out, strided, cache.k, cache.v, meta.decode_block_tables, meta.decode_context_lens, 0.125, 0)
     expected = float_reference(q, cache, meta, 0.125)
     torch.testing.assert_close(out.float(), expected, **TOL[dtype])
+
+
+@needs_build
+@pytest.mark.parametrize("ratio,head_dim,block_size,window,contexts,kv_heads", [
+    (3, 64, 16, None, None, 2),  # SmolLM2's group
+    (1, 128, 32, 5, None, 2),  # windows that start inside a group of 16 keys
+    (12, 96, 16, None, None, 1),  # more heads than one pass scores (8)
+    (3, 64, 16, 150, [300], 1),  # a small batch's context split across threads, the window mid-group
+    (8, 32, 16, None, [1, 17, 40, 129, 33, 64, 5, 200, 16, 90, 3, 47], 2),  # many tasks, tiles of every length
+])
+def test_paged_decode_reads_keys_in_groups(ratio, head_dim, block_size, window, contexts, kv_heads):
+    """bf16 K in key groups (where the CPU has AVX512-BF16) gives the attention of the same keys in rows; the
+    queries are strided views, as split from the QKV output."""
+    q, cache, meta = decode_case(ratio, block_size, torch.float32, window, head_dim, seed=ratio + head_dim,
+                                 contexts=contexts, kv_heads=kv_heads)
+    q, cache = low_precision(q, cache, torch.bfloat16)
+    strided = torch.zeros(q.shape[0], q[0].numel() + 64, dtype=q.dtype)[:, :q[0].numel()].view(q.shape)
+    strided.copy_(q)
+    out = torch.full_like(q, float("nan"))
+    args = (out, strided, group_keys(cache.k), cache.v, meta.decode_block_tables, meta.decode_context_lens,
+            head_dim**-0.5, window or 0)
+    if not KEY_GROUPS:
+        with pytest.raises(RuntimeError, match="AVX512-BF16"):
+            OPS.paged_decode(*args)
+        return
+    OPS.paged_decode(*args)
+    torch.testing.assert_close(out.float(), float_reference(q, cache, meta, head_dim**-0.5), **TOL[torch.bfloat16])
+
+
+@needs_build
+def test_write_kv_into_key_groups():
+    """Each token's K lands, pair by pair, where the key-group layout keeps it; V as in rows."""
+    g = torch.Generator().manual_seed(1)
+    kv = torch.randn(40, 2 * 2 * 32 + 5, generator=g).bfloat16()
+    k, v = kv[:, :64].view(40, 2, 32), kv[:, 64:128].view(40, 2, 32)
+    meta = AttentionMetadata.build(block_size=16, block_tables=[[3, 1], [6, 0, 2]], num_cached=[9, 14],
+                                   query_lens=[20, 20])
+    rows = KVCache(torch.zeros(8, 2, 16, 32, dtype=torch.bfloat16), torch.zeros(8, 2, 16, 32, dtype=torch.bfloat16))
+    grouped = KVCache(group_keys(rows.k), rows.v.clone())
+    if not KEY_GROUPS:
+        with pytest.raises(RuntimeError, match="AVX512-BF16"):
+            OPS.write_kv(k, v, grouped.k, grouped.v, meta.slot_blocks, meta.slot_offsets)
+        return
+    OPS.write_kv(k, v, rows.k, rows.v, meta.slot_blocks, meta.slot_offsets)
+    OPS.write_kv(k, v, grouped.k, grouped.v, meta.slot_blocks, meta.slot_offsets)
+    assert torch.equal(grouped.k, group_keys(rows.k)) and torch.equal(grouped.v, rows.v)
+    assert rows.k.abs().sum() > 0
 
 
 @needs_build

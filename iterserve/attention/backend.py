@@ -57,6 +57,10 @@ class AttentionBackend(ABC):
     def silu_and_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
         """``silu(gate) * up`` of a ``[tokens, 2 * width]`` tensor holding ``[gate | up]``."""
 
+    def keys_in_groups(self, dtype: torch.dtype, head_dim: int, block_size: int) -> bool:
+        """Whether this backend reads a K cache of this kind in key groups (:meth:`KVCache.allocate`)."""
+        return False
+
     def decode_layers(self, model: NativeDecoderModel, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                       kv_caches: list[KVCache], meta: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor] | None:
         """All of ``model``'s decoder layers for a step whose every token is a decode, in one native call:

@@ -31,6 +31,9 @@ class CpuBackend(ReferenceBackend):
         self.native_layers = native_layers
         self._stacks: weakref.WeakKeyDictionary[NativeDecoderModel, Any] = weakref.WeakKeyDictionary()
 
+    def keys_in_groups(self, dtype: torch.dtype, head_dim: int, block_size: int) -> bool:
+        return bool(self.ops.keys_in_groups(dtype, head_dim, block_size))
+
     def decode_layers(self, model: NativeDecoderModel, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                       kv_caches: list[KVCache], meta: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor] | None:
         # csrc/decoder.cpp calls this backend's kernels in this backend's order, built once per model.

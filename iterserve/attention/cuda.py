@@ -15,7 +15,7 @@ class CudaBackend(ReferenceBackend):
     name = "cuda"
 
     def decode(self, out: torch.Tensor, q: torch.Tensor, cache: KVCache, meta: AttentionMetadata, scale: float) -> None:
-        _, kv_heads, _, head_dim = cache.k.shape
+        _, kv_heads, _, head_dim = cache.v.shape
         seqs = meta.decode_tables()[0].shape[0]
         rows = meta.decode_rows(kv_heads)
         keys = gather_rows(cache.k, rows).view(seqs, kv_heads, -1, head_dim)

@@ -30,18 +30,22 @@ from iterserve.platforms import huge_pages
 class KVCache:
     """K and V block pools of one layer."""
 
-    k: torch.Tensor  # [num_blocks, kv_heads, block_size, head_dim]
-    v: torch.Tensor
+    k: torch.Tensor  # [num_blocks, kv_heads, block_size, head_dim], or in key groups (see allocate)
+    v: torch.Tensor  # [num_blocks, kv_heads, block_size, head_dim]
 
     @classmethod
     def allocate(
         cls, num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int,
-        dtype: torch.dtype, device: torch.device | str,
+        dtype: torch.dtype, device: torch.device | str, keys_in_groups: bool = False,
     ) -> KVCache:
+        """``keys_in_groups`` lays K out as ``[num_blocks, kv_heads, block_size / 16, head_dim / 2, 16, 2]``: each 16
+        keys of a block's head hold their dimension pairs side by side, as the CPU kernels' bf16 dot products
+        read them (``ops.keys_in_groups`` says where)."""
         shape = (num_blocks, num_kv_heads, block_size, head_dim)
+        k_shape = (num_blocks, num_kv_heads, block_size // 16, head_dim // 2, 16, 2) if keys_in_groups else shape
         if torch.device(device).type == "cpu":  # each decode streams its blocks: on 2 MiB pages
-            return cls(huge_pages.empty(shape, dtype), huge_pages.empty(shape, dtype))
-        return cls(torch.zeros(shape, dtype=dtype, device=device), torch.zeros(shape, dtype=dtype, device=device))
+            return cls(huge_pages.empty(k_shape, dtype), huge_pages.empty(shape, dtype))
+        return cls(torch.zeros(k_shape, dtype=dtype, device=device), torch.zeros(shape, dtype=dtype, device=device))
 
 
 @dataclass

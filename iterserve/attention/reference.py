@@ -46,7 +46,7 @@ class ReferenceBackend(AttentionBackend):
             vs = v[span.start:span.end].transpose(0, 1).unsqueeze(0)
             o = F.scaled_dot_product_attention(qs, ks, vs, is_causal=True, scale=scale, enable_gqa=True)
         else:
-            _, kv_heads, _, head_dim = cache.k.shape
+            _, kv_heads, _, head_dim = cache.v.shape
             rows = span.rows(kv_heads)
             ks = gather_rows(cache.k, rows).view(1, kv_heads, -1, head_dim)[:, :, : span.context_len]
             vs = gather_rows(cache.v, rows).view(1, kv_heads, -1, head_dim)[:, :, : span.context_len]
@@ -86,7 +86,7 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
 def decode_attention_reference(q: torch.Tensor, cache: KVCache, meta: AttentionMetadata, scale: float) -> torch.Tensor:
     """Decode attention in PyTorch: gather every decode sequence's blocks head by head into
     [S, kv_heads, T, D], then two batched matmuls; GQA groups share their K/V head without repeating it."""
-    _, kv_heads, _, head_dim = cache.k.shape
+    _, kv_heads, _, head_dim = cache.v.shape
     seqs = meta.decode_tables()[0].shape[0]
     rows = meta.decode_rows(kv_heads)
     keys = gather_rows(cache.k, rows).view(seqs, kv_heads, -1, head_dim)
@@ -99,6 +99,10 @@ def decode_attention_reference(q: torch.Tensor, cache: KVCache, meta: AttentionM
 
 def gather_rows(pool: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
     """``[len(rows) * block_size, D]``: ``index_select`` copies whole contiguous (block, head) rows,
-    far cheaper than fancy indexing."""
-    num_blocks, kv_heads, block_size, head_dim = pool.shape
-    return pool.view(num_blocks * kv_heads, -1).index_select(0, rows).view(-1, head_dim)
+    far cheaper than fancy indexing. A K pool in key groups (:meth:`KVCache.allocate`) comes back as rows."""
+    num_blocks, kv_heads = pool.shape[:2]
+    picked = pool.view(num_blocks * kv_heads, -1).index_select(0, rows)
+    if pool.dim() == 6:
+        _, _, groups, pairs, keys, _ = pool.shape
+        return picked.view(-1, groups, pairs, keys, 2).transpose(2, 3).reshape(-1, pairs * 2)
+    return picked.view(-1, pool.shape[3])

@@ -41,6 +41,23 @@ constexpr int64_t kVecSize = Vec::size();
 // per-tile rescale; 16 and 64 measured within noise of 32 on the decode benchmark.
 constexpr int64_t kTile = 32;
 
+// K in key groups: where the CPU has AVX512-BF16, a bf16 K cache with a head dim that is a multiple of 32 and
+// blocks of a multiple of 16 keys is [blocks, kv_heads, block_size / 16, head_dim / 2, 16, 2]: each 16 keys of
+// a block's head keep their dimension pairs side by side, so that one vdpbf16ps scores sixteen keys on one
+// pair of the query (group_scores_keyed) and no sum crosses lanes. V keeps rows. Against K in rows, scored a
+// key at a time with sixteen keys' lanes summed by shuffles after (SmolLM2's shapes, 30 layers of K/V from DRAM,
+// one process, the layouts alternating): decode attention at batch 1 / 6 / 16 / 32 / 64 took 0.92 / 0.91 /
+// 0.94 / 0.95 / 0.97x the time, the attention of 14 prompts of 146 tokens 0.87x.
+constexpr int64_t kKeyGroup = 16;
+
+bool keys_in_groups(at::ScalarType dtype, int64_t head_dim, int64_t block_size) {
+#if defined(ITERSERVE_DPBF16) && defined(CPU_CAPABILITY_AVX512)
+  return dtype == at::kBFloat16 && head_dim % 32 == 0 && block_size % kKeyGroup == 0;
+#else
+  return false;
+#endif
+}
+
 inline Vec load_f(const float* p) { return Vec::loadu(p); }
 inline Vec load_f(const c10::BFloat16* p) {
   Vec out;
@@ -246,30 +263,6 @@ void group_scores(const float* qf, const T* const* rows, int64_t n, int64_t dim,
 }
 
 #if defined(ITERSERVE_DPBF16) && defined(CPU_CAPABILITY_AVX512)
-// group_scores for bf16 K on AVX512-BF16: scores[g * kTile + j] = scale * (q_g . k_j), each vdpbf16ps taking
-// 32 elements of a key against a query held in registers (D vectors of 32 per head; the G heads' rows are
-// q_stride apart), where the float kernel widens every K vector and multiplies it 16 elements at a time.
-// The products are exact and summed in float32 (bf16 subnormals read as zero). SmolLM2 in bf16, one process,
-// the two kernels alternating: a decode step at batch 16 / 32 / 64 took 0.98 / 0.99 / 0.97x the time, a
-// 2,044-token prefill 0.97x.
-template <int G, int D>
-void group_scores_pairs(const c10::BFloat16* q, int64_t q_stride, const c10::BFloat16* const* rows, int64_t n,
-                        float scale, float* scores, RowPrefetch<c10::BFloat16>& pf) {
-  __m512bh qv[G][D];
-  for (int g = 0; g < G; ++g)
-    for (int d = 0; d < D; ++d) qv[g][d] = (__m512bh)_mm512_loadu_si512(q + g * q_stride + 32 * d);
-  scores_by_sixteen<G>(n, scale, scores, pf, [&](int64_t j, int64_t count, __m512 (*acc)[G]) {
-    for (int p = 0; p < 2; ++p) {
-      for (int g = 0; g < G; ++g) acc[p][g] = _mm512_setzero_ps();
-      if (p >= count) continue;
-      for (int d = 0; d < D; ++d) {
-        const __m512bh kv = (__m512bh)_mm512_loadu_si512(rows[j + p] + 32 * d);
-        for (int g = 0; g < G; ++g) acc[p][g] = _mm512_dpbf16_ps(acc[p][g], qv[g][d], kv);
-      }
-    }
-  });
-}
-
 // group_values for bf16 V on AVX512-BF16: acc_g += sum_j p[g][j] v_j with the weights rounded to bf16 (as
 // PyTorch's CPU flash attention rounds them before its P @ V), two keys a vdpbf16ps: the rows of keys j and
 // j + 1 are interleaved element by element, so each 32-bit lane holds one dimension's pair of values. SmolLM2
@@ -313,6 +306,98 @@ void group_values_pairs(const float* scores, const c10::BFloat16* const* rows, i
   }
   for (int g = 0; g < G; ++g)
     for (int d = 0; d < 2 * D; ++d) _mm512_storeu_ps(acc + g * dim + 16 * d, a[g][d]);
+}
+
+// Scores over K stored in key groups (keys_in_groups): NG groups of 16 keys from `base[i]`, for G heads whose
+// query pairs are q_stride words apart, U chains of dot products per head and group. Lane l of out[i][g] is
+// scale * (q_g . key l of group i): each vdpbf16ps takes one dimension pair of sixteen keys against that pair
+// of the query, broadcast, so nothing is summed across lanes. The next tile's rows are asked for a few per
+// step, 16 x NG in all (RowPrefetch: asked for at once, they did not overlap the arithmetic).
+template <int G, int NG, int U>
+inline void key_group_scores(const uint32_t* q, int64_t q_stride, const c10::BFloat16* const* base, int64_t pairs,
+                             __m512 scale, RowPrefetch<c10::BFloat16>& pf, __m512 (*out)[G]) {
+  __m512 acc[NG][G][U];
+  for (int i = 0; i < NG; ++i)
+    for (int g = 0; g < G; ++g)
+      for (int u = 0; u < U; ++u) acc[i][g][u] = _mm512_setzero_ps();
+  const int64_t ask = (16 * NG * U + pairs - 1) / pairs;
+  for (int64_t p = 0; p < pairs; p += U) {
+    pf.ask(ask);
+    for (int u = 0; u < U; ++u) {
+      __m512bh k[NG];
+      for (int i = 0; i < NG; ++i) k[i] = (__m512bh)_mm512_loadu_si512(base[i] + 32 * (p + u));
+      for (int g = 0; g < G; ++g) {
+        const __m512bh qp = (__m512bh)_mm512_set1_epi32(static_cast<int>(q[g * q_stride + p + u]));
+        for (int i = 0; i < NG; ++i) acc[i][g][u] = _mm512_dpbf16_ps(acc[i][g][u], qp, k[i]);
+      }
+    }
+  }
+  for (int i = 0; i < NG; ++i)
+    for (int g = 0; g < G; ++g) {
+      __m512 sum = acc[i][g][0];
+      for (int u = 1; u < U; ++u) sum = _mm512_add_ps(sum, acc[i][g][u]);
+      out[i][g] = _mm512_mul_ps(sum, scale);
+    }
+}
+
+// Lanes [from, to) of a group's scores into scores[0, to - from).
+inline void store_lanes(float* scores, __m512 s, int from, int to) {
+  if (from == 0 && to == 16) {
+    _mm512_storeu_ps(scores, s);
+    return;
+  }
+  const __mmask16 keep = static_cast<__mmask16>(((1u << to) - 1) & ~((1u << from) - 1));
+  _mm512_mask_storeu_ps(scores, static_cast<__mmask16>((1u << (to - from)) - 1), _mm512_maskz_compress_ps(keep, s));
+}
+
+// group_scores for K in key groups: scores[g * kTile + j] = scale * (q_g . k_j) for keys [0, n) of the tile,
+// whose first key is key `first` (0-15) of its group of 16; rows[j] is where key j's row would lie in the row
+// layout, so rows[j] - (first + j) % 16 * dim is its group's start. Two groups at a time share each
+// broadcast of the query.
+template <int G>
+void group_scores_keyed(const c10::BFloat16* q, int64_t q_stride, const c10::BFloat16* const* rows, int64_t first,
+                        int64_t n, int64_t dim, float scale, float* scores, RowPrefetch<c10::BFloat16>& pf) {
+  constexpr int U = G == 1 ? 4 : G <= 3 ? 2 : 1;
+  const auto* q32 = reinterpret_cast<const uint32_t*>(q);
+  const int64_t qs = q_stride / 2, pairs = dim / 2;
+  const __m512 vscale = _mm512_set1_ps(scale);
+  // Group i's keys are tile keys [16 i - first, 16 i - first + 16).
+  const int64_t groups = (first + n + 15) / 16;
+  auto base = [&](int64_t i) {
+    const int64_t j = std::max<int64_t>(0, 16 * i - first);
+    return rows[j] - (first + j) % 16 * dim;
+  };
+  auto store = [&](int64_t i, __m512 (*s)[G]) {
+    const int64_t j = 16 * i - first;
+    const int from = static_cast<int>(std::max<int64_t>(0, -j)), to = static_cast<int>(std::min<int64_t>(16, n - j));
+    for (int g = 0; g < G; ++g) store_lanes(scores + g * kTile + j + from, (*s)[g], from, to);
+  };
+  int64_t i = 0;
+  for (; i + 2 <= groups; i += 2) {
+    const c10::BFloat16* b[2] = {base(i), base(i + 1)};
+    __m512 s[2][G];
+    key_group_scores<G, 2, U>(q32, qs, b, pairs, vscale, pf, s);
+    store(i, &s[0]);
+    store(i + 1, &s[1]);
+  }
+  if (i < groups) {
+    const c10::BFloat16* b[1] = {base(i)};
+    __m512 s[1][G];
+    key_group_scores<G, 1, U>(q32, qs, b, pairs, vscale, pf, s);
+    store(i, &s[0]);
+  }
+  pf.rest();
+}
+
+// group_scores_keyed for a group of any size, up to 8 heads at a time.
+void scores_keyed(const c10::BFloat16* q, int64_t q_stride, const c10::BFloat16* const* rows, int64_t first,
+                  int64_t n, int64_t dim, int64_t group, float scale, float* scores, RowPrefetch<c10::BFloat16>& pf) {
+  static constexpr decltype(&group_scores_keyed<1>) by_heads[] = {
+      group_scores_keyed<1>, group_scores_keyed<2>, group_scores_keyed<3>, group_scores_keyed<4>,
+      group_scores_keyed<5>, group_scores_keyed<6>, group_scores_keyed<7>, group_scores_keyed<8>};
+  for (int64_t g = 0; g < group; g += 8)
+    by_heads[std::min<int64_t>(8, group - g) - 1](q + g * q_stride, q_stride, rows, first, n, dim, scale,
+                                                   scores + g * kTile, pf);
 }
 #endif
 
@@ -358,33 +443,23 @@ template <typename T>
 struct GroupKernels {
   void (*scores)(const float*, const T* const*, int64_t, int64_t, float*, RowPrefetch<T>&);
   void (*values)(const float*, const T* const*, int64_t, int64_t, float*);
-  // Scores from the query as stored (its G rows q_stride apart) and the scale, in place of `scores`.
-  void (*pair_scores)(const T*, int64_t, const T* const*, int64_t, float, float*, RowPrefetch<T>&) = nullptr;
 };
 
-// On AVX512-BF16, a bf16 group of dim 64 (1-8 heads) or 128 (1-4 heads) takes the k-pair kernels.
+// On AVX512-BF16, a bf16 group of dim 64 (1-8 heads) or 128 (1-4 heads) takes P . V on k-pairs.
 template <typename T>
 inline void use_pair_kernels([[maybe_unused]] GroupKernels<T>& k, [[maybe_unused]] int64_t group,
                              [[maybe_unused]] int64_t dim) {
 #if defined(ITERSERVE_DPBF16) && defined(CPU_CAPABILITY_AVX512)
   if constexpr (std::is_same_v<T, c10::BFloat16>) {
-    using Scores = decltype(k.pair_scores);
     using Values = decltype(k.values);
-    static constexpr Scores s64[] = {group_scores_pairs<1, 2>, group_scores_pairs<2, 2>, group_scores_pairs<3, 2>,
-                                     group_scores_pairs<4, 2>, group_scores_pairs<5, 2>, group_scores_pairs<6, 2>,
-                                     group_scores_pairs<7, 2>, group_scores_pairs<8, 2>};
     static constexpr Values v64[] = {group_values_pairs<1, 2>, group_values_pairs<2, 2>, group_values_pairs<3, 2>,
                                      group_values_pairs<4, 2>, group_values_pairs<5, 2>, group_values_pairs<6, 2>,
                                      group_values_pairs<7, 2>, group_values_pairs<8, 2>};
-    static constexpr Scores s128[] = {group_scores_pairs<1, 4>, group_scores_pairs<2, 4>, group_scores_pairs<3, 4>,
-                                      group_scores_pairs<4, 4>};
     static constexpr Values v128[] = {group_values_pairs<1, 4>, group_values_pairs<2, 4>, group_values_pairs<3, 4>,
                                       group_values_pairs<4, 4>};
     if (dim == 64) {
-      k.pair_scores = s64[group - 1];
       k.values = v64[group - 1];
     } else if (dim == 128 && group <= 4) {
-      k.pair_scores = s128[group - 1];
       k.values = v128[group - 1];
     }
   }
@@ -436,8 +511,9 @@ void paged_decode_impl(at::Tensor& out, const at::Tensor& q, const at::Tensor& k
                        const at::Tensor& block_tables, const at::Tensor& context_lens, double scale,
                        int64_t sliding_window) {
   const int64_t seqs = q.size(0), heads = q.size(1), dim = q.size(2);
-  const int64_t kv_heads = k_cache.size(1), block_size = k_cache.size(2);
+  const int64_t kv_heads = v_cache.size(1), block_size = v_cache.size(2);
   const int64_t group = heads / kv_heads;
+  const bool keyed = k_cache.dim() == 6;  // K in key groups
   const T* q_ptr = q.data_ptr<T>();
   const T* k_ptr = k_cache.data_ptr<T>();
   const T* v_ptr = v_cache.data_ptr<T>();
@@ -445,7 +521,8 @@ void paged_decode_impl(at::Tensor& out, const at::Tensor& q, const at::Tensor& k
   const int64_t* tables = block_tables.data_ptr<int64_t>();
   const int64_t* ctx_lens = context_lens.data_ptr<int64_t>();
   const int64_t q_s0 = q.stride(0), q_s1 = q.stride(1), o_s0 = out.stride(0), o_s1 = out.stride(1);
-  const int64_t kc_s0 = k_cache.stride(0), kc_s1 = k_cache.stride(1), kc_s2 = k_cache.stride(2);
+  // In key groups, key t of a block's head lies in the group that starts where row t would (kc_s2 = dim).
+  const int64_t kc_s0 = k_cache.stride(0), kc_s1 = k_cache.stride(1), kc_s2 = keyed ? dim : k_cache.stride(2);
   const int64_t vc_s0 = v_cache.stride(0), vc_s1 = v_cache.stride(1), vc_s2 = v_cache.stride(2);
   const int64_t table_stride = block_tables.stride(0);
   const int64_t row_bytes = dim * static_cast<int64_t>(sizeof(T));
@@ -522,7 +599,7 @@ void paged_decode_impl(at::Tensor& out, const at::Tensor& q, const at::Tensor& k
         rows_of(v_ptr, vc_s0, vc_s1, vc_s2, s2, h2, lo2, lo2 + ahead_n, ahead_v);
       }
       const T* q_group = q_ptr + s * q_s0 + h * group * q_s1;
-      if (blocked.pair_scores == nullptr) {  // the float kernels' query: widened and scaled
+      if (!keyed) {  // the float kernels' query: widened and scaled
         for (int64_t g = 0; g < group; ++g) {
           to_float(q_group + g * q_s1, qf + g * dim, dim);
           scale_(qf + g * dim, fscale, dim);
@@ -539,8 +616,11 @@ void paged_decode_impl(at::Tensor& out, const at::Tensor& q, const at::Tensor& k
         rows_of(v_ptr, vc_s0, vc_s1, vc_s2, s, h, t0 + n, next, vrows[cur ^ 1]);
         RowPrefetch<T> pf = next > t0 + n ? RowPrefetch<T>{krows[cur ^ 1], vrows[cur ^ 1], next - t0 - n, row_bytes}
                                           : RowPrefetch<T>{ahead_k, ahead_v, ahead_n, row_bytes};
-        if (blocked.pair_scores != nullptr) {
-          blocked.pair_scores(q_group, q_s1, krows[cur], n, fscale, scores, pf);
+        if (keyed) {
+#if defined(ITERSERVE_DPBF16) && defined(CPU_CAPABILITY_AVX512)
+          if constexpr (std::is_same_v<T, c10::BFloat16>)
+            scores_keyed(q_group, q_s1, krows[cur], t0 % kKeyGroup, n, dim, group, fscale, scores, pf);
+#endif
         } else if (blocked.scores != nullptr) {
           blocked.scores(qf, krows[cur], n, dim, scores, pf);
         } else {
@@ -602,9 +682,18 @@ void paged_decode_impl(at::Tensor& out, const at::Tensor& q, const at::Tensor& k
   });
 }
 
-void check_cache(const at::Tensor& q, const at::Tensor& cache) {
-  TORCH_CHECK(cache.dim() == 4 && cache.stride(3) == 1, "KV cache must be [blocks, kv_heads, block_size, head_dim]");
+// A K or V cache [blocks, kv_heads, block_size, head_dim], or a K cache in key groups (keys_in_groups).
+void check_cache(const at::Tensor& q, const at::Tensor& cache, const at::Tensor& v_cache) {
   TORCH_CHECK(cache.scalar_type() == q.scalar_type(), "KV cache dtype differs from the query");
+  if (cache.dim() == 6) {
+    TORCH_CHECK(cache.is_contiguous() && cache.size(4) == kKeyGroup && cache.size(5) == 2 &&
+                    cache.size(3) * 2 == q.size(-1) && cache.size(2) * kKeyGroup == v_cache.size(2),
+                "K cache in key groups must be [blocks, kv_heads, block_size / 16, head_dim / 2, 16, 2]");
+    TORCH_CHECK(keys_in_groups(cache.scalar_type(), q.size(-1), v_cache.size(2)),
+                "K in key groups needs bf16 on a CPU with AVX512-BF16, head_dim % 32 == 0, block_size % 16 == 0");
+    return;
+  }
+  TORCH_CHECK(cache.dim() == 4 && cache.stride(3) == 1, "KV cache must be [blocks, kv_heads, block_size, head_dim]");
   TORCH_CHECK(cache.size(3) == q.size(-1), "KV cache head_dim differs from the query");
 }
 
@@ -616,8 +705,9 @@ void paged_decode(at::Tensor out, const at::Tensor& q, const at::Tensor& k_cache
                   const at::Tensor& block_tables, const at::Tensor& context_lens, double scale,
                   int64_t sliding_window) {
   TORCH_CHECK(q.dim() == 3 && q.stride(2) == 1 && out.stride(2) == 1, "q/out must be [seqs, heads, head_dim]");
-  check_cache(q, k_cache);
-  check_cache(q, v_cache);
+  check_cache(q, k_cache, v_cache);
+  check_cache(q, v_cache, v_cache);
+  TORCH_CHECK(v_cache.dim() == 4 && k_cache.size(1) == v_cache.size(1), "V cache must be [blocks, kv_heads, block_size, head_dim]");
   TORCH_CHECK(q.size(1) % k_cache.size(1) == 0, "heads must be a multiple of kv_heads");
   TORCH_CHECK(block_tables.scalar_type() == at::kLong && context_lens.scalar_type() == at::kLong,
               "block tables and context lengths must be int64");
@@ -630,8 +720,9 @@ void paged_decode(at::Tensor out, const at::Tensor& q, const at::Tensor& k_cache
 // k_cache[blocks[i], :, offsets[i]] = k[i] (and the same for v); k/v may be strided views of the QKV output.
 void write_kv(const at::Tensor& k, const at::Tensor& v, at::Tensor k_cache, at::Tensor v_cache,
               const at::Tensor& slot_blocks, const at::Tensor& slot_offsets) {
-  check_cache(k, k_cache);
-  check_cache(v, v_cache);
+  check_cache(k, k_cache, v_cache);
+  check_cache(v, v_cache, v_cache);
+  TORCH_CHECK(v_cache.dim() == 4, "V cache must be [blocks, kv_heads, block_size, head_dim]");
   TORCH_CHECK(k.dim() == 3 && k.stride(2) == 1 && v.stride(2) == 1, "k/v must be [tokens, kv_heads, head_dim]");
   TORCH_CHECK(slot_blocks.is_contiguous() && slot_offsets.is_contiguous() && slot_blocks.scalar_type() == at::kLong,
               "slots must be contiguous int64");
@@ -644,11 +735,20 @@ void write_kv(const at::Tensor& k, const at::Tensor& v, at::Tensor k_cache, at::
   auto* kc = static_cast<char*>(k_cache.data_ptr());
   auto* vc = static_cast<char*>(v_cache.data_ptr());
   const int64_t es = k.element_size();
+  const bool keyed = k_cache.dim() == 6;
   iterserve::parallel_chunks(tokens, 16, [&](int64_t begin, int64_t end) {
     for (int64_t i = begin; i < end; ++i) {
       for (int64_t h = 0; h < kv_heads; ++h) {
-        std::memcpy(kc + (blocks[i] * k_cache.stride(0) + h * k_cache.stride(1) + offsets[i] * k_cache.stride(2)) * es,
-                    kp + (i * k.stride(0) + h * k.stride(1)) * es, bytes);
+        const char* src = kp + (i * k.stride(0) + h * k.stride(1)) * es;
+        if (keyed) {  // dimension pair p of key t at word p * 16 + t % 16 of t's group
+          auto* group = reinterpret_cast<uint32_t*>(
+              kc + (blocks[i] * k_cache.stride(0) + h * k_cache.stride(1) + offsets[i] / kKeyGroup * k_cache.stride(2)) * es);
+          for (int64_t p = 0; p < dim / 2; ++p)
+            std::memcpy(group + p * kKeyGroup + offsets[i] % kKeyGroup, src + p * 2 * es, 2 * es);
+        } else {
+          std::memcpy(kc + (blocks[i] * k_cache.stride(0) + h * k_cache.stride(1) + offsets[i] * k_cache.stride(2)) * es,
+                      src, bytes);
+        }
         std::memcpy(vc + (blocks[i] * v_cache.stride(0) + h * v_cache.stride(1) + offsets[i] * v_cache.stride(2)) * es,
                     vp + (i * v.stride(0) + h * v.stride(1)) * es, bytes);
       }
@@ -837,6 +937,9 @@ void register_decoder(pybind11::module& m);  // decoder.cpp
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("paged_decode", &paged_decode, "Paged decode attention reading K/V blocks in place");
   m.def("write_kv", &write_kv, "Store this step's K/V rows into their cache slots");
+  m.def("keys_in_groups", [](at::ScalarType dtype, int64_t head_dim, int64_t block_size) {
+        return keys_in_groups(dtype, head_dim, block_size); },
+        "Whether paged_decode and write_kv take a K cache of this kind in key groups, and score it faster so");
   m.def("rms_norm", &rms_norm, "RMSNorm");
   m.def("fused_add_rms_norm", &fused_add_rms_norm, "residual += x; x = RMSNorm(residual), in place");
   m.def("rope_", &rope_, "Rotate-half RoPE on q and k in place");

@@ -9,6 +9,7 @@ import torch
 from iterserve import kernels
 from iterserve.attention import AttentionMetadata
 from iterserve.attention.cpu import CpuBackend
+from iterserve.attention.reference import gather_rows
 from iterserve.config import ModelConfig
 from iterserve.distributed.parallel_state import ParallelState
 from iterserve.models.cpu_linear import MeasuredChooser, PackedLinear
@@ -142,3 +143,39 @@ def test_a_step_with_short_prompts_runs_natively_and_attends_them_as_the_prefill
     torch.testing.assert_close(native, spans, atol=1e-4, rtol=1e-4)
     for a, b in zip(native_kv, spans_kv, strict=True):
         torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)
+
+
+def test_keys_in_groups_where_the_backend_reads_them_so_give_the_logits_of_keys_in_rows():
+    """bf16 with head_dim 32 and blocks of 16: on a CPU with AVX512-BF16 the backend keeps K in key groups. A
+    prompt, a chunk after its cached prefix (read back through the prefill path's gather) and decodes in the
+    native loop give the logits of the same model over K in rows, and the same K."""
+    model = model_with(tiny(head_dim=32), "packed", torch.bfloat16)
+    cfg = model.config
+    backend = CpuBackend(OPS)
+    backend.decode_prompts_up_to = 0  # prompt chunks through the prefill path
+    grouped, rows = model.allocate_kv_cache(8, 16, backend), model.allocate_kv_cache(8, 16)
+    expect_groups = bool(OPS.keys_in_groups(torch.bfloat16, 32, 16))
+    assert backend.keys_in_groups(torch.bfloat16, 32, 16) == expect_groups
+    assert all(c.k.dim() == (6 if expect_groups else 4) and c.v.dim() == 4 for c in grouped)
+    g = torch.Generator().manual_seed(6)
+    tables = [[5, 2], [0, 7, 3]]
+    steps = [([0, 0], [20, 9]), ([20, 9], [1, 21]), ([21, 30], [1, 1])]  # (cached, query lengths) per step
+    logits = {}
+    for name, caches in (("groups", grouped), ("rows", rows)):
+        for c in caches:
+            c.k.zero_()
+            c.v.zero_()
+        logits[name] = []
+        g.manual_seed(6)
+        for cached, qlens in steps:
+            meta = AttentionMetadata.build(block_size=16, block_tables=tables, num_cached=cached, query_lens=qlens,
+                                           decode_prompts_up_to=0)
+            ids = torch.randint(0, cfg.vocab_size, (sum(qlens),), generator=g)
+            positions = torch.cat([torch.arange(c, c + n) for c, n in zip(cached, qlens)])
+            logits[name].append(model(ids, positions, caches, meta, backend))
+    for a, b in zip(logits["groups"], logits["rows"], strict=True):
+        torch.testing.assert_close(a.float(), b.float(), atol=2e-2, rtol=2e-2)
+    table_rows = torch.tensor([5, 2, 0, 7, 3]) * cfg.num_kv_heads
+    for a, b in zip(grouped, rows, strict=True):
+        assert torch.equal(gather_rows(a.k, table_rows), gather_rows(b.k, table_rows))
+        assert torch.equal(a.v, b.v)

@@ -10,7 +10,7 @@ from iterserve import kernels
 from iterserve.attention import AttentionMetadata, KVCache
 from iterserve.attention.cpu import CpuBackend
 from iterserve.attention.cuda import CudaBackend
-from iterserve.attention.reference import ReferenceBackend
+from iterserve.attention.reference import ReferenceBackend, gather_rows
 
 H, KVH, D, BS = 4, 2, 8, 4
 
@@ -147,3 +147,13 @@ def test_short_prompts_attended_as_decodes_up_to_the_backends_limit():
     assert every.decode_block_tables.tolist() == [[7, 3, 0], [1, 0, 0]] + [[4, 0, 6]] * 4 + [[2, 5, 0]] * 5
     want = [t[p // BS] * BS + p % BS for t, c, n in zip(tables, cached, qlens) for p in range(c, c + n)]
     assert every.slot_mapping.tolist() == want
+
+
+def test_a_pool_of_keys_in_groups_is_gathered_as_rows():
+    """The prefill path reads cached K through gather_rows whichever layout the backend chose."""
+    pool = torch.randn(6, 2, 32, 64)
+    grouped = KVCache.allocate(6, 32, 2, 64, torch.float32, "cpu", keys_in_groups=True)
+    grouped.k.copy_(pool.view(6, 2, 2, 16, 32, 2).transpose(3, 4))
+    rows = torch.tensor([5, 0, 11, 2])  # (block, head) rows, as span.rows() lists them
+    assert torch.equal(gather_rows(grouped.k, rows), gather_rows(pool, rows))
+    assert gather_rows(pool, rows).shape == (4 * 32, 64)

@@ -56,7 +56,7 @@ class DraftModel:
         self.model = model
         self.backend = backend  # the target's: both models run on one device
         self.block_size = block_size
-        self.kv_caches = model.allocate_kv_cache(num_blocks, block_size)
+        self.kv_caches = model.allocate_kv_cache(num_blocks, block_size, backend)
 
     def _meta(self, block_tables: list[list[int]], num_cached: list[int], query_lens: list[int],
               max_decode_query: int = 1) -> AttentionMetadata:
