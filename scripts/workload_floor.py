@@ -1,7 +1,7 @@
 """The floor of a workload on this machine: its matmul FLOPs at the rate ``F.linear`` reaches on the model's
 weight shapes, plus every decode's K/V read at the streaming read bandwidth, both measured here and now.
 
-    .venv/bin/python scripts/workload_floor.py wl64.jsonl --dtype bfloat16 [--threads 2]
+    .venv/bin/python scripts/workload_floor.py wl64.jsonl --dtype bfloat16 [--threads 2] [--engine-runs 5]
 
 The workload is ``scripts/workload_jsonl.py``'s file (prompt token ids and output lengths). Every prompt and
 output token passes through each layer's matmuls; each output token also through the LM head, and its
@@ -10,6 +10,12 @@ decode reads the K/V of its whole context. ``F.linear`` is timed on each distinc
 each shape does: the median of ``--rounds`` rounds that take the shapes in turn, since on a VM one shape's
 rate moved 3x between two runs a minute apart (the LM head's, 160-522 GFLOP/s in bf16). An engine's time
 over the floor says how much of the machine it used.
+
+``--engine-runs N`` also runs the workload N times through a fresh engine (greedy, ``ignore_eos``, up to 64
+sequences, as ``iterserve bench throughput --modes continuous`` does) with a round of the floor's
+measurements before the first run and after each: each run is divided into the floor measured beside it
+(the median of its two neighbouring rounds), so that the VM's speed, which moved the floor 20% between two
+commands a minute apart, moves both sides of a ratio alike.
 """
 
 from __future__ import annotations
@@ -17,12 +23,48 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
+import time
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 
 from iterserve.bench.microbench import median_seconds, streaming_read_gbs
 from iterserve.models.loader import load_model_config
+
+Shape = tuple[int, int]  # a weight's [in, out]
+
+
+@dataclass
+class Floor:
+    flops: dict[Shape, int]  # the workload's matmul FLOPs per weight shape
+    kv_bytes: int  # the K/V its decodes read
+    rows: int
+
+    def rates(self, dtype: torch.dtype, rounds: int) -> dict[Shape, float]:
+        """FLOP/s of ``F.linear`` on each shape at ``rows`` rows: the median over ``rounds`` rounds."""
+        operands = {(k, n): (torch.randn(self.rows, k).to(dtype), torch.randn(n, k).to(dtype)) for k, n in self.flops}
+        seconds: dict[Shape, list[float]] = {s: [] for s in self.flops}
+        for _ in range(rounds):
+            for s, (x, w) in operands.items():
+                seconds[s].append(median_seconds(lambda: F.linear(x, w), 7))
+        return {(k, n): 2 * self.rows * k * n / statistics.median(seconds[(k, n)]) for k, n in self.flops}
+
+    def seconds(self, rates: dict[Shape, float], gbs: float) -> tuple[float, float]:
+        """(matmul seconds, K/V seconds) at these rates and this read bandwidth."""
+        return sum(f / rates[s] for s, f in self.flops.items()), self.kv_bytes / (gbs * 1e9)
+
+
+def engine_seconds(model: str, dtype: str, requests: list[dict]) -> float:
+    """One run of the workload through a fresh engine: seconds from the first request queued to the last done."""
+    from iterserve import LLM, SamplingParams
+
+    llm = LLM(model=model, dtype=dtype, max_num_seqs=64)
+    params = [SamplingParams(temperature=0, max_tokens=r["output_len"], ignore_eos=True) for r in requests]
+    prompts = [{"prompt_token_ids": r["prompt"]} for r in requests]
+    start = time.perf_counter()
+    llm.generate(prompts, params, use_tqdm=False)
+    return time.perf_counter() - start
 
 
 def main() -> None:
@@ -33,6 +75,8 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=torch.get_num_threads())
     ap.add_argument("--rows", type=int, default=64)
     ap.add_argument("--rounds", type=int, default=5, help="rounds over the shapes; each shape's median is taken")
+    ap.add_argument("--engine-runs", type=int, default=0, help="runs of the workload through the engine, "
+                    "each divided into the floor measured beside it")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     dtype = getattr(torch, args.dtype)
@@ -43,33 +87,41 @@ def main() -> None:
     # Each output token's decode reads the K/V of the context before it.
     kv_tokens = sum(len(r["prompt"]) * r["output_len"] + r["output_len"] * (r["output_len"] - 1) // 2
                     for r in requests)
-    kv_bytes = kv_tokens * cfg.kv_bytes_per_token(dtype.itemsize)
-
     h, q, kv, ff = cfg.hidden_size, cfg.q_size, cfg.kv_size, cfg.intermediate_size
     layer_shapes = [(h, q + 2 * kv), (q, h), (h, 2 * ff), (ff, h)]  # [in, out]: qkv, o, gate/up, down
     head_shape = (h, cfg.vocab_size)
     tokens = prompt_tokens + output_tokens
     flops = {s: 2 * s[0] * s[1] * tokens * cfg.num_layers for s in layer_shapes}
     flops[head_shape] = flops.get(head_shape, 0) + 2 * h * cfg.vocab_size * output_tokens
-    operands = {(k, n): (torch.randn(args.rows, k).to(dtype), torch.randn(n, k).to(dtype)) for k, n in flops}
-    seconds: dict[tuple[int, int], list[float]] = {s: [] for s in flops}
-    for _ in range(args.rounds):
-        for s, (x, w) in operands.items():
-            seconds[s].append(median_seconds(lambda: F.linear(x, w), 7))
-    rates = {(k, n): 2 * args.rows * k * n / statistics.median(seconds[(k, n)]) for k, n in flops}
-    total = sum(flops.values())
-    matmul_s = sum(f / rates[s] for s, f in flops.items())
-    gbs = streaming_read_gbs()
-    kv_s = kv_bytes / (gbs * 1e9)
-    floor = matmul_s + kv_s
+    floor = Floor(flops, kv_tokens * cfg.kv_bytes_per_token(dtype.itemsize), args.rows)
     print(f"{len(requests)} requests: {prompt_tokens} prompt + {output_tokens} output tokens, {args.dtype}, "
           f"{args.threads} threads")
+
+    def measure() -> tuple[float, float, dict[Shape, float], float]:
+        rates, gbs = floor.rates(dtype, args.rounds), streaming_read_gbs()
+        matmul_s, kv_s = floor.seconds(rates, gbs)
+        return matmul_s + kv_s, matmul_s, rates, gbs
+
+    total, matmul_s, rates, gbs = measure()
     for s in flops:
         print(f"  F.linear {s[0]}->{s[1]} at {args.rows} rows: {rates[s] / 1e9:.1f} GFLOP/s")
-    print(f"matmuls: {total / 1e12:.2f} TFLOP at {total / matmul_s / 1e9:.1f} GFLOP/s (FLOP-weighted) "
+    all_flops = sum(flops.values())
+    print(f"matmuls: {all_flops / 1e12:.2f} TFLOP at {all_flops / matmul_s / 1e9:.1f} GFLOP/s (FLOP-weighted) "
           f"= {matmul_s:.2f} s")
-    print(f"K/V: {kv_bytes / 1e9:.1f} GB at {gbs:.1f} GB/s = {kv_s:.2f} s")
-    print(f"floor: {floor:.2f} s = {output_tokens / floor:.1f} output tok/s")
+    print(f"K/V: {floor.kv_bytes / 1e9:.1f} GB at {gbs:.1f} GB/s = {total - matmul_s:.2f} s")
+    print(f"floor: {total:.2f} s = {output_tokens / total:.1f} output tok/s")
+    ratios = []
+    for run in range(args.engine_runs):
+        seconds = engine_seconds(args.model, args.dtype, requests)
+        after = measure()
+        beside = statistics.median([total, after[0]])
+        ratios.append(beside / seconds)
+        print(f"run {run + 1}: {seconds:.2f} s = {output_tokens / seconds:.1f} output tok/s; floor beside it "
+              f"{beside:.2f} s ({total:.2f} before, {after[0]:.2f} after): {ratios[-1]:.2f} of the floor")
+        total = after[0]
+    if ratios:
+        print(f"of the floor over {len(ratios)} runs: median {statistics.median(ratios):.2f} "
+              f"(min {min(ratios):.2f}, max {max(ratios):.2f})")
 
 
 if __name__ == "__main__":
