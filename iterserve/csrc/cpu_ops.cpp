@@ -594,8 +594,9 @@ void paged_decode_impl(at::Tensor& out, const at::Tensor& q, const at::Tensor& k
         std::copy(ahead_v, ahead_v + first, vrows[0]);
       }
       ahead_n = 0;
+      int64_t s2 = 0, h2 = 0, lo2 = 0, hi2 = 0;
+      bool far_next = task + 1 < end;  // the next task's second tile not yet asked for
       if (task + 1 < end) {  // asked for during this task's last tile
-        int64_t s2, h2, lo2, hi2;
         span(task + 1, s2, h2, lo2, hi2);
         ahead_n = std::max<int64_t>(0, std::min(hi2, lo2 + kTile) - lo2);
         rows_of(k_ptr, kc_s0, kc_s1, kc_s2, s2, h2, lo2, lo2 + ahead_n, ahead_k);
@@ -629,6 +630,15 @@ void paged_decode_impl(at::Tensor& out, const at::Tensor& q, const at::Tensor& k
           rows_of(v_ptr, vc_s0, vc_s1, vc_s2, s, h, next, far, far_v);
           prefetch_rows<T, 2>(far_k, far - next, row_bytes);
           prefetch_rows<T, 2>(far_v, far - next, row_bytes);
+        } else if (far_next) {  // past this task's end: the next task's second tile (0.93-0.97x at batch 16-64)
+          far_next = false;
+          const int64_t f0 = lo2 + ahead_n, f1 = std::min(hi2, f0 + kTile);
+          if (f1 > f0) {
+            rows_of(k_ptr, kc_s0, kc_s1, kc_s2, s2, h2, f0, f1, far_k);
+            rows_of(v_ptr, vc_s0, vc_s1, vc_s2, s2, h2, f0, f1, far_v);
+            prefetch_rows<T, 2>(far_k, f1 - f0, row_bytes);
+            prefetch_rows<T, 2>(far_v, f1 - f0, row_bytes);
+          }
         }
         if (keyed) {
 #if defined(ITERSERVE_DPBF16) && defined(CPU_CAPABILITY_AVX512)
