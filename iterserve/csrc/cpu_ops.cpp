@@ -580,6 +580,14 @@ void paged_decode_impl(at::Tensor& out, const at::Tensor& q, const at::Tensor& k
                        int64_t to, const T** out) {
       head_rows(cache, tables + s * table_stride, block_size, s0, s2, h * s1, from, to, out);
     };
+    // Sequence s's head h, keys [from, to) (at most a tile), asked for into L2 all at once.
+    auto into_l2 = [&](int64_t s, int64_t h, int64_t from, int64_t to) {
+      if (to <= from) return;
+      rows_of(k_ptr, kc_s0, kc_s1, kc_s2, s, h, from, to, far_k);
+      rows_of(v_ptr, vc_s0, vc_s1, vc_s2, s, h, from, to, far_v);
+      prefetch_rows<T, 2>(far_k, to - from, row_bytes);
+      prefetch_rows<T, 2>(far_v, to - from, row_bytes);
+    };
     for (int64_t task = begin; task < end; ++task) {
       int64_t s, h, lo, hi;
       span(task, s, h, lo, hi);
@@ -624,21 +632,11 @@ void paged_decode_impl(at::Tensor& out, const at::Tensor& q, const at::Tensor& k
         // next tile asked for (into L1), K/V came from DRAM at 11-12 GB/s (SmolLM2's decode attention over 30
         // layers, bf16, K in key groups, batch 6-64); with this too at 14-16 GB/s, the attention taking 0.75-0.87x
         // the time (0.98x at batch 1) and the 64-request workload 0.80-0.87x (one process, alternating).
-        const int64_t far = std::min(hi, next + kTile);
-        if (far > next) {
-          rows_of(k_ptr, kc_s0, kc_s1, kc_s2, s, h, next, far, far_k);
-          rows_of(v_ptr, vc_s0, vc_s1, vc_s2, s, h, next, far, far_v);
-          prefetch_rows<T, 2>(far_k, far - next, row_bytes);
-          prefetch_rows<T, 2>(far_v, far - next, row_bytes);
+        if (next < hi) {
+          into_l2(s, h, next, std::min(hi, next + kTile));
         } else if (far_next) {  // past this task's end: the next task's second tile (0.93-0.97x at batch 16-64)
           far_next = false;
-          const int64_t f0 = lo2 + ahead_n, f1 = std::min(hi2, f0 + kTile);
-          if (f1 > f0) {
-            rows_of(k_ptr, kc_s0, kc_s1, kc_s2, s2, h2, f0, f1, far_k);
-            rows_of(v_ptr, vc_s0, vc_s1, vc_s2, s2, h2, f0, f1, far_v);
-            prefetch_rows<T, 2>(far_k, f1 - f0, row_bytes);
-            prefetch_rows<T, 2>(far_v, f1 - f0, row_bytes);
-          }
+          into_l2(s2, h2, lo2 + ahead_n, std::min(hi2, lo2 + ahead_n + kTile));
         }
         if (keyed) {
 #if defined(ITERSERVE_DPBF16) && defined(CPU_CAPABILITY_AVX512)
