@@ -98,6 +98,7 @@ def main() -> None:
           f"{args.threads} threads")
 
     def measure() -> tuple[float, float, dict[Shape, float], float]:
+        torch.set_num_threads(args.threads)  # an engine leaves torch one thread (kernels.run_on_pool)
         rates, gbs = floor.rates(dtype, args.rounds), streaming_read_gbs()
         matmul_s, kv_s = floor.seconds(rates, gbs)
         return matmul_s + kv_s, matmul_s, rates, gbs
