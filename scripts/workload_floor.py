@@ -40,13 +40,17 @@ class Floor:
     flops: dict[Shape, int]  # the workload's matmul FLOPs per weight shape
     kv_bytes: int  # the K/V its decodes read
     rows: int
+    dtype: torch.dtype
 
-    def rates(self, dtype: torch.dtype, rounds: int) -> dict[Shape, float]:
+    def __post_init__(self) -> None:
+        self.operands = {(k, n): (torch.randn(self.rows, k).to(self.dtype), torch.randn(n, k).to(self.dtype))
+                         for k, n in self.flops}
+
+    def rates(self, rounds: int) -> dict[Shape, float]:
         """FLOP/s of ``F.linear`` on each shape at ``rows`` rows: the median over ``rounds`` rounds."""
-        operands = {(k, n): (torch.randn(self.rows, k).to(dtype), torch.randn(n, k).to(dtype)) for k, n in self.flops}
         seconds: dict[Shape, list[float]] = {s: [] for s in self.flops}
         for _ in range(rounds):
-            for s, (x, w) in operands.items():
+            for s, (x, w) in self.operands.items():
                 seconds[s].append(median_seconds(lambda: F.linear(x, w), 7))
         return {(k, n): 2 * self.rows * k * n / statistics.median(seconds[(k, n)]) for k, n in self.flops}
 
@@ -93,13 +97,13 @@ def main() -> None:
     tokens = prompt_tokens + output_tokens
     flops = {s: 2 * s[0] * s[1] * tokens * cfg.num_layers for s in layer_shapes}
     flops[head_shape] = flops.get(head_shape, 0) + 2 * h * cfg.vocab_size * output_tokens
-    floor = Floor(flops, kv_tokens * cfg.kv_bytes_per_token(dtype.itemsize), args.rows)
+    floor = Floor(flops, kv_tokens * cfg.kv_bytes_per_token(dtype.itemsize), args.rows, dtype)
     print(f"{len(requests)} requests: {prompt_tokens} prompt + {output_tokens} output tokens, {args.dtype}, "
           f"{args.threads} threads")
 
     def measure() -> tuple[float, float, dict[Shape, float], float]:
         torch.set_num_threads(args.threads)  # an engine leaves torch one thread (kernels.run_on_pool)
-        rates, gbs = floor.rates(dtype, args.rounds), streaming_read_gbs()
+        rates, gbs = floor.rates(args.rounds), streaming_read_gbs()
         matmul_s, kv_s = floor.seconds(rates, gbs)
         return matmul_s + kv_s, matmul_s, rates, gbs
 
