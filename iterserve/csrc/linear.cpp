@@ -342,14 +342,16 @@ void packed_linear_impl(const at::Tensor& x, const at::Tensor& packed, const at:
   const T* wp = packed.data_ptr<T>();
   T* yp = y.data_ptr<T>();
   // Up to 8 rows (memory-bound): chunks of whole register tiles, at least four per thread so that a thread that
-  // starts late or runs slower leaves less of the weight to the others; at most kGroup blocks.
+  // starts late or runs slower leaves less of the weight to the others, at most kGroup blocks, split so that no
+  // thread gets more blocks than it must. Chunks of 4 blocks (o and down of SmolLM2, 36 blocks) left 8 rows a
+  // short tile a chunk, computing 3 blocks for 1, and one thread a ninth chunk alone: all of SmolLM2's matmuls
+  // (weights from DRAM) took 0.94-0.95x the time at 8 rows with these, 0.98-1.01x at 1-6 (bf16 and float32,
+  // one process, alternating).
   const int64_t threads = iterserve::ChunkPool::get().threads();
-  int64_t chunk = kGroup;
-  for (int64_t c : {6, 4, 3, 2, 1})
-    if (blocks / chunk < 4 * threads) chunk = c;
+  int64_t chunk = balanced_chunk(blocks, threads, 4, nb_for(static_cast<int>(std::min<int64_t>(M, kMaxMR))), kGroup);
   // More rows: whole tiles, at least two chunks a thread, split so that no thread gets more blocks than it
-  // must (a chunk's first tile is the one no earlier tile fetched ahead, so the longest such chunks). Chunks
-  // doubled from the rule above left one thread 3 of 5 chunks of the QKV projection: all of SmolLM2's bf16
+  // must (a chunk's first tile is the one no earlier tile fetched ahead, so the longest such chunks). The 1-8 row
+  // chunks of an earlier rule (12, 6, 4, ... blocks), doubled, left one thread 3 of 5 chunks of the QKV projection: all of SmolLM2's bf16
   // matmuls at 2,048 rows took 697.7 against 630.3 ms, at 64 rows 23.6 against 21.5 (one process, alternating).
   if (M > kMaxMR) {
     int64_t unit = nb_for(kMaxMR);
