@@ -134,14 +134,14 @@ def main() -> None:
 
 def run_dtype(args, dtype: str, loaded: dict, paths: dict[str, AttentionBackend], threads: dict[str, int],
               peaks: tuple[float, float], batches: list[int], chunks: list[int]) -> None:
-    """Every decode batch and prefill chunk of one dtype, each path on its own copy of the model (sharing
-    one KV cache: each pass rewrites the slots it reads)."""
+    """Every decode batch and prefill chunk of one dtype, each path on its own copy of the model and its own
+    KV cache, laid out as its backend reads it (each pass rewrites the slots it reads)."""
     linear_gflops, read_gbs = peaks
     block = 16
     cfg = next(iter(loaded.values())).config
     blocks_per_seq = -(-(args.context + 1) // block)
     num_blocks = max(max(batches) * blocks_per_seq, -(-max(chunks, default=1) // block))
-    caches = next(iter(loaded.values())).model.allocate_kv_cache(num_blocks, block)
+    caches = {path: m.model.allocate_kv_cache(num_blocks, block, paths[path]) for path, m in loaded.items()}
     pdt = canonical_dtype(dtype)
 
     batch1: dict[str, float] = {}  # each path's batch-1 decode step
@@ -160,7 +160,7 @@ def run_dtype(args, dtype: str, loaded: dict, paths: dict[str, AttentionBackend]
             print(f"{'':<9} {label:<14} {'speed-up':<10} {medians['reference'] / medians['fused']:8.2f}x")
 
     def passes(ids, pos, meta, rows) -> dict[str, Callable[[], object]]:
-        return {path: functools.partial(m.model, ids, pos, caches, meta, paths[path], logits_indices=rows)
+        return {path: functools.partial(m.model, ids, pos, caches[path], meta, paths[path], logits_indices=rows)
                 for path, m in loaded.items()}
 
     # Every decode batch and path alternate pass by pass, so the xB=1 ratios compare steps taken under

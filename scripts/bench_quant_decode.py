@@ -72,8 +72,8 @@ def main() -> None:
               f"{streamed_weight_bytes(loaded.model) / 1e6:.1f} MB")
     cfg = next(iter(models.values())).config
     blocks_per_seq = -(-(args.context + 1) // block)
-    caches = {f: m.allocate_kv_cache(max(batches) * blocks_per_seq, block) for f, m in models.items()}
     backends = {"": select_backend("cpu")}
+    caches = {f: m.allocate_kv_cache(max(batches) * blocks_per_seq, block, backends[""]) for f, m in models.items()}
     if args.layer_by_layer:
         backends["/py"] = CpuBackend(kernels.ops, native_layers=False)
     print(f"{'format':<9} {'batch':>5} {'ms':>8} {'tokens/s':>9} {'vs f32':>7} {'floor ms':>9} {'of floor':>9}")
