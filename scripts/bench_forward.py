@@ -3,8 +3,9 @@
 For each dtype this prints ms per step, tokens/s, and the achieved memory bandwidth and FLOP/s
 implied by the planner's cost model (weights streamed once per step plus the K/V read), beside this
 machine's peaks measured by the same script: a streaming read (sum of a 512 MiB tensor) and a large
-F.linear in the benchmarked dtype. ``floor ms`` is the step's bytes at the streaming read bandwidth,
-``floor`` that time over the measured one (1.0: the step runs at the memory floor), ``xB=1`` a decode
+F.linear in the benchmarked dtype. ``floor ms`` is the step's bytes at the streaming read bandwidth, that
+read timed in turn with the steps (the VM's bandwidth moves by half within minutes), ``floor`` that time
+over the measured one (1.0: the step runs at the memory floor), ``xB=1`` a decode
 step's time over the batch-1 step's on the same path.
 
 When the C++ CPU kernels are built, each shape runs on both paths: ``fused`` (the kernels, the
@@ -75,6 +76,27 @@ def busy_processes(n: int) -> Iterator[None]:
             p.wait()
 
 
+class StreamingRead:
+    """A sum of 512 MiB timed in turn with the steps: the floor's bandwidth as the steps meet it. After each
+    read it idles 20 ms, so that torch's OpenMP threads stop spinning before the next step: right after the
+    read, a bf16 batch-1 step took 16.1 against 10.5 ms."""
+
+    def __init__(self) -> None:
+        self.data = torch.ones(128 * 2**20)
+        self.seconds: list[float] = []
+
+    def __call__(self) -> None:
+        start = time.perf_counter()
+        self.data.sum()
+        self.seconds.append(time.perf_counter() - start)
+        time.sleep(0.02)
+
+    def gbs(self) -> float:
+        """The median read since the last call, in GB/s."""
+        seconds, self.seconds = statistics.median(self.seconds), []
+        return self.data.nbytes / seconds / 1e9
+
+
 def peak_linear_gflops(dtype: torch.dtype) -> float:
     """F.linear on a large square problem in ``dtype``: the best the matmul library does here."""
     n = 2048
@@ -106,13 +128,13 @@ def main() -> None:
     if "reference" in wanted or not paths:
         paths["reference"] = ReferenceBackend()
     read_gbs = streaming_read_gbs()
-    threads = {"reference": torch.get_num_threads()}
+    threads = {"reference": torch.get_num_threads(), "read": torch.get_num_threads()}
     if "fused" in paths:
         kernels.run_on_pool()  # as an engine does: the kernels' pool gets the threads, torch keeps one
         threads["fused"] = 1
     print(f"model={args.model} context={args.context} threads={threads['reference']} paths={','.join(paths)} "
           f"busy={args.busy}")
-    print(f"measured peaks: streaming read {read_gbs:.1f} GB/s")
+    print(f"measured peaks: streaming read {read_gbs:.1f} GB/s at the start (each floor uses the read beside it)")
     linear = {dtype: peak_linear_gflops(getattr(torch, dtype)) for dtype in args.dtypes.split(",")}
     for dtype, gflops in linear.items():
         print(f"measured peaks: {dtype} F.linear {gflops:.1f} GFLOP/s")
@@ -127,16 +149,16 @@ def main() -> None:
           f"{'floor':>6} {'GFLOP/s':>8} {'%linear':>7} {'xB=1':>6}")
     with busy_processes(args.busy):
         for dtype, linear_gflops in linear.items():
-            run_dtype(args, dtype, models.pop(dtype), paths, threads, (linear_gflops, read_gbs), batches, chunks)
+            run_dtype(args, dtype, models.pop(dtype), paths, threads, linear_gflops, batches, chunks)
     if "fused" in paths:
         print(kernels.pool_solos_line())
 
 
 def run_dtype(args, dtype: str, loaded: dict, paths: dict[str, AttentionBackend], threads: dict[str, int],
-              peaks: tuple[float, float], batches: list[int], chunks: list[int]) -> None:
+              linear_gflops: float, batches: list[int], chunks: list[int]) -> None:
     """Every decode batch and prefill chunk of one dtype, each path on its own copy of the model and its own
     KV cache, laid out as its backend reads it (each pass rewrites the slots it reads)."""
-    linear_gflops, read_gbs = peaks
+    reading = StreamingRead()
     block = 16
     cfg = next(iter(loaded.values())).config
     blocks_per_seq = -(-(args.context + 1) // block)
@@ -146,7 +168,7 @@ def run_dtype(args, dtype: str, loaded: dict, paths: dict[str, AttentionBackend]
 
     batch1: dict[str, float] = {}  # each path's batch-1 decode step
 
-    def report(label: str, tokens: int, cost, medians: dict[str, float]) -> None:
+    def report(label: str, tokens: int, cost, medians: dict[str, float], read_gbs: float) -> None:
         floor = cost.bytes / (read_gbs * 1e9)
         for path, seconds in medians.items():
             gbs, gflops = cost.bytes / seconds / 1e9, cost.flops / seconds / 1e9
@@ -174,16 +196,21 @@ def run_dtype(args, dtype: str, loaded: dict, paths: dict[str, AttentionBackend]
         ids = torch.randint(100, cfg.vocab_size, (b,))
         for path, fn in passes(ids, torch.full((b,), args.context), meta, torch.arange(b)).items():
             decodes[(b, path)] = fn
+    decodes[(0, "read")] = reading
     medians = interleaved_medians(decodes, {key: threads[key[1]] for key in decodes}, args.repeats)
+    read_gbs = reading.gbs()
+    print(f"{dtype:<9} streaming read beside the decode steps: {read_gbs:.1f} GB/s")
     for b in batches:
         report(f"decode B={b}", b, decode_cost(cfg, b, args.context, pdt),
-               {path: medians[(b, path)] for path in loaded})
+               {path: medians[(b, path)] for path in loaded}, read_gbs)
     for n in chunks:
         meta = AttentionMetadata.build(block_size=block, block_tables=[list(range(-(-n // block)))],
                                        num_cached=[0], query_lens=[n], sliding_window=cfg.sliding_window)
         ids = torch.randint(100, cfg.vocab_size, (n,))
-        report(f"prefill N={n}", n, prefill_cost(cfg, n, 1, pdt),
-               interleaved_medians(passes(ids, torch.arange(n), meta, torch.tensor([n - 1])), threads, args.repeats))
+        fns = {**passes(ids, torch.arange(n), meta, torch.tensor([n - 1])), "read": reading}
+        medians = interleaved_medians(fns, threads, args.repeats)
+        del medians["read"]
+        report(f"prefill N={n}", n, prefill_cost(cfg, n, 1, pdt), medians, reading.gbs())
 
 
 if __name__ == "__main__":

@@ -11,6 +11,7 @@ from iterserve.attention import AttentionMetadata, KVCache
 from iterserve.attention.cpu import CpuBackend
 from iterserve.attention.cuda import CudaBackend
 from iterserve.attention.reference import ReferenceBackend, gather_rows
+from tests.test_kernels import group_keys
 
 H, KVH, D, BS = 4, 2, 8, 4
 
@@ -153,7 +154,7 @@ def test_a_pool_of_keys_in_groups_is_gathered_as_rows():
     """The prefill path reads cached K through gather_rows whichever layout the backend chose."""
     pool = torch.randn(6, 2, 32, 64)
     grouped = KVCache.allocate(6, 32, 2, 64, torch.float32, "cpu", keys_in_groups=True)
-    grouped.k.copy_(pool.view(6, 2, 2, 16, 32, 2).transpose(3, 4))
+    grouped.k.copy_(group_keys(pool))
     rows = torch.tensor([5, 0, 11, 2])  # (block, head) rows, as span.rows() lists them
     assert torch.equal(gather_rows(grouped.k, rows), gather_rows(pool, rows))
     assert gather_rows(pool, rows).shape == (4 * 32, 64)
