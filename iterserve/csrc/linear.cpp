@@ -80,18 +80,18 @@ struct AheadLines {
   }
 };
 
-// out[m, j*V + v] = sum_k x[m, k] * block_j[k, v] for MR rows and NB blocks (the last `nb` real). Along the
-// way it fetches `ahead_lines` cache lines from `ahead` into L2 (AheadLines; see run_blocks).
+// out[m, j*V + v] = sum_k x[m, k] * block_j[k, v] for MR rows and NB blocks (the last `nb` real). Unlike the
+// k-pair tile it fetches no next tile (AheadLines): in the k steps that did, GCC ran out of registers and kept
+// the float accumulators on the stack, and all of SmolLM2's float32 matmuls took 1.6-1.8x the time at 16-64
+// rows (weights from DRAM, one process, alternating).
 template <typename T, int MR, int NB, int PF>
-inline void tile(const float* x, int64_t xs, const T* p, int64_t bstride, int64_t K, int nb, float* out,
-                 const char* ahead, int64_t ahead_lines) {
+inline void tile(const float* x, int64_t xs, const T* p, int64_t bstride, int64_t K, int nb, float* out) {
   Vec acc[MR][NB];
   for (int m = 0; m < MR; ++m)
     for (int j = 0; j < NB; ++j) acc[m][j] = Vec(0.f);
   const T* blk[NB];
   for (int j = 0; j < NB; ++j) blk[j] = p + std::min(j, nb - 1) * bstride;  // a short tile repeats its last block
-  // Two loops rather than a test per k: with the test inside, GCC spilled the float accumulators to the stack.
-  auto step = [&](int64_t k) __attribute__((always_inline)) {
+  for (int64_t k = 0; k < K; ++k) {
     Vec w[NB];
     if constexpr (PF > 0) for (int j = 0; j < NB; ++j) __builtin_prefetch(blk[j] + (k + PF) * kV);
     for (int j = 0; j < NB; ++j) __builtin_prefetch(blk[j] + k * kV + kFarBytes / sizeof(T), 0, 2);
@@ -100,20 +100,15 @@ inline void tile(const float* x, int64_t xs, const T* p, int64_t bstride, int64_
       const Vec xb(x[m * xs + k]);
       for (int j = 0; j < NB; ++j) acc[m][j] = at::vec::fmadd(xb, w[j], acc[m][j]);
     }
-  };
-  const AheadLines al{ahead, ahead_lines, K};
-  int64_t k = 0;
-  for (; k < al.k_steps; ++k) {
-    al.fetch(k);
-    step(k);
   }
-  for (; k < K; ++k) step(k);
   for (int m = 0; m < MR; ++m)
     for (int j = 0; j < nb; ++j) acc[m][j].store(out + m * NB * kV + j * kV);
 }
 
 #ifdef ITERSERVE_DPBF16
-// The same tile on k-pair packed bf16: x holds each row's bf16 pairs as 32-bit words.
+// The same tile on k-pair packed bf16: x holds each row's bf16 pairs as 32-bit words. Along the way it fetches
+// `ahead_lines` cache lines from `ahead` into L2 (AheadLines; see run_blocks), in a loop of its own: with a test
+// per k step, GCC spilled the accumulators to the stack.
 template <int MR, int NB, int PF>
 inline void tile_pairs(const uint32_t* x, int64_t xs, const c10::BFloat16* p, int64_t bstride, int64_t K2, int nb,
                        float* out, const char* ahead, int64_t ahead_lines) {
@@ -167,7 +162,7 @@ void rows_tile(const void* xin, int64_t xs, const T* packed, int64_t bstride, in
                                          ahead_lines);
 #endif
   } else {
-    tile<T, MR, NB, prefetch_for(MR)>(static_cast<const float*>(xin), xs, p, bstride, K, nb, out, ahead, ahead_lines);
+    tile<T, MR, NB, prefetch_for(MR)>(static_cast<const float*>(xin), xs, p, bstride, K, nb, out);
   }
   store_rows(out, NB * kV, MR, b0 * kV, std::min<int64_t>(nb * kV, N - b0 * kV), bias, y, N);
 }
@@ -276,8 +271,8 @@ inline void with_rows(int64_t rows, F&& f) {
 }
 
 // One thread's blocks [b0, b1) for every row. Up to 8 rows stream the weight once. More rows take it a tile
-// at a time, every row group in turn while the tile is in cache, and the row groups share the fetch of the
-// next tile into L2, so that the memory stays busy while the later row groups compute. Row group 0 of a
+// at a time, every row group in turn while the tile is in cache, and on k-pairs the row groups share the fetch
+// of the next tile into L2, so that the memory stays busy while the later row groups compute (see tile). Row group 0 of a
 // 12-block group streaming alone, then the others computing alone, left 16 rows at 8.2 ms for all of
 // SmolLM2's bf16 matmuls against 5.8 ms to read them and 5.1 ms to compute them; tile by tile they took
 // 0.91-0.95x that time, 24 rows 0.90-0.93x (one process, the two orders alternating).
@@ -293,7 +288,7 @@ void run_blocks(const char* x, int64_t x_row_bytes, int64_t xs, int64_t M, const
   for (int64_t b = b0; b < b1; b += NB) {
     const int nb = static_cast<int>(std::min<int64_t>(NB, b1 - b));
     const char* next = reinterpret_cast<const char*>(packed + (b + NB) * bstride);
-    const int64_t next_lines = std::clamp<int64_t>(b1 - b - NB, 0, NB) * block_lines;
+    const int64_t next_lines = pairs<T>() ? std::clamp<int64_t>(b1 - b - NB, 0, NB) * block_lines : 0;
     const int64_t per = (next_lines + row_groups - 1) / row_groups;
     for (int64_t r = 0, i = 0; r < M; r += kMaxMR, ++i) {
       const int64_t from = std::min(next_lines, i * per), lines = std::min(next_lines, from + per) - from;
