@@ -5,8 +5,8 @@ implied by the planner's cost model (weights streamed once per step plus the K/V
 machine's peaks measured by the same script: a streaming read (sum of a 512 MiB tensor) and a large
 F.linear in the benchmarked dtype. ``floor ms`` is the step's bytes at the streaming read bandwidth, that
 read timed in turn with the steps (the VM's bandwidth moves by half within minutes), ``floor`` that time
-over the measured one (1.0: the step runs at the memory floor), ``xB=1`` a decode
-step's time over the batch-1 step's on the same path.
+over the measured one (1.0: the step runs at the memory floor), ``xB=1`` a decode step's time over the
+batch-1 step's on the same path.
 
 When the C++ CPU kernels are built, each shape runs on both paths: ``fused`` (the kernels, the
 linear methods chosen at load, listed first, and the kernels' thread pool as an engine runs them) and

@@ -271,11 +271,11 @@ inline void with_rows(int64_t rows, F&& f) {
 }
 
 // One thread's blocks [b0, b1) for every row. Up to 8 rows stream the weight once. More rows take it a tile
-// at a time, every row group in turn while the tile is in cache, and on k-pairs the row groups share the fetch
-// of the next tile into L2, so that the memory stays busy while the later row groups compute (see tile). Row group 0 of a
-// 12-block group streaming alone, then the others computing alone, left 16 rows at 8.2 ms for all of
-// SmolLM2's bf16 matmuls against 5.8 ms to read them and 5.1 ms to compute them; tile by tile they took
-// 0.91-0.95x that time, 24 rows 0.90-0.93x (one process, the two orders alternating).
+// at a time, every row group in turn while the tile is in cache, and on k-pairs the row groups share the
+// fetch of the next tile into L2, so that the memory stays busy while the later row groups compute (see
+// tile). Row group 0 of a 12-block group streaming alone, then the others computing alone, left 16 rows at
+// 8.2 ms for all of SmolLM2's bf16 matmuls against 5.8 ms to read them and 5.1 ms to compute them; tile by
+// tile they took 0.91-0.95x that time, 24 rows 0.90-0.93x (one process, the two orders alternating).
 template <typename T>
 void run_blocks(const char* x, int64_t x_row_bytes, int64_t xs, int64_t M, const T* packed, int64_t bstride,
                 int64_t K, int64_t b0, int64_t b1, const float* bias, T* y, int64_t N) {
@@ -345,9 +345,10 @@ void packed_linear_impl(const at::Tensor& x, const at::Tensor& packed, const at:
   const int64_t threads = iterserve::ChunkPool::get().threads();
   int64_t chunk = balanced_chunk(blocks, threads, 4, nb_for(static_cast<int>(std::min<int64_t>(M, kMaxMR))), kGroup);
   // More rows: whole tiles, at least two chunks a thread, split so that no thread gets more blocks than it
-  // must (a chunk's first tile is the one no earlier tile fetched ahead, so the longest such chunks). The 1-8 row
-  // chunks of an earlier rule (12, 6, 4, ... blocks), doubled, left one thread 3 of 5 chunks of the QKV projection: all of SmolLM2's bf16
-  // matmuls at 2,048 rows took 697.7 against 630.3 ms, at 64 rows 23.6 against 21.5 (one process, alternating).
+  // must (a chunk's first tile is the one no earlier tile fetched ahead, so the longest such chunks). The
+  // 1-8 row chunks of an earlier rule (12, 6, 4, ... blocks), doubled, left one thread 3 of 5 chunks of the QKV
+  // projection: all of SmolLM2's bf16 matmuls at 2,048 rows took 697.7 against 630.3 ms, at 64 rows 23.6
+  // against 21.5 (one process, alternating).
   if (M > kMaxMR) {
     int64_t unit = nb_for(kMaxMR);
 #ifdef ITERSERVE_AMX
