@@ -71,7 +71,7 @@ class _Request(BaseModel):
         return value
 
 
-class _Body(_Request):
+class RequestBody(_Request):
     """A whole request body. Fields it does not know are dropped with a log line naming them, as vLLM
     logs them: clients send newer OpenAI options freely, and a 400 would break them for nothing."""
 
@@ -91,7 +91,7 @@ class StreamOptions(_Request):
     include_usage: bool = False
 
 
-class _SamplingRequest(_Body):
+class SamplingRequest(RequestBody):
     """Fields shared by completions and chat completions."""
 
     model: str | None = None
@@ -228,7 +228,7 @@ def _response_format_fields(fmt: dict[str, Any]) -> dict[str, Any]:
     return {"json": schema}
 
 
-class CompletionRequest(_SamplingRequest):
+class CompletionRequest(SamplingRequest):
     prompt: Prompt
     max_tokens: Int | None = COMPLETION_DEFAULT_MAX_TOKENS
     logprobs: Int | None = None
@@ -294,7 +294,7 @@ class ChatTool(_Request):
     function: FunctionDefinition
 
 
-class ChatCompletionRequest(_SamplingRequest):
+class ChatCompletionRequest(SamplingRequest):
     messages: Annotated[Messages, Field(min_length=1)]
     max_tokens: Int | None = None
     max_completion_tokens: Int | None = None
@@ -344,7 +344,7 @@ class ChatCompletionRequest(_SamplingRequest):
         return last.content if self.echo and last.role == "assistant" and isinstance(last.content, str) else ""
 
 
-class TokenizeRequest(_Body):
+class TokenizeRequest(RequestBody):
     model: str | None = None
     prompt: str | None = None
     messages: Messages | None = None
@@ -353,7 +353,7 @@ class TokenizeRequest(_Body):
     return_token_strs: bool = False
 
 
-class DetokenizeRequest(_Body):
+class DetokenizeRequest(RequestBody):
     model: str | None = None
     tokens: ListOf[Int]
 

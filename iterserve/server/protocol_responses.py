@@ -24,8 +24,8 @@ from iterserve.server.protocol import (
     FunctionCall,
     Int,
     ListOf,
+    RequestBody,
     ToolCall,
-    _Body,
     structured_outputs_from,
 )
 
@@ -41,7 +41,7 @@ Input = Annotated[
 ]
 
 
-class ResponsesRequest(_Body):
+class ResponsesRequest(RequestBody):
     model: str | None = None
     input: Input
     instructions: str | None = None

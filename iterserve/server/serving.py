@@ -33,7 +33,7 @@ from iterserve.server.admission import Outputs, PacedStream, share_of
 from iterserve.server.errors import APIError, bad_request, request_error
 from iterserve.server.grammars import GrammarChecker
 from iterserve.server.metrics import ServerMetrics
-from iterserve.server.protocol import ChatMessage, _SamplingRequest
+from iterserve.server.protocol import ChatMessage, SamplingRequest
 from iterserve.server.response_bodies import PromptTokensDetails, Usage
 from iterserve.server.streaming import wait_for_disconnect
 from iterserve.server.tool_calls import render_tool_calls_as_text
@@ -100,7 +100,7 @@ class OpenAIServing:
             raise RuntimeError(f"{type(self).__name__} was built without a grammar checker")
         await self.grammars.check(spec, param)
 
-    def _accept(self, body: _SamplingRequest) -> StructuredOutputsParams | None:
+    def _accept(self, body: SamplingRequest) -> StructuredOutputsParams | None:
         """Refuse a request for another model or with a field we do not serve; then its structured-output
         constraint, whose grammar the grammar pool checks later, off the event loop."""
         self._check_model(body.model)
