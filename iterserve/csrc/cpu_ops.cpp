@@ -704,19 +704,24 @@ void paged_decode_impl(at::Tensor& out, const at::Tensor& q, const at::Tensor& k
   });
 }
 
-// A K or V cache [blocks, kv_heads, block_size, head_dim], or a K cache in key groups (keys_in_groups).
-void check_cache(const at::Tensor& q, const at::Tensor& cache, const at::Tensor& v_cache) {
-  TORCH_CHECK(cache.scalar_type() == q.scalar_type(), "KV cache dtype differs from the query");
-  if (cache.dim() == 6) {
-    TORCH_CHECK(cache.is_contiguous() && cache.size(4) == kKeyGroup && cache.size(5) == 2 &&
-                    cache.size(3) * 2 == q.size(-1) && cache.size(2) * kKeyGroup == v_cache.size(2),
+// The K cache (rows [blocks, kv_heads, block_size, head_dim], or in key groups: keys_in_groups) and the V cache
+// (rows) for keys k and values v; paged_decode passes its query as both, whose dtype and head_dim they share.
+void check_caches(const at::Tensor& k, const at::Tensor& v, const at::Tensor& k_cache, const at::Tensor& v_cache) {
+  TORCH_CHECK(k_cache.scalar_type() == k.scalar_type() && v_cache.scalar_type() == v.scalar_type(),
+              "KV cache dtype differs from the query");
+  TORCH_CHECK(v_cache.dim() == 4 && v_cache.stride(3) == 1, "V cache must be [blocks, kv_heads, block_size, head_dim]");
+  TORCH_CHECK(v_cache.size(3) == v.size(-1), "KV cache head_dim differs from the query");
+  TORCH_CHECK(k_cache.dim() >= 2 && k_cache.size(1) == v_cache.size(1), "K and V caches hold different kv_heads");
+  if (k_cache.dim() == 6) {
+    TORCH_CHECK(k_cache.is_contiguous() && k_cache.size(4) == kKeyGroup && k_cache.size(5) == 2 &&
+                    k_cache.size(3) * 2 == k.size(-1) && k_cache.size(2) * kKeyGroup == v_cache.size(2),
                 "K cache in key groups must be [blocks, kv_heads, block_size / 16, head_dim / 2, 16, 2]");
-    TORCH_CHECK(keys_in_groups(cache.scalar_type(), q.size(-1), v_cache.size(2)),
+    TORCH_CHECK(keys_in_groups(k_cache.scalar_type(), k.size(-1), v_cache.size(2)),
                 "K in key groups needs bf16 on a CPU with AVX512-BF16, head_dim % 32 == 0, block_size % 16 == 0");
     return;
   }
-  TORCH_CHECK(cache.dim() == 4 && cache.stride(3) == 1, "KV cache must be [blocks, kv_heads, block_size, head_dim]");
-  TORCH_CHECK(cache.size(3) == q.size(-1), "KV cache head_dim differs from the query");
+  TORCH_CHECK(k_cache.dim() == 4 && k_cache.stride(3) == 1, "K cache must be [blocks, kv_heads, block_size, head_dim]");
+  TORCH_CHECK(k_cache.size(3) == k.size(-1), "KV cache head_dim differs from the query");
 }
 
 }  // namespace
@@ -727,9 +732,7 @@ void paged_decode(at::Tensor out, const at::Tensor& q, const at::Tensor& k_cache
                   const at::Tensor& block_tables, const at::Tensor& context_lens, double scale,
                   int64_t sliding_window) {
   TORCH_CHECK(q.dim() == 3 && q.stride(2) == 1 && out.stride(2) == 1, "q/out must be [seqs, heads, head_dim]");
-  check_cache(q, k_cache, v_cache);
-  check_cache(q, v_cache, v_cache);
-  TORCH_CHECK(v_cache.dim() == 4 && k_cache.size(1) == v_cache.size(1), "V cache must be [blocks, kv_heads, block_size, head_dim]");
+  check_caches(q, q, k_cache, v_cache);
   TORCH_CHECK(q.size(1) % k_cache.size(1) == 0, "heads must be a multiple of kv_heads");
   TORCH_CHECK(block_tables.scalar_type() == at::kLong && context_lens.scalar_type() == at::kLong,
               "block tables and context lengths must be int64");
@@ -742,9 +745,7 @@ void paged_decode(at::Tensor out, const at::Tensor& q, const at::Tensor& k_cache
 // k_cache[blocks[i], :, offsets[i]] = k[i] (and the same for v); k/v may be strided views of the QKV output.
 void write_kv(const at::Tensor& k, const at::Tensor& v, at::Tensor k_cache, at::Tensor v_cache,
               const at::Tensor& slot_blocks, const at::Tensor& slot_offsets) {
-  check_cache(k, k_cache, v_cache);
-  check_cache(v, v_cache, v_cache);
-  TORCH_CHECK(v_cache.dim() == 4, "V cache must be [blocks, kv_heads, block_size, head_dim]");
+  check_caches(k, v, k_cache, v_cache);
   TORCH_CHECK(k.dim() == 3 && k.stride(2) == 1 && v.stride(2) == 1, "k/v must be [tokens, kv_heads, head_dim]");
   TORCH_CHECK(slot_blocks.is_contiguous() && slot_offsets.is_contiguous() && slot_blocks.scalar_type() == at::kLong,
               "slots must be contiguous int64");
