@@ -197,6 +197,8 @@ class OpenAIServing:
             disconnect.cancel()
             if not results.done():
                 results.cancel()
+            # A cancelled gather holds the CancelledError as its exception: retrieve it, or asyncio logs an ERROR.
+            results.add_done_callback(lambda f: f.cancelled() or f.exception())
             for stream in streams:
                 stream.close()
         return list(results.result()) if results in done else None
