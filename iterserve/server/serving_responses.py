@@ -169,7 +169,9 @@ class ResponsesServing(ChatServing):
         chat.check_supported()
         with grammar_checks_deferred():  # checked by the grammar pool, off the event loop
             constraint = body.format_constraint()
-        plan, params, prompt_ids = await self._prepare(chat, constraint, "text", prompt_param="input")
+        # A grammar that fails is the text format's when one is set, else the forced tool call's.
+        plan, params, prompt_ids = await self._prepare(chat, constraint, "text" if constraint else None,
+                                                       prompt_param="input")
         head = ResponseObject(
             id=f"resp_{uuid.uuid4().hex}", created_at=int(time.time()), status="in_progress", model=self.model_name,
             instructions=body.instructions, max_output_tokens=body.max_output_tokens, metadata=body.metadata or {},
