@@ -4,9 +4,12 @@ Each replica has its own KV pool and prefix cache, so a request sent where its p
 before skips that prefill. The router cannot see inside the cores; it keeps, per replica, the chain
 hashes of the full prompt blocks it sent there (the block manager's own :func:`chain_hash` over the
 same block size, so equal hashes mean equal whole prefixes), least recently used first and bounded
-like the replica's pool. A request goes to the replica that matches the most leading blocks of its
-prompt, then to the one with the fewest queued tokens (the prompt and the most tokens it may generate,
-of every request sent there and not finished), then to the lowest index.
+like the replica's pool. A request goes to the replica where the most work would be waiting after
+it: the queued tokens (the prompt and the most tokens it may generate, of every request sent there and
+not finished) less the tokens of this prompt's prefix recorded there, which it would not compute; ties
+go to the fewest queued tokens, then to the lowest index. So a long shared prefix (a document, few-shot
+examples) keeps its replica against a smaller imbalance, while a short one that most requests share (a
+chat template's system prompt) cannot pull every request to the replica that saw it first.
 
 The record is a guess, never a promise: a core may have evicted blocks the router still lists, and a
 miss only costs the prefill that any other replica would have paid too.
@@ -58,7 +61,7 @@ class Replica:
 
 
 class Router:
-    """Longest cached prefix first, then fewest queued tokens; one instance per API server.
+    """The least work waiting once the cached prefix is counted off; one instance per API server.
 
     ``max_blocks`` bounds each replica's record (a replica's KV pool: it cannot cache more blocks).
     With prefix caching off only the load counts.
@@ -83,8 +86,9 @@ class Router:
             if self.prefix_caching:  # every full block is cached after the prefill ...
                 hashes = prompt_block_hashes(prompt, self.block_size, len(prompt) // self.block_size)
             usable = hashes[:(len(prompt) - 1) // self.block_size]  # ... but the last token is always computed
+            saved = [rep.matched_blocks(usable) * self.block_size for rep in self.replicas]
             index = min(range(len(self.replicas)), key=lambda i: (
-                -self.replicas[i].matched_blocks(usable), self.replicas[i].queued_tokens, i))
+                self.replicas[i].queued_tokens - saved[i], self.replicas[i].queued_tokens, i))
         replica = self.replicas[index]
         if hashes:
             replica.remember(hashes)

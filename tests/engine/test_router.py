@@ -1,5 +1,6 @@
-"""The data-parallel router: longest recorded prefix first, then fewest queued tokens; its record is
-the block manager's own chain hashes and stays within its bound, least recently used out first."""
+"""The data-parallel router: the least queued work once a recorded prefix is counted off, then fewest
+queued tokens; its record is the block manager's own chain hashes and stays within its bound, least
+recently used out first."""
 
 from __future__ import annotations
 
@@ -27,11 +28,24 @@ def test_hashes_are_the_ones_the_block_manager_registers():
 
 def test_a_shared_prefix_follows_its_replica_even_when_that_one_is_busier():
     r = Router(2, BS, max_blocks=64)
-    assert r.route("a", SHARED + [1], max_new_tokens=1000) == 0  # a tie: the lowest index
+    assert r.route("a", SHARED + [1], max_new_tokens=10) == 0  # a tie: the lowest index
     assert r.route("b", [7] * 9, max_new_tokens=10) == 1  # no prefix anywhere: the less loaded
-    assert r.route("c", SHARED + [2, 3], max_new_tokens=10) == 0  # 4 blocks recorded on 0 beat its load
+    assert r.route("c", SHARED + [2, 3], max_new_tokens=10) == 0  # 27 queued less 16 cached beat 19 queued
     assert r.route("d", [8] * 9, max_new_tokens=10) == 1
-    assert r.replicas[0].queued_tokens == 17 + 1000 + 18 + 10 and r.replicas[1].queued_tokens == 2 * 19
+    assert r.replicas[0].queued_tokens == 27 + 28 and r.replicas[1].queued_tokens == 2 * 19
+
+
+def test_a_prefix_shorter_than_the_imbalance_does_not_pull_requests_to_its_replica():
+    r = Router(2, BS, max_blocks=64)
+    assert r.route("a", SHARED + [1], max_new_tokens=1000) == 0
+    assert r.route("b", SHARED + [2], max_new_tokens=10) == 1  # 16 cached tokens do not outweigh 1,017 queued
+
+
+def test_chats_sharing_only_a_system_prompt_spread_over_the_replicas():
+    r = Router(2, BS, max_blocks=64)
+    system = SHARED[:8]  # two blocks every chat starts with, as a chat template's system prompt
+    chosen = [r.route(f"chat{i}", system + [200 + i] * 7, max_new_tokens=64) for i in range(8)]
+    assert chosen.count(0) == 4 and chosen.count(1) == 4
 
 
 def test_the_longest_prefix_wins_and_equal_prefixes_go_by_load():
@@ -39,11 +53,15 @@ def test_the_longest_prefix_wins_and_equal_prefixes_go_by_load():
     r.replicas[0].remember(prompt_block_hashes(SHARED, BS, 2))
     r.replicas[1].remember(prompt_block_hashes(SHARED, BS, 4))
     r.replicas[2].remember(prompt_block_hashes(SHARED, BS, 4))
-    r.route("busy", [9] * 5, max_new_tokens=50)  # nothing matches: replica 0, the lowest index
-    assert r.route("x", [5] * 5, max_new_tokens=50) == 1
+    r.route("busy", [9] * 5, max_new_tokens=5)  # nothing matches: replica 0, the lowest index
+    assert r.route("x", [5] * 5, max_new_tokens=5) == 1
     assert r.route("long", SHARED + [1], max_new_tokens=5) == 2  # 1 and 2 match 4 blocks; 2 is idle
-    # the last prompt token is always computed, so a prompt of exactly 4 blocks can use 3
-    assert r.route("exact", SHARED, max_new_tokens=5) == 2
+    # the last prompt token is always computed, so a prompt of exactly 4 blocks can use 3: 3 and 4
+    # blocks recorded count the same, and the tie goes to the lowest index
+    r = Router(2, BS, max_blocks=64)
+    r.replicas[0].remember(prompt_block_hashes(SHARED, BS, 3))
+    r.replicas[1].remember(prompt_block_hashes(SHARED, BS, 4))
+    assert r.route("exact", SHARED, max_new_tokens=5) == 0
 
 
 def test_finish_returns_the_replica_and_its_load():
