@@ -39,6 +39,7 @@ from iterserve.server.middleware import (
     BodySizeLimitMiddleware,
     JSONBodyMiddleware,
 )
+from iterserve.server.request_body import document_bodies
 from iterserve.server.serving_chat import ChatServing
 from iterserve.server.serving_completions import CompletionServing
 from iterserve.server.serving_info import InfoServing
@@ -103,12 +104,15 @@ def build_app(config: EngineConfig, server: ServerConfig | None = None) -> FastA
     app.post("/tokenize")(tokenize.tokenize)
     app.post("/detokenize")(tokenize.detokenize)
     app.get("/health", response_model=None)(info.health)
-    app.api_route("/ping", methods=["GET", "POST"], response_model=None)(info.health)  # vLLM's (SageMaker's) name
+    for method in ("GET", "POST"):  # vLLM's (SageMaker's) name; a route per method, each its own operation id
+        app.api_route("/ping", methods=[method], response_model=None, operation_id=f"ping_{method.lower()}")(
+            info.health)
     app.post("/v1/embeddings", response_model=None)(info.embeddings)
     app.get("/favicon.ico", response_model=None)(lambda: Response(status_code=204))  # browsers ask; nothing to send
     app.get("/version")(info.version)
     app.get("/metrics", response_model=None)(info.prometheus)
     add_dashboard(app, engine, served_model_name, api_key, server.max_dashboard_viewers)
+    document_bodies(app)
     return app
 
 

@@ -14,8 +14,9 @@ from __future__ import annotations
 import json
 from typing import Annotated, Any, TypeVar
 
-from fastapi import Depends, Request
+from fastapi import Depends, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
+from fastapi.routing import APIRoute
 from pydantic import BaseModel, ValidationError
 
 M = TypeVar("M", bound=BaseModel)
@@ -51,4 +52,34 @@ def validated(model: type[M]) -> Any:
     def parse(raw: Annotated[bytes, Depends(_raw)]) -> M:  # sync: FastAPI runs it in its thread pool
         return _parse(model, raw)
 
+    parse.body_model = model  # type: ignore[attr-defined]  # read by document_bodies
     return Depends(parse)
+
+
+def document_bodies(app: FastAPI) -> None:
+    """Put the bodies that :func:`validated` parses into ``/openapi.json``: FastAPI sees raw bytes there,
+    and generated clients and fuzzers need each route's real schema."""
+    generate = app.openapi
+
+    def openapi() -> dict[str, Any]:
+        if app.openapi_schema is not None:
+            return app.openapi_schema
+        doc = generate()
+        schemas = doc.setdefault("components", {}).setdefault("schemas", {})
+        for route in app.routes:
+            if not isinstance(route, APIRoute):
+                continue
+            for dep in route.dependant.dependencies:
+                model = getattr(dep.call, "body_model", None)
+                if model is None:
+                    continue
+                schema = model.model_json_schema(ref_template="#/components/schemas/{model}")
+                schemas.update(schema.pop("$defs", {}))
+                schemas[model.__name__] = schema
+                ref = {"$ref": f"#/components/schemas/{model.__name__}"}
+                for method in route.methods or ():
+                    doc["paths"][route.path_format][method.lower()]["requestBody"] = {
+                        "required": True, "content": {"application/json": {"schema": ref}}}
+        return doc
+
+    app.openapi = openapi  # type: ignore[method-assign]

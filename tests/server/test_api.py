@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import json
 import math
+import re
 
 import httpx
 import openai
@@ -282,6 +283,21 @@ def test_tokenize_detokenize_models_version(server, reference):
         assert c.get("/version").json() == {"version": iterserve.__version__}
     models = client(server).models.list().data
     assert [m.id for m in models] == [MODEL] and models[0].model_extra["max_model_len"] == MAX_MODEL_LEN
+
+
+def test_openapi_documents_every_request_body(server):
+    with http(server) as c:
+        doc = c.get("/openapi.json").json()
+    schemas = doc["components"]["schemas"]
+    for path, field in [("/v1/completions", "prompt"), ("/v1/chat/completions", "messages"),
+                        ("/v1/responses", "input"), ("/tokenize", "prompt"), ("/detokenize", "tokens")]:
+        body = doc["paths"][path]["post"]["requestBody"]
+        ref = body["content"]["application/json"]["schema"]["$ref"]
+        assert body["required"] and field in schemas[ref.rsplit("/", 1)[-1]]["properties"], path
+    refs = set(re.findall(r'"#/components/schemas/([^"]+)"', json.dumps(doc)))
+    assert refs <= set(schemas), refs - set(schemas)  # every reference resolves
+    operations = [op["operationId"] for item in doc["paths"].values() for op in item.values()]
+    assert len(operations) == len(set(operations))
 
 
 # -- fuzz ----------------------------------------------------------------------------------------------
