@@ -3,17 +3,18 @@ grammar or parsed from the text), chat logprobs, streamed or whole."""
 
 from __future__ import annotations
 
+import asyncio
 import time
 import uuid
 from collections.abc import AsyncIterator
 from typing import Annotated
 
 from fastapi import Request
-from fastapi.responses import JSONResponse, Response
+from fastapi.responses import Response
 
 from iterserve.engine.request_stream import RequestStream
 from iterserve.errors import EngineDeadError, RequestFailedError
-from iterserve.outputs import Logprob
+from iterserve.outputs import Logprob, RequestOutput
 from iterserve.sampling_params import SamplingParams, StructuredOutputsParams, grammar_checks_deferred
 from iterserve.server.errors import bad_request, engine_error
 from iterserve.server.protocol import ChatCompletionRequest
@@ -84,7 +85,12 @@ class ChatServing(OpenAIServing):
         finals = await self._final_outputs([stream], request)
         if finals is None:
             return Response(status_code=499)
-        final = finals[0]
+        # built and serialized off the event loop: a response of many logprobs takes seconds
+        return Response(await asyncio.to_thread(self._chat_body, finals[0], body, tool_plan, request_id),
+                        media_type="application/json")
+
+    def _chat_body(self, final: RequestOutput, body: ChatCompletionRequest, tool_plan: ToolCallPlan,
+                   request_id: str) -> bytes:
         choices = []
         for c in final.outputs:
             logprobs = None
@@ -96,8 +102,8 @@ class ChatServing(OpenAIServing):
             finish_reason = "tool_calls" if tool_calls and c.finish_reason == "stop" else c.finish_reason
             choices.append(ChatChoice(index=c.index, message=AssistantMessage(content=content, tool_calls=tool_calls),
                                       logprobs=logprobs, finish_reason=finish_reason, stop_reason=c.stop_reason))
-        return JSONResponse(ChatCompletionResponse(id=request_id, model=self.model_name, choices=choices,
-                                                   usage=usage_of(final)).model_dump())
+        return ChatCompletionResponse(id=request_id, model=self.model_name, choices=choices,
+                                      usage=usage_of(final)).model_dump_json().encode()
 
     async def _chat_events(self, stream: RequestStream, body: ChatCompletionRequest,
                            plan: ToolCallPlan) -> AsyncIterator[str]:

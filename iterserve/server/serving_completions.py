@@ -3,13 +3,14 @@ logprobs, streamed or whole."""
 
 from __future__ import annotations
 
+import asyncio
 import time
 import uuid
 from collections.abc import AsyncIterator
 from typing import Annotated, Any
 
 from fastapi import Request
-from fastapi.responses import JSONResponse, Response
+from fastapi.responses import Response
 
 from iterserve.engine.validation import check_prompt_ids
 from iterserve.errors import EngineDeadError, RequestError, RequestFailedError
@@ -105,6 +106,12 @@ class CompletionServing(OpenAIServing):
         finals = await self._final_outputs(streams, request)
         if finals is None:
             return Response(status_code=499)
+        # built and serialized off the event loop: a response of many logprobs takes seconds
+        return Response(await asyncio.to_thread(self._completion_body, finals, echoes, body, request_id),
+                        media_type="application/json")
+
+    def _completion_body(self, finals: list[RequestOutput], echoes: list[str], body: CompletionRequest,
+                         request_id: str) -> bytes:
         choices = []
         for i, (final, echo) in enumerate(zip(finals, echoes)):
             for c in final.outputs:
@@ -115,8 +122,8 @@ class CompletionServing(OpenAIServing):
                 choices.append(CompletionChoice(index=i * body.n + c.index, text=echo + c.text, logprobs=logprobs,
                                                 finish_reason=c.finish_reason, stop_reason=c.stop_reason,
                                                 prompt_logprobs=_prompt_logprobs(final, body.prompt_logprobs)))
-        return JSONResponse(CompletionResponse(id=request_id, model=self.model_name, choices=choices,
-                                               usage=total_usage_of(finals)).model_dump())
+        return CompletionResponse(id=request_id, model=self.model_name, choices=choices,
+                                  usage=total_usage_of(finals)).model_dump_json().encode()
 
     @staticmethod
     def _echo_logprobs(out: RequestOutput, echo: str) -> LogprobPairs:
