@@ -38,4 +38,9 @@ class EngineDeadError(RuntimeError):
 
 
 class RequestFailedError(RuntimeError):
-    """A step that ran this request failed in the core; the traceback is in the core's log."""
+    """A step that ran this request failed in the core, the traceback in the core's log; or, ``by_request``,
+    the request ended itself by what it asked (its grammar overran its time budget), as the message says."""
+
+    def __init__(self, message: str, by_request: bool = False) -> None:
+        super().__init__(message)
+        self.by_request = by_request

@@ -290,6 +290,7 @@ class EngineCore:
             first_scheduled_time=m.first_scheduled_time if first else None,
             num_cached_tokens=seq.num_cached_tokens, num_preemptions=m.num_preemptions,
             final_token_is_text=seq.finish_reason == "stop" and seq.output_token_ids[-1] not in seq.stop_ids,
+            error=seq.error,
         )
 
     def _inject_fault(self, sched: SchedulerOutput) -> None:

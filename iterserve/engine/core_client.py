@@ -424,7 +424,9 @@ class EngineCoreClient:
             if stream is None:
                 continue
             if reason == "error":
-                stream._fail(RequestFailedError("the engine failed while generating this request"))
+                error = processed.errors.get(out.request_id)
+                stream._fail(RequestFailedError(error, by_request=True) if error else
+                             RequestFailedError("the engine failed while generating this request"))
             else:
                 stream._put(out)
         if processed.to_abort or processed.seqs_to_abort:

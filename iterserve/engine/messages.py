@@ -58,6 +58,7 @@ class EngineCoreOutput(msgspec.Struct, array_like=True, omit_defaults=True):
     cumulative_logprob: float | None = None
     prompt_logprobs: list[TokenLogprobs | None] | None = None  # with the request's first token
     final_token_is_text: bool = False  # a "stop" at the end of a grammar: the last token is output, not a stop token
+    error: str | None = None  # with finish_reason "error" when the request caused it (its grammar's budget)
 
 
 class SchedulerStats(msgspec.Struct, array_like=True):

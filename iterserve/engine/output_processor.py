@@ -72,6 +72,7 @@ class ProcessedOutputs:
     # (request id, index): one of an n > 1 request's sequences ended here by a stop string while its
     # siblings go on; the core stops computing it and frees its blocks
     seqs_to_abort: list[tuple[str, int]] = field(default_factory=list)
+    errors: dict[str, str] = field(default_factory=dict)  # request id -> how it failed, where it was its own doing
 
 
 class OutputProcessor:
@@ -102,6 +103,8 @@ class OutputProcessor:
     def process_outputs(self, outputs: list[EngineCoreOutput]) -> ProcessedOutputs:
         result = ProcessedOutputs()
         for o in outputs:
+            if o.error is not None:
+                result.errors[o.request_id] = o.error
             state = self.states.get(o.request_id)
             if state is None or o.index >= len(state.seqs):  # aborted, or ended by a stop string
                 continue

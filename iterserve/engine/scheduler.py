@@ -318,6 +318,13 @@ class Scheduler:
             if not seq.grammar.accept(token):
                 logger.error("request %s: its grammar refused token %d: %s", seq.request_id, token, seq.grammar.error)
                 return "error"
+            if seq.grammar.over_budget:
+                budget = seq.grammar.budget
+                seq.error = (f"the request's grammar took {budget.spent_s:.2f} s for {budget.tokens} tokens, over its "
+                             f"budget of {budget.start_s:g} s + {budget.per_token_s * 1000:g} ms a token; an "
+                             "ambiguous grammar slows with every token: make it unambiguous")
+                logger.warning("request %s: %s", seq.request_id, seq.error)
+                return "error"
             if seq.grammar.is_terminated:
                 return "stop"
         max_len = self.config.max_model_len

@@ -58,6 +58,7 @@ class Sequence:
     spec_token_ids: list[int] = field(default_factory=list)  # drafts proposed for the next step to verify
     finish_reason: str | None = None
     stop_reason: str | int | None = None
+    error: str | None = None  # why a sequence that finished with "error" by its own doing did
 
     @property
     def token_ids(self) -> list[int]:

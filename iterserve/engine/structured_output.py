@@ -21,9 +21,11 @@ a mask without a per-schema precompilation pass; docs/structured_output.md has t
 from __future__ import annotations
 
 import threading
+import time
 from collections import OrderedDict
 from collections.abc import Iterable
 from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
 
 import llguidance
 import numpy as np
@@ -33,14 +35,34 @@ from iterserve.sampling_params import StructuredOutputsParams
 from iterserve.tokenizer import Tokenizer
 
 GRAMMAR_CACHE_SIZE = 64  # compiled grammars kept per compiler
+# A request's grammar work (masks and token checks, all its sequences together) may take this long at first
+# (the first masks build lexer states) plus this long per token generated: an ambiguous grammar's steps grow
+# with the text, and past its budget it ends with an error instead of slowing the whole batch.
+GRAMMAR_BUDGET_START_S = 0.5
+GRAMMAR_BUDGET_PER_TOKEN_S = 0.005
+
+
+@dataclass
+class GrammarBudget:
+    """The grammar time a request has left, shared by its sequences."""
+
+    start_s: float = GRAMMAR_BUDGET_START_S
+    per_token_s: float = GRAMMAR_BUDGET_PER_TOKEN_S
+    spent_s: float = 0.0
+    tokens: int = 0
+
+    @property
+    def exhausted(self) -> bool:
+        return self.spent_s > self.start_s + self.per_token_s * self.tokens
 
 
 class GrammarMatcher:
-    """One sequence's position in its grammar."""
+    """One sequence's position in its grammar; the time it takes is charged to its request's budget."""
 
-    def __init__(self, matcher: llguidance.LLMatcher, grammar_eos: int) -> None:
+    def __init__(self, matcher: llguidance.LLMatcher, grammar_eos: int, budget: GrammarBudget | None = None) -> None:
         self._matcher = matcher
         self._grammar_eos = grammar_eos
+        self.budget = budget if budget is not None else GrammarBudget()
 
     def fill_bitmask(self, bitmask: torch.Tensor, row: int, stop_ids: Iterable[int]) -> None:
         """Write the tokens allowed next into ``bitmask[row]`` (int32, contiguous, on the CPU).
@@ -49,7 +71,9 @@ class GrammarMatcher:
         has been generated, so a request can only end early on a complete value.
         """
         view = bitmask[row]
+        start = time.perf_counter()
         self._matcher.unsafe_compute_mask_ptr(view.data_ptr(), view.numel() * view.element_size())
+        self.budget.spent_s += time.perf_counter() - start
         words = view.numpy().view(np.uint32)
         accepting = self._matcher.is_accepting()
         stops = set(stop_ids)
@@ -63,11 +87,20 @@ class GrammarMatcher:
 
     def copy(self) -> GrammarMatcher:
         """An independent matcher at the same position: each of a request's n sequences advances its own."""
-        return GrammarMatcher(self._matcher.deep_copy(), self._grammar_eos)
+        return GrammarMatcher(self._matcher.deep_copy(), self._grammar_eos, self.budget)
 
     def accept(self, token: int) -> bool:
         """Advance by a sampled token; False (and the matcher is broken) if the grammar forbids it."""
-        return self._matcher.consume_token(token)
+        start = time.perf_counter()
+        accepted = self._matcher.consume_token(token)
+        self.budget.spent_s += time.perf_counter() - start
+        self.budget.tokens += 1
+        return accepted
+
+    @property
+    def over_budget(self) -> bool:
+        """The request's grammar has taken more time than its budget allows (:class:`GrammarBudget`)."""
+        return self.budget.exhausted
 
     @property
     def is_terminated(self) -> bool:

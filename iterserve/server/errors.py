@@ -70,7 +70,10 @@ def request_error(error: RequestError, prompt_param: str = "prompt") -> APIError
 
 
 def engine_error(error: EngineDeadError | RequestFailedError) -> APIError:
-    """503 while the engine is gone or stopping; 500 for a failed step (its traceback is only logged)."""
+    """503 while the engine is gone or stopping; 500 for a failed step (its traceback is only logged); 400
+    for a request that failed by its own doing."""
+    if isinstance(error, RequestFailedError) and error.by_request:
+        return bad_request(str(error))
     if isinstance(error, RequestFailedError):
         return APIError(500, str(error), type="server_error", code="engine_error")
     return APIError(503, str(error), type="server_error", code="engine_unavailable")

@@ -4,6 +4,7 @@ outputs that parse, and unconstrained neighbours in the same batch decoding exac
 from __future__ import annotations
 
 import json
+import logging
 
 import pytest
 
@@ -75,4 +76,21 @@ def test_n_choices_each_follow_the_grammar(llm, best_of):
         value = json.loads(choice.text)
         assert set(value) == {"city", "population"} and isinstance(value["population"], int)
     assert len({c.text for c in choices}) > 1  # temperature 1 sampled different documents
+    assert llm.engine.block_manager.num_used_blocks == 0
+
+
+def test_an_ambiguous_grammar_ends_at_its_time_budget_and_its_neighbour_is_unchanged(llm, caplog):
+    """Each token of an ambiguous grammar costs more than the last; past the request's budget of grammar
+    time it ends with an error rather than slowing the batch further."""
+    ambiguous = StructuredOutputsParams(grammar='root ::= x\nx ::= x x | "a" | "b" | x "a" | "a" x\n')
+    plain = SamplingParams(temperature=0, max_tokens=24)
+    prompt = chat_ids(llm, CHAT_PROMPTS[1])
+    alone = llm.generate([prompt], plain)[0].outputs[0].token_ids
+    with caplog.at_level(logging.WARNING, logger="iterserve.engine.scheduler"):
+        outs = llm.generate([prompt, prompt], [SamplingParams(
+            temperature=1.0, seed=0, n=2, max_tokens=600, ignore_eos=True, structured_outputs=ambiguous), plain])
+    assert any("over its budget" in r.getMessage() for r in caplog.records)
+    for c in outs[0].outputs:
+        assert c.finish_reason == "error" and len(c.token_ids) < 600, (c.finish_reason, len(c.token_ids))
+    assert outs[1].outputs[0].token_ids == alone
     assert llm.engine.block_manager.num_used_blocks == 0
