@@ -21,7 +21,7 @@ from transformers import PreTrainedTokenizerFast
 from iterserve.beam_search import BeamSearchOutput, run_beam_search
 from iterserve.config import EngineConfig
 from iterserve.engine.llm_engine import LLMEngine
-from iterserve.inputs import PromptType
+from iterserve.inputs import PromptType, parse_prompt
 from iterserve.models.loader import DEFAULT_MODEL, LoadedModel, load_model
 from iterserve.outputs import RequestOutput
 from iterserve.platforms.memory import available_memory_bytes
@@ -61,23 +61,6 @@ def _engine_kwargs(kwargs: dict[str, Any]) -> dict[str, Any]:
         elif name != "gpu_memory_utilization":
             raise TypeError(f"unknown LLM option: {name}")
     return engine
-
-
-def parse_prompt(prompt: PromptType) -> str | list[int]:
-    """One prompt in any of vLLM's single-prompt shapes -> text or token ids."""
-    if isinstance(prompt, Mapping):
-        extra = sorted(set(prompt) - {"prompt", "prompt_token_ids"})
-        if extra:
-            raise ValueError(f"unsupported prompt field(s) {', '.join(extra)}; use 'prompt' or 'prompt_token_ids'")
-        fields = cast(dict[str, Any], prompt)
-        if "prompt_token_ids" in fields:
-            return list(fields["prompt_token_ids"])
-        if "prompt" in fields:
-            return fields["prompt"]
-        raise ValueError("a prompt dict needs 'prompt' (TextPrompt) or 'prompt_token_ids' (TokensPrompt)")
-    if isinstance(prompt, str):
-        return prompt
-    return list(prompt)
 
 
 def _is_single(prompts: Any) -> bool:

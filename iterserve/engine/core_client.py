@@ -333,10 +333,12 @@ class EngineCoreClient:
                             self.config.max_num_seqs)
 
     def add_request(self, request_id: str, prompt: list[int], params: SamplingParams, arrival_time: float,
-                    stream: bool = True, admitted: bool = False) -> RequestStream:
+                    stream: bool = True, admitted: bool = False, kind: RequestOutputKind | None = None,
+                    ) -> RequestStream:
         """Send a request to a core; raises EngineDeadError, RequestError, QueueFullError or ValueError at once.
         ``admitted``: a later prompt of a request the queue took already (its caller bounds their number),
-        sent whatever the queue holds."""
+        sent whatever the queue holds. Outputs come as ``kind`` says, else as deltas when ``stream`` and
+        the final output alone when not."""
         if not self.is_running:
             raise EngineDeadError(str(self.error) if self.error else "the engine is not running")
         max_tokens = self.check_request(prompt, params)  # bad input first
@@ -352,9 +354,9 @@ class EngineCoreClient:
         core = self._cores[self.router.route(request_id, prompt, max_tokens * params.num_seqs)]
         if self.observer is not None:
             self.observer.record_admitted(core.index, max_tokens)
-        kind = RequestOutputKind.DELTA if stream else RequestOutputKind.FINAL_ONLY
+        kind = kind or (RequestOutputKind.DELTA if stream else RequestOutputKind.FINAL_ONLY)
         self._output_processor.add_request(request_id, None, prompt, params, arrival_time, kind)
-        handle = RequestStream(request_id, self.abort)
+        handle = RequestStream(request_id, self.abort, merge=kind is RequestOutputKind.DELTA)
         self._streams[request_id] = handle
         self._idle.clear()
         core.send_encoded(message)

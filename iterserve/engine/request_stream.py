@@ -13,11 +13,13 @@ class RequestStream:
     """One request's outputs, consumed on the event loop.
 
     A consumer that falls behind never makes the buffer grow by a step: unread deltas are merged into
-    one pending output, so what a stream holds is bounded by what the request generates.
+    one pending output (``merge``), and a cumulative output replaces the unread one, so what a stream holds
+    is bounded by what the request generates.
     """
 
-    def __init__(self, request_id: str, abort: Callable[[str], None]) -> None:
+    def __init__(self, request_id: str, abort: Callable[[str], None], merge: bool = True) -> None:
         self.request_id = request_id
+        self._merge = merge
         self.finished = False
         self._pending: RequestOutput | None = None
         self._error: BaseException | None = None
@@ -31,6 +33,8 @@ class RequestStream:
         if self.finished:
             raise StopAsyncIteration
         while self._pending is None and self._error is None:
+            if self.finished:  # closed while its consumer waited
+                raise StopAsyncIteration
             self._ready.clear()
             await self._ready.wait()
         if self._pending is not None:
@@ -46,9 +50,10 @@ class RequestStream:
             self.finished = True
             self._pending = None
             self._abort(self.request_id)
+            self._ready.set()
 
     def _put(self, output: RequestOutput) -> None:
-        if self._pending is None:
+        if self._pending is None or not self._merge:
             self._pending = output
         else:
             self._pending.add(output)

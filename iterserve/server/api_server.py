@@ -28,6 +28,7 @@ from fastapi.responses import Response
 
 from iterserve import __version__
 from iterserve.config import EngineConfig, ServerConfig
+from iterserve.engine.async_llm import AsyncLLM
 from iterserve.engine.core_client import EngineCoreClient
 from iterserve.server.dashboard import add_dashboard
 from iterserve.server.errors import add_error_handlers
@@ -53,13 +54,15 @@ logger = logging.getLogger(__name__)
 def build_app(config: EngineConfig, server: ServerConfig | None = None) -> FastAPI:
     """An app serving ``config``'s model; its lifespan starts and stops the engine core process.
 
-    ``app.state.engine`` is the :class:`EngineCoreClient` (set its ``on_dead`` to hear of a dead core).
+    ``app.state.llm`` is the :class:`AsyncLLM` the routes run on, ``app.state.engine`` its
+    :class:`EngineCoreClient` (set its ``on_dead`` to hear of a dead core).
     Request bodies over ``server.max_request_body_bytes`` are refused with a 413.
     """
     server = server or ServerConfig()
     served_model_name, api_key = server.model_name(config), server.api_key
-    engine = EngineCoreClient(config, max_waiting=server.max_waiting, log_level=server.log_level,
-                              data_parallel_size=server.data_parallel_size, stall_timeout=server.engine_stall_timeout)
+    llm = AsyncLLM(config, max_waiting=server.max_waiting, log_level=server.log_level,
+                   data_parallel_size=server.data_parallel_size, stall_timeout=server.engine_stall_timeout)
+    engine = llm.engine_core
     spec = config.speculative_config
     metrics = ServerMetrics(served_model_name, engine.capacity.max_model_len, server.data_parallel_size,
                             spec.num_speculative_tokens if spec else 0)
@@ -76,18 +79,19 @@ def build_app(config: EngineConfig, server: ServerConfig | None = None) -> FastA
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
-        await engine.start()
+        await llm.start()
         logger.info("engine core started; serving %r on %s (%s)", served_model_name, config.resolved_device,
                     config.resolved_dtype)
         try:
             yield
         finally:
             grammars.close()
-            await engine.stop()
+            await llm.shutdown()
             logger.info("engine core stopped")
 
     app = FastAPI(title="iterserve", version=__version__, lifespan=lifespan)
     app.state.engine = engine
+    app.state.llm = llm
     add_error_handlers(app)
     # the last added runs first: the key is checked, then the Content-Type, then the body's size and time
     app.add_middleware(BodyReadTimeoutMiddleware, timeout=server.request_body_timeout)
