@@ -25,8 +25,8 @@ DEFAULT_PROMPT_LOOKUP = 5
 
 # Running sequences above which a step verifies no drafts: while a pass is bound by reading the weights,
 # k+1 tokens per sequence cost about what one does; once it is compute-bound rejected drafts are paid in
-# full. Measured on the copy workload (docs/benchmarks.md, an EPYC with AVX-512, two sessions): speculation
-# still gave 1.07x (k=4) and 1.25x (k=8) at 16 running, and 0.92x at 32 (k=8).
+# full. Measured on the copy workload (docs/benchmarks-history.md, 2026-12-02 and 2026-12-03, an EPYC with
+# AVX-512): speculation still gave 1.07x (k=4) and 1.25x (k=8) at 16 running, and 0.92x at 32 (k=8).
 DEFAULT_DISABLE_BY_BATCH_SIZE = 16
 
 
