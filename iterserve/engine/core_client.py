@@ -311,6 +311,10 @@ class EngineCoreClient:
         return None
 
     @property
+    def data_parallel_size(self) -> int:
+        return len(self._cores)
+
+    @property
     def pids(self) -> list[int | None]:
         """Each replica's core process id, in replica order."""
         return [core.pid for core in self._cores]

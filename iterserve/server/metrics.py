@@ -202,5 +202,13 @@ class ServerMetrics:
     def record_finish_reason(self, engine: int, reason: str) -> None:
         self._request_success.labels(**self._labels[engine], finished_reason=reason).inc()
 
+    def record_cache_config(self, info: dict[str, str]) -> None:
+        """vLLM's ``vllm:cache_config_info``: the KV cache's settings as labels of a gauge set to 1, one child
+        per engine; with model_name too, as every series here, which dashboards' model variable lists."""
+        g = Gauge("vllm:cache_config_info", "Information of the LLMEngine CacheConfig.",
+                  [*info, "model_name", "engine"], registry=self.registry)
+        for labels in self._labels:
+            g.labels(**info, **labels).set(1)
+
     def render(self) -> bytes:
         return generate_latest(self.registry)

@@ -1,0 +1,125 @@
+"""What routers ask a worker before and while they route to it, answered as vLLM and SGLang answer it.
+
+sglang-router (sgl-model-gateway) registers a worker by reading ``/server_info`` (falling back to
+``/get_server_info``) for its model, data-parallel size and limits, and ``/model_info`` (``/get_model_info``)
+for the model's type; without them it lists the model as "unknown". vllm-router's cache-aware policy
+renders each chat request to token ids with ``POST /v1/chat/completions/render`` (falling back to a second
+round trip to ``/tokenize``), and its ``kv_aware`` policy finds each worker's KV-event publisher at
+``/kv_event_sources``. SGLang's ``/health_generate`` is the health check that proves a token can be made.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+import uuid
+from collections.abc import Callable
+from typing import Annotated, Any
+
+from fastapi import Request
+from fastapi.responses import JSONResponse, Response
+
+from iterserve import __version__
+from iterserve.engine.core_client import EngineCoreClient
+from iterserve.errors import EngineDeadError, RequestFailedError
+from iterserve.sampling_params import SamplingParams
+from iterserve.server.errors import APIError, error_response
+from iterserve.server.protocol import ChatCompletionRequest
+from iterserve.server.request_body import validated
+from iterserve.server.serving_chat import ChatServing
+
+HEALTH_GENERATE_TIMEOUT_S = 20.0  # SGLang's default health check timeout
+_PLAIN = (int, float, str, bool, type(None))
+
+
+class DiscoveryServing(ChatServing):
+    """The server-info, model-info, render, KV-event-source and generation health routes."""
+
+    # the app's KV-event publishers as vLLM lists them, given the host a client reached us by (None: not known)
+    kv_event_sources_of: Callable[[str | None], list[dict[str, Any]]] | None = None
+
+    def _limits(self) -> dict[str, Any]:
+        config, cap = self.engine.config, self.engine.capacity
+        return {"max_model_len": cap.max_model_len, "context_length": cap.max_model_len,
+                "max_total_num_tokens": cap.total_tokens, "max_total_tokens": cap.total_tokens,
+                "max_prefill_tokens": config.max_num_batched_tokens, "max_running_requests": config.max_num_seqs,
+                "max_batch_size": config.max_num_seqs, "max_num_reqs": config.max_num_seqs,
+                "block_size": cap.block_size, "page_size": cap.block_size, "num_kv_blocks": cap.num_blocks}
+
+    async def server_info(self) -> dict[str, Any]:
+        """SGLang's server info: the fields sgl-model-gateway reads (model_id, model_path, served_model_name,
+        dp_size, tp_size, version and the batch limits), with their values here."""
+        config = self.engine.config
+        return {"model_id": self.model_name, "model_path": config.model, "served_model_name": self.model_name,
+                "tokenizer_path": config.model, "dp_size": self.engine.data_parallel_size,
+                "tp_size": config.tensor_parallel_size, "version": __version__, **self._limits(),
+                "enable_prefix_caching": config.enable_prefix_caching,
+                "disable_radix_cache": not config.enable_prefix_caching,
+                "kv_cache_dtype": config.resolved_dtype, "device": config.resolved_device,
+                "kv_events": self._kv_event_sources(None)}
+
+    async def model_info(self) -> dict[str, Any]:
+        """SGLang's model info: path, tokenizer, model type and architectures, context and vocabulary."""
+        hf = self.engine.model_config.to_hf_config()
+        max_len = self.engine.max_model_len
+        return {"model_path": self.engine.config.model, "tokenizer_path": self.engine.config.model,
+                "served_model_name": self.model_name, "is_generation": True, "model_type": hf["model_type"],
+                "architectures": hf["architectures"], "max_context_length": max_len, "max_req_input_len": max_len - 1,
+                "vocab_size": self.engine.model_config.vocab_size, "weight_version": "default",
+                "preferred_sampling_params": None, "has_image_understanding": False,
+                "has_audio_understanding": False}
+
+    def _kv_event_sources(self, host: str | None) -> list[dict[str, Any]]:
+        return list(self.kv_event_sources_of(host)) if self.kv_event_sources_of is not None else []
+
+    async def kv_event_sources(self, request: Request) -> JSONResponse:
+        """vLLM's discovery list of KV-event publishers: one per replica, a bare JSON array (empty when
+        events are off); a wildcard bind address is given as the host the client reached us by."""
+        return JSONResponse(self._kv_event_sources(request.url.hostname))
+
+    async def render_chat(self, body: Annotated[ChatCompletionRequest, validated(ChatCompletionRequest)],
+                          ) -> JSONResponse:
+        """The chat request as the engine would get it, without generating (vLLM's render route): its template
+        applied and tokenized, and its sampling parameters; a 400 where the request itself would get one."""
+        constraint = self._accept(body)
+        _, params, prompt_ids = await self._prepare(body, constraint, body.structured_outputs_field)
+        return JSONResponse({"request_id": f"chatcmpl-{uuid.uuid4().hex}", "model": self.model_name,
+                             "token_ids": prompt_ids, "features": None, "sampling_params": _plain_fields(params),
+                             "stream": bool(body.stream), "cache_salt": None, "priority": 0})
+
+    async def health_generate(self) -> Response:
+        """200 once one token is generated (SGLang's deep health check); 503 saying why otherwise."""
+        if (problem := self.engine.health_problem()) is not None:
+            return error_response(APIError(503, problem, type="server_error"))
+        params = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True)
+        request_id = f"health-{uuid.uuid4().hex}"
+        try:
+            stream = await self._submit(request_id, [0], params, stream=False)
+            try:
+                async with asyncio.timeout(HEALTH_GENERATE_TIMEOUT_S):
+                    async for _ in stream:
+                        pass
+            finally:
+                stream.close()
+        except (EngineDeadError, RequestFailedError, APIError, TimeoutError) as e:
+            return error_response(APIError(503, f"the engine did not generate a token: {e}", type="server_error"))
+        return JSONResponse({"status": "ok", "time": time.time()})
+
+
+def cache_config_info(engine: EngineCoreClient) -> dict[str, str]:
+    """The labels of vLLM's ``vllm:cache_config_info`` (its CacheConfig fields, as strings), with this
+    engine's values; a field this engine has no counterpart for has vLLM's value when unused."""
+    config, cap = engine.config, engine.capacity
+    return {"block_size": str(cap.block_size), "cache_dtype": config.resolved_dtype,
+            "enable_prefix_caching": str(config.enable_prefix_caching), "num_gpu_blocks": str(cap.num_blocks),
+            "num_gpu_blocks_override": str(config.num_kv_blocks), "num_cpu_blocks": "None",
+            "kv_cache_memory_bytes": str(cap.num_blocks * cap.block_size * cap.kv_bytes_per_token),
+            "prefix_caching_hash_algo": "builtin", "sliding_window": str(engine.model_config.sliding_window),
+            "is_attention_free": "False", "calculate_kv_scales": "False", "cpu_offload_gb": "0",
+            "swap_space_bytes": "0"}
+
+
+def _plain_fields(params: SamplingParams) -> dict[str, Any]:
+    """The sampling parameters that JSON carries as they are (numbers, strings, lists of them)."""
+    return {k: v for k, v in vars(params).items()
+            if isinstance(v, _PLAIN) or (isinstance(v, list) and all(isinstance(x, _PLAIN) for x in v))}
