@@ -33,6 +33,8 @@ _CORE_COUNTERS = {
     "num_generation_tokens": ("vllm:generation_tokens", "Tokens generated."),
     "prefix_query_tokens": ("vllm:prefix_cache_queries", "Prompt tokens looked up in the prefix cache."),
     "prefix_hit_tokens": ("vllm:prefix_cache_hits", "Prompt tokens served from the prefix cache."),
+    "kv_events_dropped": ("iterserve:kv_events_dropped", "KV-cache events dropped because the publisher's queue "
+                          "was full (--kv-events-config max_queue_size)."),
 }
 
 

@@ -13,7 +13,6 @@ from __future__ import annotations
 import asyncio
 import time
 import uuid
-from collections.abc import Callable
 from typing import Annotated, Any
 
 from fastapi import Request
@@ -35,9 +34,6 @@ _PLAIN = (int, float, str, bool, type(None))
 class DiscoveryServing(ChatServing):
     """The server-info, model-info, render, KV-event-source and generation health routes."""
 
-    # the app's KV-event publishers as vLLM lists them, given the host a client reached us by (None: not known)
-    kv_event_sources_of: Callable[[str | None], list[dict[str, Any]]] | None = None
-
     def _limits(self) -> dict[str, Any]:
         config, cap = self.engine.config, self.engine.capacity
         return {"max_model_len": cap.max_model_len, "context_length": cap.max_model_len,
@@ -56,7 +52,7 @@ class DiscoveryServing(ChatServing):
                 "enable_prefix_caching": config.enable_prefix_caching,
                 "disable_radix_cache": not config.enable_prefix_caching,
                 "kv_cache_dtype": config.resolved_dtype, "device": config.resolved_device,
-                "kv_events": self._kv_event_sources(None)}
+                "kv_events": kv_event_sources(self.engine, None)}
 
     async def model_info(self) -> dict[str, Any]:
         """SGLang's model info: path, tokenizer, model type and architectures, context and vocabulary."""
@@ -69,13 +65,10 @@ class DiscoveryServing(ChatServing):
                 "preferred_sampling_params": None, "has_image_understanding": False,
                 "has_audio_understanding": False}
 
-    def _kv_event_sources(self, host: str | None) -> list[dict[str, Any]]:
-        return list(self.kv_event_sources_of(host)) if self.kv_event_sources_of is not None else []
-
     async def kv_event_sources(self, request: Request) -> JSONResponse:
         """vLLM's discovery list of KV-event publishers: one per replica, a bare JSON array (empty when
         events are off); a wildcard bind address is given as the host the client reached us by."""
-        return JSONResponse(self._kv_event_sources(request.url.hostname))
+        return JSONResponse(kv_event_sources(self.engine, request.url.hostname))
 
     async def render_chat(self, body: Annotated[ChatCompletionRequest, validated(ChatCompletionRequest)],
                           ) -> JSONResponse:
@@ -104,6 +97,30 @@ class DiscoveryServing(ChatServing):
         except (EngineDeadError, RequestFailedError, APIError, TimeoutError) as e:
             return error_response(APIError(503, f"the engine did not generate a token: {e}", type="server_error"))
         return JSONResponse({"status": "ok", "time": time.time()})
+
+
+def kv_event_sources(engine: EngineCoreClient, host: str | None) -> list[dict[str, Any]]:
+    """vLLM's ``/kv_event_sources`` entries: each replica's publisher endpoint (its port offset by the replica's
+    index), with a wildcard bind address replaced by ``host``, the name the client reached this server by."""
+    config = engine.config.kv_events_config
+    if config is None or not config.publishes:
+        return []
+    sources = []
+    for rank in range(engine.data_parallel_size):
+        own = config.for_rank(rank)
+        sources.append({"data_parallel_rank": rank, "endpoint": _reachable(own.endpoint, host),
+                        "replay_endpoint": _reachable(own.replay_endpoint, host), "topic": own.topic})
+    return sources
+
+
+def _reachable(endpoint: str | None, host: str | None) -> str | None:
+    """A bound wildcard TCP endpoint as a client connects to it: the host it reached us by."""
+    if endpoint is None or host is None or not endpoint.startswith("tcp://"):
+        return endpoint
+    bound, _, port = endpoint.removeprefix("tcp://").rpartition(":")
+    if bound not in ("*", "0.0.0.0", "::", "[::]"):
+        return endpoint
+    return f"tcp://[{host}]:{port}" if ":" in host else f"tcp://{host}:{port}"
 
 
 def cache_config_info(engine: EngineCoreClient) -> dict[str, str]:
