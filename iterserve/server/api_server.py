@@ -61,8 +61,9 @@ def build_app(config: EngineConfig, server: ServerConfig | None = None) -> FastA
     engine = EngineCoreClient(config, max_waiting=server.max_waiting, log_level=server.log_level,
                               data_parallel_size=server.data_parallel_size, stall_timeout=server.engine_stall_timeout)
     spec = config.speculative_config
+    events = config.kv_events_config
     metrics = ServerMetrics(served_model_name, engine.capacity.max_model_len, server.data_parallel_size,
-                            spec.num_speculative_tokens if spec else 0)
+                            spec.num_speculative_tokens if spec else 0, events is not None and events.publishes)
     engine.observer = metrics
     grammars = GrammarChecker(engine.tokenizer, engine.model_config.vocab_size, server.grammar_workers,
                               server.grammar_timeout)

@@ -33,6 +33,10 @@ _CORE_COUNTERS = {
     "num_generation_tokens": ("vllm:generation_tokens", "Tokens generated."),
     "prefix_query_tokens": ("vllm:prefix_cache_queries", "Prompt tokens looked up in the prefix cache."),
     "prefix_hit_tokens": ("vllm:prefix_cache_hits", "Prompt tokens served from the prefix cache."),
+}
+
+# KV-cache events' counter (only where the cores publish events); vLLM has no such series.
+_KV_EVENT_COUNTERS = {
     "kv_events_dropped": ("iterserve:kv_events_dropped", "KV-cache events dropped because the publisher's queue "
                           "was full (--kv-events-config max_queue_size)."),
 }
@@ -69,7 +73,7 @@ def count_buckets(max_value: int) -> tuple[int, ...]:
 
 class ServerMetrics:
     def __init__(self, model_name: str, max_model_len: int, num_engines: int = 1,
-                 num_speculative_tokens: int = 0) -> None:
+                 num_speculative_tokens: int = 0, kv_events: bool = False) -> None:
         self.registry = CollectorRegistry()
         self._labels = [{"model_name": model_name, "engine": str(i)} for i in range(num_engines)]
         names = ["model_name", "engine"]
@@ -128,9 +132,9 @@ class ServerMetrics:
                                       REQUEST_LATENCY_BUCKETS)
         self.decode_time = histogram("vllm:request_decode_time_seconds", "First token to last token.",
                                      REQUEST_LATENCY_BUCKETS)
-        spec = _SPEC_COUNTERS if num_speculative_tokens else {}
+        optional = {**(_SPEC_COUNTERS if num_speculative_tokens else {}), **(_KV_EVENT_COUNTERS if kv_events else {})}
         self._counters.update({field: Counter(name, doc, names, registry=self.registry)
-                               for field, (name, doc) in spec.items()})
+                               for field, (name, doc) in optional.items()})
         self._accepted_per_pos = Counter(
             "vllm:spec_decode_num_accepted_tokens_per_pos", "Draft tokens accepted, by position in the proposal.",
             [*names, "position"], registry=self.registry) if num_speculative_tokens else None
