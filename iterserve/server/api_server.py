@@ -126,6 +126,7 @@ def add_discovery_routes(app: FastAPI, discovery: DiscoveryServing) -> None:
         app.get(path)(discovery.model_info)
     app.get("/kv_event_sources", response_model=None)(discovery.kv_event_sources)
     app.post("/v1/chat/completions/render", response_model=None)(discovery.render_chat)
+    app.post("/v1/completions/render", response_model=None)(discovery.render_completion)
     app.get("/health_generate", response_model=None)(discovery.health_generate)
 
 

@@ -4,8 +4,9 @@ sglang-router (sgl-model-gateway) registers a worker by reading ``/server_info``
 ``/get_server_info``) for its model, data-parallel size and limits, and ``/model_info`` (``/get_model_info``)
 for the model's type; without them it lists the model as "unknown". vllm-router's cache-aware policy
 renders each chat request to token ids with ``POST /v1/chat/completions/render`` (falling back to a second
-round trip to ``/tokenize``), and its ``kv_aware`` policy finds each worker's KV-event publisher at
-``/kv_event_sources``. SGLang's ``/health_generate`` is the health check that proves a token can be made.
+round trip to ``/tokenize``; ``/v1/completions/render`` is the completions twin), and its ``kv_aware``
+policy finds each worker's KV-event publisher at ``/kv_event_sources``. SGLang's ``/health_generate`` is
+the health check that proves a token can be made.
 """
 
 from __future__ import annotations
@@ -23,16 +24,18 @@ from iterserve.engine.core_client import EngineCoreClient
 from iterserve.errors import EngineDeadError, RequestFailedError
 from iterserve.sampling_params import SamplingParams
 from iterserve.server.errors import APIError, error_response
-from iterserve.server.protocol import ChatCompletionRequest
+from iterserve.server.protocol import ChatCompletionRequest, CompletionRequest, SamplingRequest
 from iterserve.server.request_body import validated
 from iterserve.server.serving_chat import ChatServing
+from iterserve.server.serving_completions import CompletionServing
 
 HEALTH_GENERATE_TIMEOUT_S = 20.0  # SGLang's default health check timeout
 _PLAIN = (int, float, str, bool, type(None))
 
 
-class DiscoveryServing(ChatServing):
-    """The server-info, model-info, render, KV-event-source and generation health routes."""
+class DiscoveryServing(ChatServing, CompletionServing):
+    """The server-info, model-info, render, KV-event-source and generation health routes (the chat and
+    completion routes' steps render)."""
 
     def _limits(self) -> dict[str, Any]:
         config, cap = self.engine.config, self.engine.capacity
@@ -76,9 +79,26 @@ class DiscoveryServing(ChatServing):
         applied and tokenized, and its sampling parameters; a 400 where the request itself would get one."""
         constraint = self._accept(body)
         _, params, prompt_ids = await self._prepare(body, constraint, body.structured_outputs_field)
-        return JSONResponse({"request_id": f"chatcmpl-{uuid.uuid4().hex}", "model": self.model_name,
-                             "token_ids": prompt_ids, "features": None, "sampling_params": _plain_fields(params),
-                             "stream": bool(body.stream), "cache_salt": None, "priority": 0})
+        return JSONResponse(self._generate_request(f"chatcmpl-{uuid.uuid4().hex}", prompt_ids, params, body))
+
+    async def render_completion(self, body: Annotated[CompletionRequest, validated(CompletionRequest)],
+                                ) -> JSONResponse:
+        """vLLM's completions render: one engine request per prompt (a list of them), each with its token ids."""
+        constraint = self._accept(body)
+        params = body.completion_params(constraint)
+        await self._check_grammar(constraint, body.structured_outputs_field or "structured_outputs")
+        prompts = await self._completion_prompts(body.prompt, echo=False)
+        request_id = f"cmpl-{uuid.uuid4().hex}"
+        return JSONResponse([self._generate_request(f"{request_id}-{i}", ids, params, body)
+                             for i, (ids, _) in enumerate(prompts)])
+
+    def _generate_request(self, request_id: str, token_ids: list[int], params: SamplingParams,
+                          body: SamplingRequest) -> dict[str, Any]:
+        """vLLM's GenerateRequest body: what the engine would get for one prompt."""
+        options = None if body.stream_options is None else body.stream_options.model_dump()
+        return {"request_id": request_id, "token_ids": token_ids, "features": None,
+                "sampling_params": _plain_fields(params), "model": self.model_name, "stream": bool(body.stream),
+                "stream_options": options, "cache_salt": None, "priority": 0, "kv_transfer_params": None}
 
     async def health_generate(self) -> Response:
         """200 once one token is generated (SGLang's deep health check); 503 saying why otherwise."""

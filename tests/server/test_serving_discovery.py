@@ -53,6 +53,20 @@ def test_chat_render_is_the_prompt_the_engine_would_get(server):
     assert done.json()["usage"]["prompt_tokens"] == len(rendered["token_ids"])
 
 
+def test_completion_render_gives_each_prompts_token_ids(server):
+    body = {"model": MODEL, "prompt": ["Hello world", "Goodbye"], "max_tokens": 3}
+    r = httpx.post(f"{server.url}/v1/completions/render", headers=AUTH, json=body, timeout=60)
+    assert r.status_code == 200, r.text
+    first, second = r.json()
+    for rendered, text in ((first, "Hello world"), (second, "Goodbye")):
+        expected = httpx.post(f"{server.url}/tokenize", headers=AUTH, json={"prompt": text}, timeout=60).json()
+        assert rendered["token_ids"] == expected["tokens"]
+    ids = [5, 6, 7]
+    r = httpx.post(f"{server.url}/v1/completions/render", headers=AUTH, json={"prompt": ids}, timeout=60)
+    assert [g["token_ids"] for g in r.json()] == [ids]
+    assert first["request_id"] != second["request_id"] and first["sampling_params"]["max_tokens"] == 3
+
+
 def test_chat_render_refuses_what_the_request_would_be_refused(server):
     r = httpx.post(f"{server.url}/v1/chat/completions/render", headers=AUTH,
                    json={"model": "other", "messages": MESSAGES}, timeout=60)
