@@ -3,6 +3,7 @@ the server's settings (:mod:`.runtime`), the dtype table (:mod:`.dtypes`) and th
 """
 
 from iterserve.config.dtypes import RUNNABLE_DTYPES, parse_dtype
+from iterserve.config.kv_events import KVEventsConfig
 from iterserve.config.model import DEFAULT_MODEL, PRESETS, SUPPORTED_ARCHITECTURES, ModelConfig, find_preset, get_preset
 from iterserve.config.runtime import (
     LOG_LEVELS,
@@ -17,5 +18,5 @@ from iterserve.config.runtime import (
 from iterserve.config.speculative import SpeculativeConfig
 
 __all__ = ["DEFAULT_MODEL", "LOG_LEVELS", "PRESETS", "RUNNABLE_DTYPES", "SUPPORTED_ARCHITECTURES", "Batching", "Dtype",
-           "EngineConfig", "KVAllocation", "LogLevel", "ModelConfig", "SchedulerConfig", "ServerConfig",
-           "SpeculativeConfig", "find_preset", "get_preset", "parse_dtype"]
+           "EngineConfig", "KVAllocation", "KVEventsConfig", "LogLevel", "ModelConfig", "SchedulerConfig",
+           "ServerConfig", "SpeculativeConfig", "find_preset", "get_preset", "parse_dtype"]

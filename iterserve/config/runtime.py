@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 from typing import Any, Literal
 
 from iterserve.config.dtypes import Quantization, parse_dtype
+from iterserve.config.kv_events import KVEventsConfig
 from iterserve.config.model import DEFAULT_MODEL
 from iterserve.config.speculative import SpeculativeConfig
 
@@ -115,6 +116,11 @@ class EngineConfig:
         None, 'speculative decoding, as vLLM\'s JSON: {"method": "ngram", "num_speculative_tokens": 4, '
               '"prompt_lookup_min": 2, "prompt_lookup_max": 5} or {"model": "<draft>", "num_speculative_tokens": 4}',
         type=SpeculativeConfig.parse)
+    kv_events_config: KVEventsConfig | None = _opt(
+        None, 'publish the prefix cache\'s KV-block events for KV-aware routers, as vLLM\'s JSON: '
+              '{"enable_kv_cache_events": true, "publisher": "zmq", "endpoint": "tcp://*:5557"} (also '
+              'replay_endpoint, buffer_steps, hwm, max_queue_size, topic); replica i of a data-parallel server '
+              'publishes on the port + i', type=str)
 
     def __post_init__(self) -> None:
         # aliases (fp32, bf16, half) are accepted and stored under their one canonical name
@@ -122,6 +128,8 @@ class EngineConfig:
         # a dict (LLM(speculative_config={...}), a worker's JSON copy) or JSON text (the command line)
         spec = SpeculativeConfig.parse(self.speculative_config)
         object.__setattr__(self, "speculative_config", spec)
+        # the same forms as speculative_config; JSON text is parsed here so that its error is one line
+        object.__setattr__(self, "kv_events_config", KVEventsConfig.parse(self.kv_events_config))
         if spec is not None and spec.uses_draft_model and self.tensor_parallel_size > 1:
             raise ValueError("a speculative draft model runs with tensor_parallel_size=1 only; n-gram speculation "
                              "works with any")

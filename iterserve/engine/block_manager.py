@@ -17,6 +17,7 @@ from __future__ import annotations
 from collections import OrderedDict
 from dataclasses import dataclass, field
 
+from iterserve.engine.kv_events import MEDIUM_GPU, BlockRemoved, BlockStored, external_hash
 from iterserve.engine.messages import KV_CACHED, KV_FIRST_ROW, KV_HELD, KV_SHARED
 from iterserve.engine.sequence import Sequence
 
@@ -30,8 +31,13 @@ class Block:
     token_ids: tuple[int, ...] = ()
 
 
+ROOT_PARENT = 0  # stands for "no parent" in the hash: hash(None) differs between processes before Python 3.12
+
+
 def chain_hash(parent_hash: int | None, token_ids: tuple[int, ...]) -> int:
-    return hash((parent_hash, token_ids))
+    """The hash of a block's tokens and its whole prefix; the same in every process (ints and tuples of ints
+    hash alike everywhere), so the events' hashes and a router's copy agree."""
+    return hash((ROOT_PARENT if parent_hash is None else parent_hash, token_ids))
 
 
 @dataclass
@@ -43,6 +49,8 @@ class BlockManager:
     free_queue: OrderedDict[int, None] = field(init=False)  # LRU order: evict from the front
     cached: dict[int, Block] = field(init=False)  # chain hash -> block
     pending_copies: list[tuple[int, int]] = field(init=False)  # (src, dst) KV copies the next step must do
+    # what entered and left the prefix cache since the last take_events(); None: nobody listens, nothing kept
+    events: list[BlockStored | BlockRemoved] | None = field(init=False, default=None)
 
     def __post_init__(self) -> None:
         if self.num_blocks < 1 or self.block_size < 1:
@@ -107,7 +115,34 @@ class BlockManager:
             if block.hash is None and h not in self.cached:
                 block.hash, block.parent_hash, block.token_ids = h, parent, chunk
                 self.cached[h] = block
+                if self.events is not None:
+                    self._stored(h, parent, chunk)
         seq.num_hashed_blocks = full
+
+    def _stored(self, h: int, parent: int | None, chunk: tuple[int, ...]) -> None:
+        """Record a block entering the cache, in the last BlockStored when it continues that one's chain."""
+        assert self.events is not None
+        last = self.events[-1] if self.events else None
+        if isinstance(last, BlockStored) and last.block_hashes[-1] == (None if parent is None else
+                                                                      external_hash(parent)):
+            last.block_hashes.append(external_hash(h))
+            last.token_ids.extend(chunk)
+            return
+        self.events.append(BlockStored(block_hashes=[external_hash(h)], token_ids=list(chunk),
+                                       parent_block_hash=None if parent is None else external_hash(parent),
+                                       block_size=self.block_size, lora_id=None, medium=MEDIUM_GPU, lora_name=None))
+
+    def record_events(self) -> None:
+        """Keep the prefix cache's stores and evictions for :meth:`take_events` from now on."""
+        if self.events is None:
+            self.events = []
+
+    def take_events(self) -> list[BlockStored | BlockRemoved]:
+        """The events recorded since the last call (none unless :meth:`record_events` was called)."""
+        if not self.events:
+            return []
+        events, self.events = self.events, []
+        return events
 
     # -- allocation -----------------------------------------------------------------------------
 
@@ -117,9 +152,19 @@ class BlockManager:
         if block.hash is not None:  # evict its cached content
             if self.cached.get(block.hash) is block:
                 del self.cached[block.hash]
+                if self.events is not None:
+                    self._removed(block.hash)
             block.hash, block.parent_hash, block.token_ids = None, None, ()
         block.ref_count = 1
         return block
+
+    def _removed(self, h: int) -> None:
+        """Record an eviction, in the last BlockRemoved when evictions follow each other."""
+        assert self.events is not None
+        if self.events and isinstance(self.events[-1], BlockRemoved):
+            self.events[-1].block_hashes.append(external_hash(h))
+        else:
+            self.events.append(BlockRemoved(block_hashes=[external_hash(h)], medium=MEDIUM_GPU))
 
     def allocate(
         self, seq: Sequence, num_new_tokens: int, cached_prefix: list[Block] | None = None, reserve_tokens: int = 0

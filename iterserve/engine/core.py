@@ -27,6 +27,7 @@ import torch
 from iterserve.config import EngineConfig, ModelConfig
 from iterserve.engine.block_manager import BlockManager
 from iterserve.engine.executor import Executor, start_executor
+from iterserve.engine.kv_events import start_publisher
 from iterserve.engine.messages import (
     EngineCoreOutput,
     EngineCoreOutputs,
@@ -102,6 +103,9 @@ class EngineCore:
             spec = config.speculative_config
             self.speculator = (Speculator.build(spec, self.block_manager, self.executor, self.max_model_len,
                                                 proposer) if spec is not None else None)
+            self.kv_events = start_publisher(config.kv_events_config)  # binds its socket: an error stops the start
+            if self.kv_events is not None:
+                self.block_manager.record_events()
         except BaseException:
             self.executor.abort()
             raise
@@ -333,11 +337,15 @@ class EngineCore:
             spec_num_drafts=self.spec_stats.num_drafts, spec_num_draft_tokens=self.spec_stats.num_draft_tokens,
             spec_num_accepted_tokens=self.spec_stats.num_accepted_tokens,
             spec_accepted_per_pos=list(self.spec_stats.accepted_per_pos),
+            kv_events_dropped=self.kv_events.dropped if self.kv_events is not None else 0,
         )
 
     def _record(self, sched: SchedulerOutput, start: float, duration: float,
                 spec: SpecDecodeStats | None = None) -> StepStats | None:
-        """Count the step; its StepStats when someone keeps them (history, trace or the server)."""
+        """Count the step and publish its KV-cache events; its StepStats when someone keeps them (history,
+        trace or the server)."""
+        if self.kv_events is not None and (events := self.block_manager.take_events()):
+            self.kv_events.publish(list(events))
         self.num_steps += 1
         self.num_preemptions += len(sched.preempted)
         self.prefix_hit_tokens += sched.prefix_hit_tokens
@@ -389,6 +397,9 @@ class EngineCore:
 
     def close(self) -> None:
         self._grammar_pool.close()
+        if self.kv_events is not None:
+            self.kv_events.shutdown()
+            self.kv_events = None
         if self._trace is not None:
             self._trace.close()
             self._trace = None

@@ -125,8 +125,8 @@ class _Core:
 
 
 def replica_configs(config: EngineConfig, num_replicas: int) -> list[EngineConfig]:
-    """Each data-parallel replica's config: on CUDA its own device (replica i on cuda:i), and its own
-    step trace file (``steps.jsonl`` -> ``steps.0.jsonl``, ``steps.1.jsonl``, ...)."""
+    """Each data-parallel replica's config: on CUDA its own device (replica i on cuda:i), its own step trace
+    file (``steps.jsonl`` -> ``steps.0.jsonl``, ``steps.1.jsonl``, ...) and KV-event endpoints."""
     if num_replicas == 1:
         return [config]
     if config.tensor_parallel_size > 1:  # each replica's ranks would need their own devices and ports
@@ -146,7 +146,10 @@ def replica_configs(config: EngineConfig, num_replicas: int) -> list[EngineConfi
     if config.step_trace:
         path = Path(config.step_trace)
         traces = [str(path.with_name(f"{path.stem}.{i}{path.suffix}")) for i in range(num_replicas)]
-    return [dataclasses.replace(config, device=d, step_trace=t) for d, t in zip(devices, traces)]
+    events = config.kv_events_config  # each replica publishes on its own port (the port + its index)
+    return [dataclasses.replace(config, device=d, step_trace=t,
+                                kv_events_config=events.for_rank(i) if events is not None else None)
+            for i, (d, t) in enumerate(zip(devices, traces))]
 
 
 class EngineCoreClient:
@@ -309,6 +312,10 @@ class EngineCoreClient:
                 return (f"{core.label}the engine core has made no progress for {silent:.0f} s with {core.num_open} "
                         f"requests open (limit {self.stall_timeout:g} s)")
         return None
+
+    @property
+    def data_parallel_size(self) -> int:
+        return len(self._cores)
 
     @property
     def pids(self) -> list[int | None]:

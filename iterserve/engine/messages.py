@@ -80,6 +80,7 @@ class SchedulerStats(msgspec.Struct, array_like=True):
     spec_num_draft_tokens: int = 0
     spec_num_accepted_tokens: int = 0
     spec_accepted_per_pos: list[int] = []
+    kv_events_dropped: int = 0  # KV-cache events the publisher's full queue dropped since start
 
 
 class BatchRow(msgspec.Struct, array_like=True):

@@ -43,6 +43,7 @@ from iterserve.server.middleware import (
 from iterserve.server.request_body import document_bodies
 from iterserve.server.serving_chat import ChatServing
 from iterserve.server.serving_completions import CompletionServing
+from iterserve.server.serving_discovery import DiscoveryServing, cache_config_info
 from iterserve.server.serving_info import InfoServing
 from iterserve.server.serving_responses import ResponsesServing
 from iterserve.server.serving_tokenize import TokenizeServing
@@ -64,8 +65,9 @@ def build_app(config: EngineConfig, server: ServerConfig | None = None) -> FastA
                    data_parallel_size=server.data_parallel_size, stall_timeout=server.engine_stall_timeout)
     engine = llm.engine_core
     spec = config.speculative_config
+    events = config.kv_events_config
     metrics = ServerMetrics(served_model_name, engine.capacity.max_model_len, server.data_parallel_size,
-                            spec.num_speculative_tokens if spec else 0)
+                            spec.num_speculative_tokens if spec else 0, events is not None and events.publishes)
     engine.observer = metrics
     grammars = GrammarChecker(engine.tokenizer, engine.model_config.vocab_size, server.grammar_workers,
                               server.grammar_timeout)
@@ -74,8 +76,11 @@ def build_app(config: EngineConfig, server: ServerConfig | None = None) -> FastA
     responses = ResponsesServing(engine, metrics, served_model_name, grammars)
     tokenize = TokenizeServing(engine, metrics, served_model_name)
     info = InfoServing(engine, metrics, served_model_name)
+    discovery = DiscoveryServing(engine, metrics, served_model_name, grammars)
+    metrics.record_cache_config(cache_config_info(engine))
     if server.chat_template is not None:
-        chat.chat_template = responses.chat_template = tokenize.chat_template = load_chat_template(server.chat_template)
+        chat.chat_template = responses.chat_template = tokenize.chat_template = discovery.chat_template = \
+            load_chat_template(server.chat_template)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
@@ -115,9 +120,22 @@ def build_app(config: EngineConfig, server: ServerConfig | None = None) -> FastA
     app.get("/favicon.ico", response_model=None)(lambda: Response(status_code=204))  # browsers ask; nothing to send
     app.get("/version")(info.version)
     app.get("/metrics", response_model=None)(info.prometheus)
+    add_discovery_routes(app, discovery)
     add_dashboard(app, engine, served_model_name, api_key, server.max_dashboard_viewers)
     document_bodies(app)
     return app
+
+
+def add_discovery_routes(app: FastAPI, discovery: DiscoveryServing) -> None:
+    """The routes routers probe (:mod:`.serving_discovery`), under vLLM's and SGLang's names."""
+    for path in ("/server_info", "/get_server_info"):
+        app.get(path)(discovery.server_info)
+    for path in ("/model_info", "/get_model_info"):
+        app.get(path)(discovery.model_info)
+    app.get("/kv_event_sources", response_model=None)(discovery.kv_event_sources)
+    app.post("/v1/chat/completions/render", response_model=None)(discovery.render_chat)
+    app.post("/v1/completions/render", response_model=None)(discovery.render_completion)
+    app.get("/health_generate", response_model=None)(discovery.health_generate)
 
 
 def _url(host: str, port: int) -> str:

@@ -35,6 +35,12 @@ _CORE_COUNTERS = {
     "prefix_hit_tokens": ("vllm:prefix_cache_hits", "Prompt tokens served from the prefix cache."),
 }
 
+# KV-cache events' counter (only where the cores publish events); vLLM has no such series.
+_KV_EVENT_COUNTERS = {
+    "kv_events_dropped": ("iterserve:kv_events_dropped", "KV-cache events dropped because the publisher's queue "
+                          "was full (--kv-events-config max_queue_size)."),
+}
+
 
 # Speculative decoding's counters (only where it is configured, as vLLM registers them).
 _SPEC_COUNTERS = {
@@ -67,7 +73,7 @@ def count_buckets(max_value: int) -> tuple[int, ...]:
 
 class ServerMetrics:
     def __init__(self, model_name: str, max_model_len: int, num_engines: int = 1,
-                 num_speculative_tokens: int = 0) -> None:
+                 num_speculative_tokens: int = 0, kv_events: bool = False) -> None:
         self.registry = CollectorRegistry()
         self._labels = [{"model_name": model_name, "engine": str(i)} for i in range(num_engines)]
         names = ["model_name", "engine"]
@@ -126,9 +132,9 @@ class ServerMetrics:
                                       REQUEST_LATENCY_BUCKETS)
         self.decode_time = histogram("vllm:request_decode_time_seconds", "First token to last token.",
                                      REQUEST_LATENCY_BUCKETS)
-        spec = _SPEC_COUNTERS if num_speculative_tokens else {}
+        optional = {**(_SPEC_COUNTERS if num_speculative_tokens else {}), **(_KV_EVENT_COUNTERS if kv_events else {})}
         self._counters.update({field: Counter(name, doc, names, registry=self.registry)
-                               for field, (name, doc) in spec.items()})
+                               for field, (name, doc) in optional.items()})
         self._accepted_per_pos = Counter(
             "vllm:spec_decode_num_accepted_tokens_per_pos", "Draft tokens accepted, by position in the proposal.",
             [*names, "position"], registry=self.registry) if num_speculative_tokens else None
@@ -201,6 +207,14 @@ class ServerMetrics:
 
     def record_finish_reason(self, engine: int, reason: str) -> None:
         self._request_success.labels(**self._labels[engine], finished_reason=reason).inc()
+
+    def record_cache_config(self, info: dict[str, str]) -> None:
+        """vLLM's ``vllm:cache_config_info``: the KV cache's settings as labels of a gauge set to 1, one child
+        per engine; with model_name too, as every series here, which dashboards' model variable lists."""
+        g = Gauge("vllm:cache_config_info", "Information of the LLMEngine CacheConfig.",
+                  [*info, "model_name", "engine"], registry=self.registry)
+        for labels in self._labels:
+            g.labels(**info, **labels).set(1)
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

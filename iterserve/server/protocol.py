@@ -1,12 +1,15 @@
 """OpenAI request bodies, with vLLM's sampling extensions where OpenAI has none.
 
-Requests ignore fields they do not know (clients send newer OpenAI options freely), logging their
-names as vLLM does, but reject the known ones we cannot honour.
+Requests ignore fields they do not know (clients send newer OpenAI options freely), logging each name
+once (:mod:`.request_fields`), but reject the known ones we cannot honour. An explicit ``null`` means the
+default, as OpenAI's spec and vLLM read it, for every field that has one.
 """
 
 from __future__ import annotations
 
-import logging
+import functools
+import types
+import typing
 from typing import Annotated, Any, Literal, Self, TypeVar, cast
 
 from pydantic import BaseModel, ConfigDict, Discriminator, Field, Strict, Tag, field_validator, model_validator
@@ -19,12 +22,10 @@ from iterserve.sampling_params import (
     StructuredOutputsParams,
 )
 from iterserve.server.errors import bad_request
+from iterserve.server.request_fields import report_ignored
 from iterserve.server.text_checks import first_lone_surrogate
 
-logger = logging.getLogger(__name__)
-
 COMPLETION_DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
-MAX_NAMED_IGNORED = 20  # a log line names at most this many unknown fields of a request
 
 
 # -- requests -------------------------------------------------------------------------------------
@@ -59,6 +60,16 @@ class _Request(BaseModel):
     # Non-finite floats are refused: JSON parsers accept NaN/Infinity and the sampler cannot use them.
     model_config = ConfigDict(extra="ignore", allow_inf_nan=False)
 
+    @model_validator(mode="before")
+    @classmethod
+    def _null_means_default(cls, data: Any) -> Any:
+        """``"n": null``, ``"stream": null``, ...: the field's default, as OpenAI and vLLM read them (routers
+        forward unset fields as null). A field that takes null as a value of its own keeps it."""
+        if isinstance(data, dict) and (defaulted := _null_defaulted_fields(cls)):
+            if any(data.get(name, 0) is None for name in defaulted):
+                return {k: v for k, v in data.items() if not (v is None and k in defaulted)}
+        return data
+
     @field_validator("*")
     @classmethod
     def _valid_unicode(cls, value: Any) -> Any:
@@ -80,11 +91,30 @@ class RequestBody(_Request):
     @model_validator(mode="after")
     def _drop_unknown_fields(self) -> Self:
         if self.model_extra:
-            names = sorted(self.model_extra)
-            logger.warning("The following fields were present in the request but ignored: %s",
-                           names[:MAX_NAMED_IGNORED] + (["..."] if len(names) > MAX_NAMED_IGNORED else []))
+            report_ignored(self.model_extra)
             self.model_extra.clear()
         return self
+
+
+@functools.cache
+def _null_defaulted_fields(model: type[BaseModel]) -> frozenset[str]:
+    """The fields of ``model`` (by name and alias) with a default whose type does not take None."""
+    names: set[str] = set()
+    for name, info in model.model_fields.items():
+        if info.is_required() or info.default is None or _takes_none(info.annotation):
+            continue
+        names.update(n for n in (name, info.alias) if n)
+    return frozenset(names)
+
+
+def _takes_none(annotation: Any) -> bool:
+    if annotation is None or annotation is type(None) or annotation is Any:
+        return True
+    if typing.get_origin(annotation) is Annotated:
+        return _takes_none(typing.get_args(annotation)[0])
+    if typing.get_origin(annotation) in (typing.Union, types.UnionType):
+        return any(_takes_none(arg) for arg in typing.get_args(annotation))
+    return False
 
 
 class StreamOptions(_Request):

@@ -1,0 +1,189 @@
+"""KV-cache events in vLLM's wire format: the block manager's stores and evictions, the publisher's frames,
+replay and drops, and an engine core's events checked against its prefix cache."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+import zmq
+
+from iterserve.config import EngineConfig, KVEventsConfig
+from iterserve.engine.block_manager import BlockManager, chain_hash
+from iterserve.engine.core import EngineCore
+from iterserve.engine.kv_events import BlockRemoved, BlockStored, ZmqEventPublisher, external_hash, start_publisher
+from iterserve.engine.messages import EngineCoreRequest
+from iterserve.models.loader import load_model
+from iterserve.sampling_params import SamplingParams
+from tests.engine import kv_event_schema as vllm
+from tests.engine.test_block_manager import admit, seq
+
+BS = 4
+
+
+@pytest.fixture
+def ctx():
+    context = zmq.Context()
+    yield context
+    context.destroy(linger=0)
+
+
+def test_stores_are_chained_blocks_with_their_tokens_and_parent():
+    bm = BlockManager(4, BS)
+    bm.record_events()
+    a = seq(range(10))  # two full blocks and a partial one
+    admit(bm, a)
+    (stored,) = bm.take_events()
+    h0 = chain_hash(None, (0, 1, 2, 3))
+    h1 = chain_hash(h0, (4, 5, 6, 7))
+    assert isinstance(stored, BlockStored)
+    assert stored.block_hashes == [external_hash(h0), external_hash(h1)] and stored.parent_block_hash is None
+    assert stored.token_ids == list(range(8)) and stored.block_size == BS and stored.medium == "GPU"
+    assert bm.take_events() == []
+    b = seq([*range(8), 50, 51, 52, 53, 54], rid="b")  # shares a's two blocks, fills one more
+    bm.free(a)
+    admit(bm, b)
+    (more,) = bm.take_events()
+    assert more.parent_block_hash == external_hash(h1) and more.token_ids == [50, 51, 52, 53]
+    assert all(0 <= h < 2**64 for h in [*stored.block_hashes, *more.block_hashes])
+
+
+def test_evictions_name_the_hashes_that_were_stored():
+    bm = BlockManager(3, BS)
+    bm.record_events()
+    a = seq(range(8))
+    admit(bm, a)
+    bm.free(a)
+    stored = bm.take_events()[0].block_hashes
+    b = seq(range(100, 112), rid="b")  # three fresh blocks: both of a's cached blocks are evicted
+    admit(bm, b)
+    removed, new = bm.take_events()
+    assert isinstance(removed, BlockRemoved) and sorted(removed.block_hashes) == sorted(stored)
+    assert isinstance(new, BlockStored) and len(new.block_hashes) == 3 and new.parent_block_hash is None
+
+
+def test_nothing_is_recorded_unless_asked():
+    bm = BlockManager(4, BS)
+    admit(bm, seq(range(10)))
+    assert bm.events is None and bm.take_events() == []
+
+
+def test_frames_are_vllms_topic_sequence_and_msgpack_batch(ctx):
+    sub, endpoint = vllm.subscriber(ctx, b"kv")
+    publisher = start_publisher(KVEventsConfig(enable_kv_cache_events=True, endpoint=endpoint, topic="kv",
+                                               data_parallel_rank=2))
+    assert publisher is not None
+    try:
+        vllm.wait_subscribed(publisher, sub)
+        stored = BlockStored(block_hashes=[2**64 - 1, 7], parent_block_hash=None, token_ids=[1, 2, 3, 4, 5, 6, 7, 8],
+                             block_size=4, lora_id=None, medium="GPU", lora_name=None)
+        publisher.publish([stored])
+        publisher.publish([BlockRemoved(block_hashes=[7], medium="GPU")])
+        first, second = vllm.receive(sub), vllm.receive(sub)
+    finally:
+        publisher.shutdown()
+    assert first is not None and second is not None
+    (topic, seq0, batch), (_, seq1, batch1) = first, second
+    assert topic == b"kv" and seq1 == seq0 + 1 and batch.data_parallel_rank == 2
+    (event,) = batch.events
+    assert isinstance(event, vllm.BlockStored) and event.block_hashes == [2**64 - 1, 7]
+    assert event.token_ids == list(range(1, 9)) and event.block_size == 4 and event.parent_block_hash is None
+    assert isinstance(batch1.events[0], vllm.BlockRemoved) and batch1.events[0].block_hashes == [7]
+
+
+def test_replay_resends_buffered_batches_then_the_end_marker(ctx):
+    sub, endpoint = vllm.subscriber(ctx)
+    replay = f"tcp://127.0.0.1:{vllm.free_port()}"
+    publisher = start_publisher(KVEventsConfig(enable_kv_cache_events=True, endpoint=endpoint, replay_endpoint=replay))
+    assert publisher is not None
+    dealer = ctx.socket(zmq.DEALER)
+    dealer.connect(replay)
+    try:
+        for i in range(3):
+            publisher.publish([BlockRemoved(block_hashes=[i], medium="GPU")])
+        deadline = time.monotonic() + 5
+        while len(publisher._buffer) < 3 and time.monotonic() < deadline:
+            time.sleep(0.02)
+        dealer.send_multipart([b"", (1).to_bytes(8, "big")])
+        frames = [dealer.recv_multipart() for _ in range(3) if dealer.poll(5000)]
+    finally:
+        publisher.shutdown()
+    assert [int.from_bytes(f[1], "big", signed=True) for f in frames] == [1, 2, -1]
+    assert vllm.DECODER.decode(frames[0][2]).events[0].block_hashes == [1] and frames[2][2] == b""
+
+
+def test_a_full_queue_drops_and_counts_without_waiting():
+    sub_ctx = zmq.Context()
+    try:
+        _, endpoint = vllm.subscriber(sub_ctx)
+        publisher = ZmqEventPublisher(KVEventsConfig(enable_kv_cache_events=True, endpoint=endpoint,
+                                                     max_queue_size=1))  # not started: nothing drains
+        event = BlockRemoved(block_hashes=[1, 2], medium="GPU")
+        start = time.perf_counter()
+        for _ in range(4):
+            publisher.publish([event])
+        assert time.perf_counter() - start < 0.5
+        assert publisher.dropped == 3  # three batches of one event did not fit
+        publisher.shutdown()
+    finally:
+        sub_ctx.destroy(linger=0)
+
+
+def test_an_endpoint_in_use_is_a_start_up_error_naming_it(ctx):
+    taken = ctx.socket(zmq.PUB)
+    port = taken.bind_to_random_port("tcp://127.0.0.1")
+    endpoint = f"tcp://127.0.0.1:{port}"
+    with pytest.raises(ValueError, match=f"cannot use endpoint '{endpoint}'.*in use"):
+        start_publisher(KVEventsConfig(enable_kv_cache_events=True, endpoint="inproc://kv-test",
+                                       replay_endpoint=endpoint))
+    taken.close(linger=0)
+
+
+def test_disabled_or_null_publishes_nothing():
+    assert start_publisher(None) is None
+    assert start_publisher(KVEventsConfig()) is None
+    assert start_publisher(KVEventsConfig(enable_kv_cache_events=True, publisher="null")) is None
+
+
+@pytest.fixture(scope="module")
+def tiny_loaded():
+    return load_model("random:smollm2-135m?num_layers=2", dtype="float32", device="cpu", seed=0)
+
+
+def run(core: EngineCore, rid: str, prompt: list[int]) -> None:
+    core.add_request(EngineCoreRequest(rid, prompt, SamplingParams(max_tokens=2, ignore_eos=True), 0.0))
+    while core.has_unfinished_requests():
+        core.step()
+
+
+def test_an_engines_events_match_its_prefix_cache(tiny_loaded, ctx):
+    sub, endpoint = vllm.subscriber(ctx)
+    events = {"enable_kv_cache_events": True, "endpoint": endpoint}
+    core = EngineCore(EngineConfig(num_kv_blocks=12, block_size=BS, max_model_len=48, kv_events_config=events),
+                      tiny_loaded)
+    try:
+        vllm.wait_subscribed(core.kv_events, sub)
+        run(core, "a", list(range(1, 22)))  # 21 prompt tokens + 2 generated: five full blocks
+        cached = {external_hash(h): block for h, block in core.block_manager.cached.items()}
+        stored: list[vllm.BlockStored] = []
+        while len(stored) < 1 and (message := vllm.receive(sub)) is not None:
+            stored += [e for e in message[2].events if isinstance(e, vllm.BlockStored)]
+        hashes = [h for e in stored for h in e.block_hashes]
+        assert set(hashes) == set(cached) and len(hashes) == 5
+        parent = None
+        for event in stored:  # each event continues the chain of the one before
+            assert event.parent_block_hash == parent and event.block_size == BS
+            for i, h in enumerate(event.block_hashes):
+                block = cached[h]
+                assert event.token_ids[i * BS:(i + 1) * BS] == list(block.token_ids)
+                assert (None if block.parent_hash is None else external_hash(block.parent_hash)) == \
+                    (parent if i == 0 else event.block_hashes[i - 1])
+            parent = event.block_hashes[-1]
+        run(core, "b", list(range(100, 140)))  # 40 tokens need 10 of 12 blocks: a's cached blocks are evicted
+        removed = []
+        while (message := vllm.receive(sub, 2000)) is not None:
+            removed += [h for e in message[2].events if isinstance(e, vllm.BlockRemoved) for h in e.block_hashes]
+        assert removed and set(removed) <= set(hashes)
+        assert core.stats().kv_events_dropped == 0
+    finally:
+        core.close()

@@ -1,0 +1,53 @@
+"""A server with --kv-events-config: its engine core process publishes vLLM's KV events, /kv_event_sources
+lists the publisher, and /metrics counts dropped events."""
+
+from __future__ import annotations
+
+import httpx
+import zmq
+
+from iterserve.config import EngineConfig, ServerConfig
+from iterserve.engine.block_manager import chain_hash
+from iterserve.engine.kv_events import external_hash
+from iterserve.server import build_app
+from iterserve.server.serving_discovery import _reachable
+from tests.engine import kv_event_schema as vllm
+from tests.server.conftest import MODEL, TINY_MODEL, ServerThread, metric_samples
+
+
+def test_the_core_process_publishes_and_the_server_lists_the_publisher():
+    ctx = zmq.Context()
+    sub, endpoint = vllm.subscriber(ctx)
+    events = {"enable_kv_cache_events": True, "endpoint": endpoint, "topic": "w0"}
+    config = EngineConfig(model=TINY_MODEL, dtype="float32", num_kv_blocks=64, max_model_len=256, block_size=16,
+                          kv_events_config=events)
+    try:
+        with ServerThread(build_app(config, ServerConfig(served_model_name=MODEL))) as s:
+            sources = httpx.get(f"{s.url}/kv_event_sources").json()
+            assert sources == [{"data_parallel_rank": 0, "endpoint": endpoint, "replay_endpoint": None, "topic": "w0"}]
+            assert httpx.get(f"{s.url}/server_info").json()["kv_events"] == sources
+            prompt = list(range(1, 41))  # two full blocks of 16
+            stored = []
+            for _ in range(20):  # the first batches may go before the subscription reaches the publisher
+                r = httpx.post(f"{s.url}/v1/completions", timeout=60,
+                               json={"model": MODEL, "prompt": prompt, "max_tokens": 1})
+                assert r.status_code == 200, r.text
+                while (message := vllm.receive(sub, 500)) is not None:
+                    stored += [e for e in message[2].events if isinstance(e, vllm.BlockStored)]
+                if stored:
+                    break
+                prompt = [t + 100 for t in prompt]  # a new prompt: its blocks are stored again
+            assert stored and stored[0].token_ids == prompt[:32] and stored[0].parent_block_hash is None
+            first = chain_hash(None, tuple(prompt[:16]))
+            assert stored[0].block_hashes == [external_hash(first), external_hash(chain_hash(first,
+                                                                                              tuple(prompt[16:32])))]
+            assert metric_samples(s)[("iterserve:kv_events_dropped_total", ())] == 0
+    finally:
+        ctx.destroy(linger=0)
+
+
+def test_a_wildcard_bind_is_listed_as_the_host_the_client_used():
+    assert _reachable("tcp://*:5557", "10.1.2.3") == "tcp://10.1.2.3:5557"
+    assert _reachable("tcp://0.0.0.0:5557", "::1") == "tcp://[::1]:5557"
+    assert _reachable("tcp://10.0.0.9:5557", "other") == "tcp://10.0.0.9:5557"
+    assert _reachable("tcp://*:5557", None) == "tcp://*:5557" and _reachable(None, "h") is None
