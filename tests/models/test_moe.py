@@ -30,7 +30,8 @@ def hf_config(kind: str) -> transformers.PretrainedConfig:
     if kind == "qwen3moe-3-layers":
         return transformers.Qwen3MoeConfig(num_experts=6, moe_intermediate_size=32, norm_topk_prob=True,
                                            decoder_sparse_step=2, **{**COMMON, "num_hidden_layers": 3})
-    return transformers.Qwen3MoeConfig(num_experts=4, moe_intermediate_size=32, mlp_only_layers=[0], head_dim=32,
+    dense = [] if kind == "qwen3moe-all-sparse" else [0]  # llama.cpp's qwen3moe has no dense layers
+    return transformers.Qwen3MoeConfig(num_experts=4, moe_intermediate_size=32, mlp_only_layers=dense, head_dim=32,
                                        norm_topk_prob=kind == "qwen3moe-norm", **COMMON)
 
 
