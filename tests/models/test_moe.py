@@ -35,6 +35,11 @@ def hf_config(kind: str) -> transformers.PretrainedConfig:
                                        norm_topk_prob=kind == "qwen3moe-norm", **COMMON)
 
 
+def ours_config(cfg: transformers.PretrainedConfig) -> ModelConfig:
+    arch = "MixtralForCausalLM" if cfg.model_type == "mixtral" else "Qwen3MoeForCausalLM"
+    return ModelConfig.from_hf_config(cfg.to_dict() | {"architectures": [arch]})
+
+
 KINDS = ["mixtral", "qwen3moe-norm", "qwen3moe-raw", "qwen3moe-3-layers"]
 
 
@@ -75,7 +80,7 @@ def test_config_from_the_saved_folder(saved):
 def test_logits_match_transformers_from_the_in_memory_state_dict(saved):
     """transformers 5's fused 3-D expert tensors, prompt whole and in chunks."""
     kind, hf, _ = saved
-    cfg = ModelConfig.from_hf_config(hf.config.to_dict() | {"architectures": hf.config.architectures})
+    cfg = ours_config(hf.config)
     ours = _empty_model(cfg, torch.float32, torch.device("cpu"))
     load_hf_state_dict(ours, hf.state_dict().items())
     ids = torch.randint(0, VOCAB, (20,), generator=torch.Generator().manual_seed(1))
@@ -107,7 +112,7 @@ def test_greedy_tokens_equal_transformers_generate_alone_and_batched(saved):
 
 
 def test_a_rows_result_does_not_depend_on_its_batch():
-    cfg = ModelConfig.from_hf_config(hf_model("mixtral").config.to_dict() | {"architectures": ["MixtralForCausalLM"]})
+    cfg = ours_config(hf_config("mixtral"))
     block = SparseMoeBlock(cfg)
     g = torch.Generator().manual_seed(3)
     with torch.no_grad():
@@ -152,7 +157,7 @@ def test_random_weights_and_the_python_decode_path():
 
 
 def test_tensor_parallel_is_refused_clearly():
-    cfg = ModelConfig.from_hf_config(hf_config("mixtral").to_dict() | {"architectures": ["MixtralForCausalLM"]})
+    cfg = ours_config(hf_config("mixtral"))
     with pytest.raises(ValueError, match="mixture-of-experts model.*one device"):
         cfg.tensor_parallel_shard(2)
 
@@ -167,3 +172,28 @@ def test_a_missing_expert_is_named(tmp_path):
     save_file(weights, tmp_path / "model.safetensors", metadata={"format": "pt"})
     with pytest.raises(ValueError, match=r"missing expert weights: layers\.1\.mlp\.experts\.3\.down_proj"):
         load_model(str(tmp_path), dtype="float32", device="cpu")
+
+
+def test_to_hf_config_builds_the_same_model_in_transformers():
+    """ModelConfig -> transformers config -> model: the shapes the planner and random presets use are real ones."""
+    for kind in ("mixtral", "qwen3moe-3-layers"):
+        ours_cfg = ours_config(hf_config(kind))
+        hf_cfg = {k: v for k, v in ours_cfg.to_hf_config().items() if k not in ("architectures", "model_type")}
+        rebuilt = transformers.AutoConfig.for_model(ours_cfg.architecture, **hf_cfg)
+        again = ours_config(rebuilt)
+        assert again.replace(name="") == ours_cfg.replace(name=""), kind
+        model = transformers.AutoModelForCausalLM.from_config(rebuilt)
+        assert sum(p.numel() for p in model.parameters()) == ours_cfg.num_parameters()
+
+
+def test_bfloat16_and_int8_keep_the_experts_and_stay_close(saved):
+    kind, _, folder = saved
+    f32 = load_model(str(folder), dtype="float32", device="cpu").model
+    bf16 = load_model(str(folder), dtype="bfloat16", device="cpu").model
+    int8 = load_model(str(folder), dtype="float32", device="cpu", quantization="int8").model
+    moe = next(layer.mlp for layer in int8.layers if isinstance(layer.mlp, SparseMoeBlock))
+    assert moe.experts.gate_up_proj.dtype == torch.float32  # experts and router stay float under int8
+    ids = torch.randint(0, VOCAB, (12,), generator=torch.Generator().manual_seed(6))
+    ref = run_ours(f32, ids, [12])
+    assert (run_ours(bf16, ids, [12]) - ref).abs().max().item() < 0.1
+    assert (run_ours(int8, ids, [12]) - ref).abs().max().item() < 0.1
