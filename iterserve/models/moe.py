@@ -150,8 +150,8 @@ class ExpertLoader:
                     self._copy(f"layers.{every.group(1)}.mlp.experts.{param}", None, part, tensor)
             except ValueError as e:
                 raise ValueError(f"weight {hf_name!r}: {e}") from None
-        missing = [f"{name.rpartition('.')[0]}.{e}.{name.rpartition('.')[2]}" + ("" if p is None else f"[{p}]")
-                   for name, left in self._needed.items() for e, p in sorted(left, key=lambda ep: ep[0])]
+        missing = [f"{name.rpartition('.')[0]}.{e}.{'down_proj' if p is None else ('gate_proj', 'up_proj')[p]}"
+                   for name, left in self._needed.items() for e, p in sorted(left, key=lambda ep: (ep[0], ep[1] or 0))]
         if missing:
             raise ValueError(f"checkpoint is missing expert weights: {', '.join(missing[:8])}"
                              f"{' ...' if len(missing) > 8 else ''}")

@@ -168,9 +168,10 @@ def test_a_missing_expert_is_named(tmp_path):
     hf = hf_model("qwen3moe-norm")
     hf.save_pretrained(tmp_path)
     weights = load_file(tmp_path / "model.safetensors")
-    del weights["model.layers.1.mlp.experts.3.down_proj.weight"]
+    del weights["model.layers.1.mlp.experts.3.down_proj.weight"], weights["model.layers.1.mlp.experts.0.up_proj.weight"]
     save_file(weights, tmp_path / "model.safetensors", metadata={"format": "pt"})
-    with pytest.raises(ValueError, match=r"missing expert weights: layers\.1\.mlp\.experts\.3\.down_proj"):
+    with pytest.raises(ValueError, match=r"missing expert weights: layers\.1\.mlp\.experts\.0\.up_proj, "
+                                         r"layers\.1\.mlp\.experts\.3\.down_proj"):
         load_model(str(tmp_path), dtype="float32", device="cpu")
 
 
