@@ -14,16 +14,27 @@ from dataclasses import dataclass, field
 from importlib import resources
 from typing import Any
 
+from iterserve.config.moe import (
+    MOE_ARCHITECTURES,
+    check_moe,
+    is_moe_layer,
+    mlp_parameters,
+    moe_fields_from_hf,
+    moe_hf_fields,
+)
+
 # The embedded model every command and ``LLM()`` runs when given none (resolved by models/loader.py).
 DEFAULT_MODEL = "smollm2-135m"
 
-SUPPORTED_ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3")
+SUPPORTED_ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3", *MOE_ARCHITECTURES)
 
 _HF_ARCH_NAMES = {
     "LlamaForCausalLM": "llama",
     "MistralForCausalLM": "mistral",
     "Qwen2ForCausalLM": "qwen2",
     "Qwen3ForCausalLM": "qwen3",
+    "MixtralForCausalLM": "mixtral",
+    "Qwen3MoeForCausalLM": "qwen3_moe",
 }
 
 
@@ -51,6 +62,13 @@ class ModelConfig:
     eos_token_id: int | list[int] | None = None
     name: str = ""
     extra: dict[str, Any] = field(default_factory=dict, repr=False)
+    # Mixture of experts (iterserve.config.moe); 0 experts is a dense model.
+    num_experts: int = 0
+    num_experts_per_tok: int = 0
+    moe_intermediate_size: int = 0  # an expert's MLP width; 0: intermediate_size (Mixtral)
+    norm_topk_prob: bool = True  # the top-k routing weights renormalised to sum to 1 (Mixtral always)
+    decoder_sparse_step: int = 1  # every n-th layer is sparse (Qwen3-MoE)
+    mlp_only_layers: list[int] = field(default_factory=list)  # layers that keep a dense MLP (Qwen3-MoE)
 
     def __post_init__(self) -> None:
         if self.architecture not in SUPPORTED_ARCHITECTURES:
@@ -62,6 +80,7 @@ class ModelConfig:
             raise ValueError(
                 f"num_heads ({self.num_heads}) must be a multiple of num_kv_heads ({self.num_kv_heads})"
             )
+        check_moe(self)
 
     # -- sizes used by the engine and the planner ------------------------------------------------
 
@@ -79,17 +98,30 @@ class ModelConfig:
 
     def num_parameters(self) -> int:
         """Exact parameter count of the decoder (embeddings counted once when tied)."""
-        h, i = self.hidden_size, self.intermediate_size
+        return self._parameters(active=False)
+
+    def active_parameters(self) -> int:
+        """Parameters one token runs through: of a MoE layer's experts only ``num_experts_per_tok``."""
+        return self._parameters(active=True)
+
+    @property
+    def expert_intermediate_size(self) -> int:
+        return self.moe_intermediate_size or self.intermediate_size
+
+    def is_moe_layer(self, layer: int) -> bool:
+        return is_moe_layer(self, layer)
+
+    def _parameters(self, active: bool) -> int:
+        h = self.hidden_size
         attn = h * self.q_size + 2 * h * self.kv_size + self.q_size * h
         if self.attention_bias:
             attn += self.q_size + 2 * self.kv_size
         if self.qk_norm:
             attn += 2 * self.head_dim
-        mlp = 3 * h * i
-        per_layer = attn + mlp + 2 * h  # two RMSNorm weights
+        per_layer = attn + 2 * h  # two RMSNorm weights
         embed = self.vocab_size * h
         lm_head = 0 if self.tie_word_embeddings else self.vocab_size * h
-        return self.num_layers * per_layer + embed + lm_head + h  # final norm
+        return self.num_layers * per_layer + mlp_parameters(self, active) + embed + lm_head + h  # final norm
 
     def replace(self, **changes: Any) -> ModelConfig:
         return dataclasses.replace(self, **changes)
@@ -107,6 +139,9 @@ class ModelConfig:
         if tp == 1:
             return self
         label = self.name or self.architecture
+        if self.num_experts:
+            raise ValueError(f"{label} is a mixture-of-experts model, which iterserve runs on one device only "
+                             f"(tensor_parallel_size=1), not {tp}")
         if self.num_heads % tp:
             raise ValueError(f"{label} has {self.num_heads} attention heads, which do not split over "
                              f"tensor_parallel_size={tp}")
@@ -164,11 +199,12 @@ class ModelConfig:
             rope_scaling=rope_scaling,
             tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
             attention_bias=arch == "qwen2" or bool(cfg.get("attention_bias", False)),
-            qk_norm=arch == "qwen3",
+            qk_norm=arch in ("qwen3", "qwen3_moe"),
             sliding_window=cfg.get("sliding_window") if cfg.get("use_sliding_window", True) else None,
             bos_token_id=cfg.get("bos_token_id"),
             eos_token_id=cfg.get("eos_token_id"),
             name=name or cfg.get("_name_or_path", ""),
+            **moe_fields_from_hf(cfg, arch),
         )
 
     def to_hf_config(self) -> dict[str, Any]:
@@ -193,8 +229,9 @@ class ModelConfig:
             "hidden_act": "silu",
             "bos_token_id": self.bos_token_id,
             "eos_token_id": self.eos_token_id,
+            **moe_hf_fields(self),
         }
-        if self.architecture in ("mistral", "qwen2", "qwen3"):
+        if self.architecture in ("mistral", "qwen2", "qwen3", *MOE_ARCHITECTURES):
             cfg["sliding_window"] = self.sliding_window
             cfg["use_sliding_window"] = self.sliding_window is not None
         return cfg

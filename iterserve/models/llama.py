@@ -27,6 +27,7 @@ from iterserve.distributed.layers import (
     head_shard,
 )
 from iterserve.distributed.parallel_state import ParallelState
+from iterserve.models.moe import SparseMoeBlock
 
 
 class RMSNorm(nn.Module):
@@ -133,12 +134,12 @@ class MLP(nn.Module):
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, config: ModelConfig, ps: ParallelState) -> None:
+    def __init__(self, config: ModelConfig, ps: ParallelState, index: int = 0) -> None:
         super().__init__()
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.self_attn = Attention(config, ps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.mlp = MLP(config, ps)
+        self.mlp: MLP | SparseMoeBlock = SparseMoeBlock(config) if config.is_moe_layer(index) else MLP(config, ps)
 
     def forward(
         self, x: torch.Tensor, residual: torch.Tensor | None, cos: torch.Tensor, sin: torch.Tensor, cache: KVCache,
@@ -166,7 +167,7 @@ class LlamaModel(nn.Module):
         self.config = config
         self.parallel = ps
         self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size, ps)
-        self.layers = nn.ModuleList(DecoderLayer(config, ps) for _ in range(config.num_layers))
+        self.layers = nn.ModuleList(DecoderLayer(config, ps, i) for i in range(config.num_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.lm_head = ParallelLMHead(config.hidden_size, config.vocab_size, ps)
         if config.tie_word_embeddings:
@@ -194,14 +195,15 @@ class LlamaModel(nn.Module):
 
     def native_decoder(self, ops: ModuleType) -> typing.Any:
         """The layers as ``csrc/decoder.cpp``'s ``DecoderStack`` (a decode step in one call, the kernels of
-        ``ops``), or None where it cannot run them: a sharded model (its all-reduces are Python's), or a
-        linear layer whose method has no C++ kernel."""
-        if self.parallel.world_size > 1:
+        ``ops``), or None where it cannot run them: a sharded model (its all-reduces are Python's), a
+        mixture-of-experts layer (its routing is Python's), or a linear layer whose method has no C++ kernel."""
+        layers = typing.cast(list[DecoderLayer], self.layers)
+        if self.parallel.world_size > 1 or any(not isinstance(layer.mlp, MLP) for layer in layers):
             return None
         c = self.config
         stack = ops.DecoderStack(c.num_heads, c.num_kv_heads, c.head_dim, c.rms_norm_eps, c.head_dim**-0.5)
-        for layer in typing.cast(list[DecoderLayer], self.layers):
-            attn, mlp = layer.self_attn, layer.mlp
+        for layer in layers:
+            attn, mlp = layer.self_attn, typing.cast(MLP, layer.mlp)
             linears = [p.method.native(p) for p in (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)]
             if any(lin is None for lin in linears):
                 return None

@@ -33,6 +33,7 @@ from iterserve.formats.gguf_file import gguf_field, open_gguf
 from iterserve.models.linear import MethodChooser
 from iterserve.models.llama import LlamaModel, RotaryEmbedding
 from iterserve.models.load_progress import tensor_progress
+from iterserve.models.moe import GGUF_EXPERT_NAMES, ExpertLoader, gguf_moe_config
 from iterserve.quantization.model import (
     check_quantization,
     describe,
@@ -254,12 +255,13 @@ def load_weight(model: LlamaModel, name: str, tensor: torch.Tensor | BlockWeight
 def load_hf_state_dict(model: LlamaModel, tensors: Iterable[tuple[str, torch.Tensor | BlockWeight]]) -> None:
     """Copy Hugging Face-named tensors into the model, fusing q/k/v and gate/up projections."""
     c = model.config
-    params = dict(model.named_parameters())
+    experts = ExpertLoader(model)  # expert weights, under any of their names, go to the 3-D expert tensors
+    params = {n: p for n, p in model.named_parameters() if n not in experts.names}
     fused = {"q_proj": ("qkv_proj", 0), "k_proj": ("qkv_proj", 1), "v_proj": ("qkv_proj", 2),
              "gate_proj": ("gate_up_proj", 0), "up_proj": ("gate_up_proj", 1)}
     parts_needed = {n: 3 if "qkv_proj" in n else 2 if "gate_up_proj" in n else 1 for n in params}
     parts_loaded: Counter[str] = Counter()
-    for hf_name, tensor in tensors:
+    for hf_name, tensor in experts.take(tensors):
         name = hf_name.removeprefix("model.")
         if (name == "lm_head.weight" and c.tie_word_embeddings) or "rotary_emb" in name:
             continue
@@ -282,7 +284,7 @@ def load_hf_state_dict(model: LlamaModel, tensors: Iterable[tuple[str, torch.Ten
 
 # -- GGUF ---------------------------------------------------------------------------------------
 
-_GGUF_ARCHS = {"llama": "llama", "mistral": "llama", "qwen2": "qwen2", "qwen3": "qwen3"}
+_GGUF_ARCHS = {"llama": "llama", "mistral": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "qwen3moe": "qwen3"}
 
 
 def gguf_config(reader, name: str = "") -> ModelConfig:
@@ -306,7 +308,7 @@ def gguf_config(reader, name: str = "") -> ModelConfig:
         rope_scaling = {"rope_type": "linear", "factor": g("rope.scaling.factor")}
     elif g("rope.scaling.type") not in (None, "none"):
         raise ValueError(f"unsupported RoPE scaling {g('rope.scaling.type')!r} in GGUF file")
-    return ModelConfig(
+    return gguf_moe_config(ModelConfig(
         architecture=_GGUF_ARCHS[arch],
         vocab_size=int(vocab),
         hidden_size=int(hidden),
@@ -325,7 +327,7 @@ def gguf_config(reader, name: str = "") -> ModelConfig:
         bos_token_id=gguf_field(reader, "tokenizer.ggml.bos_token_id"),
         eos_token_id=gguf_field(reader, "tokenizer.ggml.eos_token_id"),
         name=name or gguf_field(reader, "general.name", ""),
-    )
+    ), g)
 
 
 def _unpermute_rope(w: np.ndarray, n_heads: int) -> np.ndarray:
@@ -340,6 +342,7 @@ _GGUF_NAMES = {
     "attn_output": "self_attn.o_proj", "attn_q_norm": "self_attn.q_norm", "attn_k_norm": "self_attn.k_norm",
     "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj", "ffn_down": "mlp.down_proj",
 }
+_GGUF_NAMES.update(GGUF_EXPERT_NAMES)  # a MoE layer's router and 3-D experts (iterserve.models.moe)
 
 
 def _gguf_name(name: str, config: ModelConfig, permute: bool) -> tuple[str, int | None]:

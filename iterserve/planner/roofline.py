@@ -23,6 +23,11 @@ Counting conventions (``docs/planning.md`` has the derivation and a worked examp
 * A prefill of ``N`` tokens runs the layers on all ``N`` tokens but the LM head on the last one,
   and causal attention costs ``2 * L * H * d * N * (N + 1)`` FLOPs; it reads the weights once and
   writes ``N * kv`` bytes of KV.
+* A mixture-of-experts layer runs a token through its router and ``k`` of its ``E`` experts: ``P_mm`` counts
+  those (the active parameters), while a step of ``B`` tokens reads the router and the expected share
+  ``1 - (1 - k/E)^B`` of the experts (:func:`~iterserve.planner.weights.expert_share`, routing taken as
+  uniform), so ``P_mm * w`` above becomes the attention, router and LM head bytes plus that share of the
+  experts' bytes. The memory footprint holds every expert.
 * Under tensor parallelism over ``T`` devices every figure is one device's: the model's shapes become
   one rank's shard (:meth:`ModelConfig.tensor_parallel_shard`: a ``T``-th of the heads, MLP and
   vocabulary, KV heads replicated when fewer than ``T``), and each step adds its communication, not
@@ -42,6 +47,7 @@ from dataclasses import asdict, dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from iterserve.config.dtypes import canonical_dtype, dtype_bytes
+from iterserve.config.moe import mlp_parameters
 from iterserve.planner.hardware import Accelerator, GiB, Interconnect, get_interconnect
 from iterserve.planner.weights import Quantization, as_quantization, streamed_bytes, total_bytes
 
@@ -59,10 +65,11 @@ def model_label(cfg: ModelConfig) -> str:
 
 
 def layer_matmul_parameters(cfg: ModelConfig) -> int:
-    """Weights of the linear layers in all decoder layers (q, k, v, o, gate, up, down)."""
+    """Weights of the linear layers in all decoder layers a token runs through (q, k, v, o, gate, up, down;
+    of a MoE layer the router and ``num_experts_per_tok`` experts)."""
     h = cfg.hidden_size
-    per_layer = h * cfg.q_size + 2 * h * cfg.kv_size + cfg.q_size * h + 3 * h * cfg.intermediate_size
-    return cfg.num_layers * per_layer
+    attention = h * cfg.q_size + 2 * h * cfg.kv_size + cfg.q_size * h
+    return cfg.num_layers * attention + mlp_parameters(cfg, active=True)
 
 
 def matmul_parameters(cfg: ModelConfig) -> int:
@@ -75,9 +82,11 @@ def weight_bytes(cfg: ModelConfig, dtype: str = "bf16", quantization: Quantizati
     return total_bytes(cfg, dtype, as_quantization(quantization))
 
 
-def streamed_weight_bytes(cfg: ModelConfig, dtype: str = "bf16", quantization: Quantization | str | None = None) -> int:
-    """Weight bytes a forward step reads from memory: the matmul weights, in ``quantization``'s formats."""
-    return streamed_bytes(cfg, dtype, as_quantization(quantization))
+def streamed_weight_bytes(cfg: ModelConfig, dtype: str = "bf16", quantization: Quantization | str | None = None,
+                          tokens: int | None = None) -> int:
+    """Weight bytes a forward step of ``tokens`` tokens reads from memory: the matmul weights, in
+    ``quantization``'s formats (of a MoE model's experts, the share those tokens run; None: all)."""
+    return streamed_bytes(cfg, dtype, as_quantization(quantization), tokens)
 
 
 def kv_bytes_per_token(cfg: ModelConfig, kv_dtype: str = "bf16") -> int:
@@ -126,7 +135,7 @@ def decode_cost(
     check_context(cfg, context)
     kv = kv_bytes_per_token(cfg, kv_dtype or dtype)
     flops = batch * (2 * matmul_parameters(cfg) + attention_flops_per_token(cfg, context))
-    return Cost(flops=flops, bytes=streamed_weight_bytes(cfg, dtype, quantization) + batch * context * kv)
+    return Cost(flops=flops, bytes=streamed_weight_bytes(cfg, dtype, quantization, batch) + batch * context * kv)
 
 
 def prefill_cost(
@@ -144,7 +153,8 @@ def prefill_cost(
     attn = 2 * cfg.num_layers * cfg.num_heads * cfg.head_dim * n * (n + 1)
     per_seq = 2 * layer_matmul_parameters(cfg) * n + 2 * cfg.vocab_size * cfg.hidden_size + attn
     kv = kv_bytes_per_token(cfg, kv_dtype or dtype)
-    return Cost(flops=batch * per_seq, bytes=streamed_weight_bytes(cfg, dtype, quantization) + batch * n * kv)
+    return Cost(flops=batch * per_seq,
+                bytes=streamed_weight_bytes(cfg, dtype, quantization, batch * n) + batch * n * kv)
 
 
 @dataclass(frozen=True)
@@ -200,6 +210,8 @@ def decode_knee(
     Intensity ``B f / (W + B k)`` rises with ``B`` towards ``f / k`` (``f`` FLOPs and ``k`` KV
     bytes per sequence, ``W`` weight bytes), so the knee is ``ceil(R W / (f - R k))`` for
     ops:byte ``R`` when ``f > R k``; otherwise KV reads keep decode memory-bound at any batch.
+    A MoE model's ``W`` grows with ``B`` (more experts touched) up to every expert's bytes: the closed form
+    with all of them bounds the knee from above, and a bisection settles it.
     """
     ratio = hw.ops_per_byte(dtype)
     k = context * kv_bytes_per_token(cfg, kv_dtype or dtype)
@@ -212,11 +224,14 @@ def decode_knee(
     def compute_bound(batch: int) -> bool:
         return roofline(decode_cost(cfg, batch, context, dtype, kv_dtype, quantization), hw, dtype).bound == "compute"
 
-    # the closed form can be off by one in floating point; settle it with the same predicate
-    while b > 1 and compute_bound(b - 1):
-        b -= 1
+    # the closed form can be off by one in floating point (and is an upper bound for MoE): bisect on the
+    # same predicate, which is monotone in the batch (intensity rises with it)
     while not compute_bound(b):
         b += 1
+    low = 0  # not compute-bound (batch 0 does nothing)
+    while b - low > 1:
+        mid = (low + b) // 2
+        low, b = (low, mid) if compute_bound(mid) else (mid, b)
     return b
 
 
@@ -308,7 +323,7 @@ class Plan:
     num_parameters: int
     matmul_parameters: int
     weight_bytes: int
-    streamed_weight_bytes: int
+    streamed_weight_bytes: int  # read by a decode step at `batch` (of a MoE model's experts, the share it runs)
     kv_bytes_per_token: int
     peak_flops: float
     bandwidth: float
@@ -420,7 +435,7 @@ def build_plan(
         model=model_label(whole), hardware=hw, dtype=dtype, kv_dtype=kv_dtype, context=context,
         prompt_len=prompt_len, batch=batch, gpu_memory_utilization=gpu_memory_utilization,
         num_parameters=whole.num_parameters(), matmul_parameters=matmul_parameters(cfg),
-        weight_bytes=weight_bytes(cfg, dtype, q), streamed_weight_bytes=streamed_weight_bytes(cfg, dtype, q),
+        weight_bytes=weight_bytes(cfg, dtype, q), streamed_weight_bytes=streamed_weight_bytes(cfg, dtype, q, batch),
         kv_bytes_per_token=kv_bytes_per_token(cfg, kv_dtype), peak_flops=peak, bandwidth=hw.bandwidth,
         ops_per_byte=ratio, capacity=capacity, knee_batch=knee, knee_batch_no_kv=knee_no_kv,
         decode_intensity_limit=limit,

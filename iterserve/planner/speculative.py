@@ -45,7 +45,7 @@ def verify_cost(cfg: ModelConfig, batch: int, context: int, num_speculative_toke
     queries = batch * (1 + num_speculative_tokens)
     flops = queries * (2 * matmul_parameters(cfg) + attention_flops_per_token(cfg, context))
     kv = kv_bytes_per_token(cfg, kv_dtype or dtype)
-    return Cost(flops=flops, bytes=streamed_weight_bytes(cfg, dtype, quantization) + batch * context * kv)
+    return Cost(flops=flops, bytes=streamed_weight_bytes(cfg, dtype, quantization, queries) + batch * context * kv)
 
 
 @dataclass(frozen=True)

@@ -10,6 +10,11 @@ The named formats (``--quantization``) quantize every matmul weight (the decoder
 head) and leave an untied token embedding in the dtype; ``gguf`` takes each tensor's type from the file, as
 ``iterserve serve --quantization gguf`` loads it (Q4_0, Q4_1, Q8_0 in blocks, any other type in the dtype).
 Pure arithmetic: the GGUF's tensor list is read by the caller (:func:`iterserve.planner.quantization_for`).
+
+A mixture-of-experts layer holds ``E`` experts (roles ``ffn_gate_exps``, ``ffn_up_exps``, ``ffn_down_exps``) and a
+router (``ffn_gate_inp``, kept in the dtype), but a token runs only ``k`` experts: a step of ``B`` tokens reads
+the router and the experts its tokens picked, :func:`expert_share` of them (the named formats cover experts too;
+``gguf`` loads them in the dtype, as iterserve does today).
 """
 
 from __future__ import annotations
@@ -27,7 +32,8 @@ if TYPE_CHECKING:
     from iterserve.config import ModelConfig
 
 LAYER_ROLES = ("attn_q", "attn_k", "attn_v", "attn_output", "ffn_gate", "ffn_up", "ffn_down")
-MATMUL_ROLES = (*LAYER_ROLES, "output")
+EXPERT_ROLES = ("ffn_gate_exps", "ffn_up_exps", "ffn_down_exps")
+MATMUL_ROLES = (*LAYER_ROLES, *EXPERT_ROLES, "output")
 
 
 @dataclass(frozen=True)
@@ -106,7 +112,8 @@ def gguf_quantization(tensors: Iterable[tuple[str, str, int]]) -> Quantization:
     for name, kind, elements in tensors:
         m = _ROLE.match(name)
         if m and m.group(1) in (*MATMUL_ROLES, "token_embd"):
-            weights.setdefault(m.group(1), Counter())[kind if kind in GGUF_TYPES else "float"] += elements
+            kept = kind in GGUF_TYPES and m.group(1) not in EXPERT_ROLES  # experts load dequantized
+            weights.setdefault(m.group(1), Counter())[kind if kept else "float"] += elements
     roles: dict[str, Mix] = {}
     for role, kinds in weights.items():
         total = sum(kinds.values())
@@ -119,11 +126,25 @@ def gguf_quantization(tensors: Iterable[tuple[str, str, int]]) -> Quantization:
     return Quantization("gguf", f"gguf, from the file: {parts} of the matrices' weights", roles)
 
 
-def _matrices(cfg: ModelConfig) -> list[tuple[str, int, int]]:
-    """Every decoder layer's matmul weights, ``(role, n, k)`` once per layer."""
-    h, i = cfg.hidden_size, cfg.intermediate_size
-    return [("attn_q", cfg.q_size, h), ("attn_k", cfg.kv_size, h), ("attn_v", cfg.kv_size, h),
-            ("attn_output", h, cfg.q_size), ("ffn_gate", i, h), ("ffn_up", i, h), ("ffn_down", h, i)]
+def expert_share(num_experts: int, top_k: int, tokens: int | None) -> float:
+    """The expected share of a MoE layer's experts that ``tokens`` tokens run, ``1 - (1 - k/E)^B``: each
+    expert is missed by a token with probability ``1 - k/E``. An approximation: it takes routing as uniform and
+    independent across tokens (real routers are skewed, so fewer distinct experts); None: every expert."""
+    if tokens is None or not num_experts:
+        return 1.0
+    return 1.0 - (1.0 - top_k / num_experts) ** tokens
+
+
+def _matrices(cfg: ModelConfig) -> list[tuple[str, int, int, int]]:
+    """Every matmul weight of the decoder layers: ``(role, n, k, how many)``, experts counted once each."""
+    h, i, e = cfg.hidden_size, cfg.intermediate_size, cfg.expert_intermediate_size
+    moe = sum(cfg.is_moe_layer(n) for n in range(cfg.num_layers))
+    dense, experts = cfg.num_layers - moe, moe * cfg.num_experts
+    return [("attn_q", cfg.q_size, h, cfg.num_layers), ("attn_k", cfg.kv_size, h, cfg.num_layers),
+            ("attn_v", cfg.kv_size, h, cfg.num_layers), ("attn_output", h, cfg.q_size, cfg.num_layers),
+            ("ffn_gate", i, h, dense), ("ffn_up", i, h, dense), ("ffn_down", h, i, dense),
+            ("ffn_gate_inp", cfg.num_experts, h, moe), ("ffn_gate_exps", e, h, experts),
+            ("ffn_up_exps", e, h, experts), ("ffn_down_exps", h, e, experts)]
 
 
 def _head_role(q: Quantization, cfg: ModelConfig) -> str:
@@ -131,17 +152,22 @@ def _head_role(q: Quantization, cfg: ModelConfig) -> str:
     return "token_embd" if cfg.tie_word_embeddings and "output" not in q.roles else "output"
 
 
-def streamed_bytes(cfg: ModelConfig, dtype: str, q: Quantization = NONE) -> int:
-    """Bytes of the matmul weights, what every forward step reads: the layers' linear layers and the LM head."""
-    layers = sum((q.role_bytes(role, n, k, dtype) for role, n, k in _matrices(cfg)), Fraction(0))
+def streamed_bytes(cfg: ModelConfig, dtype: str, q: Quantization = NONE, tokens: int | None = None) -> int:
+    """Bytes of the matmul weights a forward step of ``tokens`` tokens reads: the layers' linear layers and the
+    LM head, and of a MoE layer's experts the :func:`expert_share` those tokens run (None: all of them)."""
+    dense = sum((count * q.role_bytes(role, n, k, dtype) for role, n, k, count in _matrices(cfg)
+                 if role not in EXPERT_ROLES), Fraction(0))
+    experts = sum((count * q.role_bytes(role, n, k, dtype) for role, n, k, count in _matrices(cfg)
+                   if role in EXPERT_ROLES), Fraction(0))
     head = q.role_bytes(_head_role(q, cfg), cfg.vocab_size, cfg.hidden_size, dtype)
-    return int(-(-(cfg.num_layers * layers + head) // 1))
+    share = Fraction(expert_share(cfg.num_experts, cfg.num_experts_per_tok, tokens))
+    return int(-(-(dense + head + experts * share) // 1))
 
 
 def total_bytes(cfg: ModelConfig, dtype: str, q: Quantization = NONE) -> int:
     """Memory every weight takes: the matmul weights, an untied embedding, and the norms and biases in the dtype."""
     h, v = cfg.hidden_size, cfg.vocab_size
-    matmul = cfg.num_layers * sum(n * k for _, n, k in _matrices(cfg)) + v * h
+    matmul = sum(count * n * k for _, n, k, count in _matrices(cfg)) + v * h
     embedding = 0 if cfg.tie_word_embeddings else v * h
     rest = (cfg.num_parameters() - matmul - embedding) * dtype_bytes(dtype)
     embed_bytes = q.role_bytes("token_embd", v, h, dtype) if embedding else Fraction(0)

@@ -76,8 +76,9 @@ class ConstantCost:
 class RooflineCost:
     """The planner's roofline applied to a whole mixed step (decodes and prefill chunks together):
     FLOPs are the linear layers on every token, the LM head on every sampled one and attention on
-    every (query, key) pair; bytes are the matmul weights once plus every scheduled sequence's KV
-    cache. Compute and memory do not overlap with the overhead, which covers scheduling and launch."""
+    every (query, key) pair; bytes are the matmul weights once (of a MoE model's experts, the share
+    the step's tokens run) plus every scheduled sequence's KV cache. Compute and memory do not overlap
+    with the overhead, which covers scheduling and launch."""
 
     terms: PlannerTerms
     overhead_s: float = 0.0
@@ -97,7 +98,7 @@ class RooflineCost:
     def memory_s(self, shape: StepShape) -> float:
         t = self.terms
         kv = t.kv_bytes_per_token * shape.total_context
-        return (t.streamed_weight_bytes + kv) / t.bandwidth  # type: ignore[operator]
+        return (t.weight_bytes_read(shape.tokens) + kv) / t.bandwidth  # type: ignore[operator]
 
     def step_time(self, shape: StepShape) -> float:
         return max(self.compute_s(shape), self.memory_s(shape)) + self.overhead_s

@@ -25,7 +25,7 @@ class PlannerTerms:
     kv_bytes_per_token: int  # at the simulated dtype
     layer_matmul_params: int  # linear layers of all decoder layers
     lm_head_params: int  # V x h, run once per sampled token
-    streamed_weight_bytes: int  # matmul weights a forward step reads, in the weights' formats
+    streamed_weight_bytes: int  # matmul weights every forward step reads (all but experts), in the weights' formats
     attention_flops_per_pair: int  # FLOPs of one query attending one key over all layers: 4 L H d
     weight_bytes: int  # every parameter, for the KV pool left beside the weights
     accelerator: str | None = None
@@ -34,6 +34,19 @@ class PlannerTerms:
     memory_bytes: int | None = None
     kv_pool_bytes: int | None = None  # memory x utilization - weights, on the accelerator
     quantization: str = "none"  # the weights' formats (a planner Quantization's label)
+    expert_weight_bytes: int = 0  # a MoE model's experts, all of them, of which a step reads a share
+    num_experts: int = 0
+    experts_per_token: int = 0
+
+    def weight_bytes_read(self, tokens: int) -> float:
+        """Matmul weight bytes a step of ``tokens`` tokens reads: of a MoE model's experts the expected share
+        those tokens run (:func:`iterserve.planner.weights.expert_share`)."""
+        if not self.expert_weight_bytes:
+            return self.streamed_weight_bytes
+        from iterserve.planner.weights import expert_share
+
+        share = expert_share(self.num_experts, self.experts_per_token, tokens)
+        return self.streamed_weight_bytes + self.expert_weight_bytes * share
 
 
 def planner_terms(
@@ -68,7 +81,9 @@ def planner_terms(
         "max_position_embeddings": cfg.max_position_embeddings,
         "kv_bytes_per_token": kv_bytes_per_token(cfg, dtype), "layer_matmul_params": layer,
         "lm_head_params": matmul_parameters(cfg) - layer,
-        "streamed_weight_bytes": streamed_weight_bytes(cfg, dtype, q),
+        "streamed_weight_bytes": streamed_weight_bytes(cfg, dtype, q, 0),  # tokens=0: no expert
+        "expert_weight_bytes": streamed_weight_bytes(cfg, dtype, q) - streamed_weight_bytes(cfg, dtype, q, 0),
+        "num_experts": cfg.num_experts, "experts_per_token": cfg.num_experts_per_tok,
         "attention_flops_per_pair": attention_flops_per_token(cfg, 1),
         "weight_bytes": weight_bytes(cfg, dtype, q), "quantization": "none" if q is None else q.label,
     }

@@ -1,0 +1,208 @@
+"""The sparse mixture-of-experts MLP (Mixtral, Qwen3-MoE) and the loading of its expert weights.
+
+A router (``gate``, a linear layer to ``num_experts`` logits) picks each token's ``num_experts_per_tok``
+experts by softmax probability (in float32), renormalised to sum to 1 where the model says so (Mixtral
+always, Qwen3-MoE with ``norm_topk_prob``). The experts' weights are one 3-D tensor per projection,
+``gate_up_proj [experts, 2 * width, hidden]`` (gate rows then up rows) and ``down_proj [experts, hidden,
+width]``, the layout transformers 5 holds in memory. The computation is grouped by expert: the rows routed
+to an expert are gathered, go through one gate_up matmul, SiLU-and-mul and one down matmul, and are added
+back weighted by their routing weight.
+
+A row's result does not depend on the other rows of the batch: the router's choice is per row, and each row
+adds its experts' outputs in increasing expert id (the order transformers adds them in, too).
+
+Checkpoints name expert weights several ways, all read here (:class:`ExpertLoader`): transformers 5's fused
+3-D ``mlp.experts.gate_up_proj`` / ``down_proj``; one 2-D tensor per expert, ``mlp.experts.N.gate_proj`` /
+``up_proj`` / ``down_proj`` (Qwen3-MoE on the Hub and what ``save_pretrained`` writes) or
+``block_sparse_moe.experts.N.w1`` / ``w3`` / ``w2`` (Mixtral); and GGUF's 3-D ``ffn_gate_exps`` /
+``ffn_up_exps`` / ``ffn_down_exps`` with the router as ``ffn_gate_inp``.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Callable, Iterable, Iterator
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from iterserve.attention import AttentionBackend
+from iterserve.config import ModelConfig
+
+
+class Router(nn.Module):
+    """The ``gate`` linear layer: ``[experts, hidden]``, kept in float (it is small, and quantizing it would
+    change which experts run)."""
+
+    def __init__(self, hidden: int, experts: int) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(experts, hidden))
+
+
+class Experts(nn.Module):
+    """Every expert's weights as one 3-D tensor per projection, ``[experts, out, in]``."""
+
+    def __init__(self, experts: int, hidden: int, width: int) -> None:
+        super().__init__()
+        self.gate_up_proj = nn.Parameter(torch.empty(experts, 2 * width, hidden))
+        self.down_proj = nn.Parameter(torch.empty(experts, hidden, width))
+
+
+def route(x: torch.Tensor, router: torch.Tensor, top_k: int, renormalise: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each row's ``top_k`` experts ``[rows, top_k]`` (most probable first) and their float32 weights."""
+    probs = torch.softmax(F.linear(x, router), dim=-1, dtype=torch.float32)
+    weights, experts = torch.topk(probs, top_k, dim=-1)
+    if renormalise:
+        weights = weights / weights.sum(dim=-1, keepdim=True)
+    return weights, experts
+
+
+def mix_experts(x: torch.Tensor, weights: torch.Tensor, experts: torch.Tensor, gate_up: torch.Tensor,
+                down: torch.Tensor, backend: AttentionBackend) -> torch.Tensor:
+    """``sum_k weights[:, k] * expert_{experts[:, k]}(x)``, one gathered matmul pair per expert hit.
+
+    Experts run in increasing id, so each row's sum is in the same order whatever else is in the batch.
+    """
+    top_k = experts.shape[1]
+    flat = experts.reshape(-1)
+    order = torch.argsort(flat, stable=True)  # (row, rank) pairs grouped by expert, rows ascending in each
+    rows = order // top_k
+    row_weights = weights.reshape(-1)[order].to(x.dtype)
+    counts = torch.bincount(flat, minlength=gate_up.shape[0]).tolist()
+    out = torch.zeros_like(x)
+    start = 0
+    for expert, count in enumerate(counts):
+        if not count:
+            continue
+        picked = rows[start:start + count]
+        h = backend.silu_and_mul(F.linear(x[picked], gate_up[expert]))
+        out.index_add_(0, picked, F.linear(h, down[expert]) * row_weights[start:start + count, None])
+        start += count
+    return out
+
+
+class SparseMoeBlock(nn.Module):
+    """A MoE layer's MLP: the router ``gate`` and the ``experts``; takes and returns ``[tokens, hidden]``."""
+
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        self.top_k = config.num_experts_per_tok
+        self.renormalise = config.norm_topk_prob
+        self.gate = Router(config.hidden_size, config.num_experts)
+        self.experts = Experts(config.num_experts, config.hidden_size, config.expert_intermediate_size)
+
+    def forward(self, x: torch.Tensor, backend: AttentionBackend) -> torch.Tensor:
+        weights, experts = route(x, self.gate.weight, self.top_k, self.renormalise)
+        return mix_experts(x, weights, experts, self.experts.gate_up_proj, self.experts.down_proj, backend)
+
+
+# -- loading ------------------------------------------------------------------------------------------
+
+# One expert's 2-D weight: Qwen3-MoE's names and Mixtral's w1 (gate), w3 (up), w2 (down).
+_PER_EXPERT = re.compile(r"^layers\.(\d+)\.mlp\.experts\.(\d+)\.(gate_proj|up_proj|down_proj|w1|w3|w2)\.weight$")
+# Every expert's weight in one 3-D tensor: transformers 5's fused names, and GGUF's (mapped by GGUF_EXPERT_NAMES).
+_ALL_EXPERTS = re.compile(r"^layers\.(\d+)\.mlp\.experts\.(gate_up_proj|gate_proj|up_proj|down_proj)(?:\.weight)?$")
+# (parameter, part): part 0 / 1 are the gate / up rows of gate_up_proj, None the whole of down_proj.
+_TARGET: dict[str, tuple[str, int | None]] = {
+    "gate_proj": ("gate_up_proj", 0), "w1": ("gate_up_proj", 0), "up_proj": ("gate_up_proj", 1),
+    "w3": ("gate_up_proj", 1), "down_proj": ("down_proj", None), "w2": ("down_proj", None),
+    "gate_up_proj": ("gate_up_proj", None),
+}
+
+# GGUF tensor kinds of a MoE layer, as the Hugging Face-style names the loader maps them to.
+GGUF_EXPERT_NAMES = {"ffn_gate_inp": "mlp.gate", "ffn_gate_exps": "mlp.experts.gate_proj",
+                     "ffn_up_exps": "mlp.experts.up_proj", "ffn_down_exps": "mlp.experts.down_proj"}
+
+
+class ExpertLoader:
+    """Copies expert tensors, in any of the namings above, into a model's 3-D expert weights.
+
+    :meth:`take` passes every other tensor on (Mixtral's ``block_sparse_moe`` renamed ``mlp``) and, once the
+    checkpoint is read, raises a ValueError naming any expert weight it lacked.
+    """
+
+    def __init__(self, model: nn.Module) -> None:
+        self.model = model
+        self.names: set[str] = set()
+        self._needed: dict[str, set[tuple[int, int | None]]] = {}
+        for name, module in model.named_modules():
+            if isinstance(module, Experts):
+                n = module.gate_up_proj.shape[0]
+                self.names.update((f"{name}.gate_up_proj", f"{name}.down_proj"))
+                self._needed[f"{name}.gate_up_proj"] = {(e, p) for e in range(n) for p in (0, 1)}
+                self._needed[f"{name}.down_proj"] = {(e, None) for e in range(n)}
+
+    def take(self, tensors: Iterable[tuple[str, Any]]) -> Iterator[tuple[str, Any]]:
+        for hf_name, tensor in tensors:
+            name = hf_name.removeprefix("model.").replace(".block_sparse_moe.", ".mlp.")
+            one, every = _PER_EXPERT.match(name), _ALL_EXPERTS.match(name)
+            if one is None and every is None:
+                yield name, _dense(tensor) if name.endswith(".mlp.gate.weight") else tensor
+                continue
+            try:
+                if one is not None:
+                    param, part = _TARGET[one.group(3)]
+                    self._copy(f"layers.{one.group(1)}.mlp.experts.{param}", int(one.group(2)), part, tensor)
+                elif every is not None:
+                    param, part = _TARGET[every.group(2)]
+                    self._copy(f"layers.{every.group(1)}.mlp.experts.{param}", None, part, tensor)
+            except ValueError as e:
+                raise ValueError(f"weight {hf_name!r}: {e}") from None
+        missing = [f"{name.rpartition('.')[0]}.{e}.{'down_proj' if p is None else ('gate_proj', 'up_proj')[p]}"
+                   for name, left in self._needed.items() for e, p in sorted(left, key=lambda ep: (ep[0], ep[1] or 0))]
+        if missing:
+            raise ValueError(f"checkpoint is missing expert weights: {', '.join(missing[:8])}"
+                             f"{' ...' if len(missing) > 8 else ''}")
+
+    def _copy(self, name: str, expert: int | None, part: int | None, tensor: Any) -> None:
+        """Copy into ``name``'s expert ``expert`` (every expert when None), rows of part ``part`` (all when None)."""
+        if name not in self._needed:
+            raise ValueError(f"{name} is not an expert weight of this model (is the layer dense?)")
+        dest: torch.Tensor = self.model.get_parameter(name)
+        experts = range(dest.shape[0]) if expert is None else [expert]
+        if expert is not None and not 0 <= expert < dest.shape[0]:
+            raise ValueError(f"expert {expert} is out of range: the model has {dest.shape[0]} experts")
+        view = dest if expert is None else dest[expert]
+        if part is not None:
+            width = dest.shape[1] // 2
+            view = view[..., part * width:(part + 1) * width, :]
+        src = _dense(tensor)
+        if tuple(src.shape) != tuple(view.shape):
+            raise ValueError(f"has shape {tuple(src.shape)}, expected {tuple(view.shape)}")
+        with torch.no_grad():
+            view.copy_(src)
+        for e in experts:
+            for p in ((0, 1) if part is None and name.endswith("gate_up_proj") else (part,)):
+                self._needed[name].discard((e, p))
+
+
+def _dense(tensor: Any) -> torch.Tensor:
+    """A float tensor from a float one or a GGUF block weight (a router or experts kept in blocks)."""
+    if isinstance(tensor, torch.Tensor):
+        return tensor
+    dense: Callable[[], torch.Tensor] | None = getattr(tensor, "dequantize", None)
+    if dense is None:
+        raise ValueError(f"expert and router weights load as float, not as {type(tensor).__name__}")
+    return dense()
+
+
+def gguf_moe_config(config: ModelConfig, field: Callable[..., Any]) -> ModelConfig:
+    """``config`` (read from a GGUF's metadata) with its experts: ``<arch>.expert_count``,
+    ``expert_used_count`` and ``expert_feed_forward_length`` (``field`` reads ``<arch>.<key>``).
+
+    llama.cpp writes Mixtral as a ``llama`` with experts, and Qwen3-MoE as ``qwen3moe`` (read as qwen3);
+    it renormalises Mixtral's top-k weights always, Qwen3-MoE's unless ``expert_weights_norm`` is false.
+    """
+    experts = int(field("expert_count", 0) or 0)
+    if not experts:
+        return config
+    arch = {"llama": "mixtral", "mistral": "mixtral", "qwen3": "qwen3_moe"}.get(config.architecture)
+    if arch is None:
+        raise ValueError(f"GGUF {config.architecture} models with experts are not supported; iterserve runs "
+                         "Mixtral (llama with experts) and qwen3moe")
+    return config.replace(
+        architecture=arch, num_experts=experts, num_experts_per_tok=int(field("expert_used_count", 2)),
+        moe_intermediate_size=int(field("expert_feed_forward_length", 0) or 0),
+        norm_topk_prob=arch == "mixtral" or bool(field("expert_weights_norm", True)))
