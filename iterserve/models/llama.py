@@ -171,7 +171,11 @@ class LlamaModel(nn.Module):
         self.lm_head = ParallelLMHead(config.hidden_size, config.vocab_size, ps)
         if config.tie_word_embeddings:
             self.lm_head.weight = self.embed_tokens.weight
-        self.rotary = RotaryEmbedding(config)
+        self.rotary = self.make_rotary()
+
+    def make_rotary(self) -> nn.Module:
+        """The rotary tables (the loader computes them again on the device, after building on the meta device)."""
+        return RotaryEmbedding(self.config)
 
     @property
     def dtype(self) -> torch.dtype:
