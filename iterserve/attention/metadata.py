@@ -87,6 +87,7 @@ class AttentionMetadata:
     decode_block_tables: torch.Tensor | None = None  # [num_decodes, max_blocks]
     decode_context_lens: torch.Tensor | None = None  # [num_decodes] int64, tokens to attend to (incl. the new one)
     prefills: list[PrefillSpan] = field(default_factory=list)
+    _seq_lens: np.ndarray | None = field(default=None, repr=False)  # each token's sequence length after the step
     _decode_rows: torch.Tensor | None = field(default=None, repr=False)
     _by_window: dict[int | None, AttentionMetadata] = field(default_factory=dict, repr=False)
 
@@ -100,6 +101,13 @@ class AttentionMetadata:
         if self._decode_rows is None:
             self._decode_rows = _head_rows(self.decode_tables()[0], kv_heads)
         return self._decode_rows
+
+    @functools.cached_property
+    def token_seq_lens(self) -> torch.Tensor:
+        """``[num_tokens]`` int64: how many tokens the sequence of each token holds after this step (Phi-3's
+        longrope rotates a sequence by its length)."""
+        assert self._seq_lens is not None, "metadata built without sequence lengths"
+        return torch.from_numpy(self._seq_lens).to(self.slot_mapping.device)
 
     def with_window(self, window: int | None) -> AttentionMetadata:
         """This step's metadata for a layer attending to the last ``window`` positions (all of them when None):
@@ -172,6 +180,7 @@ class AttentionMetadata:
             slot_mapping=torch.from_numpy(blocks * block_size + offsets).to(device),
             slot_blocks=torch.from_numpy(blocks).to(device), slot_offsets=torch.from_numpy(offsets).to(device),
             block_size=block_size, sliding_window=sliding_window, num_decode_tokens=num_decodes,
+            _seq_lens=(cached + qlens)[seq_of_token],
         )
         if num_decodes:
             ctx = pos[:num_decodes] + 1

@@ -2,11 +2,13 @@
 
 Checkpoints store q/k/v and gate/up already fused (``qkv_proj``, ``gate_up_proj``); the fused layers load such a
 whole tensor by splitting it into its parts before each rank takes its rows (:mod:`iterserve.distributed.layers`).
-RoPE is either the default or "longrope": per-frequency ``short_factor`` divisors up to
-``original_max_position_embeddings`` and ``long_factor`` ones beyond, cos/sin scaled by an attention factor.
-transformers picks the set once per forward pass from the longest position in it; here each position takes the
-set its own index falls in, which gives the same numbers whenever a prompt fits in the original context (a
-longer prompt's first positions are rotated by the short set here, by the long one in transformers).
+RoPE is either the default or "longrope": per-frequency divisors, ``short_factor`` for a sequence that fits in
+``original_max_position_embeddings`` and ``long_factor`` for a longer one, cos/sin scaled by an attention factor.
+As in transformers, a sequence's length picks the set for all of its tokens in a step: a prompt longer than the
+original context is rotated by the long set throughout. Two cases differ from transformers' ``generate``, which
+recomputes the whole cache with the long set when a sequence grows past the original context: here the K/V
+already cached keep their short rotation, and a long prompt's first chunks under chunked prefill (while the
+sequence still fits) take the short set.
 ``partial_rotary_factor`` < 1 rotates only the first dimensions of each head (Phi-4-mini).
 """
 
@@ -48,32 +50,49 @@ def longrope_attention_factor(config: ModelConfig) -> float:
     return 1.0 if factor <= 1.0 else math.sqrt(1 + math.log(factor) / math.log(original))
 
 
+def _tables(rows: int, inv_freq: torch.Tensor, scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+    freqs = torch.arange(rows, dtype=torch.float32)[:, None] * inv_freq[None, :]
+    emb = torch.cat((freqs, freqs), dim=-1)
+    return emb.cos() * scale, emb.sin() * scale
+
+
 class Phi3RotaryEmbedding(nn.Module):
-    """cos/sin tables ``[max_position_embeddings, rotary_dim]`` indexed by absolute position (rotate-half)."""
+    """cos/sin tables ``[positions, rotary_dim]`` (rotate-half): one for default RoPE; for longrope the short
+    factors' up to the original context and the long factors' up to ``max_position_embeddings``."""
 
     cos: torch.Tensor
     sin: torch.Tensor
+    long_cos: torch.Tensor
+    long_sin: torch.Tensor
 
     def __init__(self, config: ModelConfig) -> None:
         super().__init__()
-        dim = rotary_dim(config)
-        t = torch.arange(config.max_position_embeddings, dtype=torch.float32)
-        scaling = config.rope_scaling
+        dim, theta, scaling = rotary_dim(config), config.rope_theta, config.rope_scaling
+        self.original: int | None = None
         if scaling is None:
-            freqs = torch.outer(t, _inv_freq(config.rope_theta, dim))
-            attention_factor = 1.0
+            cos, sin = _tables(config.max_position_embeddings, _inv_freq(theta, dim), 1.0)
+            long_cos, long_sin = cos[:0], sin[:0]
         else:
-            short = _inv_freq(config.rope_theta, dim, scaling["short_factor"])
-            long = _inv_freq(config.rope_theta, dim, scaling["long_factor"])
-            beyond = (t >= scaling["original_max_position_embeddings"])[:, None]
-            freqs = t[:, None] * torch.where(beyond, long[None, :], short[None, :])
-            attention_factor = longrope_attention_factor(config)
-        emb = torch.cat((freqs, freqs), dim=-1)
-        self.register_buffer("cos", emb.cos() * attention_factor, persistent=False)
-        self.register_buffer("sin", emb.sin() * attention_factor, persistent=False)
+            self.original = int(scaling["original_max_position_embeddings"])
+            scale = longrope_attention_factor(config)
+            cos, sin = _tables(self.original, _inv_freq(theta, dim, scaling["short_factor"]), scale)
+            long_cos, long_sin = _tables(config.max_position_embeddings,
+                                         _inv_freq(theta, dim, scaling["long_factor"]), scale)
+        for name, table in (("cos", cos), ("sin", sin), ("long_cos", long_cos), ("long_sin", long_sin)):
+            self.register_buffer(name, table, persistent=False)
 
-    def forward(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        return self.cos[positions].to(dtype)[:, None, :], self.sin[positions].to(dtype)[:, None, :]
+    def forward(self, positions: torch.Tensor, dtype: torch.dtype,
+                seq_lens: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos/sin ``[tokens, 1, rotary_dim]``; longrope takes the long factors for the tokens of a sequence longer
+        than the original context (``seq_lens``: each token's sequence length; without it, by position)."""
+        if self.original is None:
+            cos, sin = self.cos[positions], self.sin[positions]
+        else:
+            long = (positions >= self.original if seq_lens is None else seq_lens > self.original)[:, None]
+            short = positions.clamp(max=self.original - 1)
+            cos = torch.where(long, self.long_cos[positions], self.cos[short])
+            sin = torch.where(long, self.long_sin[positions], self.sin[short])
+        return cos.to(dtype)[:, None, :], sin.to(dtype)[:, None, :]
 
 
 class PartialRotaryAttention(Attention):
@@ -111,6 +130,11 @@ class Phi3Model(LlamaModel):
 
     def make_rotary(self) -> nn.Module:
         return Phi3RotaryEmbedding(self.config)
+
+    def rotary_at(self, positions: torch.Tensor, dtype: torch.dtype,
+                  meta: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor]:
+        cos, sin = self.rotary(positions, dtype, meta.token_seq_lens)
+        return cos, sin
 
     def native_decoder(self, ops: ModuleType) -> Any:
         # csrc/decoder.cpp rotates whole heads

@@ -4,6 +4,7 @@ greedy tokens against transformers' ``generate`` (float32, alone, batched and in
 from __future__ import annotations
 
 import json
+import math
 
 import pytest
 import torch
@@ -14,14 +15,22 @@ from iterserve.attention import AttentionMetadata, select_backend
 from iterserve.config import ModelConfig
 from iterserve.models.gemma3 import Gemma3Model
 from iterserve.models.loader import load_model, load_model_config
-from iterserve.models.phi3 import Phi3Model
+from iterserve.models.phi3 import Phi3Model, Phi3RotaryEmbedding
 
 VOCAB, NEW_TOKENS = 320, 12
-# 5 to 26 tokens: beyond the 8-token window, and across Phi-3's 16-position original context as they generate
-PROMPTS = [[5 + (i * 37 + j * 11) % (VOCAB - 10) for j in range(n)] for i, n in enumerate((26, 5, 13, 9))]
+
+
+def prompts(*lengths: int) -> list[list[int]]:
+    return [[5 + (i * 37 + j * 11) % (VOCAB - 10) for j in range(n)] for i, n in enumerate(lengths)]
+
+
+PROMPTS = prompts(26, 5, 13, 9)  # beyond the 8-token window
+# Phi-3's original context is 16 positions: these fit in it to the end (5 and 3 + 12 tokens generated) or are longer
+# from the start; transformers recomputes the whole cache when a sequence grows past it, which the engine does not
+PHI3_PROMPTS = prompts(26, 5, 19, 3)
 SHAPES = {"vocab_size": VOCAB, "hidden_size": 64, "intermediate_size": 96, "num_attention_heads": 4,
           "num_key_value_heads": 2, "max_position_embeddings": 128, "bos_token_id": 1, "eos_token_id": 2,
-          "pad_token_id": 0}
+          "pad_token_id": 0, "initializer_range": 0.15}  # sharp attention: positions and windows show
 
 
 def _longrope(dims: int) -> dict:
@@ -87,9 +96,24 @@ def gemma3_folder(tmp_path_factory):
 
 def test_phi3_longrope_greedy_alone_and_batched(phi3_folder):
     folder, hf = phi3_folder
-    want = hf_greedy(hf, PROMPTS[1:])  # each prompt within the original 16 positions; generation goes past them
-    assert [engine_greedy(folder, [p])[0] for p in PROMPTS[1:3]] == want[:2]
-    assert engine_greedy(folder, PROMPTS[1:], max_num_batched_tokens=10) == want
+    want = hf_greedy(hf, PHI3_PROMPTS)
+    assert [engine_greedy(folder, [p])[0] for p in PHI3_PROMPTS[:2]] == want[:2]
+    assert engine_greedy(folder, PHI3_PROMPTS) == want
+    assert engine_greedy(folder, PHI3_PROMPTS[1::2], max_num_batched_tokens=3) == want[1::2]  # chunks of short ones
+
+
+def test_phi3_longrope_set_follows_the_sequence_length():
+    """The short factors while a sequence fits in the original context, the long ones for all of its tokens once
+    it is longer; both scaled by sqrt(1 + ln(128 / 16) / ln(16))."""
+    config = ModelConfig.from_hf_config({**phi3_config().to_dict(), "architectures": ["Phi3ForCausalLM"]})
+    rotary = Phi3RotaryEmbedding(config)
+    positions = torch.tensor([3, 15, 3, 15, 16])
+    cos, _ = rotary(positions, torch.float32, torch.tensor([16, 16, 17, 17, 17]))
+    scale = (1 + math.log(8) / math.log(16)) ** 0.5
+    short = 1 / (torch.tensor(config.rope_scaling["short_factor"]) * 10000.0 ** (torch.arange(0, 16, 2) / 16))
+    long = 1 / (torch.tensor(config.rope_scaling["long_factor"]) * 10000.0 ** (torch.arange(0, 16, 2) / 16))
+    for row, (pos, inv) in enumerate([(3, short), (15, short), (3, long), (15, long), (16, long)]):
+        torch.testing.assert_close(cos[row, 0, :8], (pos * inv).cos() * scale)
 
 
 def test_phi3_config_and_weights(phi3_folder):
