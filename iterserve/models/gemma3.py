@@ -22,7 +22,7 @@ from iterserve.attention import AttentionBackend, AttentionMetadata, KVCache
 from iterserve.config import ModelConfig
 from iterserve.distributed.layers import ParallelLMHead, VocabParallelEmbedding
 from iterserve.distributed.parallel_state import ParallelState
-from iterserve.models.llama import MLP, Attention, LlamaModel, RMSNorm, RotaryEmbedding
+from iterserve.models.llama import MLP, Attention, LlamaModel, RMSNorm, rope_inv_freq
 
 
 def layer_windows(config: ModelConfig) -> list[int | None]:
@@ -104,15 +104,27 @@ class Gemma3DecoderLayer(nn.Module):
 
 
 class Gemma3Rotary(nn.Module):
-    """The global layers' tables (``rope_theta``, scaled) and the local layers' (``rope_local_base_freq``)."""
+    """cos/sin of the global layers (``rope_theta``, scaled) and of the local ones (``rope_local_base_freq``),
+    computed for each step's positions: tables of 131,072 positions by 256 dimensions would hold 512 MiB."""
+
+    full_inv_freq: torch.Tensor
+    local_inv_freq: torch.Tensor
 
     def __init__(self, config: ModelConfig) -> None:
         super().__init__()
-        self.full = RotaryEmbedding(config)
-        self.local = RotaryEmbedding(config.replace(rope_theta=config.extra["rope_local_base_freq"], rope_scaling=None))
+        local = config.replace(rope_theta=config.extra["rope_local_base_freq"], rope_scaling=None)
+        self.register_buffer("full_inv_freq", rope_inv_freq(config), persistent=False)
+        self.register_buffer("local_inv_freq", rope_inv_freq(local), persistent=False)
 
     def forward(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[tuple[torch.Tensor, torch.Tensor], ...]:
-        return self.full(positions, dtype), self.local(positions, dtype)
+        return self._cos_sin(positions, self.full_inv_freq, dtype), self._cos_sin(positions, self.local_inv_freq, dtype)
+
+    @staticmethod
+    def _cos_sin(positions: torch.Tensor, inv_freq: torch.Tensor,
+                 dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        freqs = positions.float()[:, None] * inv_freq[None, :]  # as transformers computes them, in float32
+        emb = torch.cat((freqs, freqs), dim=-1)
+        return emb.cos().to(dtype)[:, None, :], emb.sin().to(dtype)[:, None, :]
 
 
 class Gemma3Model(LlamaModel):
