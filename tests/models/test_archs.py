@@ -242,3 +242,19 @@ def test_unsupported_architecture_lists_what_is_supported(tmp_path):
     assert "\n" not in message and "'Gemma2ForCausalLM'" in message
     for arch in ("LlamaForCausalLM", "Phi3ForCausalLM", "Gemma3ForCausalLM", "Qwen3ForCausalLM"):
         assert arch in message
+
+
+def test_hub_configs_of_gemma3_1b_and_phi3_mini_give_their_parameter_counts():
+    gemma = ModelConfig.from_hf_config({
+        "architectures": ["Gemma3ForCausalLM"], "model_type": "gemma3_text", "hidden_size": 1152,
+        "intermediate_size": 6912, "num_hidden_layers": 26, "num_attention_heads": 4, "num_key_value_heads": 1,
+        "head_dim": 256, "vocab_size": 262144, "sliding_window": 512, "sliding_window_pattern": 6, "rope_scaling": None,
+        "rope_local_base_freq": 10000, "rope_theta": 1000000, "max_position_embeddings": 32768,
+        "final_logit_softcapping": None, "attn_logit_softcapping": None, "query_pre_attn_scalar": 256})
+    assert gemma.num_parameters() == 999_885_952 and gemma.extra["layer_types"].count("full_attention") == 4
+    phi = ModelConfig.from_hf_config({
+        "architectures": ["Phi3ForCausalLM"], "model_type": "phi3", "hidden_size": 3072, "intermediate_size": 8192,
+        "num_hidden_layers": 32, "num_attention_heads": 32, "num_key_value_heads": 32, "vocab_size": 32064,
+        "max_position_embeddings": 131072, "original_max_position_embeddings": 4096, "sliding_window": 262144,
+        "rope_scaling": {"type": "longrope", "short_factor": [1.0] * 48, "long_factor": [2.0] * 48}})
+    assert phi.num_parameters() == 3_821_079_552 and phi.rope_scaling["original_max_position_embeddings"] == 4096
