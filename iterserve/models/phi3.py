@@ -133,7 +133,7 @@ class Phi3Model(LlamaModel):
 
     def rotary_at(self, positions: torch.Tensor, dtype: torch.dtype,
                   meta: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor]:
-        cos, sin = self.rotary(positions, dtype, meta.token_seq_lens)
+        cos, sin = self.rotary(positions, dtype, meta.token_seq_lens if self.config.rope_scaling else None)
         return cos, sin
 
     def native_decoder(self, ops: ModuleType) -> Any:
