@@ -17,6 +17,7 @@ the batch, never the size of the pool. How attention is computed over this layou
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from dataclasses import dataclass, field
 
@@ -86,7 +87,9 @@ class AttentionMetadata:
     decode_block_tables: torch.Tensor | None = None  # [num_decodes, max_blocks]
     decode_context_lens: torch.Tensor | None = None  # [num_decodes] int64, tokens to attend to (incl. the new one)
     prefills: list[PrefillSpan] = field(default_factory=list)
+    _seq_lens: np.ndarray | None = field(default=None, repr=False)  # each token's sequence length after the step
     _decode_rows: torch.Tensor | None = field(default=None, repr=False)
+    _by_window: dict[int | None, AttentionMetadata] = field(default_factory=dict, repr=False)
 
     def decode_tables(self) -> tuple[torch.Tensor, torch.Tensor]:
         """The decode sequences' block tables and context lengths (built whenever a step has decodes)."""
@@ -98,6 +101,28 @@ class AttentionMetadata:
         if self._decode_rows is None:
             self._decode_rows = _head_rows(self.decode_tables()[0], kv_heads)
         return self._decode_rows
+
+    @functools.cached_property
+    def token_seq_lens(self) -> torch.Tensor:
+        """``[num_tokens]`` int64: how many tokens the sequence of each token holds after this step (Phi-3's
+        longrope rotates a sequence by its length)."""
+        assert self._seq_lens is not None, "metadata built without sequence lengths"
+        return torch.from_numpy(self._seq_lens).to(self.slot_mapping.device)
+
+    def with_window(self, window: int | None) -> AttentionMetadata:
+        """This step's metadata for a layer attending to the last ``window`` positions (all of them when None):
+        models whose layers differ in window (Gemma 3's local and global layers) pass each layer its own.
+
+        Built once per window and step, then shared by the layers with that window; slots, tables and rows
+        are the same objects, only the masks differ.
+        """
+        if window == self.sliding_window:
+            return self
+        if window not in self._by_window:
+            spans = [dataclasses.replace(s, mask=_chunk_mask(s.num_cached, s.context_len, window, s.block_table.device))
+                     for s in self.prefills]
+            self._by_window[window] = dataclasses.replace(self, sliding_window=window, prefills=spans, _by_window={})
+        return self._by_window[window]
 
     @functools.cached_property
     def decode_bias(self) -> torch.Tensor:
@@ -155,6 +180,7 @@ class AttentionMetadata:
             slot_mapping=torch.from_numpy(blocks * block_size + offsets).to(device),
             slot_blocks=torch.from_numpy(blocks).to(device), slot_offsets=torch.from_numpy(offsets).to(device),
             block_size=block_size, sliding_window=sliding_window, num_decode_tokens=num_decodes,
+            _seq_lens=(cached + qlens)[seq_of_token],
         )
         if num_decodes:
             ctx = pos[:num_decodes] + 1
@@ -167,22 +193,29 @@ class AttentionMetadata:
             cached_i, qlen = num_cached[i], query_lens[i]
             ctx_i = cached_i + qlen
             n = (ctx_i + block_size - 1) // block_size
-            mask = None
-            if cached_i > 0 or (sliding_window is not None and ctx_i > sliding_window):
-                q_pos = torch.arange(cached_i, ctx_i)[:, None]
-                k_pos = torch.arange(ctx_i)[None, :]
-                mask = k_pos <= q_pos
-                if sliding_window is not None:
-                    mask &= k_pos > q_pos - sliding_window
-                mask = mask.to(device)
             meta.prefills.append(
                 PrefillSpan(
                     start=start, end=start + qlen, context_len=ctx_i,
-                    block_table=torch.from_numpy(tables[i, :n].copy()).to(device), mask=mask,
+                    block_table=torch.from_numpy(tables[i, :n].copy()).to(device),
+                    mask=_chunk_mask(cached_i, ctx_i, sliding_window, device),
                 )
             )
             start += qlen
         return meta
+
+
+def _chunk_mask(num_cached: int, context_len: int, window: int | None,
+                device: torch.device | str) -> torch.Tensor | None:
+    """``[chunk, context_len]``: which keys each query of a prompt chunk attends to (causal, within ``window``);
+    None when the chunk is a whole prompt that plain causal attention serves."""
+    if num_cached == 0 and (window is None or context_len <= window):
+        return None
+    q_pos = torch.arange(num_cached, context_len)[:, None]
+    k_pos = torch.arange(context_len)[None, :]
+    mask = k_pos <= q_pos
+    if window is not None:
+        mask &= k_pos > q_pos - window
+    return mask.to(device)
 
 
 def _head_rows(tables: torch.Tensor, kv_heads: int) -> torch.Tensor:

@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 from importlib import resources
 from typing import Any
 
+from iterserve.config import arch_configs
 from iterserve.config.moe import (
     MOE_ARCHITECTURES,
     check_moe,
@@ -26,7 +27,10 @@ from iterserve.config.moe import (
 # The embedded model every command and ``LLM()`` runs when given none (resolved by models/loader.py).
 DEFAULT_MODEL = "smollm2-135m"
 
-SUPPORTED_ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3", *MOE_ARCHITECTURES)
+SUPPORTED_ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3", *MOE_ARCHITECTURES,
+                           *sorted(set(arch_configs.MODEL_TYPES.values())))
+
+_MODEL_TYPES = (*SUPPORTED_ARCHITECTURES, *arch_configs.MODEL_TYPES)
 
 _HF_ARCH_NAMES = {
     "LlamaForCausalLM": "llama",
@@ -35,6 +39,7 @@ _HF_ARCH_NAMES = {
     "Qwen3ForCausalLM": "qwen3",
     "MixtralForCausalLM": "mixtral",
     "Qwen3MoeForCausalLM": "qwen3_moe",
+    **arch_configs.HF_ARCH_NAMES,
 }
 
 
@@ -57,7 +62,7 @@ class ModelConfig:
     tie_word_embeddings: bool = False
     attention_bias: bool = False  # Qwen2 puts a bias on q, k and v
     qk_norm: bool = False  # Qwen3 RMS-normalises q and k per head
-    sliding_window: int | None = None  # Mistral v0.1 attends to the last N positions only
+    sliding_window: int | None = None  # Mistral v0.1 attends to the last N positions only (Gemma 3: some layers)
     bos_token_id: int | None = None
     eos_token_id: int | list[int] | None = None
     name: str = ""
@@ -118,7 +123,7 @@ class ModelConfig:
             attn += self.q_size + 2 * self.kv_size
         if self.qk_norm:
             attn += 2 * self.head_dim
-        per_layer = attn + 2 * h  # two RMSNorm weights
+        per_layer = attn + (4 if self.architecture == "gemma3" else 2) * h  # RMSNorm weights
         embed = self.vocab_size * h
         lm_head = 0 if self.tie_word_embeddings else self.vocab_size * h
         return self.num_layers * per_layer + mlp_parameters(self, active) + embed + lm_head + h  # final norm
@@ -159,11 +164,12 @@ class ModelConfig:
     @classmethod
     def from_hf_config(cls, cfg: dict[str, Any], name: str = "") -> ModelConfig:
         """Build from a Hugging Face ``config.json`` dictionary."""
+        cfg = arch_configs.text_config(cfg)
         archs = cfg.get("architectures") or []
         arch = next((_HF_ARCH_NAMES[a] for a in archs if a in _HF_ARCH_NAMES), None)
         if arch is None:
             model_type = cfg.get("model_type")
-            arch = model_type if model_type in SUPPORTED_ARCHITECTURES else None
+            arch = arch_configs.MODEL_TYPES.get(model_type, model_type) if model_type in _MODEL_TYPES else None
         if arch is None:
             found = ", ".join(archs) or cfg.get("model_type") or "none"
             raise ValueError(
@@ -184,7 +190,7 @@ class ModelConfig:
             "default",
         ):
             rope_scaling = None
-        return cls(
+        config = cls(
             architecture=arch,
             vocab_size=cfg["vocab_size"],
             hidden_size=hidden,
@@ -206,6 +212,7 @@ class ModelConfig:
             name=name or cfg.get("_name_or_path", ""),
             **moe_fields_from_hf(cfg, arch),
         )
+        return config.replace(**arch_configs.arch_fields(arch, cfg))
 
     def to_hf_config(self) -> dict[str, Any]:
         """The equivalent Hugging Face config dictionary (used to build reference models)."""

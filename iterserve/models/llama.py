@@ -172,7 +172,17 @@ class LlamaModel(nn.Module):
         self.lm_head = ParallelLMHead(config.hidden_size, config.vocab_size, ps)
         if config.tie_word_embeddings:
             self.lm_head.weight = self.embed_tokens.weight
-        self.rotary = RotaryEmbedding(config)
+        self.rotary = self.make_rotary()
+
+    def make_rotary(self) -> nn.Module:
+        """The rotary tables (the loader computes them again on the device, after building on the meta device)."""
+        return RotaryEmbedding(self.config)
+
+    def rotary_at(self, positions: torch.Tensor, dtype: torch.dtype,
+                  meta: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos/sin ``[tokens, 1, head_dim]`` of this step's tokens (Phi-3's also depend on each sequence's length)."""
+        cos, sin = self.rotary(positions, dtype)
+        return cos, sin
 
     @property
     def dtype(self) -> torch.dtype:
@@ -224,7 +234,7 @@ class LlamaModel(nn.Module):
         """Returns float32 logits ``[len(logits_indices), vocab]`` (all rows when None); under tensor
         parallelism on rank 0 only (the other ranks get an empty tensor)."""
         x = self.embed_tokens(input_ids)
-        cos, sin = self.rotary(positions, x.dtype)
+        cos, sin = self.rotary_at(positions, x.dtype, meta)
         native = backend.decode_layers(self, x, cos, sin, kv_caches, meta)
         residual: torch.Tensor | None = None
         if native is not None:

@@ -30,8 +30,9 @@ from iterserve.config import DEFAULT_MODEL, PRESETS, ModelConfig, find_preset, g
 from iterserve.distributed.layers import ShardedLayer
 from iterserve.distributed.parallel_state import ParallelState
 from iterserve.formats.gguf_file import gguf_field, open_gguf
+from iterserve.models.archs import hf_param_name, model_class, parts_of
 from iterserve.models.linear import MethodChooser
-from iterserve.models.llama import LlamaModel, RotaryEmbedding
+from iterserve.models.llama import LlamaModel
 from iterserve.models.load_progress import tensor_progress
 from iterserve.models.moe import GGUF_EXPERT_NAMES, ExpertLoader, gguf_moe_config
 from iterserve.quantization.model import (
@@ -226,11 +227,11 @@ def _empty_model(config: ModelConfig, dtype: torch.dtype, device: torch.device,
     """Build the module tree (this rank's shard) without initialising weights, then place it on ``device``."""
     config.tensor_parallel_shard(parallel.world_size if parallel else 1)  # a clear error if it does not split
     with torch.device("meta"):
-        model = LlamaModel(config, parallel)
+        model = model_class(config)(config, parallel)
     model = model.to_empty(device=device).to(dtype)
     if config.tie_word_embeddings:
         model.lm_head.weight = model.embed_tokens.weight
-    model.rotary = RotaryEmbedding(config).to(device)
+    model.rotary = model.make_rotary().to(device)
     return model.eval()
 
 
@@ -253,30 +254,25 @@ def load_weight(model: LlamaModel, name: str, tensor: torch.Tensor | BlockWeight
 
 
 def load_hf_state_dict(model: LlamaModel, tensors: Iterable[tuple[str, torch.Tensor | BlockWeight]]) -> None:
-    """Copy Hugging Face-named tensors into the model, fusing q/k/v and gate/up projections."""
+    """Copy Hugging Face-named tensors into the model, fusing q/k/v and gate/up projections
+    (:func:`~iterserve.models.archs.hf_param_name` names each tensor's parameter)."""
     c = model.config
     experts = ExpertLoader(model)  # expert weights, under any of their names, go to the 3-D expert tensors
     params = {n: p for n, p in model.named_parameters() if n not in experts.names}
-    fused = {"q_proj": ("qkv_proj", 0), "k_proj": ("qkv_proj", 1), "v_proj": ("qkv_proj", 2),
-             "gate_proj": ("gate_up_proj", 0), "up_proj": ("gate_up_proj", 1)}
-    parts_needed = {n: 3 if "qkv_proj" in n else 2 if "gate_up_proj" in n else 1 for n in params}
+    parts_needed = {n: parts_of(n) for n in params}
     parts_loaded: Counter[str] = Counter()
     for hf_name, tensor in experts.take(tensors):
-        name = hf_name.removeprefix("model.")
-        if (name == "lm_head.weight" and c.tie_word_embeddings) or "rotary_emb" in name:
+        mapped = hf_param_name(c, hf_name)
+        if mapped is None:
             continue
-        parts = name.split(".")
-        part = None
-        if len(parts) >= 2 and parts[-2] in fused:
-            module, part = fused[parts[-2]]
-            name = ".".join(parts[:-2] + [module, parts[-1]])
+        name, part = mapped
         if name not in params:
             raise ValueError(f"unexpected weight {hf_name!r} for a {c.architecture} model")
         try:
             load_weight(model, name, tensor, part)
         except ValueError as e:
             raise ValueError(f"weight {hf_name!r}: {e}") from None
-        parts_loaded[name] += 1
+        parts_loaded[name] += 1 if part is not None else parts_needed[name]  # a whole fused tensor fills all
     missing = [n for n, k in parts_needed.items() if parts_loaded[n] != k]
     if missing:
         raise ValueError(f"checkpoint is missing weights: {', '.join(missing[:8])}{' ...' if len(missing) > 8 else ''}")

@@ -42,9 +42,10 @@ def dense_reference(q, k, v, window=None):
     return torch.einsum("hqk,khd->qhd", scores.softmax(-1), v)
 
 
-def run_steps(backend, lengths, chunks, window=None, seed=0):
+def run_steps(backend, lengths, chunks, window=None, seed=0, built_with="same"):
     """Feed sequences through paged attention in the given per-step chunk sizes; compare each
-    produced row with the dense reference."""
+    produced row with the dense reference. ``built_with`` other than "same" builds each step's metadata with
+    that window and hands the layer its own through ``with_window`` (a model whose layers differ in window)."""
     g = torch.Generator().manual_seed(seed)
     seqs = [(torch.randn(n, H, D, generator=g), torch.randn(n, KVH, D, generator=g),
              torch.randn(n, KVH, D, generator=g))
@@ -70,8 +71,9 @@ def run_steps(backend, lengths, chunks, window=None, seed=0):
             vs.append(seqs[s][2][a:b])
         meta = AttentionMetadata.build(block_size=BS, block_tables=[tables[s] for s in order],
                                        num_cached=[done[s] for s in order],
-                                       query_lens=[step_chunks[s] for s in order], sliding_window=window,
-                                       decode_prompts_up_to=backend.decode_prompts_up_to)
+                                       query_lens=[step_chunks[s] for s in order],
+                                       sliding_window=window if built_with == "same" else built_with,
+                                       decode_prompts_up_to=backend.decode_prompts_up_to).with_window(window)
         out = backend.forward(torch.cat(qs), torch.cat(ks), torch.cat(vs), cache, meta, D**-0.5)
         row = 0
         for s in order:
@@ -99,6 +101,19 @@ def test_decode_batch_with_different_context_lengths(backend):
 
 def test_sliding_window_in_prefill_and_decode(backend):
     run_steps(backend, [12, 6], [[9, 5], [1, 1], [1, 0], [1, 0]], window=4)
+
+
+@pytest.mark.parametrize(("window", "built_with"), [(4, None), (None, 4), (3, 5)])
+def test_a_layers_own_window_over_the_steps_metadata(backend, window, built_with):
+    run_steps(backend, [12, 6], [[9, 5], [1, 1], [1, 0], [1, 0]], window=window, built_with=built_with)
+    run_steps(backend, [9, 8], [[3, 2], [4, 0], [1, 5], [1, 1]], window=window, built_with=built_with)
+
+
+def test_metadata_per_window_is_built_once():
+    meta = AttentionMetadata.build(block_size=BS, block_tables=[[1, 2, 3]], num_cached=[4], query_lens=[6])
+    local = meta.with_window(3)
+    assert meta.with_window(None) is meta and meta.with_window(3) is local and local.sliding_window == 3
+    assert local.slot_mapping is meta.slot_mapping and local.prefills[0].mask.sum() < meta.prefills[0].mask.sum()
 
 
 def test_new_tokens_land_in_their_slots(backend):

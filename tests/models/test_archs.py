@@ -1,0 +1,260 @@
+"""Phi-3 and Gemma 3 Hugging Face folders: tiny seeded models saved by transformers, run by the engine, and their
+greedy tokens against transformers' ``generate`` (float32, alone, batched and in chunks)."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+import torch
+import transformers
+
+from iterserve import LLM, SamplingParams
+from iterserve.attention import AttentionMetadata, select_backend
+from iterserve.config import ModelConfig
+from iterserve.models.gemma3 import Gemma3Model
+from iterserve.models.loader import load_model, load_model_config
+from iterserve.models.phi3 import Phi3Model, Phi3RotaryEmbedding
+
+VOCAB, NEW_TOKENS = 320, 12
+
+
+def prompts(*lengths: int) -> list[list[int]]:
+    return [[5 + (i * 37 + j * 11) % (VOCAB - 10) for j in range(n)] for i, n in enumerate(lengths)]
+
+
+PROMPTS = prompts(26, 5, 13, 9)  # beyond the 8-token window
+# Phi-3's original context is 16 positions: these fit in it to the end (5 and 3 + 12 tokens generated) or are longer
+# from the start; transformers recomputes the whole cache when a sequence grows past it, which the engine does not
+PHI3_PROMPTS = prompts(26, 5, 19, 3)
+SHAPES = {"vocab_size": VOCAB, "hidden_size": 64, "intermediate_size": 96, "num_attention_heads": 4,
+          "num_key_value_heads": 2, "max_position_embeddings": 128, "bos_token_id": 1, "eos_token_id": 2,
+          "pad_token_id": 0, "initializer_range": 0.15}  # sharp attention: positions and windows show
+
+
+def _longrope(dims: int) -> dict:
+    return {"rope_type": "longrope", "short_factor": [1.0 + 0.15 * i for i in range(dims // 2)],
+            "long_factor": [1.5 + 0.6 * i for i in range(dims // 2)]}
+
+
+def phi3_config(**changes) -> transformers.Phi3Config:
+    return transformers.Phi3Config(**{**SHAPES, "num_hidden_layers": 3, "sliding_window": 8,
+                                      "original_max_position_embeddings": 16, "rope_scaling": _longrope(16),
+                                      **changes})
+
+
+def gemma3_config(**changes) -> transformers.Gemma3TextConfig:
+    return transformers.Gemma3TextConfig(**{
+        **SHAPES, "num_hidden_layers": 4, "head_dim": 16, "sliding_window": 8, "query_pre_attn_scalar": 20,
+        "layer_types": ["sliding_attention", "sliding_attention", "full_attention", "sliding_attention"],
+        "rope_scaling": {"rope_type": "linear", "factor": 4.0}, **changes})
+
+
+def save(folder, model_class, config) -> transformers.PreTrainedModel:
+    """A seeded random model whose norms are not all zeros or ones (so a wrong norm formula shows)."""
+    torch.manual_seed(0)
+    hf = model_class(config).eval()
+    with torch.no_grad():
+        for name, p in hf.named_parameters():
+            if "norm" in name:
+                p.normal_(0.0, 0.3)
+    hf.save_pretrained(folder)
+    return hf
+
+
+def hf_greedy(hf, prompts: list[list[int]], n: int = NEW_TOKENS) -> list[list[int]]:
+    out = []
+    for p in prompts:
+        with torch.no_grad():
+            ids = hf.generate(torch.tensor([p]), max_new_tokens=n, min_new_tokens=n, do_sample=False)
+        out.append(ids[0, len(p):].tolist())
+    return out
+
+
+def engine_greedy(folder, prompts: list[list[int]], **kwargs) -> list[list[int]]:
+    llm = LLM(model=str(folder), dtype="float32", device="cpu", num_kv_blocks=64, block_size=4, **kwargs)
+    params = SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS, ignore_eos=True, detokenize=False)
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+    return [list(o.outputs[0].token_ids) for o in outs]
+
+
+@pytest.fixture(scope="module")
+def phi3_folder(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("phi3")
+    return folder, save(folder, transformers.Phi3ForCausalLM, phi3_config())
+
+
+@pytest.fixture(scope="module")
+def gemma3_folder(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("gemma3")
+    return folder, save(folder, transformers.Gemma3ForCausalLM, gemma3_config())
+
+
+# -- Phi-3 --------------------------------------------------------------------------------------------
+
+
+def test_phi3_longrope_greedy_alone_and_batched(phi3_folder):
+    folder, hf = phi3_folder
+    want = hf_greedy(hf, PHI3_PROMPTS)
+    assert [engine_greedy(folder, [p])[0] for p in PHI3_PROMPTS[:2]] == want[:2]
+    assert engine_greedy(folder, PHI3_PROMPTS) == want
+    assert engine_greedy(folder, PHI3_PROMPTS[1::2], max_num_batched_tokens=3) == want[1::2]  # chunks of short ones
+
+
+def test_phi3_longrope_set_follows_the_sequence_length():
+    """The short factors while a sequence fits in the original context, the long ones for all of its tokens once
+    it is longer; both scaled by sqrt(1 + ln(128 / 16) / ln(16))."""
+    config = ModelConfig.from_hf_config({**phi3_config().to_dict(), "architectures": ["Phi3ForCausalLM"]})
+    rotary = Phi3RotaryEmbedding(config)
+    positions = torch.tensor([3, 15, 3, 15, 16])
+    cos, _ = rotary(positions, torch.float32, torch.tensor([16, 16, 17, 17, 17]))
+    scale = (1 + math.log(8) / math.log(16)) ** 0.5
+    short = 1 / (torch.tensor(config.rope_scaling["short_factor"]) * 10000.0 ** (torch.arange(0, 16, 2) / 16))
+    long = 1 / (torch.tensor(config.rope_scaling["long_factor"]) * 10000.0 ** (torch.arange(0, 16, 2) / 16))
+    for row, (pos, inv) in enumerate([(3, short), (15, short), (3, long), (15, long), (16, long)]):
+        torch.testing.assert_close(cos[row, 0, :8], (pos * inv).cos() * scale)
+
+
+def test_phi3_config_and_weights(phi3_folder):
+    folder, _ = phi3_folder
+    loaded = load_model(str(folder), dtype="float32", device="cpu")
+    c = loaded.config
+    assert isinstance(loaded.model, Phi3Model) and c.architecture == "phi3" and c.sliding_window == 8
+    assert c.rope_scaling is not None and c.rope_scaling["original_max_position_embeddings"] == 16
+    assert c.num_parameters() == sum(p.numel() for p in loaded.model.parameters())
+
+
+def test_phi3_partial_rotary_default_rope(tmp_path):
+    hf = save(tmp_path, transformers.Phi3ForCausalLM,
+              phi3_config(rope_scaling=None, partial_rotary_factor=0.5, sliding_window=None))
+    assert load_model_config(str(tmp_path)).rope_scaling is None
+    assert engine_greedy(tmp_path, PROMPTS[:3]) == hf_greedy(hf, PROMPTS[:3])
+
+
+def test_phi3_fused_checkpoint_tensors_split_before_tensor_parallel_shards(phi3_folder):
+    """Each rank of two keeps its q, k and v heads (its gate and up rows) of the whole fused tensor."""
+    from iterserve.distributed.parallel_state import ParallelState
+    from iterserve.models.loader import _load_hf_folder
+
+    folder, hf = phi3_folder
+    full = hf.model.layers[0].self_attn.qkv_proj.weight
+    q, k, v = full.split([64, 32, 32])
+    for rank in (0, 1):
+        ps = ParallelState(rank=rank, world_size=2)
+        model = _load_hf_folder(folder, torch.float32, torch.device("cpu"), ps).model
+        got = model.layers[0].self_attn.qkv_proj.weight
+        rows = slice(rank * 32, rank * 32 + 32), slice(rank * 16, rank * 16 + 16)
+        assert torch.equal(got, torch.cat([q[rows[0]], k[rows[1]], v[rows[1]]]))
+
+
+# -- Gemma 3 ------------------------------------------------------------------------------------------
+
+
+def test_gemma3_greedy_alone_batched_and_chunked(gemma3_folder):
+    folder, hf = gemma3_folder
+    want = hf_greedy(hf, PROMPTS)
+    assert [engine_greedy(folder, [p])[0] for p in PROMPTS[:2]] == want[:2]
+    assert engine_greedy(folder, PROMPTS) == want
+    assert engine_greedy(folder, PROMPTS, max_num_batched_tokens=7, enable_prefix_caching=False) == want
+
+
+def assert_logits_match(folder, hf, backend) -> None:
+    """A 26-token prompt in one forward pass: every position's logits."""
+    model = load_model(str(folder), dtype="float32", device="cpu").model
+    ids = torch.tensor(PROMPTS[0])
+    meta = AttentionMetadata.build(block_size=4, block_tables=[list(range(7))], num_cached=[0], query_lens=[26],
+                                   sliding_window=model.config.sliding_window)
+    got = model(ids, torch.arange(26), model.allocate_kv_cache(8, 4), meta, backend)
+    with torch.no_grad():
+        want = hf(ids[None]).logits[0]
+    torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+
+
+def test_gemma3_logits_on_the_reference_backend(gemma3_folder):
+    from iterserve.attention.reference import ReferenceBackend
+
+    assert_logits_match(*gemma3_folder, ReferenceBackend())
+    assert_logits_match(*gemma3_folder, select_backend("cpu"))
+
+
+def test_gemma3_config_and_weights(gemma3_folder):
+    folder, _ = gemma3_folder
+    loaded = load_model(str(folder), dtype="float32", device="cpu")
+    c = loaded.config
+    assert isinstance(loaded.model, Gemma3Model) and c.architecture == "gemma3" and c.tie_word_embeddings
+    assert [layer.self_attn.window for layer in loaded.model.layers] == [8, 8, None, 8]
+    assert c.rope_scaling == {"rope_type": "linear", "factor": 4.0} and c.extra["rope_local_base_freq"] == 10000.0
+    assert c.num_parameters() == sum(p.numel() for p in loaded.model.parameters())
+
+
+def test_gemma3_softcapped_logits_and_window_pattern(tmp_path):
+    """``sliding_window_pattern`` (older configs) places the global layers; final soft-capping bounds the logits."""
+    hf = save(tmp_path, transformers.Gemma3ForCausalLM, gemma3_config(final_logit_softcapping=0.5, layer_types=None,
+                                                                     sliding_window_pattern=2, rope_scaling=None))
+    raw = json.loads((tmp_path / "config.json").read_text())
+    raw.pop("layer_types")
+    raw["sliding_window_pattern"] = 2
+    (tmp_path / "config.json").write_text(json.dumps(raw))
+    c = load_model_config(str(tmp_path))
+    assert c.extra["layer_types"] == ["sliding_attention", "full_attention"] * 2 and c.rope_scaling is None
+    assert engine_greedy(tmp_path, PROMPTS[:2]) == hf_greedy(hf, PROMPTS[:2])
+    assert_logits_match(tmp_path, hf, select_backend("cpu"))  # capped at +-0.5: greedy tokens alone cannot tell
+
+
+def test_gemma3_multimodal_config_reads_the_text_decoder(gemma3_folder, tmp_path):
+    """A Gemma3ForConditionalGeneration folder: its text_config, defaults for what it leaves out, and the
+    language model's weights under their prefix (the vision tower's are skipped)."""
+    from safetensors.torch import load_file, save_file
+
+    folder, hf = gemma3_folder
+    text = {k: v for k, v in json.loads((folder / "config.json").read_text()).items() if k != "architectures"}
+    outer = {"architectures": ["Gemma3ForConditionalGeneration"], "model_type": "gemma3", "text_config": text,
+             "vision_config": {"hidden_size": 8}, "eos_token_id": [2, 3]}
+    (tmp_path / "config.json").write_text(json.dumps(outer))
+    weights = {f"language_model.model.{k.removeprefix('model.')}": t
+               for k, t in load_file(folder / "model.safetensors").items()}
+    weights["vision_tower.vision_model.embeddings.patch_embedding.weight"] = torch.zeros(2, 2)
+    save_file(weights, tmp_path / "model.safetensors")
+    c = load_model_config(str(tmp_path))
+    assert c.architecture == "gemma3" and c.eos_token_id == [2, 3] and c.extra["layer_types"][2] == "full_attention"
+    assert engine_greedy(tmp_path, PROMPTS[:1]) == hf_greedy(hf, PROMPTS[:1])
+    sparse = ModelConfig.from_hf_config({"architectures": ["Gemma3ForConditionalGeneration"], "model_type": "gemma3",
+                                         "text_config": {"hidden_size": 2560, "intermediate_size": 10240,
+                                                         "num_hidden_layers": 34, "sliding_window": 1024,
+                                                         "rope_scaling": {"factor": 8.0, "rope_type": "linear"}}})
+    assert (sparse.num_heads, sparse.num_kv_heads, sparse.head_dim, sparse.vocab_size) == (8, 4, 256, 262_208)
+    types = sparse.extra["layer_types"]
+    assert types[5] == "full_attention" and types.count("full_attention") == 5
+
+
+def test_gemma3_attention_softcapping_is_refused(tmp_path):
+    raw = {**gemma3_config().to_dict(), "architectures": ["Gemma3ForCausalLM"], "attn_logit_softcapping": 50.0}
+    with pytest.raises(ValueError, match="attn_logit_softcapping"):
+        ModelConfig.from_hf_config(raw)
+
+
+def test_unsupported_architecture_lists_what_is_supported(tmp_path):
+    (tmp_path / "config.json").write_text(json.dumps({"architectures": ["Gemma2ForCausalLM"], "model_type": "gemma2"}))
+    with pytest.raises(ValueError) as e:
+        load_model(str(tmp_path))
+    message = str(e.value)
+    assert "\n" not in message and "'Gemma2ForCausalLM'" in message
+    for arch in ("LlamaForCausalLM", "Phi3ForCausalLM", "Gemma3ForCausalLM", "Qwen3ForCausalLM"):
+        assert arch in message
+
+
+def test_hub_configs_of_gemma3_1b_and_phi3_mini_give_their_parameter_counts():
+    gemma = ModelConfig.from_hf_config({
+        "architectures": ["Gemma3ForCausalLM"], "model_type": "gemma3_text", "hidden_size": 1152,
+        "intermediate_size": 6912, "num_hidden_layers": 26, "num_attention_heads": 4, "num_key_value_heads": 1,
+        "head_dim": 256, "vocab_size": 262144, "sliding_window": 512, "sliding_window_pattern": 6, "rope_scaling": None,
+        "rope_local_base_freq": 10000, "rope_theta": 1000000, "max_position_embeddings": 32768,
+        "final_logit_softcapping": None, "attn_logit_softcapping": None, "query_pre_attn_scalar": 256})
+    assert gemma.num_parameters() == 999_885_952 and gemma.extra["layer_types"].count("full_attention") == 4
+    phi = ModelConfig.from_hf_config({
+        "architectures": ["Phi3ForCausalLM"], "model_type": "phi3", "hidden_size": 3072, "intermediate_size": 8192,
+        "num_hidden_layers": 32, "num_attention_heads": 32, "num_key_value_heads": 32, "vocab_size": 32064,
+        "max_position_embeddings": 131072, "original_max_position_embeddings": 4096, "sliding_window": 262144,
+        "rope_scaling": {"type": "longrope", "short_factor": [1.0] * 48, "long_factor": [2.0] * 48}})
+    assert phi.num_parameters() == 3_821_079_552 and phi.rope_scaling["original_max_position_embeddings"] == 4096
