@@ -186,6 +186,9 @@ class ServerConfig:
     # well above one step: a full prefill chunk on a busy CPU takes seconds, not a minute
     engine_stall_timeout: float = _opt(60.0, "/health answers 503 when an engine core has requests and has sent "
                                              "nothing back for this many seconds")
+    max_engine_restarts: int = _opt(3, "times an engine core that dies is started again within 10 minutes (its "
+                                       "requests fail; the other replicas carry on); once more and the server "
+                                       "exits 1 for its supervisor; 0: exit at the first death")
     max_dashboard_viewers: int = _opt(16, "dashboard feeds open at once; more are refused with 429")
     grammar_workers: int = _opt(2, "threads that check structured-output grammars before requests are admitted")
     grammar_timeout: float = _opt(10.0, "seconds a structured-output grammar may take to compile; slower ones are "
@@ -201,6 +204,9 @@ class ServerConfig:
             raise ValueError(f"port must be in [0, 65535], got {self.port!r}")
         if self.shutdown_timeout < 0:
             raise ValueError(f"shutdown_timeout must be >= 0, got {self.shutdown_timeout!r}")
+        if isinstance(self.max_engine_restarts, bool) or not isinstance(self.max_engine_restarts, int) \
+                or self.max_engine_restarts < 0:
+            raise ValueError(f"max_engine_restarts must be an integer >= 0, got {self.max_engine_restarts!r}")
         for name in ("request_body_timeout", "engine_stall_timeout", "grammar_timeout"):
             if not getattr(self, name) > 0:
                 raise ValueError(f"{name} must be > 0, got {getattr(self, name)!r}")

@@ -16,7 +16,7 @@ from collections.abc import AsyncIterator, Iterable
 from typing import Any
 
 from iterserve.config import EngineConfig, ModelConfig
-from iterserve.engine.core_client import EngineCoreClient
+from iterserve.engine.core_client import DEFAULT_MAX_RESTARTS, EngineCoreClient
 from iterserve.engine.request_stream import RequestStream
 from iterserve.errors import EngineDeadError
 from iterserve.inputs import PromptType, parse_prompt
@@ -32,19 +32,22 @@ class AsyncLLM:
     replicas). Start it with ``await llm.start()`` or ``async with``; ``generate`` starts it when needed."""
 
     def __init__(self, config: EngineConfig, *, max_waiting: int = DEFAULT_MAX_WAITING, data_parallel_size: int = 1,
-                 log_level: str = "INFO", stall_timeout: float = 60.0) -> None:
+                 log_level: str = "INFO", stall_timeout: float = 60.0,
+                 max_restarts: int = DEFAULT_MAX_RESTARTS) -> None:
         self.config = config
         self.engine_core = EngineCoreClient(config, max_waiting=max_waiting, log_level=log_level,
-                                            data_parallel_size=data_parallel_size, stall_timeout=stall_timeout)
+                                            data_parallel_size=data_parallel_size, stall_timeout=stall_timeout,
+                                            max_restarts=max_restarts)
         self._started: asyncio.Future[None] | None = None
         self._streams: dict[str, RequestStream] = {}  # the requests generate() is running
 
     @classmethod
     def from_engine_args(cls, model: str | None = None, **options: Any) -> AsyncLLM:
         """Build from ``EngineConfig`` fields (vLLM's engine arguments: ``dtype``, ``max_num_seqs``, ...), plus
-        this class's own ``max_waiting``, ``data_parallel_size``, ``log_level`` and ``stall_timeout``."""
-        own = {k: options.pop(k) for k in ("max_waiting", "data_parallel_size", "log_level", "stall_timeout")
-               if k in options}
+        this class's own ``max_waiting``, ``data_parallel_size``, ``log_level``, ``stall_timeout`` and
+        ``max_restarts`` (of a core that dies, within ten minutes)."""
+        own = {k: options.pop(k) for k in ("max_waiting", "data_parallel_size", "log_level", "stall_timeout",
+                                           "max_restarts") if k in options}
         config = EngineConfig(**options) if model is None else EngineConfig(model=model, **options)
         return cls(config, **own)
 

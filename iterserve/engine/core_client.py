@@ -19,14 +19,10 @@ open stream it held gets :class:`EngineDeadError`, the client takes no new reque
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 import logging
-import multiprocessing
 import shutil
 import tempfile
 from collections.abc import Callable
-from dataclasses import dataclass
-from pathlib import Path
 from typing import Protocol
 
 import msgspec
@@ -36,11 +32,10 @@ import zmq.asyncio
 
 from iterserve.config import EngineConfig, ModelConfig
 from iterserve.engine.capacity import Capacity
-from iterserve.engine.core_proc import run_engine_core
+from iterserve.engine.core_process import CoreProcess, replica_configs
 from iterserve.engine.messages import (
     AbortRequests,
     EngineCoreEvent,
-    EngineCoreInput,
     EngineCoreOutputs,
     EngineCoreRequest,
     EngineFailed,
@@ -64,6 +59,9 @@ from iterserve.tokenizer import Tokenizer
 
 logger = logging.getLogger(__name__)
 
+DEFAULT_MAX_RESTARTS = 3  # a replica's core is restarted this many times ...
+RESTART_WINDOW_S = 600.0  # ... within this long; once more and the server gives up (exits 1)
+
 # -- the API process's side ------------------------------------------------------------------------
 
 
@@ -80,6 +78,8 @@ class EngineObserver(Protocol):
 
     def record_weights(self, engine: int, weights: list[LoadedWeights]) -> None: ...
 
+    def record_restart(self, engine: int) -> None: ...
+
 
 class StepObserver(Protocol):
     """Where the client reports each step's record, KV snapshots and finished requests (the dashboard)."""
@@ -89,76 +89,14 @@ class StepObserver(Protocol):
     def record_finished(self, output: RequestOutput) -> None: ...
 
 
-@dataclass
-class _Core:
-    """One engine core process as the API process sees it: its config, sockets, output task and latest stats."""
-
-    index: int
-    config: EngineConfig
-    label: str  # "" with one core, else "replica N: ", put before what the log and errors say about it
-    pid: int | None = None
-    stats: SchedulerStats | None = None
-    num_sent: int = 0
-    num_open: int = 0  # requests sent and not finished
-    heard: float = 0.0  # (loop time) its last message, or when it was given work while idle
-    dead: bool = False
-    proc: multiprocessing.process.BaseProcess | None = None
-    task: asyncio.Task[None] | None = None
-    input: zmq.Socket | None = None
-    output: zmq.asyncio.Socket | None = None
-
-    @property
-    def num_waiting(self) -> int:
-        """Requests the core has queued or will queue: its waiting count, plus the requests sent but not
-        yet seen by it that the free batch slots cannot take."""
-        s = self.stats
-        waiting, running, received = (s.num_waiting, s.num_running, s.num_requests_received) if s else (0, 0, 0)
-        free = 0 if waiting else max(0, self.config.max_num_seqs - running)
-        return waiting + max(0, self.num_sent - received - free)
-
-    def send(self, encoder: msgspec.msgpack.Encoder, msg: EngineCoreInput) -> None:
-        self.send_encoded(encoder.encode(msg))
-
-    def send_encoded(self, message: bytes) -> None:
-        if self.input is not None and not self.dead:
-            self.input.send(message, zmq.NOBLOCK)
-
-
-def replica_configs(config: EngineConfig, num_replicas: int) -> list[EngineConfig]:
-    """Each data-parallel replica's config: on CUDA its own device (replica i on cuda:i), its own step trace
-    file (``steps.jsonl`` -> ``steps.0.jsonl``, ``steps.1.jsonl``, ...) and KV-event endpoints."""
-    if num_replicas == 1:
-        return [config]
-    if config.tensor_parallel_size > 1:  # each replica's ranks would need their own devices and ports
-        raise ValueError("data_parallel_size > 1 with tensor_parallel_size > 1 is not supported yet; "
-                         "run one tensor-parallel server per replica behind a load balancer (docs/scaling.md)")
-    device = config.device
-    devices: list[str | None] = [device] * num_replicas
-    if device is not None and device.startswith("cuda:"):
-        raise ValueError(f"device {device!r} names one GPU for {num_replicas} replicas; give --device cuda, "
-                         "which places replica i on cuda:i")
-    if device == "cuda" or (device is None and torch.cuda.is_available()):
-        found = torch.cuda.device_count()
-        if found < num_replicas:
-            raise ValueError(f"data_parallel_size {num_replicas} needs one CUDA device per replica; found {found}")
-        devices = [f"cuda:{i}" for i in range(num_replicas)]
-    traces: list[str | None] = [None] * num_replicas
-    if config.step_trace:
-        path = Path(config.step_trace)
-        traces = [str(path.with_name(f"{path.stem}.{i}{path.suffix}")) for i in range(num_replicas)]
-    events = config.kv_events_config  # each replica publishes on its own port (the port + its index)
-    return [dataclasses.replace(config, device=d, step_trace=t,
-                                kv_events_config=events.for_rank(i) if events is not None else None)
-            for i, (d, t) in enumerate(zip(devices, traces))]
-
-
 class EngineCoreClient:
     """Owns the core processes (``data_parallel_size`` replicas, each with its own KV pool) and the
     output side; the :class:`Router` picks each request's replica. Every public method is called on
     the event loop."""
 
     def __init__(self, config: EngineConfig, *, max_waiting: int, observer: EngineObserver | None = None,
-                 log_level: str = "INFO", data_parallel_size: int = 1, stall_timeout: float = 60.0) -> None:
+                 log_level: str = "INFO", data_parallel_size: int = 1, stall_timeout: float = 60.0,
+                 max_restarts: int = DEFAULT_MAX_RESTARTS) -> None:
         if max_waiting < 1:
             raise ValueError(f"max_waiting must be >= 1, got {max_waiting}")
         if data_parallel_size < 1:
@@ -180,7 +118,9 @@ class EngineCoreClient:
         self.on_dead: Callable[[], None] | None = None
         self.error: EngineDeadError | None = None
         n = data_parallel_size
-        self._cores = [_Core(i, c, f"replica {i}: " if n > 1 else "")
+        self.max_restarts = max_restarts
+        self.num_restarts = 0
+        self._cores = [CoreProcess(i, c, f"replica {i}: " if n > 1 else "")
                        for i, c in enumerate(replica_configs(config, n))]
         # replicas that share the CPU share its cores too, rather than each running one thread per core
         on_cpu = not (self._cores[0].config.device or "cpu").startswith("cuda")
@@ -192,6 +132,8 @@ class EngineCoreClient:
         self._accepting = False
         self._stopping = False
         self._encoder = msgspec.msgpack.Encoder()
+        self._decoder = msgspec.msgpack.Decoder(EngineCoreEvent)
+        self._restarting: set[asyncio.Task[None]] = set()
         self._tmp = ""
         self._ctx: zmq.Context | None = None
         self._actx: zmq.asyncio.Context | None = None
@@ -205,55 +147,31 @@ class EngineCoreClient:
         self._ctx = zmq.Context()
         self._actx = zmq.asyncio.Context()
         for core in self._cores:  # all load at once; their handshakes are awaited in turn
-            self._spawn(core)
-        decoder = msgspec.msgpack.Decoder(EngineCoreEvent)
+            core.spawn(self._ctx, self._actx, self._tmp, self.log_level, self._threads)
         try:
             for core in self._cores:
-                await self._handshake(core, decoder)
+                self._ready(core, await core.handshake(self._decoder))
         except BaseException:
             await self.stop(timeout=1)
             raise
-        loop = asyncio.get_running_loop()
         for core in self._cores:
-            assert core.proc is not None
-            loop.add_reader(core.proc.sentinel, self._on_process_exit, core)
-            core.task = asyncio.create_task(self._output_loop(core, decoder))
+            self._watch(core)
         self._accepting = True
         self._idle.set()
 
-    def _spawn(self, core: _Core) -> None:
-        assert self._ctx is not None and self._actx is not None
-        in_addr, out_addr = f"ipc://{self._tmp}/in{core.index}", f"ipc://{self._tmp}/out{core.index}"
-        core.input = self._ctx.socket(zmq.PUSH)
-        core.input.setsockopt(zmq.SNDHWM, 0)  # never block the event loop on a send
-        core.input.bind(in_addr)
-        core.output = self._actx.socket(zmq.PULL)
-        core.output.setsockopt(zmq.RCVHWM, 0)
-        core.output.bind(out_addr)
-        spawn = multiprocessing.get_context("spawn")
-        core.proc = spawn.Process(target=run_engine_core,
-                                  args=(core.config, in_addr, out_addr, self.log_level, self._threads),
-                                  name=f"iterserve-engine-core-{core.index}", daemon=True)
-        core.proc.start()
-
-    async def _handshake(self, core: _Core, decoder: msgspec.msgpack.Decoder) -> None:
-        assert core.proc is not None and core.output is not None
-        while not await core.output.poll(100):
-            if not core.proc.is_alive():
-                raise RuntimeError(f"{core.label}the engine core process exited with code {core.proc.exitcode} "
-                                   "while starting")
-        msg = decoder.decode(await core.output.recv())
-        if isinstance(msg, EngineFailed):
-            await asyncio.to_thread(core.proc.join, 10)
-            raise RuntimeError(f"{core.label}the engine core could not start: {msg.message}")
-        assert isinstance(msg, EngineReady)
-        core.pid = msg.pid
+    def _ready(self, core: CoreProcess, msg: EngineReady) -> None:
         if core.index == 0:
             self.weights = msg.weights
         if self.observer is not None:
             self.observer.record_weights(core.index, msg.weights)
         logger.info("engine core process %d ready%s", msg.pid,
                     f" (replica {core.index} of {len(self._cores)})" if core.label else "")
+
+    def _watch(self, core: CoreProcess) -> None:
+        """Hear of the core's exit, and read its outputs."""
+        assert core.proc is not None
+        asyncio.get_running_loop().add_reader(core.proc.sentinel, self._on_process_exit, core)
+        core.task = asyncio.create_task(self._output_loop(core))
 
     async def drain(self, timeout: float) -> None:
         """Refuse new requests, give running ones ``timeout`` seconds, then end the rest with an error."""
@@ -268,6 +186,8 @@ class EngineCoreClient:
         """Shut the core processes down (killing those that do not stop in time) and end open streams."""
         self._accepting = False
         self._stopping = True
+        for task in self._restarting:
+            task.cancel()
         loop = asyncio.get_running_loop()
         procs = [core.proc for core in self._cores if core.proc is not None]
         for core in self._cores:
@@ -285,9 +205,7 @@ class EngineCoreClient:
         for core in self._cores:
             if core.task is not None:
                 core.task.cancel()
-            for sock in (core.input, core.output):
-                if sock is not None:
-                    sock.close(linger=0)
+            core.close_sockets()
         for ctx in (self._ctx, self._actx):
             if ctx is not None:
                 ctx.term()
@@ -296,14 +214,18 @@ class EngineCoreClient:
 
     @property
     def is_running(self) -> bool:
-        """Taking requests, with every replica alive."""
-        return self._accepting and self.error is None and all(
-            core.proc is not None and core.proc.is_alive() for core in self._cores)
+        """Taking requests, with a replica alive to run them (others may be restarting)."""
+        return self._accepting and self.error is None and bool(self._live())
+
+    def _live(self) -> list[CoreProcess]:
+        return [core for core in self._cores if not core.dead and core.proc is not None and core.proc.is_alive()]
 
     def health_problem(self) -> str | None:
         """Why the engine cannot serve, or None: not taking requests, a dead replica, or a replica that
         holds requests and has sent nothing for ``stall_timeout`` seconds (stopped, or stuck in a step)."""
         if not self.is_running:
+            if self._accepting and self.error is None:
+                return "the engine core is restarting"
             return str(self.error) if self.error else "the engine is not running"
         now = asyncio.get_running_loop().time()
         for core in self._cores:
@@ -347,7 +269,7 @@ class EngineCoreClient:
         sent whatever the queue holds. Outputs come as ``kind`` says, else as deltas when ``stream`` and
         the final output alone when not."""
         if not self.is_running:
-            raise EngineDeadError(str(self.error) if self.error else "the engine is not running")
+            raise EngineDeadError(self.health_problem() or "the engine is not running")
         max_tokens = self.check_request(prompt, params)  # bad input first
         waiting = self.num_waiting
         if waiting >= self.max_waiting and not admitted:
@@ -358,7 +280,8 @@ class EngineCoreClient:
             message = self._encoder.encode(EngineCoreRequest(request_id, prompt, params, arrival_time))
         except (OverflowError, TypeError) as e:
             raise ValueError(f"the request cannot be sent to the engine: {e}") from e
-        core = self._cores[self.router.route(request_id, prompt, max_tokens * params.num_seqs)]
+        down = {core.index for core in self._cores if core.dead}
+        core = self._cores[self.router.route(request_id, prompt, max_tokens * params.num_seqs, exclude=down)]
         if self.observer is not None:
             self.observer.record_admitted(core.index, max_tokens)
         kind = kind or (RequestOutputKind.DELTA if stream else RequestOutputKind.FINAL_ONLY)
@@ -398,11 +321,11 @@ class EngineCoreClient:
 
     # -- outputs --------------------------------------------------------------------------------
 
-    async def _output_loop(self, core: _Core, decoder: msgspec.msgpack.Decoder) -> None:
+    async def _output_loop(self, core: CoreProcess) -> None:
         assert core.output is not None
         try:
             while True:
-                msg = decoder.decode(await core.output.recv())
+                msg = self._decoder.decode(await core.output.recv())
                 core.heard = asyncio.get_running_loop().time()
                 if isinstance(msg, EngineFailed):
                     self._die(core, f"the engine core failed: {msg.message}")
@@ -415,7 +338,7 @@ class EngineCoreClient:
             logger.exception("%sthe engine output loop failed", core.label)
             self._die(core, "the engine output loop failed")
 
-    def _handle(self, core: _Core, msg: EngineCoreOutputs) -> None:
+    def _handle(self, core: CoreProcess, msg: EngineCoreOutputs) -> None:
         core.stats = msg.stats
         processed = self._output_processor.process_outputs(msg.outputs)
         for out in processed.outputs:
@@ -447,18 +370,17 @@ class EngineCoreClient:
 
     # -- death ----------------------------------------------------------------------------------
 
-    def _on_process_exit(self, core: _Core) -> None:
+    def _on_process_exit(self, core: CoreProcess) -> None:
         assert core.proc is not None
         asyncio.get_running_loop().remove_reader(core.proc.sentinel)
         if not self._stopping:
             core.proc.join(1)
             self._die(core, f"the engine process exited unexpectedly (exit code {core.proc.exitcode})")
 
-    def _die(self, core: _Core, message: str) -> None:
-        """A core is gone: fail the requests it held, stop taking new ones, tell ``on_dead`` (once).
-
-        The other replicas' requests carry on until the server stops them.
-        """
+    def _die(self, core: CoreProcess, message: str) -> None:
+        """A core is gone: fail the requests it held, then start a new one in its place, or, when it has
+        restarted ``max_restarts`` times within ``RESTART_WINDOW_S``, stop taking requests and tell
+        ``on_dead`` (once). The other replicas' requests carry on meanwhile."""
         if core.dead:
             return
         core.dead = True
@@ -468,6 +390,47 @@ class EngineCoreClient:
         error = EngineDeadError(message)
         for request_id in failed:
             self._fail(request_id, error)
+        if self._stopping:
+            return
+        now = asyncio.get_running_loop().time()
+        core.restarts = [t for t in core.restarts if now - t < RESTART_WINDOW_S]
+        if len(core.restarts) < self.max_restarts:
+            core.restarts.append(now)
+            task = asyncio.ensure_future(self._restart(core))
+            self._restarting.add(task)
+            task.add_done_callback(self._restarting.discard)
+        else:
+            if self.max_restarts:
+                error = EngineDeadError(f"{message}; it restarted {len(core.restarts)} times in the last "
+                                        f"{RESTART_WINDOW_S:g} s, so the server gives up")
+            self._give_up(error)
+
+    async def _restart(self, core: CoreProcess) -> None:
+        """A new core process in place of a dead one, with its replica's prefix record forgotten."""
+        assert self._ctx is not None and self._actx is not None
+        if core.task is not None:
+            core.task.cancel()
+        if core.proc is not None:
+            asyncio.get_running_loop().remove_reader(core.proc.sentinel)
+            if core.proc.is_alive():  # a core whose outputs could not be read: it goes too
+                core.proc.kill()
+            await asyncio.to_thread(core.proc.join, 5)
+        self.router.forget(core.index)
+        logger.warning("%srestarting the engine core", core.label)
+        try:
+            core.spawn(self._ctx, self._actx, self._tmp, self.log_level, self._threads)
+            self._ready(core, await core.handshake(self._decoder))
+        except Exception as e:  # noqa: BLE001 - a core that cannot start again ends the server
+            self._give_up(EngineDeadError(f"{core.label}the engine core could not restart: {e}"))
+            return
+        core.dead = False
+        self._watch(core)
+        self.num_restarts += 1
+        if self.observer is not None:
+            self.observer.record_restart(core.index)
+
+    def _give_up(self, error: EngineDeadError) -> None:
+        logger.error("%s", error)
         if self.error is None:
             self.error = error
             self._accepting = False

@@ -18,6 +18,7 @@ miss only costs the prefill that any other replica would have paid too.
 from __future__ import annotations
 
 from collections import OrderedDict
+from collections.abc import Collection
 from dataclasses import dataclass, field
 
 from iterserve.engine.block_manager import chain_hash
@@ -75,19 +76,24 @@ class Router:
         self.replicas = [Replica(max_blocks) for _ in range(num_replicas)]
         self._inflight: dict[str, tuple[int, int]] = {}  # request id -> (replica, queued tokens)
 
-    def route(self, request_id: str, prompt: list[int], max_new_tokens: int) -> int:
-        """Pick the replica for a request and count it there until :meth:`finish`; returns its index."""
+    def route(self, request_id: str, prompt: list[int], max_new_tokens: int,
+              exclude: Collection[int] = ()) -> int:
+        """Pick the replica for a request, none of ``exclude`` (replicas restarting), and count it there until
+        :meth:`finish`; returns its index."""
         if request_id in self._inflight:
             raise ValueError(f"request id {request_id!r} is already routed")
+        candidates = [i for i in range(len(self.replicas)) if i not in exclude]
+        if not candidates:
+            raise ValueError("every replica is excluded")
         hashes: list[int] = []
-        if len(self.replicas) == 1:
-            index = 0
+        if len(candidates) == 1:
+            index = candidates[0]
         else:
             if self.prefix_caching:  # every full block is cached after the prefill ...
                 hashes = prompt_block_hashes(prompt, self.block_size, len(prompt) // self.block_size)
             usable = hashes[:(len(prompt) - 1) // self.block_size]  # ... but the last token is always computed
             saved = [rep.matched_blocks(usable) * self.block_size for rep in self.replicas]
-            index = min(range(len(self.replicas)), key=lambda i: (
+            index = min(candidates, key=lambda i: (
                 self.replicas[i].queued_tokens - saved[i], self.replicas[i].queued_tokens, i))
         replica = self.replicas[index]
         if hashes:
@@ -97,6 +103,10 @@ class Router:
         replica.num_routed += 1
         self._inflight[request_id] = (index, tokens)
         return index
+
+    def forget(self, index: int) -> None:
+        """Replica ``index`` lost its cache (its core restarted): nothing it was sent is cached there now."""
+        self.replicas[index].blocks.clear()
 
     def replica_of(self, request_id: str) -> int | None:
         entry = self._inflight.get(request_id)

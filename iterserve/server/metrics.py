@@ -109,6 +109,9 @@ class ServerMetrics:
             "vllm:request_success", "Finished requests by finish reason.", [*names, "finished_reason"],
             registry=self.registry,
         )
+        self._restarts = Counter("iterserve:engine_restarts", "Engine core processes started in place of one that "
+                                 "died.", names, registry=self.registry)
+        families.append(self._restarts)
         self.iteration_tokens = histogram("vllm:iteration_tokens_total", "Tokens computed per engine step.",
                                           ITERATION_TOKEN_BUCKETS)
         self.prompt_tokens = histogram("vllm:request_prompt_tokens", "Prompt tokens of each finished request.", counts)
@@ -204,6 +207,13 @@ class ServerMetrics:
             if start is not None and end is not None:
                 histogram.labels(**labels).observe(end - start)
         self.record_finish_reason(engine, output.outputs[0].finish_reason or "abort")
+
+    def record_restart(self, engine: int) -> None:
+        """A new core process for ``engine``: its counters start again from zero."""
+        self._restarts.labels(**self._labels[engine]).inc()
+        self._last[engine] = dict.fromkeys(self._counters, 0)
+        self._last_per_pos[engine] = [0] * self._num_positions
+        self._last_step[engine] = 0
 
     def record_finish_reason(self, engine: int, reason: str) -> None:
         self._request_success.labels(**self._labels[engine], finished_reason=reason).inc()

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from iterserve.config import EngineConfig
-from iterserve.engine.core_client import replica_configs
+from iterserve.engine.core_process import replica_configs
 
 
 def test_replicas_get_their_own_trace_and_share_a_cpu_device():

@@ -95,3 +95,14 @@ def test_the_record_is_bounded_least_recently_used_out_first():
     r.route("a", SHARED + [1], max_new_tokens=1)  # four blocks, three kept: the chain's head is gone
     assert len(r.replicas[0].blocks) == 3
     assert r.replicas[0].matched_blocks(prompt_block_hashes(SHARED, BS, 4)) == 0
+
+
+def test_restarting_replicas_are_skipped_and_a_restarted_one_starts_with_no_prefix():
+    r = Router(3, BS, max_blocks=64)
+    assert r.route("a", SHARED + [1], max_new_tokens=5) == 0
+    assert r.route("b", SHARED + [2], max_new_tokens=5, exclude={0}) in (1, 2)  # its prefix is on 0, which is down
+    assert r.route("c", [3] * 9, max_new_tokens=5, exclude={0, 1}) == 2
+    with pytest.raises(ValueError, match="every replica"):
+        r.route("d", [4], max_new_tokens=1, exclude={0, 1, 2})
+    r.forget(0)
+    assert r.replicas[0].matched_blocks(prompt_block_hashes(SHARED, BS, 4)) == 0
