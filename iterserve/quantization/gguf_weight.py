@@ -1,0 +1,156 @@
+"""GGUF tensors kept exactly as the file stores them: the K-quants (Q2_K..Q6_K, super-blocks of 256 inputs)
+and the 5-bit Q5_0/Q5_1, plus Q4_0/Q4_1/Q8_0 when they share a fused layer with one of those.
+
+A :class:`GGUFWeight` holds each part's raw bytes, row-major (``uint8 [rows, row bytes]``: a row is one output
+column's blocks, as in the file), so its memory is the file's bytes. The C++ kernel (``csrc/kquant_ops.cpp``)
+decodes 16 columns x 256 inputs at a time and multiplies them with the activations quantized to int8 per block
+of 32; its row lookup gives gguf-py's dequantized values to the bit. A fused layer whose parts have different
+types keeps one part per type run, all multiplied in one call.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import gguf
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+from iterserve import kernels
+
+# The types decoded from their stored blocks, with (inputs, bytes) per block.
+STORED_TYPES: dict[str, tuple[int, int]] = {
+    name: gguf.GGML_QUANT_SIZES[gguf.GGMLQuantizationType[name]]
+    for name in ("Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K")
+}
+
+
+def _type_id(type_name: str) -> int:
+    return int(gguf.GGMLQuantizationType[type_name].value)
+
+
+@dataclass
+class GGUFPart:
+    """Rows of one GGUF type: ``raw`` is ``uint8 [rows, k / block * bytes per block]``."""
+
+    raw: torch.Tensor
+    type_name: str
+
+    @property
+    def rows(self) -> int:
+        return int(self.raw.shape[0])
+
+
+@dataclass
+class GGUFWeight:
+    """A ``[n, k]`` weight as GGUF blocks, in parts of rows stacked in order (one part unless fused)."""
+
+    parts: list[GGUFPart]
+    k: int
+    type_ids: list[int] = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.type_ids = [_type_id(p.type_name) for p in self.parts]
+
+    @property
+    def n(self) -> int:
+        return sum(p.rows for p in self.parts)
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        return self.n, self.k
+
+    @property
+    def fmt(self) -> str:
+        return "+".join(sorted({p.type_name for p in self.parts}))
+
+    @property
+    def nbytes(self) -> int:
+        return sum(p.raw.numel() for p in self.parts)
+
+    def _only(self) -> GGUFPart:
+        if len(self.parts) != 1:
+            raise ValueError(f"a fused {self.fmt} weight is sliced through its parts, not as one")
+        return self.parts[0]
+
+    def rows(self, index: torch.Tensor | slice) -> GGUFWeight:
+        p = self._only()
+        return GGUFWeight([GGUFPart(p.raw[index], p.type_name)], self.k)
+
+    def columns(self, start: int, size: int) -> GGUFWeight:
+        """Inputs ``[start, start + size)``: whole blocks only, a shard's columns under tensor parallelism."""
+        p = self._only()
+        block, nbytes = STORED_TYPES[p.type_name]
+        if start % block or size % block:
+            raise ValueError(f"{p.type_name} weights split only at multiples of {block} inputs, not [{start}, "
+                             f"{start + size}) of {self.k}")
+        raw = p.raw[:, start // block * nbytes:(start + size) // block * nbytes]
+        return GGUFWeight([GGUFPart(raw, p.type_name)], size)
+
+    def padded_rows(self, n: int) -> GGUFWeight:
+        """``n`` rows, the ones past this weight's zero (all-zero bytes decode to zero weights)."""
+        p = self._only()
+        return GGUFWeight([GGUFPart(F.pad(p.raw, (0, 0, 0, n - p.rows)), p.type_name)], self.k)
+
+    @staticmethod
+    def cat(weights: list[GGUFWeight]) -> GGUFWeight:
+        """Rows of several weights stacked (q, k, v or gate, up): runs of one type join into one part."""
+        if len({w.k for w in weights}) != 1:
+            raise ValueError(f"cannot stack weights of {sorted({w.k for w in weights})} inputs")
+        parts: list[GGUFPart] = []
+        for p in (p for w in weights for p in w.parts):
+            if parts and parts[-1].type_name == p.type_name:
+                parts[-1] = GGUFPart(torch.cat([parts[-1].raw, p.raw]), p.type_name)
+            else:
+                parts.append(p)
+        return GGUFWeight(parts, weights[0].k)
+
+    def to(self, device: torch.device | str) -> GGUFWeight:
+        """On ``device``, each part one contiguous run (what the kernel reads)."""
+        return GGUFWeight([GGUFPart(p.raw.to(device).contiguous(), p.type_name) for p in self.parts], self.k)
+
+
+def from_stored(raw: np.ndarray, type_name: str, n: int, k: int) -> GGUFWeight:
+    """A GGUF tensor's data (``raw``: its bytes, ``n`` rows of ``k`` weights) kept as stored (copied: the
+    file's memory map is read-only)."""
+    if type_name not in STORED_TYPES:
+        raise ValueError(f"GGUF type {type_name} is not kept in blocks; kept types: {', '.join(STORED_TYPES)}")
+    block, nbytes = STORED_TYPES[type_name]
+    if k % block:
+        raise ValueError(f"a {type_name} row of {k} weights is not a whole number of blocks of {block}")
+    need = n * k // block * nbytes
+    data = np.asarray(raw).reshape(-1).view(np.uint8)
+    if data.size != need:
+        raise ValueError(f"a [{n}, {k}] {type_name} tensor takes {need} bytes, the file holds {data.size}")
+    return GGUFWeight([GGUFPart(torch.from_numpy(data.reshape(n, -1).copy()), type_name)], k)
+
+
+def dequantize(w: GGUFWeight, dtype: torch.dtype = torch.float32, rows: torch.Tensor | None = None) -> torch.Tensor:
+    """The float weight ``[n, k]``, or its ``rows`` (``[*rows.shape, k]``): gguf-py's values exactly."""
+    if rows is not None and len(w.parts) == 1:
+        p = w.parts[0]
+        if kernels.ops is not None and p.raw.is_cpu:
+            return torch.ops.iterserve_quant.krows.default(p.raw, w.type_ids[0], rows, w.k, dtype)
+        return _dequantize_part(p, w.k, rows.reshape(-1).to(p.raw.device)).to(dtype).view(*rows.shape, w.k)
+    full = torch.cat([_dequantize_part(p, w.k) for p in w.parts]).to(dtype)
+    return full if rows is None else full[rows.to(full.device)]
+
+
+def _dequantize_part(p: GGUFPart, k: int, rows: torch.Tensor | None = None) -> torch.Tensor:
+    raw = p.raw if rows is None else p.raw[rows]
+    qtype = gguf.GGMLQuantizationType[p.type_name]
+    values = gguf.quants.dequantize(raw.cpu().numpy(), qtype)
+    return torch.from_numpy(np.ascontiguousarray(values).reshape(-1, k)).to(p.raw.device)
+
+
+def linear(x: torch.Tensor, w: GGUFWeight, isa: int = 0) -> torch.Tensor:
+    """``x @ w.T`` for ``x [..., k]``: the C++ kernel on the CPU (``isa`` as in
+    :func:`iterserve.quantization.packed.linear`), else dequantize then matmul."""
+    if kernels.ops is None or not x.is_cpu:
+        return F.linear(x, dequantize(w, x.dtype))
+    raws = [p.raw for p in w.parts]
+    if x.dim() == 2 and x.stride(1) == 1:
+        return torch.ops.iterserve_quant.kgemm.default(x, raws, w.type_ids, isa)
+    rows = x.reshape(-1, x.shape[-1]).contiguous()
+    return torch.ops.iterserve_quant.kgemm.default(rows, raws, w.type_ids, isa).view(*x.shape[:-1], w.n)
