@@ -41,7 +41,8 @@ def write_mixed_gguf(path: Path, embedding: str = "Q6_K", head: str = "Q4_K") ->
     seed = iter(range(1000))
 
     def add(name: str, type_name: str, n: int, k: int, scale: float = 0.1) -> None:
-        w.add_tensor(name, random_blocks(type_name, n, k, next(seed), scale), raw_dtype=gguf.GGMLQuantizationType[type_name])
+        qtype = gguf.GGMLQuantizationType[type_name]
+        w.add_tensor(name, random_blocks(type_name, n, k, next(seed), scale), raw_dtype=qtype)
 
     add("token_embd.weight", embedding, VOCAB, HIDDEN, 1.0)
     add("output.weight", head, VOCAB, HIDDEN)
