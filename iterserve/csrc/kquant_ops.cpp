@@ -303,7 +303,136 @@ void rows_avx512_any(const Tile& t, const Activations& x, int64_t u, int64_t r0,
   constexpr int64_t most = sizeof(by_rows) / sizeof(by_rows[0]);
   for (int64_t r = 0; r < mr; r += most) by_rows[std::min(most, mr - r) - 1](t, x, u, r0 + r, acc + r * kCols);
 }
+
+// Decoding with lanes = columns: a dword gathered from each of the 16 rows is 4 inputs x 16 columns, one
+// chunk of the tile as it stands, so no transpose follows. `idx` holds each column's row offset, `mask`
+// the columns that exist (the others read as zero: zero scales).
+struct Gather {
+  __m512i idx;
+  __mmask16 mask;
+  __m512i at(const uint8_t* p) const { return _mm512_mask_i32gather_epi32(_mm512_setzero_si512(), mask, idx, p, 1); }
+};
+
+// The float16 in bits [shift, shift + 16) of each lane, as float.
+inline __m512 half_lanes(__m512i v, int shift) {
+  return _mm512_cvtph_ps(_mm512_cvtepi32_epi16(_mm512_srli_epi32(v, shift)));
+}
+
+inline __m512i byte_lanes(__m512i v, int byte) {
+  return _mm512_and_si512(_mm512_srli_epi32(v, 8 * byte), _mm512_set1_epi32(0xFF));
+}
+
+void store_codes(Tile& t, int64_t chunk, __m512i codes, __m512i bias) {
+  _mm512_store_si512(t.q + chunk * 64, _mm512_add_epi8(codes, bias));
+}
+
+void decode_q4_k_avx512(const Gather& g, const uint8_t* p, Tile& t) {
+  const __m512i head = g.at(p), s0 = g.at(p + 4), s1 = g.at(p + 8), s2 = g.at(p + 12);
+  const __m512 d = half_lanes(head, 0), dmin = half_lanes(head, 16);
+  const __m512i m6 = _mm512_set1_epi32(63), m4 = _mm512_set1_epi32(0x0F);
+  for (int j = 0; j < 8; ++j) {
+    __m512i sc, mn;
+    if (j < 4) {
+      sc = _mm512_and_si512(byte_lanes(s0, j), m6);
+      mn = _mm512_and_si512(byte_lanes(s1, j), m6);
+    } else {
+      const __m512i hi = byte_lanes(s2, j - 4);
+      sc = _mm512_or_si512(_mm512_and_si512(hi, m4), _mm512_slli_epi32(_mm512_srli_epi32(byte_lanes(s0, j - 4), 6), 4));
+      mn = _mm512_or_si512(_mm512_srli_epi32(hi, 4), _mm512_slli_epi32(_mm512_srli_epi32(byte_lanes(s1, j - 4), 6), 4));
+    }
+    const __m512 s = _mm512_mul_ps(d, _mm512_cvtepi32_ps(sc));
+    const __m512 o = _mm512_sub_ps(_mm512_setzero_ps(), _mm512_mul_ps(dmin, _mm512_cvtepi32_ps(mn)));
+    _mm512_store_ps(t.s[2 * j], s);
+    _mm512_store_ps(t.s[2 * j + 1], s);
+    _mm512_store_ps(t.o[2 * j], o);
+    _mm512_store_ps(t.o[2 * j + 1], o);
+  }
+  const __m512i nib = _mm512_set1_epi8(0x0F), bias = _mm512_set1_epi8(static_cast<char>(0x80));
+  for (int j = 0; j < 4; ++j) {
+    for (int i = 0; i < 8; ++i) {
+      const __m512i v = g.at(p + 16 + 32 * j + 4 * i);
+      store_codes(t, 16 * j + i, _mm512_and_si512(v, nib), bias);
+      store_codes(t, 16 * j + 8 + i, _mm512_and_si512(_mm512_srli_epi16(v, 4), nib), bias);
+    }
+  }
+}
+
+void decode_q6_k_avx512(const Gather& g, const uint8_t* p, Tile& t) {
+  const __m512 d = half_lanes(g.at(p + 206), 16);  // bytes 208..209: the last of the block
+  for (int i = 0; i < 4; ++i) {
+    const __m512i v = g.at(p + 192 + 4 * i);
+    for (int b = 0; b < 4; ++b) {
+      const __m512i sc = _mm512_srai_epi32(_mm512_slli_epi32(v, 24 - 8 * b), 24);
+      _mm512_store_ps(t.s[4 * i + b], _mm512_mul_ps(d, _mm512_cvtepi32_ps(sc)));
+      _mm512_store_ps(t.o[4 * i + b], _mm512_setzero_ps());
+    }
+  }
+  const __m512i nib = _mm512_set1_epi8(0x0F), two = _mm512_set1_epi8(3), bias = _mm512_set1_epi8(96);  // -32 + 128
+  for (int h = 0; h < 2; ++h) {
+    for (int l = 0; l < 16; ++l) {
+      const __m512i ql = g.at(p + 64 * h + 4 * l), qh = g.at(p + 128 + 32 * h + 4 * (l % 8));
+      const int shift = 2 * (l / 8);
+      const __m512i lo = _mm512_and_si512(ql, nib), hi = _mm512_and_si512(_mm512_srli_epi16(ql, 4), nib);
+      const __m512i h0 = _mm512_and_si512(_mm512_srli_epi16(qh, shift), two);
+      const __m512i h1 = _mm512_and_si512(_mm512_srli_epi16(qh, shift + 4), two);
+      store_codes(t, 32 * h + l, _mm512_or_si512(lo, _mm512_slli_epi16(h0, 4)), bias);
+      store_codes(t, 32 * h + 16 + l, _mm512_or_si512(hi, _mm512_slli_epi16(h1, 4)), bias);
+    }
+  }
+}
+
+// Bits 0..3 of each lane to bit 4 of its bytes 0..3 (Q5_0's fifth bit of 4 consecutive inputs).
+inline __m512i spread_bits(__m512i x) {
+  const __m512i one = _mm512_set1_epi32(1);
+  __m512i r = _mm512_slli_epi32(_mm512_and_si512(x, one), 4);
+  r = _mm512_or_si512(r, _mm512_slli_epi32(_mm512_and_si512(x, _mm512_set1_epi32(2)), 11));
+  r = _mm512_or_si512(r, _mm512_slli_epi32(_mm512_and_si512(x, _mm512_set1_epi32(4)), 18));
+  return _mm512_or_si512(r, _mm512_slli_epi32(_mm512_and_si512(x, _mm512_set1_epi32(8)), 25));
+}
+
+void decode_q5_0_avx512(const Gather& g, const uint8_t* p, int64_t blocks, Tile& t) {
+  const __m512i nib = _mm512_set1_epi8(0x0F), bias = _mm512_set1_epi8(112);  // -16 + 128
+  for (int64_t b = 0; b < blocks; ++b) {
+    const uint8_t* q = p + b * 22;
+    const __m512 d = half_lanes(g.at(q), 0);
+    for (int h = 0; h < 2; ++h) {
+      _mm512_store_ps(t.s[2 * b + h], d);
+      _mm512_store_ps(t.o[2 * b + h], _mm512_setzero_ps());
+    }
+    const __m512i qh = g.at(q + 2);
+    for (int i = 0; i < 4; ++i) {
+      const __m512i v = g.at(q + 6 + 4 * i);
+      const __m512i lo = _mm512_and_si512(v, nib), hi = _mm512_and_si512(_mm512_srli_epi16(v, 4), nib);
+      store_codes(t, 8 * b + i, _mm512_or_si512(lo, spread_bits(_mm512_srli_epi32(qh, 4 * i))), bias);
+      store_codes(t, 8 * b + 4 + i, _mm512_or_si512(hi, spread_bits(_mm512_srli_epi32(qh, 16 + 4 * i))), bias);
+    }
+  }
+}
+
+// The tile with the gather decoders where the type has one; false leaves it to decode_tile.
+bool decode_tile_avx512(int64_t type, const uint8_t* rows, int64_t row_bytes, int64_t cols, int64_t u, int64_t k,
+                        Tile& t) {
+  if (type != kQ4_K && type != kQ6_K && type != kQ5_0) return false;
+  const Gather g{_mm512_mullo_epi32(_mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0),
+                                    _mm512_set1_epi32(static_cast<int32_t>(row_bytes))),
+                 static_cast<__mmask16>((1u << cols) - 1)};
+  t.len = std::min(kUnit, k - u * kUnit);
+  if (type == kQ4_K) decode_q4_k_avx512(g, rows + u * 144, t);
+  else if (type == kQ6_K) decode_q6_k_avx512(g, rows + u * 210, t);
+  else decode_q5_0_avx512(g, rows + u * 8 * 22, t.len / 32, t);
+  return true;
+}
 #endif
+
+// The SIMD decoders built here for this type (AVX-512: Q4_K, Q6_K, Q5_0); false when there is none.
+bool decode_tile_fast(int64_t type, const uint8_t* rows, int64_t row_bytes, int64_t cols, int64_t u, int64_t k,
+                      Tile& t) {
+#if defined(__AVX512VNNI__) && defined(__AVX512BW__)
+  return decode_tile_avx512(type, rows, row_bytes, cols, u, k, t);
+#else
+  return false;
+#endif
+}
 
 void tile_rows(int64_t isa, const Tile& t, const Activations& x, int64_t u, int64_t m, float* acc) {
 #if defined(__AVX512VNNI__) && defined(__AVX512BW__)
@@ -378,7 +507,8 @@ at::Tensor kgemm(const at::Tensor& x, at::TensorList ws, at::IntArrayRef types, 
         const uint8_t* rows = w.data_ptr<uint8_t>() + col * w.size(1);
         std::fill(acc.begin(), acc.end(), 0.f);
         for (int64_t u = 0; u < units; ++u) {
-          decode_tile(types[part], rows, w.size(1), cols, u, k, tile);
+          if (!(isa == kAvx512Vnni && decode_tile_fast(types[part], rows, w.size(1), cols, u, k, tile)))
+            decode_tile(types[part], rows, w.size(1), cols, u, k, tile);
           tile_rows(isa, tile, act, u, m, acc.data());
         }
         for (int64_t r = 0; r < m; ++r)
