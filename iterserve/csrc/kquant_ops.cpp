@@ -89,7 +89,9 @@ void decode_q8_0(const uint8_t* p, int8_t* q, float* s, float* o) {
 void decode_q2_k(const uint8_t* p, int8_t* q, float* s, float* o) {
   const uint8_t *sc = p, *qs = p + 16;
   const float d = half_to_float(p + 80), dmin = half_to_float(p + 82);
-  for (int e = 0; e < 256; ++e) q[e] = static_cast<int8_t>((qs[32 * (e / 128) + e % 32] >> (2 * ((e % 128) / 32))) & 3);
+  for (int h = 0; h < 2; ++h)
+    for (int t = 0; t < 4; ++t)
+      for (int l = 0; l < 32; ++l) q[128 * h + 32 * t + l] = static_cast<int8_t>((qs[32 * h + l] >> (2 * t)) & 3);
   for (int g = 0; g < 16; ++g) {
     s[g] = d * static_cast<float>(sc[g] & 0x0F);
     o[g] = -(dmin * static_cast<float>(sc[g] >> 4));
@@ -99,10 +101,12 @@ void decode_q2_k(const uint8_t* p, int8_t* q, float* s, float* o) {
 void decode_q3_k(const uint8_t* p, int8_t* q, float* s, float* o) {
   const uint8_t *hmask = p, *qs = p + 32, *sc = p + 96;
   const float d = half_to_float(p + 108);
-  for (int e = 0; e < 256; ++e) {
-    const int low = (qs[32 * (e / 128) + e % 32] >> (2 * ((e % 128) / 32))) & 3;
-    q[e] = static_cast<int8_t>(low - (((hmask[e % 32] >> (e / 32)) & 1) ? 0 : 4));
-  }
+  for (int h = 0; h < 2; ++h)
+    for (int t = 0; t < 4; ++t)
+      for (int l = 0; l < 32; ++l) {
+        const int low = (qs[32 * h + l] >> (2 * t)) & 3, high = (hmask[l] >> (4 * h + t)) & 1;
+        q[128 * h + 32 * t + l] = static_cast<int8_t>(low - 4 + 4 * high);
+      }
   for (int g = 0; g < 16; ++g) {
     const int low = g < 8 ? sc[g] & 0x0F : sc[g - 8] >> 4, high = (sc[8 + g % 4] >> (2 * (g / 4))) & 3;
     s[g] = d * static_cast<float>((low | high << 4) - 32);
@@ -125,27 +129,36 @@ void scales_k4(const uint8_t* p, float* s, float* o) {
 void decode_q4_k(const uint8_t* p, int8_t* q, float* s, float* o) {
   scales_k4(p, s, o);
   const uint8_t* qs = p + 16;
-  for (int e = 0; e < 256; ++e) q[e] = static_cast<int8_t>((qs[32 * (e / 64) + e % 32] >> (4 * ((e % 64) / 32))) & 0x0F);
+  for (int j = 0; j < 4; ++j)
+    for (int l = 0; l < 32; ++l) {
+      q[64 * j + l] = static_cast<int8_t>(qs[32 * j + l] & 0x0F);
+      q[64 * j + 32 + l] = static_cast<int8_t>(qs[32 * j + l] >> 4);
+    }
 }
 
 void decode_q5_k(const uint8_t* p, int8_t* q, float* s, float* o) {
   scales_k4(p, s, o);
   const uint8_t *qh = p + 16, *qs = p + 48;
-  for (int e = 0; e < 256; ++e) {
-    const int low = (qs[32 * (e / 64) + e % 32] >> (4 * ((e % 64) / 32))) & 0x0F;
-    q[e] = static_cast<int8_t>(low | ((qh[e % 32] >> (e / 32)) & 1) << 4);
-  }
+  for (int j = 0; j < 4; ++j)
+    for (int l = 0; l < 32; ++l) {
+      q[64 * j + l] = static_cast<int8_t>((qs[32 * j + l] & 0x0F) | ((qh[l] >> (2 * j)) & 1) << 4);
+      q[64 * j + 32 + l] = static_cast<int8_t>((qs[32 * j + l] >> 4) | ((qh[l] >> (2 * j + 1)) & 1) << 4);
+    }
 }
 
 void decode_q6_k(const uint8_t* p, int8_t* q, float* s, float* o) {
   const uint8_t *ql = p, *qh = p + 128;
   const int8_t* sc = reinterpret_cast<const int8_t*>(p + 192);
   const float d = half_to_float(p + 208);
-  for (int e = 0; e < 256; ++e) {
-    const int h = e / 128, r = e % 128;
-    const int low = (ql[64 * h + r % 64] >> (4 * (r / 64))) & 0x0F, high = (qh[32 * h + r % 32] >> (2 * (r / 32))) & 3;
-    q[e] = static_cast<int8_t>((low | high << 4) - 32);
-  }
+  for (int h = 0; h < 2; ++h)
+    for (int l = 0; l < 32; ++l) {
+      const int a = ql[64 * h + l], b = ql[64 * h + 32 + l], hb = qh[32 * h + l];
+      int8_t* out = q + 128 * h + l;
+      out[0] = static_cast<int8_t>(((a & 0x0F) | (hb & 3) << 4) - 32);
+      out[32] = static_cast<int8_t>(((b & 0x0F) | ((hb >> 2) & 3) << 4) - 32);
+      out[64] = static_cast<int8_t>(((a >> 4) | ((hb >> 4) & 3) << 4) - 32);
+      out[96] = static_cast<int8_t>(((b >> 4) | ((hb >> 6) & 3) << 4) - 32);
+    }
   for (int g = 0; g < 16; ++g) {
     s[g] = d * static_cast<float>(sc[g]);
     o[g] = 0.f;
