@@ -11,6 +11,10 @@
 // activations, quantized to int8 per block of 32 (quant_rows.h):
 //   sum_i w_i x_i ~= a_d * (s * sum_i q_i a_i + o * sum_i a_i)      per group of 16
 // so each super-block is decoded once per call, whatever the number of rows.
+//
+// Q4_K and Q6_K weights of linear layers are re-laid out at load ("tiled", gguf_weight.py): per tile of 16
+// rows and block, dword i of the 16 rows' blocks side by side (64 bytes), the block padded to whole dwords. The
+// AVX-512 decoders then read with plain loads what they otherwise gather from 16 rows.
 
 #include "ops.h"
 #include "parallel.h"
@@ -50,6 +54,9 @@ Layout layout(int64_t type) {
     default: return {0, 0};
   }
 }
+
+// Bytes of a block in a tiled weight: whole dwords.
+inline int64_t padded_bytes(int64_t type) { return (layout(type).bytes + 3) / 4 * 4; }
 
 // -- one block to codes, scales and offsets (scalar; the formulas and bit layouts of ggml's block_*) --------
 
@@ -204,13 +211,21 @@ struct Tile {
   int64_t len;
 };
 
-// Columns [0, cols) of the tile from their rows; the others multiply as zero.
-void decode_tile(int64_t type, const uint8_t* rows, int64_t row_bytes, int64_t cols, int64_t u, int64_t k, Tile& t) {
+// Columns [0, cols) of the tile from their rows (a tiled weight: from its tile's blocks, put back together);
+// the others multiply as zero.
+void decode_tile(int64_t type, bool tiled, const uint8_t* rows, int64_t row_bytes, int64_t cols, int64_t u, int64_t k,
+                 Tile& t) {
   alignas(64) int8_t q[kUnit];
   float s[kGroups], o[kGroups];
+  uint8_t block[kUnit];
   t.len = std::min(kUnit, k - u * kUnit);
   for (int64_t c = 0; c < kCols; ++c) {
-    if (c < cols) {
+    if (tiled) {
+      const int64_t dwords = padded_bytes(type) / 4;
+      for (int64_t i = 0; i < dwords; ++i)
+        std::memcpy(block + 4 * i, rows + ((u * dwords + i) * kCols + c) * 4, 4);
+      decode_unit(type, block, 0, kUnit, q, s, o);
+    } else if (c < cols) {
       decode_unit(type, rows + c * row_bytes, u, k, q, s, o);
     } else {
       std::memset(q, 0, sizeof(q));
@@ -323,7 +338,15 @@ void rows_avx512_any(const Tile& t, const Activations& x, int64_t u, int64_t r0,
 struct Gather {
   __m512i idx;
   __mmask16 mask;
+  static constexpr bool kTiled = false;
   __m512i at(const uint8_t* p) const { return _mm512_mask_i32gather_epi32(_mm512_setzero_si512(), mask, idx, p, 1); }
+};
+
+// A tiled block: the dword at byte offset p - base of the 16 rows is one 64-byte load.
+struct TileLoads {
+  const uint8_t* base;
+  static constexpr bool kTiled = true;
+  __m512i at(const uint8_t* p) const { return _mm512_loadu_si512(base + (p - base) * 16); }
 };
 
 // The float16 in bits [shift, shift + 16) of each lane, as float.
@@ -339,7 +362,8 @@ void store_codes(Tile& t, int64_t chunk, __m512i codes, __m512i bias) {
   _mm512_store_si512(t.q + chunk * 64, _mm512_add_epi8(codes, bias));
 }
 
-void decode_q4_k_avx512(const Gather& g, const uint8_t* p, Tile& t) {
+template <class Src>
+void decode_q4_k_avx512(const Src& g, const uint8_t* p, Tile& t) {
   const __m512i head = g.at(p), s0 = g.at(p + 4), s1 = g.at(p + 8), s2 = g.at(p + 12);
   const __m512 d = half_lanes(head, 0), dmin = half_lanes(head, 16);
   const __m512i m6 = _mm512_set1_epi32(63), m4 = _mm512_set1_epi32(0x0F);
@@ -370,8 +394,10 @@ void decode_q4_k_avx512(const Gather& g, const uint8_t* p, Tile& t) {
   }
 }
 
-void decode_q6_k_avx512(const Gather& g, const uint8_t* p, Tile& t) {
-  const __m512 d = half_lanes(g.at(p + 206), 16);  // bytes 208..209: the last of the block
+template <class Src>
+void decode_q6_k_avx512(const Src& g, const uint8_t* p, Tile& t) {
+  // bytes 208..209, the last of the block: a gather reads the dword that ends there, a tile has it padded
+  const __m512 d = Src::kTiled ? half_lanes(g.at(p + 208), 0) : half_lanes(g.at(p + 206), 16);
   for (int i = 0; i < 4; ++i) {
     const __m512i v = g.at(p + 192 + 4 * i);
     for (int b = 0; b < 4; ++b) {
@@ -422,10 +448,17 @@ void decode_q5_0_avx512(const Gather& g, const uint8_t* p, int64_t blocks, Tile&
   }
 }
 
-// The tile with the gather decoders where the type has one; false leaves it to decode_tile.
-bool decode_tile_avx512(int64_t type, const uint8_t* rows, int64_t row_bytes, int64_t cols, int64_t u, int64_t k,
-                        Tile& t) {
+// The tile with the gather decoders where the type has one; false leaves it to decode_tile. A tiled weight's
+// `rows` is its tile's run of blocks.
+bool decode_tile_avx512(int64_t type, bool tiled, const uint8_t* rows, int64_t row_bytes, int64_t cols, int64_t u,
+                        int64_t k, Tile& t) {
   if (type != kQ4_K && type != kQ6_K && type != kQ5_0) return false;
+  if (tiled) {
+    t.len = kUnit;
+    const uint8_t* base = rows + u * padded_bytes(type) * kCols;
+    type == kQ4_K ? decode_q4_k_avx512(TileLoads{base}, base, t) : decode_q6_k_avx512(TileLoads{base}, base, t);
+    return true;
+  }
   const Gather g{_mm512_mullo_epi32(_mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0),
                                     _mm512_set1_epi32(static_cast<int32_t>(row_bytes))),
                  static_cast<__mmask16>((1u << cols) - 1)};
@@ -438,10 +471,10 @@ bool decode_tile_avx512(int64_t type, const uint8_t* rows, int64_t row_bytes, in
 #endif
 
 // The SIMD decoders built here for this type (AVX-512: Q4_K, Q6_K, Q5_0); false when there is none.
-bool decode_tile_fast(int64_t type, const uint8_t* rows, int64_t row_bytes, int64_t cols, int64_t u, int64_t k,
-                      Tile& t) {
+bool decode_tile_fast(int64_t type, bool tiled, const uint8_t* rows, int64_t row_bytes, int64_t cols, int64_t u,
+                      int64_t k, Tile& t) {
 #if defined(__AVX512VNNI__) && defined(__AVX512BW__)
-  return decode_tile_avx512(type, rows, row_bytes, cols, u, k, t);
+  return decode_tile_avx512(type, tiled, rows, row_bytes, cols, u, k, t);
 #else
   return false;
 #endif
@@ -474,6 +507,14 @@ void check_weight(const at::Tensor& w, int64_t type, int64_t k) {
   const Layout l = layout(type);
   TORCH_CHECK(l.block > 0, "GGUF type id ", type, " is not one kgemm decodes");
   TORCH_CHECK(k % l.block == 0, "rows of ", k, " inputs are not whole blocks of ", l.block);
+  if (w.dim() == 3) {  // tiled
+    TORCH_CHECK(type == kQ4_K || type == kQ6_K, "only Q4_K and Q6_K weights are tiled");
+    TORCH_CHECK(w.scalar_type() == at::kByte && w.is_contiguous() && w.device().is_cpu() &&
+                    w.size(1) == k / l.block && w.size(2) == padded_bytes(type) * kCols,
+                "a tiled weight must be a contiguous uint8 [tiles, ", k / l.block, ", ", padded_bytes(type) * kCols,
+                "] CPU tensor");
+    return;
+  }
   TORCH_CHECK(w.dim() == 2 && w.scalar_type() == at::kByte && w.is_contiguous() && w.device().is_cpu(),
               "a GGUF weight must be a contiguous uint8 [n, row bytes] CPU tensor");
   TORCH_CHECK(w.size(1) == k / l.block * l.bytes, "rows of ", w.size(1), " bytes, ", k, " inputs of type id ",
@@ -484,16 +525,19 @@ void check_weight(const at::Tensor& w, int64_t type, int64_t k) {
 
 // x [M, K] (float32/bfloat16/float16) times the weights `ws` (GGUF types `types`, each [n_i, row bytes])
 // stacked by rows -> [M, sum n_i] in x's dtype.
-at::Tensor kgemm(const at::Tensor& x, at::TensorList ws, at::IntArrayRef types, int64_t isa) {
+at::Tensor kgemm(const at::Tensor& x, at::TensorList ws, at::IntArrayRef types, at::IntArrayRef ns, int64_t isa) {
   TORCH_CHECK(x.dim() == 2 && x.stride(1) == 1 && x.device().is_cpu(), "x must be a 2-D CPU tensor, rows contiguous");
-  TORCH_CHECK(ws.size() == types.size() && !ws.empty(), "one type per weight");
+  TORCH_CHECK(ws.size() == types.size() && ws.size() == ns.size() && !ws.empty(), "one type and row count per weight");
   const int64_t m = x.size(0), k = x.size(1);
   TORCH_CHECK(k % kBlock == 0, "x's rows of ", k, " inputs are not whole blocks of ", kBlock);
   std::vector<int64_t> first_tile{0}, first_col{0};
   for (size_t i = 0; i < ws.size(); ++i) {
     check_weight(ws[i], types[i], k);
-    first_tile.push_back(first_tile.back() + (ws[i].size(0) + kCols - 1) / kCols);
-    first_col.push_back(first_col.back() + ws[i].size(0));
+    const int64_t tiles = (ns[i] + kCols - 1) / kCols;
+    TORCH_CHECK(ws[i].dim() == 3 ? ws[i].size(0) == tiles : ws[i].size(0) == ns[i], "weight ", i, " does not hold ",
+                ns[i], " rows");
+    first_tile.push_back(first_tile.back() + tiles);
+    first_col.push_back(first_col.back() + ns[i]);
   }
   if (isa == kAuto) isa = best_isa();
   TORCH_CHECK(isa >= kScalar && isa <= best_isa(), "isa ", isa, " is not built for this machine (best: ", best_isa(),
@@ -516,12 +560,14 @@ at::Tensor kgemm(const at::Tensor& x, at::TensorList ws, at::IntArrayRef types, 
       for (int64_t t = begin; t < end; ++t) {
         const int64_t part = std::upper_bound(first_tile.begin(), first_tile.end(), t) - first_tile.begin() - 1;
         const at::Tensor& w = ws[part];
-        const int64_t col = (t - first_tile[part]) * kCols, cols = std::min(kCols, w.size(0) - col);
-        const uint8_t* rows = w.data_ptr<uint8_t>() + col * w.size(1);
+        const bool tiled = w.dim() == 3;
+        const int64_t col = (t - first_tile[part]) * kCols, cols = std::min(kCols, ns[part] - col);
+        const int64_t row_bytes = tiled ? 0 : w.size(1);
+        const uint8_t* rows = w.data_ptr<uint8_t>() + (tiled ? col / kCols * w.size(1) * w.size(2) : col * row_bytes);
         std::fill(acc.begin(), acc.end(), 0.f);
         for (int64_t u = 0; u < units; ++u) {
-          if (!(isa == kAvx512Vnni && decode_tile_fast(types[part], rows, w.size(1), cols, u, k, tile)))
-            decode_tile(types[part], rows, w.size(1), cols, u, k, tile);
+          if (!(isa == kAvx512Vnni && decode_tile_fast(types[part], tiled, rows, row_bytes, cols, u, k, tile)))
+            decode_tile(types[part], tiled, rows, row_bytes, cols, u, k, tile);
           tile_rows(isa, tile, act, u, m, acc.data());
         }
         for (int64_t r = 0; r < m; ++r)
@@ -538,6 +584,7 @@ namespace {
 // Rows `ids` of a GGUF weight [n, row bytes] of type `type` as `dtype` values, [*ids.shape, k]: gguf's
 // dequantized values exactly (an embedding lookup reads only those rows).
 at::Tensor krows(const at::Tensor& w, int64_t type, const at::Tensor& ids, int64_t k, at::ScalarType dtype) {
+  TORCH_CHECK(w.dim() == 2, "rows are looked up in a row-major weight, not a tiled one");
   check_weight(w, type, k);
   const int64_t n = w.size(0);
   const at::Tensor flat = ids.to(at::kLong).contiguous().view(-1);
@@ -570,7 +617,7 @@ at::Tensor krows(const at::Tensor& w, int64_t type, const at::Tensor& ids, int64
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(iterserve_quant, m) {
-  m.def("kgemm(Tensor x, Tensor[] w, int[] types, int isa=0) -> Tensor");
+  m.def("kgemm(Tensor x, Tensor[] w, int[] types, int[] n, int isa=0) -> Tensor");
   m.def("krows(Tensor w, int type, Tensor ids, int k, ScalarType dtype) -> Tensor");
 }
 

@@ -29,4 +29,4 @@ at::Tensor packed_linear(const at::Tensor& x, const at::Tensor& packed, int64_t 
 at::Tensor qgemm(const at::Tensor& x, const at::Tensor& w, int64_t n, int64_t bits, int64_t isa);
 
 // kquant_ops.cpp
-at::Tensor kgemm(const at::Tensor& x, at::TensorList ws, at::IntArrayRef types, int64_t isa);
+at::Tensor kgemm(const at::Tensor& x, at::TensorList ws, at::IntArrayRef types, at::IntArrayRef ns, int64_t isa);

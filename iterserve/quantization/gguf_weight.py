@@ -6,6 +6,10 @@ column's blocks, as in the file), so its memory is the file's bytes. The C++ ker
 decodes 16 columns x 256 inputs at a time and multiplies them with the activations quantized to int8 per block
 of 32; its row lookup gives gguf-py's dequantized values to the bit. A fused layer whose parts have different
 types keeps one part per type run, all multiplied in one call.
+
+The Q4_K and Q6_K parts of linear layers are then "tiled" (:meth:`GGUFWeight.tiled`): per 16 rows and block, the
+rows' dwords side by side, each block padded to whole dwords (Q6_K: 212 bytes, not 210), so the AVX-512 decoder
+loads what it would otherwise gather from 16 rows. The embedding keeps the rows, which its lookup reads.
 """
 
 from __future__ import annotations
@@ -30,16 +34,42 @@ def _type_id(type_name: str) -> int:
     return int(gguf.GGMLQuantizationType[type_name].value)
 
 
+TILE = 16
+TILED_TYPES = ("Q4_K", "Q6_K")  # the types with a decoder that reads tiles
+
+
 @dataclass
 class GGUFPart:
-    """Rows of one GGUF type: ``raw`` is ``uint8 [rows, k / block * bytes per block]``."""
+    """Rows of one GGUF type: ``raw`` is ``uint8 [rows, k / block * bytes per block]``, or when ``tiled_rows``
+    is set, that many rows tiled: ``uint8 [tiles, blocks, 16 * padded bytes per block]``."""
 
     raw: torch.Tensor
     type_name: str
+    tiled_rows: int | None = None
 
     @property
     def rows(self) -> int:
-        return int(self.raw.shape[0])
+        return int(self.raw.shape[0]) if self.tiled_rows is None else self.tiled_rows
+
+    def tiled(self) -> GGUFPart:
+        if self.tiled_rows is not None or self.type_name not in TILED_TYPES:
+            return self
+        n, nbytes = self.rows, STORED_TYPES[self.type_name][1]
+        padded, tiles = -(-nbytes // 4) * 4, -(-n // TILE)
+        blocks = self.raw.view(n, -1, nbytes)
+        blocks = F.pad(blocks, (0, padded - nbytes, 0, 0, 0, tiles * TILE - n))
+        # [tile, row, block, dword, 4] -> [tile, block, dword, row, 4]
+        tiled = blocks.view(tiles, TILE, -1, padded // 4, 4).permute(0, 2, 3, 1, 4)
+        return GGUFPart(tiled.reshape(tiles, -1, padded * TILE).contiguous(), self.type_name, n)
+
+    def untiled(self) -> GGUFPart:
+        if self.tiled_rows is None:
+            return self
+        tiles, blocks, width = self.raw.shape
+        padded, nbytes = width // TILE, STORED_TYPES[self.type_name][1]
+        rows = self.raw.view(tiles, blocks, padded // 4, TILE, 4).permute(0, 3, 1, 2, 4)
+        rows = rows.reshape(tiles * TILE, blocks, -1)
+        return GGUFPart(rows[:self.rows, :, :nbytes].reshape(self.rows, -1).contiguous(), self.type_name)
 
 
 @dataclass
@@ -106,9 +136,14 @@ class GGUFWeight:
                 parts.append(p)
         return GGUFWeight(parts, weights[0].k)
 
+    def tiled(self) -> GGUFWeight:
+        """The Q4_K and Q6_K parts tiled for the matmul (a linear layer's weight, never looked up by rows)."""
+        return GGUFWeight([p.tiled() for p in self.parts], self.k)
+
     def to(self, device: torch.device | str) -> GGUFWeight:
         """On ``device``, each part one contiguous run (what the kernel reads)."""
-        return GGUFWeight([GGUFPart(p.raw.to(device).contiguous(), p.type_name) for p in self.parts], self.k)
+        return GGUFWeight([GGUFPart(p.raw.to(device).contiguous(), p.type_name, p.tiled_rows) for p in self.parts],
+                      self.k)
 
 
 def from_stored(raw: np.ndarray, type_name: str, n: int, k: int) -> GGUFWeight:
@@ -129,7 +164,7 @@ def from_stored(raw: np.ndarray, type_name: str, n: int, k: int) -> GGUFWeight:
 def dequantize(w: GGUFWeight, dtype: torch.dtype = torch.float32, rows: torch.Tensor | None = None) -> torch.Tensor:
     """The float weight ``[n, k]``, or its ``rows`` (``[*rows.shape, k]``): gguf-py's values exactly."""
     if rows is not None and len(w.parts) == 1:
-        p = w.parts[0]
+        p = w.parts[0].untiled()
         if kernels.ops is not None and p.raw.is_cpu:
             return torch.ops.iterserve_quant.krows.default(p.raw, w.type_ids[0], rows, w.k, dtype)
         return _dequantize_part(p, w.k, rows.reshape(-1).to(p.raw.device)).to(dtype).view(*rows.shape, w.k)
@@ -138,6 +173,7 @@ def dequantize(w: GGUFWeight, dtype: torch.dtype = torch.float32, rows: torch.Te
 
 
 def _dequantize_part(p: GGUFPart, k: int, rows: torch.Tensor | None = None) -> torch.Tensor:
+    p = p.untiled()
     raw = p.raw if rows is None else p.raw[rows]
     qtype = gguf.GGMLQuantizationType[p.type_name]
     values = gguf.quants.dequantize(raw.cpu().numpy(), qtype)
@@ -149,8 +185,8 @@ def linear(x: torch.Tensor, w: GGUFWeight, isa: int = 0) -> torch.Tensor:
     :func:`iterserve.quantization.packed.linear`), else dequantize then matmul."""
     if kernels.ops is None or not x.is_cpu:
         return F.linear(x, dequantize(w, x.dtype))
-    raws = [p.raw for p in w.parts]
+    raws, ns = [p.raw for p in w.parts], [p.rows for p in w.parts]
     if x.dim() == 2 and x.stride(1) == 1:
-        return torch.ops.iterserve_quant.kgemm.default(x, raws, w.type_ids, isa)
+        return torch.ops.iterserve_quant.kgemm.default(x, raws, w.type_ids, ns, isa)
     rows = x.reshape(-1, x.shape[-1]).contiguous()
-    return torch.ops.iterserve_quant.kgemm.default(rows, raws, w.type_ids, isa).view(*x.shape[:-1], w.n)
+    return torch.ops.iterserve_quant.kgemm.default(rows, raws, w.type_ids, ns, isa).view(*x.shape[:-1], w.n)

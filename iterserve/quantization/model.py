@@ -165,7 +165,8 @@ def _pack_blocks(layer: Layer) -> QuantizedWeight | None:
     if stored:
         if len(stored) != len(parts):
             raise ValueError("a fused layer's parts load either all as stored GGUF blocks or none")
-        layer.qweight = GGUFWeight.cat(typing.cast(list[GGUFWeight], stored)).to(layer.weight.device)
+        w = GGUFWeight.cat(typing.cast(list[GGUFWeight], stored))
+        layer.qweight = (w.tiled() if isinstance(layer, LinearBase) else w).to(layer.weight.device)
         return layer.qweight
     blocks = [typing.cast(BlockWeight, parts[i]) for i in sorted(parts)]
     if len({b.bits for b in blocks}) > 1:  # a 4-bit block is an 8-bit one with small quants

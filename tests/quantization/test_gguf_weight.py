@@ -49,12 +49,15 @@ def scaled_reference(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
 @pytest.mark.parametrize("isa", BUILT_ISAS, ids=lambda i: ISAS[i])
 @pytest.mark.parametrize("fmt", STORED)
 @pytest.mark.parametrize("m", [1, 3, 17, 33])
-def test_kernel_equals_dequantize_then_matmul(isa, fmt, m, monkeypatch):
+@pytest.mark.parametrize("tiled", [False, True], ids=["rows", "tiled"])
+def test_kernel_equals_dequantize_then_matmul(isa, fmt, m, tiled, monkeypatch):
     """Integer activations quantize to int8 exactly: the kernel then matches the float product to rounding;
     40 columns are two tiles and a ragged third, 768 inputs three super-blocks (K) or 24 blocks."""
     monkeypatch.setattr(kernels, "ops", OPS)
     k = 768 if block_of(fmt) == 256 else 96
     w, ref = weight(fmt, 40, k, seed=m)
+    if tiled:
+        w = w.tiled()
     x = integer_activations(m, k, seed=3)
     expected = scaled_reference(x, ref)
     out = P.linear(x, w, isa)
@@ -73,9 +76,10 @@ def test_fused_parts_of_different_types_multiply_in_one_call(isa, monkeypatch):
     ref = torch.cat([r for _, r in parts])
     x = integer_activations(5, 256, seed=1)
     expected = scaled_reference(x, ref)
-    torch.testing.assert_close(P.linear(x, fused.to("cpu"), isa), expected, rtol=1e-5,
-                               atol=1e-5 * expected.abs().max().item())
-    assert torch.equal(P.dequantize(fused), ref)
+    for w in (fused, fused.tiled()):
+        torch.testing.assert_close(P.linear(x, w.to("cpu"), isa), expected, rtol=1e-5,
+                                   atol=1e-5 * expected.abs().max().item())
+        assert torch.equal(P.dequantize(w), ref)
 
 
 @needs_build
@@ -90,6 +94,20 @@ def test_kernel_on_float_activations_is_within_int8_rounding(isa, fmt, monkeypat
         out = P.linear(x.to(dtype), w, isa)
         assert out.shape == (2, 3, 48) and out.dtype == dtype
         assert ((out.float() - expected).norm() / expected.norm()).item() < 1e-2
+
+
+@pytest.mark.parametrize("fmt,padded", [("Q4_K", 144), ("Q6_K", 212)])
+def test_tiles_hold_the_rows_bytes(fmt, padded, monkeypatch):
+    """Tiling lays the bytes out again (blocks padded to whole dwords, rows to 16) and gives them back exactly."""
+    w, ref = weight(fmt, 37, 512)
+    t = w.tiled()
+    assert t.parts[0].raw.shape == (3, 2, 16 * padded) and t.parts[0].tiled_rows == 37 and t.n == 37
+    assert t.nbytes == 3 * 2 * 16 * padded
+    assert torch.equal(t.parts[0].untiled().raw, w.parts[0].raw)
+    monkeypatch.setattr(kernels, "ops", None)
+    assert torch.equal(G.dequantize(t), ref)
+    assert torch.equal(G.dequantize(t, rows=torch.tensor([36, 2])), ref[[36, 2]])
+    assert weight("Q5_0", 4, 64)[0].tiled().parts[0].tiled_rows is None  # no tiled decoder: rows stay
 
 
 def test_without_the_kernel_linear_dequantizes(monkeypatch):
@@ -127,9 +145,17 @@ def test_bad_data_is_refused_at_load():
 @needs_build
 def test_kernel_refuses_a_weight_that_does_not_fit():
     raw = torch.from_numpy(random_blocks("Q4_K", 4, 512))
+    kgemm = torch.ops.iterserve_quant.kgemm
     with pytest.raises(RuntimeError, match="rows of 288 bytes, 768 inputs of type id 12 take 432"):
-        torch.ops.iterserve_quant.kgemm(torch.zeros(1, 768), [raw], [12], 0)
+        kgemm(torch.zeros(1, 768), [raw], [12], [4], 0)
     with pytest.raises(RuntimeError, match="rows of 144 bytes, 256 inputs of type id 14 take 210"):
-        torch.ops.iterserve_quant.kgemm(torch.zeros(1, 256), [raw[:, :144].contiguous()], [14], 0)
+        kgemm(torch.zeros(1, 256), [raw[:, :144].contiguous()], [14], [4], 0)
     with pytest.raises(RuntimeError, match="type id 20 is not one kgemm decodes"):
-        torch.ops.iterserve_quant.kgemm(torch.zeros(1, 512), [raw], [20], 0)
+        kgemm(torch.zeros(1, 512), [raw], [20], [4], 0)
+    with pytest.raises(RuntimeError, match="weight 0 does not hold 5 rows"):
+        kgemm(torch.zeros(1, 512), [raw], [12], [5], 0)
+    tiled = G.GGUFPart(raw, "Q4_K").tiled().raw
+    with pytest.raises(RuntimeError, match="weight 0 does not hold 17 rows"):
+        kgemm(torch.zeros(1, 512), [tiled], [12], [17], 0)
+    with pytest.raises(RuntimeError, match="not a tiled one"):
+        torch.ops.iterserve_quant.krows(tiled, 12, torch.tensor([0]), 512, torch.float32)
