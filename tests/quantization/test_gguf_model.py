@@ -13,8 +13,10 @@ import torch
 
 from iterserve import kernels
 from iterserve.attention import AttentionMetadata
+from iterserve.distributed.parallel_state import ParallelState
 from iterserve.quantization.gguf_weight import GGUFWeight
 from iterserve.quantization.model import gguf_block_tensors, weight_formats
+from iterserve.quantization.packed import dequantize
 from tests.models.test_llama import CPU
 from tests.quantization.gguf_fixtures import random_blocks
 from tests.quantization.test_model import load
@@ -141,3 +143,18 @@ def test_a_truncated_file_is_a_clear_error(tmp_path):
     path.write_bytes(path.read_bytes()[:-5000])
     with pytest.raises(ValueError, match="cut.gguf': it is corrupt or truncated"):
         load(path, "gguf")
+
+
+def test_each_rank_keeps_its_shard_of_the_stored_blocks(mixed_gguf):
+    """Two ranks: q/k/v and gate/up split by rows, o and down by whole blocks of inputs, the LM head by rows."""
+    whole = load(mixed_gguf, "gguf")
+    shards = [load(mixed_gguf, "gguf", ParallelState(rank, 2)) for rank in range(2)]
+    for i in range(len(LAYER_TYPES)):
+        for name in ("self_attn.o_proj", "mlp.down_proj"):
+            parts = [dequantize(s.get_submodule(f"layers.{i}.{name}").qweight) for s in shards]
+            assert torch.equal(torch.cat(parts, dim=1), dequantize(whole.get_submodule(f"layers.{i}.{name}").qweight))
+        gate_up = [dequantize(s.layers[i].mlp.gate_up_proj.qweight) for s in shards]
+        w = dequantize(whole.layers[i].mlp.gate_up_proj.qweight)
+        assert torch.equal(torch.cat([g[:FFN // 2] for g in gate_up]), w[:FFN])
+    heads = [dequantize(s.lm_head.qweight) for s in shards]
+    assert torch.equal(torch.cat(heads)[:VOCAB], dequantize(whole.lm_head.qweight))
