@@ -4,6 +4,8 @@ Every supported format is one formula per output column and block of 32 inputs: 
 ``q`` unsigned (a nibble for Q4_0/Q4_1, the int8 value + 128 for Q8_0 and int8), ``d`` and ``c`` float16.
 GGUF's Q4_1 stores exactly ``d`` and ``c`` (its ``m``); Q4_0 is ``c = -8 d`` and the 8-bit formats
 ``c = -128 d``, all exact in float16. So one kernel (``csrc/quant_ops.cpp``) serves all of them.
+Other GGUF types (Q5_0, Q5_1, the K-quants) stay in the file's own blocks: :mod:`gguf_weight`, which
+:func:`linear` and :func:`dequantize` hand a :class:`GGUFWeight` to.
 
 Layout of :attr:`PackedWeight.data`, ``uint8 [tiles, blocks, bytes]``: output columns in tiles of 16; for
 each tile and block, the 16 columns' quants in 64-byte chunks of 16 columns x 4 consecutive inputs (4-bit:
