@@ -12,7 +12,7 @@
 //   sum_i w_i x_i ~= a_d * (s * sum_i q_i a_i + o * sum_i a_i)      per group of 16
 // so each super-block is decoded once per call, whatever the number of rows.
 //
-// Q4_K and Q6_K weights of linear layers are re-laid out at load ("tiled", gguf_weight.py): per tile of 16
+// Q4_K, Q6_K and Q5_0 weights of linear layers are re-laid out at load ("tiled", gguf_weight.py): per tile of 16
 // rows and block, dword i of the 16 rows' blocks side by side (64 bytes), the block padded to whole dwords. The
 // AVX-512 decoders then read with plain loads what they otherwise gather from 16 rows.
 
@@ -211,6 +211,23 @@ struct Tile {
   int64_t len;
 };
 
+// Column c's blocks of unit u (t.len inputs) from a tiled weight's tile, as the file stores them.
+void untile_unit(int64_t type, const uint8_t* tile, int64_t u, int64_t c, int64_t len, uint8_t* out) {
+  const Layout l = layout(type);
+  const int64_t dwords = padded_bytes(type) / 4, per_unit = kUnit / l.block;
+  uint8_t padded[kUnit];
+  for (int64_t b = 0; b < len / l.block; ++b) {
+    for (int64_t i = 0; i < dwords; ++i)
+      std::memcpy(padded + 4 * i, tile + (((u * per_unit + b) * dwords + i) * kCols + c) * 4, 4);
+    if (type == kQ5_0) {  // the scale, then past its 2 bytes of padding
+      std::memcpy(out + b * l.bytes, padded, 2);
+      std::memcpy(out + b * l.bytes + 2, padded + 4, l.bytes - 2);
+    } else {
+      std::memcpy(out + b * l.bytes, padded, l.bytes);
+    }
+  }
+}
+
 // Columns [0, cols) of the tile from their rows (a tiled weight: from its tile's blocks, put back together);
 // the others multiply as zero.
 void decode_tile(int64_t type, bool tiled, const uint8_t* rows, int64_t row_bytes, int64_t cols, int64_t u, int64_t k,
@@ -221,10 +238,8 @@ void decode_tile(int64_t type, bool tiled, const uint8_t* rows, int64_t row_byte
   t.len = std::min(kUnit, k - u * kUnit);
   for (int64_t c = 0; c < kCols; ++c) {
     if (tiled) {
-      const int64_t dwords = padded_bytes(type) / 4;
-      for (int64_t i = 0; i < dwords; ++i)
-        std::memcpy(block + 4 * i, rows + ((u * dwords + i) * kCols + c) * 4, 4);
-      decode_unit(type, block, 0, kUnit, q, s, o);
+      untile_unit(type, rows, u, c, t.len, block);
+      decode_unit(type, block, 0, t.len, q, s, o);
     } else if (c < cols) {
       decode_unit(type, rows + c * row_bytes, u, k, q, s, o);
     } else {
@@ -429,18 +444,21 @@ inline __m512i spread_bits(__m512i x) {
   return _mm512_or_si512(r, _mm512_slli_epi32(_mm512_and_si512(x, _mm512_set1_epi32(8)), 25));
 }
 
-void decode_q5_0_avx512(const Gather& g, const uint8_t* p, int64_t blocks, Tile& t) {
+// A tiled Q5_0 block is padded to 24 bytes after its scale, so that qh and qs start on whole dwords.
+template <class Src>
+void decode_q5_0_avx512(const Src& g, const uint8_t* p, int64_t blocks, Tile& t) {
+  constexpr int64_t stride = Src::kTiled ? 24 : 22, qh_at = Src::kTiled ? 4 : 2;
   const __m512i nib = _mm512_set1_epi8(0x0F), bias = _mm512_set1_epi8(112);  // -16 + 128
   for (int64_t b = 0; b < blocks; ++b) {
-    const uint8_t* q = p + b * 22;
+    const uint8_t* q = p + b * stride;
     const __m512 d = half_lanes(g.at(q), 0);
     for (int h = 0; h < 2; ++h) {
       _mm512_store_ps(t.s[2 * b + h], d);
       _mm512_store_ps(t.o[2 * b + h], _mm512_setzero_ps());
     }
-    const __m512i qh = g.at(q + 2);
+    const __m512i qh = g.at(q + qh_at);
     for (int i = 0; i < 4; ++i) {
-      const __m512i v = g.at(q + 6 + 4 * i);
+      const __m512i v = g.at(q + qh_at + 4 + 4 * i);
       const __m512i lo = _mm512_and_si512(v, nib), hi = _mm512_and_si512(_mm512_srli_epi16(v, 4), nib);
       store_codes(t, 8 * b + i, _mm512_or_si512(lo, spread_bits(_mm512_srli_epi32(qh, 4 * i))), bias);
       store_codes(t, 8 * b + 4 + i, _mm512_or_si512(hi, spread_bits(_mm512_srli_epi32(qh, 16 + 4 * i))), bias);
@@ -454,9 +472,12 @@ bool decode_tile_avx512(int64_t type, bool tiled, const uint8_t* rows, int64_t r
                         int64_t k, Tile& t) {
   if (type != kQ4_K && type != kQ6_K && type != kQ5_0) return false;
   if (tiled) {
-    t.len = kUnit;
-    const uint8_t* base = rows + u * padded_bytes(type) * kCols;
-    type == kQ4_K ? decode_q4_k_avx512(TileLoads{base}, base, t) : decode_q6_k_avx512(TileLoads{base}, base, t);
+    t.len = std::min(kUnit, k - u * kUnit);
+    const uint8_t* base = rows + u * (kUnit / layout(type).block) * padded_bytes(type) * kCols;
+    const TileLoads src{base};
+    if (type == kQ4_K) decode_q4_k_avx512(src, base, t);
+    else if (type == kQ6_K) decode_q6_k_avx512(src, base, t);
+    else decode_q5_0_avx512(src, base, t.len / 32, t);
     return true;
   }
   const Gather g{_mm512_mullo_epi32(_mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0),
@@ -508,7 +529,7 @@ void check_weight(const at::Tensor& w, int64_t type, int64_t k) {
   TORCH_CHECK(l.block > 0, "GGUF type id ", type, " is not one kgemm decodes");
   TORCH_CHECK(k % l.block == 0, "rows of ", k, " inputs are not whole blocks of ", l.block);
   if (w.dim() == 3) {  // tiled
-    TORCH_CHECK(type == kQ4_K || type == kQ6_K, "only Q4_K and Q6_K weights are tiled");
+    TORCH_CHECK(type == kQ4_K || type == kQ6_K || type == kQ5_0, "only Q4_K, Q6_K and Q5_0 weights are tiled");
     TORCH_CHECK(w.scalar_type() == at::kByte && w.is_contiguous() && w.device().is_cpu() &&
                     w.size(1) == k / l.block && w.size(2) == padded_bytes(type) * kCols,
                 "a tiled weight must be a contiguous uint8 [tiles, ", k / l.block, ", ", padded_bytes(type) * kCols,

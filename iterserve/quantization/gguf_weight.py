@@ -7,9 +7,10 @@ decodes 16 columns x 256 inputs at a time and multiplies them with the activatio
 of 32; its row lookup gives gguf-py's dequantized values to the bit. A fused layer whose parts have different
 types keeps one part per type run, all multiplied in one call.
 
-The Q4_K and Q6_K parts of linear layers are then "tiled" (:meth:`GGUFWeight.tiled`): per 16 rows and block, the
-rows' dwords side by side, each block padded to whole dwords (Q6_K: 212 bytes, not 210), so the AVX-512 decoder
-loads what it would otherwise gather from 16 rows. The embedding keeps the rows, which its lookup reads.
+The Q4_K, Q6_K and Q5_0 parts of linear layers are then "tiled" (:meth:`GGUFWeight.tiled`): per 16 rows and
+block, the rows' dwords side by side, each block padded to whole dwords (Q6_K: 212 bytes, not 210; Q5_0: 24, not
+22), so the AVX-512 decoder loads what it would otherwise gather from 16 rows. The embedding keeps the rows,
+which its lookup reads.
 """
 
 from __future__ import annotations
@@ -35,7 +36,9 @@ def _type_id(type_name: str) -> int:
 
 
 TILE = 16
-TILED_TYPES = ("Q4_K", "Q6_K")  # the types with a decoder that reads tiles
+TILED_TYPES = ("Q4_K", "Q6_K", "Q5_0")  # the types with a decoder that reads tiles
+# Where a tiled block's padding goes: after Q5_0's 2-byte scale (its bits then start on a dword), else at the end.
+_PAD_AT = {"Q5_0": 2}
 
 
 @dataclass
@@ -57,7 +60,9 @@ class GGUFPart:
         n, nbytes = self.rows, STORED_TYPES[self.type_name][1]
         padded, tiles = -(-nbytes // 4) * 4, -(-n // TILE)
         blocks = self.raw.view(n, -1, nbytes)
-        blocks = F.pad(blocks, (0, padded - nbytes, 0, 0, 0, tiles * TILE - n))
+        at = _PAD_AT.get(self.type_name, nbytes)
+        pad = torch.zeros(n, blocks.shape[1], padded - nbytes, dtype=torch.uint8, device=blocks.device)
+        blocks = F.pad(torch.cat([blocks[..., :at], pad, blocks[..., at:]], -1), (0, 0, 0, 0, 0, tiles * TILE - n))
         # [tile, row, block, dword, 4] -> [tile, block, dword, row, 4]
         tiled = blocks.view(tiles, TILE, -1, padded // 4, 4).permute(0, 2, 3, 1, 4)
         return GGUFPart(tiled.reshape(tiles, -1, padded * TILE).contiguous(), self.type_name, n)
@@ -68,8 +73,10 @@ class GGUFPart:
         tiles, blocks, width = self.raw.shape
         padded, nbytes = width // TILE, STORED_TYPES[self.type_name][1]
         rows = self.raw.view(tiles, blocks, padded // 4, TILE, 4).permute(0, 3, 1, 2, 4)
-        rows = rows.reshape(tiles * TILE, blocks, -1)
-        return GGUFPart(rows[:self.rows, :, :nbytes].reshape(self.rows, -1).contiguous(), self.type_name)
+        rows = rows.reshape(tiles * TILE, blocks, -1)[:self.rows]
+        at = _PAD_AT.get(self.type_name, nbytes)
+        rows = torch.cat([rows[..., :at], rows[..., at + padded - nbytes:]], -1)
+        return GGUFPart(rows.reshape(self.rows, -1).contiguous(), self.type_name)
 
 
 @dataclass
@@ -137,7 +144,7 @@ class GGUFWeight:
         return GGUFWeight(parts, weights[0].k)
 
     def tiled(self) -> GGUFWeight:
-        """The Q4_K and Q6_K parts tiled for the matmul (a linear layer's weight, never looked up by rows)."""
+        """The Q4_K, Q6_K and Q5_0 parts tiled for the matmul (a linear layer's weight, never looked up by rows)."""
         return GGUFWeight([p.tiled() for p in self.parts], self.k)
 
     def to(self, device: torch.device | str) -> GGUFWeight:

@@ -98,9 +98,9 @@ def test_every_matrix_stays_in_its_file_bytes(mixed_gguf):
     assert set(formats) == {"Q4_K", "Q6_K", "Q5_0", "Q2_K", "Q3_K", "Q8_0", "Q5_1", "Q5_K", "Q4_1", "float32"}
     reader = gguf.GGUFReader(str(mixed_gguf))
     for fmt, f in formats.items():
-        if fmt != "float32":  # the file's bytes; tiles pad Q6_K blocks to 212 bytes and rows to 16
+        if fmt != "float32":  # the file's bytes; tiles pad Q6_K blocks to 212 bytes, Q5_0 to 24, rows to 16
             on_file = sum(int(t.n_bytes) for t in reader.tensors if t.tensor_type.name == fmt)
-            assert on_file <= f.bytes <= 1.05 * on_file, fmt
+            assert on_file <= f.bytes <= 1.1 * on_file, fmt
     quantized = sum(f.bytes for f in formats.values() if f.fmt != "float32")
     assert quantized >= 0.9 * sum(f.bytes for f in formats.values())
     attn, mlp = model.layers[0].self_attn, model.layers[0].mlp

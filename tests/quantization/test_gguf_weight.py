@@ -96,18 +96,19 @@ def test_kernel_on_float_activations_is_within_int8_rounding(isa, fmt, monkeypat
         assert ((out.float() - expected).norm() / expected.norm()).item() < 1e-2
 
 
-@pytest.mark.parametrize("fmt,padded", [("Q4_K", 144), ("Q6_K", 212)])
+@pytest.mark.parametrize("fmt,padded", [("Q4_K", 144), ("Q6_K", 212), ("Q5_0", 24)])
 def test_tiles_hold_the_rows_bytes(fmt, padded, monkeypatch):
     """Tiling lays the bytes out again (blocks padded to whole dwords, rows to 16) and gives them back exactly."""
     w, ref = weight(fmt, 37, 512)
     t = w.tiled()
-    assert t.parts[0].raw.shape == (3, 2, 16 * padded) and t.parts[0].tiled_rows == 37 and t.n == 37
-    assert t.nbytes == 3 * 2 * 16 * padded
+    blocks = 512 // block_of(fmt)
+    assert t.parts[0].raw.shape == (3, blocks, 16 * padded) and t.parts[0].tiled_rows == 37 and t.n == 37
+    assert t.nbytes == 3 * blocks * 16 * padded
     assert torch.equal(t.parts[0].untiled().raw, w.parts[0].raw)
     monkeypatch.setattr(kernels, "ops", None)
     assert torch.equal(G.dequantize(t), ref)
     assert torch.equal(G.dequantize(t, rows=torch.tensor([36, 2])), ref[[36, 2]])
-    assert weight("Q5_0", 4, 64)[0].tiled().parts[0].tiled_rows is None  # no tiled decoder: rows stay
+    assert weight("Q3_K", 4, 256)[0].tiled().parts[0].tiled_rows is None  # no tiled decoder: rows stay
 
 
 def test_without_the_kernel_linear_dequantizes(monkeypatch):
