@@ -90,9 +90,9 @@ class EngineConfig:
     dtype: Dtype = _opt("auto", "weights and KV cache precision; auto is bfloat16 where the hardware computes in "
                                 "it, else float32")
     device: str | None = _opt(None, "cpu, cuda or cuda:N (default: cuda when available)")
-    quantization: Quantization | None = _opt(None, "weights kept quantized: gguf keeps a GGUF file's Q4_0/Q4_1/Q8_0 "
-                                                   "blocks, int8 quantizes a float checkpoint at load (default: "
-                                                   "float weights in --dtype)")
+    quantization: Quantization | None = _opt(None, "weights kept quantized: gguf keeps a GGUF file's quantized "
+                                                   "blocks (Q4_0..Q8_0, K-quants), int8 quantizes a float "
+                                                   "checkpoint at load (default: float weights in --dtype)")
     block_size: int = _opt(16, "tokens per KV cache block")
     max_model_len: int | None = _opt(None, "longest prompt + output (default: the model's context, capped by "
                                            "what the KV pool holds)")

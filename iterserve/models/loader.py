@@ -35,6 +35,7 @@ from iterserve.models.linear import MethodChooser
 from iterserve.models.llama import LlamaModel
 from iterserve.models.load_progress import tensor_progress
 from iterserve.models.moe import GGUF_EXPERT_NAMES, ExpertLoader, gguf_moe_config
+from iterserve.quantization.gguf_weight import GGUFWeight
 from iterserve.quantization.model import (
     check_quantization,
     describe,
@@ -235,12 +236,13 @@ def _empty_model(config: ModelConfig, dtype: torch.dtype, device: torch.device,
     return model.eval()
 
 
-def load_weight(model: LlamaModel, name: str, tensor: torch.Tensor | BlockWeight, part: int | None = None) -> None:
+def load_weight(model: LlamaModel, name: str, tensor: torch.Tensor | BlockWeight | GGUFWeight,
+                part: int | None = None) -> None:
     """Copy one whole tensor (part ``part`` of a fused one) into parameter ``name``; a sharded layer keeps
-    this rank's rows of it (in blocks, for a :class:`BlockWeight`)."""
+    this rank's rows of it (in blocks, for a :class:`BlockWeight` or :class:`GGUFWeight`)."""
     module_name, _, param = name.rpartition(".")
     module = model.get_submodule(module_name)
-    if isinstance(tensor, BlockWeight):
+    if isinstance(tensor, (BlockWeight, GGUFWeight)):
         load_blocks(module, param, tensor, part)
         return
     if isinstance(module, ShardedLayer):
@@ -253,7 +255,8 @@ def load_weight(model: LlamaModel, name: str, tensor: torch.Tensor | BlockWeight
         dest.copy_(tensor)
 
 
-def load_hf_state_dict(model: LlamaModel, tensors: Iterable[tuple[str, torch.Tensor | BlockWeight]]) -> None:
+def load_hf_state_dict(model: LlamaModel,
+                       tensors: Iterable[tuple[str, torch.Tensor | BlockWeight | GGUFWeight]]) -> None:
     """Copy Hugging Face-named tensors into the model, fusing q/k/v and gate/up projections
     (:func:`~iterserve.models.archs.hf_param_name` names each tensor's parameter)."""
     c = model.config
@@ -360,17 +363,17 @@ def _gguf_name(name: str, config: ModelConfig, permute: bool) -> tuple[str, int 
 
 def _gguf_tensors(reader, config: ModelConfig, keep_blocks: bool = False):
     """``(Hugging Face name, tensor)`` for every GGUF tensor: float, or with ``keep_blocks`` a
-    :class:`BlockWeight` for the matrices :func:`gguf_block_tensors` keeps in their blocks."""
+    :class:`BlockWeight` or :class:`GGUFWeight` for the matrices :func:`gguf_block_tensors` keeps in blocks."""
     import gguf
 
     permute = reader.fields["general.architecture"].contents() in ("llama", "mistral")
     kept = gguf_block_tensors((t.name, t.tensor_type.name, len(t.shape)) for t in reader.tensors) if keep_blocks \
-        else set()
+        else {}
     for t in reader.tensors:
         hf, heads = _gguf_name(t.name, config, permute)
         if t.name in kept:
             n = int(t.shape[1])
-            blocks = from_gguf(t.data, t.tensor_type.name, n, int(t.shape[0]))
+            blocks = from_gguf(t.data, t.tensor_type.name, n, int(t.shape[0]), as_stored=kept[t.name])
             yield hf, blocks if heads is None else blocks.rows(torch.from_numpy(_unpermute_rope(np.arange(n), heads)))
             continue
         try:
