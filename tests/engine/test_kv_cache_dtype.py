@@ -13,6 +13,7 @@ from iterserve.cli.flags import add_config_args
 from iterserve.config import EngineConfig, get_preset
 from iterserve.engine.capacity import Capacity
 from iterserve.models.loader import load_model
+from tests.conftest import CHAT_PROMPTS
 
 KINDS = ["fp8", "fp8_e5m2", "int8"]
 NGRAM = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1, "prompt_lookup_max": 3}
@@ -26,9 +27,16 @@ def caches_of(llm: LLM) -> list:
     return llm.engine.core.executor.worker.runner.kv_caches
 
 
+@pytest.fixture(scope="module")
+def chat_ids(smollm) -> list[list[int]]:
+    tok = smollm.tokenizer
+    return [tok.encode(tok.apply_chat_template(c, add_generation_prompt=True), add_special_tokens=False)
+            for c in CHAT_PROMPTS[:4]]
+
+
 @pytest.mark.parametrize("kind", KINDS)
-def test_greedy_tokens_do_not_depend_on_batching_or_chunking(smollm, chat_prompt_ids, kind):
-    prompts = chat_prompt_ids[:4]
+def test_greedy_tokens_do_not_depend_on_batching_or_chunking(smollm, chat_ids, kind):
+    prompts = chat_ids
     greedy = SamplingParams(temperature=0, max_tokens=12)
     batched = LLM(loaded=smollm, kv_cache_dtype=kind, num_kv_blocks=128)
     cache = caches_of(batched)[0]
