@@ -153,6 +153,64 @@ inline float dot(const float* a, const float* b, int64_t n) {
   return s;
 }
 
+// p[i] = exp(p[i] - m) for i < n; returns the sum (exp_u20, as paged_decode's float path).
+inline float exp_sum(float* p, float m, int64_t n) {
+  const Vec vm(m);
+  int64_t i = 0;
+  float sum = 0.f;
+  for (; i + Vec::size() <= n; i += Vec::size()) {
+    const Vec e = (Vec::loadu(p + i) - vm).exp_u20();
+    e.store(p + i);
+    sum += e.reduce_add();
+  }
+  for (; i < n; ++i) sum += (p[i] = std::exp(p[i] - m));
+  return sum;
+}
+
+#if defined(__AVX512F__)
+// Lane j of the result is the sum of v[j]'s sixteen lanes: a transposing add tree (as cpu_ops.cpp's sum16), far
+// fewer shuffles than sixteen separate reductions.
+inline __m512 sum16(const float (*v)[16]) {
+  __m512 b[8], c[4], d[2];
+  for (int i = 0; i < 8; ++i) {
+    const __m512 x = _mm512_load_ps(v[2 * i]), y = _mm512_load_ps(v[2 * i + 1]);
+    b[i] = _mm512_add_ps(_mm512_unpacklo_ps(x, y), _mm512_unpackhi_ps(x, y));
+  }
+  for (int i = 0; i < 4; ++i)
+    c[i] = _mm512_add_ps(_mm512_shuffle_ps(b[2 * i], b[2 * i + 1], 0x44),
+                         _mm512_shuffle_ps(b[2 * i], b[2 * i + 1], 0xEE));
+  for (int i = 0; i < 2; ++i)
+    d[i] = _mm512_add_ps(_mm512_shuffle_f32x4(c[2 * i], c[2 * i + 1], 0x88),
+                         _mm512_shuffle_f32x4(c[2 * i], c[2 * i + 1], 0xDD));
+  return _mm512_add_ps(_mm512_shuffle_f32x4(d[0], d[1], 0x88), _mm512_shuffle_f32x4(d[0], d[1], 0xDD));
+}
+#endif
+
+// scores[g * stride + j] = q_g . rows[j] for the tile's n widened rows: on AVX-512 (dim a multiple of 16) sixteen
+// keys' partial sums reduced together, else one dot product per key.
+void tile_scores(int64_t isa, const float* qf, const float* rows, int64_t n, int64_t dim, int64_t group,
+                 int64_t stride, float* scores) {
+#if defined(__AVX512F__)
+  if (isa >= kAvx512 && dim % 16 == 0 && stride % 16 == 0) {
+    alignas(64) float part[16][16];
+    for (int64_t g = 0; g < group; ++g)
+      for (int64_t j0 = 0; j0 < n; j0 += 16) {
+        for (int64_t j = 0; j < 16; ++j) {
+          __m512 acc = _mm512_setzero_ps();
+          if (j0 + j < n)
+            for (int64_t i = 0; i < dim; i += 16)
+              acc = _mm512_fmadd_ps(_mm512_loadu_ps(qf + g * dim + i), _mm512_loadu_ps(rows + (j0 + j) * dim + i), acc);
+          _mm512_store_ps(part[j], acc);
+        }
+        _mm512_storeu_ps(scores + g * stride + j0, sum16(part));
+      }
+    return;
+  }
+#endif
+  for (int64_t g = 0; g < group; ++g)
+    for (int64_t j = 0; j < n; ++j) scores[g * stride + j] = dot(qf + g * dim, rows + j * dim, dim);
+}
+
 inline void axpy(float* y, float a, const float* x, int64_t n) {
   int64_t i = 0;
   const Vec va(a);
@@ -209,18 +267,14 @@ void attend(const DecodeArgs& a, int64_t s, int64_t h, const float* qf, float* a
   for (int64_t t0 = lo; t0 < hi; t0 += kTile) {
     const int64_t n = std::min(kTile, hi - t0);
     a.k.widen(a.isa, a.kind, table, h, t0, n, dim, rows);
+    tile_scores(a.isa, qf, rows, n, dim, group, kTile, scores);
     for (int64_t g = 0; g < group; ++g) {
       float* sc = scores + g * kTile;
       float tile_max = -std::numeric_limits<float>::infinity();
-      for (int64_t j = 0; j < n; ++j) {
-        sc[j] = dot(qf + g * dim, rows + j * dim, dim);
-        tile_max = std::max(tile_max, sc[j]);
-      }
+      for (int64_t j = 0; j < n; ++j) tile_max = std::max(tile_max, sc[j]);
       const float new_m = std::max(m[g], tile_max);
       const float correction = std::exp(m[g] - new_m);  // 0 on the first tile (m = -inf)
-      float sum = 0.f;
-      for (int64_t j = 0; j < n; ++j) sum += (sc[j] = std::exp(sc[j] - new_m));
-      l[g] = l[g] * correction + sum;
+      l[g] = l[g] * correction + exp_sum(sc, new_m, n);
       if (correction != 1.f)
         for (int64_t i = 0; i < dim; ++i) acc[g * dim + i] *= correction;
       m[g] = new_m;
