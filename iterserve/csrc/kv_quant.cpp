@@ -211,6 +211,40 @@ void tile_scores(int64_t isa, const float* qf, const float* rows, int64_t n, int
     for (int64_t j = 0; j < n; ++j) scores[g * stride + j] = dot(qf + g * dim, rows + j * dim, dim);
 }
 
+#if defined(__AVX512F__)
+// acc_g += sum_j scores[g * stride + j] * rows[j] with head g's NV accumulator vectors held in registers.
+template <int NV>
+void values_in_registers(const float* scores, const float* rows, int64_t n, int64_t group, int64_t stride,
+                         float* acc) {
+  constexpr int64_t dim = NV * 16;
+  for (int64_t g = 0; g < group; ++g) {
+    __m512 r[NV];
+    for (int v = 0; v < NV; ++v) r[v] = _mm512_loadu_ps(acc + g * dim + v * 16);
+    for (int64_t j = 0; j < n; ++j) {
+      const __m512 p = _mm512_set1_ps(scores[g * stride + j]);
+      for (int v = 0; v < NV; ++v) r[v] = _mm512_fmadd_ps(p, _mm512_loadu_ps(rows + j * dim + v * 16), r[v]);
+    }
+    for (int v = 0; v < NV; ++v) _mm512_storeu_ps(acc + g * dim + v * 16, r[v]);
+  }
+}
+#endif
+
+inline void axpy(float* y, float a, const float* x, int64_t n);
+
+// acc_g += sum_j scores[g * stride + j] * rows[j] for the tile's n widened V rows.
+void tile_values(int64_t isa, const float* scores, const float* rows, int64_t n, int64_t dim, int64_t group,
+                 int64_t stride, float* acc) {
+#if defined(__AVX512F__)
+  if (isa >= kAvx512 && (dim == 64 || dim == 128)) {
+    if (dim == 64) values_in_registers<4>(scores, rows, n, group, stride, acc);
+    else values_in_registers<8>(scores, rows, n, group, stride, acc);
+    return;
+  }
+#endif
+  for (int64_t g = 0; g < group; ++g)
+    for (int64_t j = 0; j < n; ++j) axpy(acc + g * dim, scores[g * stride + j], rows + j * dim, dim);
+}
+
 inline void axpy(float* y, float a, const float* x, int64_t n) {
   int64_t i = 0;
   const Vec va(a);
@@ -280,8 +314,7 @@ void attend(const DecodeArgs& a, int64_t s, int64_t h, const float* qf, float* a
       m[g] = new_m;
     }
     a.v.widen(a.isa, a.kind, table, h, t0, n, dim, rows);
-    for (int64_t g = 0; g < group; ++g)
-      for (int64_t j = 0; j < n; ++j) axpy(acc + g * dim, scores[g * kTile + j], rows + j * dim, dim);
+    tile_values(a.isa, scores, rows, n, dim, group, kTile, acc);
   }
   for (int64_t g = 0; g < group; ++g) {
     const float inv = l[g] > 0.f ? 1.f / l[g] : 0.f;
