@@ -34,6 +34,7 @@ def chat_ids(smollm) -> list[list[int]]:
             for c in CHAT_PROMPTS[:4]]
 
 
+@pytest.mark.slow  # three engines on the real model, per kind
 @pytest.mark.parametrize("kind", KINDS)
 def test_greedy_tokens_do_not_depend_on_batching_or_chunking(smollm, chat_ids, kind):
     prompts = chat_ids
@@ -61,6 +62,9 @@ def test_prefix_hits_forks_and_speculation_keep_greedy_tokens_and_free_every_blo
     greedy = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)
     plain = LLM(loaded=tiny_loaded, kv_cache_dtype=kind, num_kv_blocks=64, enable_prefix_caching=False)
     expected = tokens(plain.generate(prompts, greedy))
+    assert [tokens(plain.generate([p], greedy))[0] for p in prompts] == expected  # alone == in a batch
+    chunked = LLM(loaded=tiny_loaded, kv_cache_dtype=kind, num_kv_blocks=64, max_num_batched_tokens=16)
+    assert tokens(chunked.generate(prompts, greedy)) == expected
     cached = LLM(loaded=tiny_loaded, kv_cache_dtype=kind, num_kv_blocks=64)
     first = cached.generate(prompts[:1], greedy)
     rest = cached.generate(prompts[1:], greedy)
@@ -69,7 +73,7 @@ def test_prefix_hits_forks_and_speculation_keep_greedy_tokens_and_free_every_blo
     assert [c.token_ids for c in forked.outputs] == [expected[0]] * 3  # copied blocks carry their scales
     spec = LLM(loaded=tiny_loaded, kv_cache_dtype=kind, num_kv_blocks=64, speculative_config=NGRAM)
     assert tokens(spec.generate(prompts, greedy)) == expected
-    for llm in (plain, cached, spec):
+    for llm in (plain, chunked, cached, spec):
         llm.engine.block_manager.check_no_leaks()
         assert llm.engine.block_manager.num_used_blocks == 0
 
