@@ -267,10 +267,12 @@ struct Pool {
   // Rows [from, from + n) of head h of the sequence whose block table is `table`, widened into dst.
   void widen(int64_t isa, Kind kind, const int64_t* table, int64_t h, int64_t from, int64_t n, int64_t dim,
              float* dst) const {
-    for (int64_t j = 0; j < n; ++j) {
-      const int64_t t = from + j, b = table[t / block_size], off = t % block_size;
+    // walked a block at a time (as cpu_ops.cpp's head_rows): no division per row
+    for (int64_t j = 0, i = from / block_size, off = from % block_size; j < n; ++j) {
+      const int64_t b = table[i];
       const float sc = scale ? static_cast<float>(scale[(b * heads + h) * block_size + off]) : 1.f;
       widen_row(isa, data + b * s0 + h * s1 + off * s2, dst + j * dim, dim, kind, sc);
+      if (++off == block_size) off = 0, ++i;
     }
   }
 };
