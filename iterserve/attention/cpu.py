@@ -39,6 +39,8 @@ class CpuBackend(ReferenceBackend):
         # csrc/decoder.cpp calls this backend's kernels in this backend's order, built once per model.
         if not self.native_layers or not meta.num_decode_tokens or meta.num_decode_tokens != x.shape[0]:
             return None
+        if kv_caches and kv_caches[0].quantized:  # the native loop reads float caches only: the layers run one by one
+            return None
         if model not in self._stacks:
             self._stacks[model] = model.native_decoder(self.ops)
         stack = self._stacks[model]
@@ -51,6 +53,10 @@ class CpuBackend(ReferenceBackend):
         return out
 
     def write_kv(self, k: torch.Tensor, v: torch.Tensor, cache: KVCache, meta: AttentionMetadata) -> None:
+        if cache.quantized:
+            self.ops.write_kv_quant(k, v, cache.k, cache.v, cache.k_scale, cache.v_scale, meta.slot_blocks,
+                                    meta.slot_offsets)
+            return
         self.ops.write_kv(k, v, cache.k, cache.v, meta.slot_blocks, meta.slot_offsets)
 
     def decode(self, out: torch.Tensor, q: torch.Tensor, cache: KVCache, meta: AttentionMetadata, scale: float) -> None:
@@ -58,6 +64,11 @@ class CpuBackend(ReferenceBackend):
         # context 512, one layer) measured the gather + two matmuls 5.6x / 4.7x / 6.1x slower at batch
         # 1 / 16 / 64; torch.compile of that route took 0.7-1.2x the gather's time, still 7-20x the
         # kernel's (scripts/bench_decode_attention.py, under heavy shared load, routes alternating).
+        if cache.quantized:  # csrc/kv_quant.cpp: the one-byte blocks widened in place, tile by tile
+            self.ops.paged_decode_quant(out, q, cache.k, cache.v, cache.k_scale, cache.v_scale,
+                                        meta.decode_block_tables, meta.decode_context_lens, scale,
+                                        meta.sliding_window or 0, 0)
+            return
         self.ops.paged_decode(out, q, cache.k, cache.v, meta.decode_block_tables, meta.decode_context_lens, scale,
                               meta.sliding_window or 0)
 

@@ -956,6 +956,7 @@ at::Tensor argmax_rows(const at::Tensor& x) {
 
 void register_linear(pybind11::module& m);  // linear.cpp
 void register_decoder(pybind11::module& m);  // decoder.cpp
+void register_kv_quant(pybind11::module& m);  // kv_quant.cpp
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("paged_decode", &paged_decode, "Paged decode attention reading K/V blocks in place");
@@ -970,6 +971,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("argmax_rows", &argmax_rows, "Each row's first index of its maximum, as torch.argmax(dim=-1)");
   register_linear(m);
   register_decoder(m);
+  register_kv_quant(m);
   m.def("set_threads", [](int64_t n) { iterserve::ChunkPool::get().resize(static_cast<int>(n)); },
         "Run the kernels' parallel loops on n threads (the caller included)");
   m.def("threads", [] { return iterserve::ChunkPool::get().threads(); }, "Threads of the kernels' pool");
