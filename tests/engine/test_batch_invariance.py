@@ -71,7 +71,6 @@ def differing(expected: list[Output], got: list[Output]) -> str:
     return f"{tokens}/{len(got)} differ in tokens, {bits}/{len(got)} in logprobs"
 
 
-@pytest.mark.xfail(reason="issue 45: reductions whose order depends on the batch", strict=False)
 @pytest.mark.parametrize("mode", list(MODES))
 def test_bf16_outputs_alone_equal_batched(smollm_bf16, prompts, alone, mode):
     assert max(map(len, prompts)) > 512 and len(prompts[len(NATURAL)]) + PARAMS.max_tokens > 128
