@@ -32,6 +32,7 @@ MODES = {
     "prefix-cached": dict(enable_prefix_caching=True),
     "ngram": dict(speculative_config=NGRAM),
 }
+FAST_MODES = ("batch", "chunked")  # the rest under -m slow: the default suite stays fast
 
 Output = tuple[tuple[int, ...], tuple[float, ...]]
 
@@ -71,7 +72,7 @@ def differing(expected: list[Output], got: list[Output]) -> str:
     return f"{tokens}/{len(got)} differ in tokens, {bits}/{len(got)} in logprobs"
 
 
-@pytest.mark.parametrize("mode", list(MODES))
+@pytest.mark.parametrize("mode", [m if m in FAST_MODES else pytest.param(m, marks=pytest.mark.slow) for m in MODES])
 def test_bf16_outputs_alone_equal_batched(smollm_bf16, prompts, alone, mode):
     assert max(map(len, prompts)) > 512 and len(prompts[len(NATURAL)]) + PARAMS.max_tokens > 128
     llm = LLM(loaded=smollm_bf16, num_kv_blocks=256, **{"enable_prefix_caching": False, **MODES[mode]})
