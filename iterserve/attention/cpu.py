@@ -4,6 +4,7 @@ reference PyTorch path for the rest (prefill attention), and a decode step's who
 
 from __future__ import annotations
 
+import sys
 import weakref
 from types import ModuleType
 from typing import Any
@@ -17,7 +18,8 @@ from iterserve.attention.reference import ReferenceBackend
 
 class CpuBackend(ReferenceBackend):
     """``ops`` is the loaded extension (``iterserve.kernels.ops``); ``native_layers=False`` keeps every step's
-    layers in Python (the same kernels, called one by one: the native loop's A/B)."""
+    layers in Python (the same kernels, called one by one: the native loop's A/B); ``batch_invariant`` attends
+    prompts of any length as decodes, so that a row's attention never depends on the batch's make-up."""
 
     name = "cpu"
     # paged_decode on every prompt token, over its own prefix, on the kernels' threads, against SDPA on torch's
@@ -26,9 +28,11 @@ class CpuBackend(ReferenceBackend):
     # reuses a tile of K/V across rows. A whole step of decodes then runs in one native call.
     decode_prompts_up_to = 512
 
-    def __init__(self, ops: ModuleType, native_layers: bool = True) -> None:
+    def __init__(self, ops: ModuleType, native_layers: bool = True, batch_invariant: bool = False) -> None:
         self.ops = ops
         self.native_layers = native_layers
+        if batch_invariant:  # every prompt token attended in the decode kernel's order (platforms/invariance.py)
+            self.decode_prompts_up_to = sys.maxsize
         self._stacks: weakref.WeakKeyDictionary[NativeDecoderModel, Any] = weakref.WeakKeyDictionary()
 
     def keys_in_groups(self, dtype: torch.dtype, head_dim: int, block_size: int) -> bool:

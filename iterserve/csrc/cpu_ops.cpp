@@ -481,9 +481,9 @@ inline GroupKernels<T> group_kernels(int64_t group, int64_t dim) {
   return k;
 }
 
-// Keys at least this many per piece when one sequence's context is split across threads: below it the
-// merge costs more than the parallelism gains.
-constexpr int64_t kMinSplit = 64;
+// Keys per piece of a context split across threads. Fixed, not sized to the batch: a row's sums then run in one
+// order alone or batched (a piece's merge alone equals the unsplit path bit for bit).
+constexpr int64_t kPiece = 128;
 
 // Where one head's K or V rows [from, to) lie, walking the block table a block at a time: a division per
 // row, four times per key (two prefetches, two reads), took a third of a decode task's time (perf, batch 8).
@@ -533,15 +533,13 @@ void paged_decode_impl(at::Tensor& out, const at::Tensor& q, const at::Tensor& k
   };
 
   // One task per (sequence, KV head, piece of its context): a task reads its head's K/V once for the whole
-  // GQA group. A small batch has too few (sequence, head) pairs to keep every thread busy (3 for SmolLM2 at
-  // batch 1, on 2 threads), so its contexts are cut into pieces whose partial softmaxes are merged after.
+  // GQA group. Pieces of kPiece keys also keep every thread busy at small batches (3 pairs for SmolLM2 at
+  // batch 1); their partial softmaxes are merged after, empty ones (shorter contexts) weighing nothing.
   int64_t longest = 0;
   for (int64_t s = 0; s < seqs; ++s) longest = std::max(longest, ctx_lens[s] - first_key(s));
   const int64_t want = 4 * iterserve::ChunkPool::get().threads();
   const int64_t pairs = seqs * kv_heads;
-  const int64_t splits =
-      pairs >= want ? 1 : std::max<int64_t>(1, std::min((want + pairs - 1) / pairs, longest / kMinSplit));
-  const int64_t piece = (longest + splits - 1) / splits;
+  const int64_t splits = std::max<int64_t>(1, (longest + kPiece - 1) / kPiece), piece = kPiece;
   // Partials of split contexts, per (sequence, head, piece): the running max, the sum of exps, then the
   // unnormalised output.
   const int64_t pstride = dim + 2;

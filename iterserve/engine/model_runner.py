@@ -59,7 +59,7 @@ class ModelRunner:
         self.model = model
         self.device = model.device
         self.block_size = block_size
-        self.attn_backend = select_backend(self.device)  # chosen once; passed to the model with each step
+        self.attn_backend = select_backend(self.device, model.dtype)  # chosen once; passed to the model each step
         self.kv_caches: list[KVCache] = model.allocate_kv_cache(num_blocks, block_size, self.attn_backend,
                                                                 kv_cache_dtype)
         self.sampler = Sampler(torch.Generator(device=self.device).manual_seed(seed))
