@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 from typing import Any, Literal
 
 from iterserve.config.dtypes import Quantization, parse_dtype
+from iterserve.config.kv_cache import KVCacheDtype, canonical_kv_cache_dtype
 from iterserve.config.kv_events import KVEventsConfig
 from iterserve.config.model import DEFAULT_MODEL
 from iterserve.config.speculative import SpeculativeConfig
@@ -102,6 +103,10 @@ class EngineConfig:
                                        flag="--prefix-caching")
     kv_cache_memory: str | int = _opt("2GiB", "KV pool size, e.g. 2GiB or 512MiB")
     num_kv_blocks: int | None = _opt(None, "KV pool size in blocks (overrides --kv-cache-memory)")
+    kv_cache_dtype: KVCacheDtype = _opt("auto", "KV cache storage: auto (the model's dtype); fp8 (= fp8_e4m3) or "
+                                                "fp8_e5m2, one byte per value; int8, one byte per value and a "
+                                                "float16 scale per token and KV head. The 1-byte kinds hold about "
+                                                "twice the tokens of bf16 in the same memory")
     batching: Batching = _same_as(SchedulerConfig, "batching")
     max_batch_wait: float = _same_as(SchedulerConfig, "max_batch_wait")
     kv_allocation: KVAllocation = _same_as(SchedulerConfig, "kv_allocation")
@@ -134,6 +139,8 @@ class EngineConfig:
             raise ValueError("a speculative draft model runs with tensor_parallel_size=1 only; n-gram speculation "
                              "works with any")
         _check_positive(self, "block_size", "tensor_parallel_size")
+        canonical_kv_cache_dtype(self.kv_cache_dtype)  # an unknown value fails here, listing the accepted ones
+        object.__setattr__(self, "kv_cache_dtype", str(self.kv_cache_dtype).lower())
         _check_positive(self, "max_model_len", "num_kv_blocks", allow_none=True)
         if self.quantization is not None:
             _check_choice(self, "quantization", Quantization)

@@ -42,7 +42,7 @@ class Worker:
         self.capacity = Capacity.of(config, loaded.config, loaded.model.dtype.itemsize,
                                     self.draft.config if self.draft else None)
         self.runner = ModelRunner(loaded.model, self.capacity.num_blocks, config.block_size, config.seed,
-                                  self.draft.model if self.draft else None)
+                                  self.draft.model if self.draft else None, config.kv_cache_dtype)
 
     @classmethod
     def load(cls, config: EngineConfig, device: str | None, parallel: ParallelState | None = None) -> Worker:

@@ -99,9 +99,8 @@ class ServerMetrics:
                                      "Older name of vllm:kv_cache_usage_perc.")
         self._weights = {field: Gauge(name, doc, [*names, "format"], registry=self.registry)
                          for field, (name, doc) in _WEIGHT_GAUGES.items()}
-        self.prefix_hit_rate = gauge(
-            "iterserve:prefix_cache_hit_rate", "Prompt tokens served from the prefix cache / prompt tokens looked up."
-        )
+        self.prefix_hit_rate = gauge("iterserve:prefix_cache_hit_rate",
+                                     "Prompt tokens served from the prefix cache / prompt tokens looked up.")
         self._counters = {
             field: Counter(name, doc, names, registry=self.registry) for field, (name, doc) in _CORE_COUNTERS.items()
         }
