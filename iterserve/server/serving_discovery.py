@@ -5,9 +5,10 @@ sglang-router (sgl-model-gateway) registers a worker by reading ``/server_info``
 for the model's type; without them it lists the model as "unknown". vllm-router's cache-aware policy
 renders each chat request to token ids with ``POST /v1/chat/completions/render`` (falling back to a second
 round trip to ``/tokenize``; ``/v1/completions/render`` is the completions twin), and its ``kv_aware``
-policy reads ``/get_server_info`` for the block size (``kv_block_size``) and finds each worker's KV-event
-publishers at ``/kv_event_sources`` (an object keyed by data-parallel rank, as vllm-router parses it). SGLang's
-``/health_generate`` is the health check that proves a token can be made.
+policy reads ``/get_server_info`` for the block size (``kv_block_size``) and each worker's KV-event publishers
+at ``/kv_event_sources`` (an object keyed by data-parallel rank, as vllm-router parses it; 0.1.17 then takes
+an HTTP worker's publishers from its ``--kv-event-source`` flags instead). SGLang's ``/health_generate`` is
+the health check that proves a token can be made.
 """
 
 from __future__ import annotations
