@@ -43,6 +43,8 @@ MAX_STOP_TOKEN_IDS = 1024
 MAX_LOGIT_BIAS = 300
 # n and best_of sequences share one prompt and one batch; the scheduler also caps them at max_num_seqs.
 MAX_N = 128
+# The sampler returns at most this many top alternatives per token (vLLM's default --max-logprobs).
+MAX_LOGPROBS = 20
 # Each bad word is matched against every constrained row's last tokens at every step.
 MAX_BAD_WORDS = 128
 
@@ -342,10 +344,10 @@ class SamplingParams:
             (self.min_tokens >= 0, "min_tokens", f"min_tokens must be >= 0, got {self.min_tokens}"),
             (self.max_tokens is None or self.min_tokens <= self.max_tokens, "min_tokens",
              f"min_tokens ({self.min_tokens}) must not exceed max_tokens ({self.max_tokens})"),
-            (self.logprobs is None or 0 <= self.logprobs <= 20, "logprobs",
-             f"logprobs must be in [0, 20], got {self.logprobs}"),
-            (self.prompt_logprobs is None or 0 <= self.prompt_logprobs <= 20, "prompt_logprobs",
-             f"prompt_logprobs must be in [0, 20], got {self.prompt_logprobs}"),
+            (self.logprobs is None or 0 <= self.logprobs <= MAX_LOGPROBS, "logprobs",
+             f"logprobs must be in [0, {MAX_LOGPROBS}], got {self.logprobs}"),
+            (self.prompt_logprobs is None or 0 <= self.prompt_logprobs <= MAX_LOGPROBS, "prompt_logprobs",
+             f"prompt_logprobs must be in [0, {MAX_LOGPROBS}], got {self.prompt_logprobs}"),
             (all(self.stop), "stop", "stop must be a list of non-empty strings"),
             (stop_chars <= MAX_STOP_CHARS, "stop",
              f"stop strings have {stop_chars} characters in all; at most {MAX_STOP_CHARS} are allowed"),

@@ -79,6 +79,8 @@ def build_app(config: EngineConfig, server: ServerConfig | None = None) -> FastA
     info = InfoServing(engine, metrics, served_model_name)
     discovery = DiscoveryServing(engine, metrics, served_model_name, grammars)
     metrics.record_cache_config(cache_config_info(engine))
+    for route in (completion, chat, responses):
+        route.max_response_logprobs = server.max_response_logprobs
     if server.chat_template is not None:
         chat.chat_template = responses.chat_template = tokenize.chat_template = discovery.chat_template = \
             load_chat_template(server.chat_template)
