@@ -300,6 +300,30 @@ def test_openapi_documents_every_request_body(server):
     assert len(operations) == len(set(operations))
 
 
+def test_openapi_documents_every_answer(server):
+    """What a schema-driven fuzzer checks responses against: errors as OpenAI bodies (never FastAPI's 422),
+    the generation routes' bodies and streams, and the routes that answer neither JSON nor 200."""
+    with http(server) as c:
+        doc = c.get("/openapi.json").json()
+        refused = c.post("/v1/completions", json={"prompt": "Hi", "n": 0})
+    error_ref = {"$ref": "#/components/schemas/ErrorResponse"}
+    for path, item in doc["paths"].items():
+        for method, op in item.items():
+            responses = op["responses"]
+            assert "422" not in responses, (method, path)
+            assert all(responses[k]["content"]["application/json"]["schema"] == error_ref for k in ("4XX", "5XX"))
+    assert "HTTPValidationError" not in doc["components"]["schemas"]
+    assert refused.status_code == 400 and set(refused.json()["error"]) == \
+        set(doc["components"]["schemas"]["ErrorInfo"]["properties"])
+    for path, model in [("/v1/completions", "CompletionResponse"), ("/v1/chat/completions", "ChatCompletionResponse"),
+                        ("/v1/responses", "ResponseObject")]:
+        content = doc["paths"][path]["post"]["responses"]["200"]["content"]
+        assert content["application/json"]["schema"] == {"$ref": f"#/components/schemas/{model}"}
+        assert content["text/event-stream"]["schema"]["properties"]["data"] == {"type": "string"}
+    assert list(doc["paths"]["/metrics"]["get"]["responses"]["200"]["content"]) == ["text/plain"]
+    assert "204" in doc["paths"]["/favicon.ico"]["get"]["responses"]
+
+
 # -- fuzz ----------------------------------------------------------------------------------------------
 
 JUNK = st.one_of(
