@@ -17,6 +17,7 @@ from contextvars import ContextVar
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
+from iterserve.config.runtime import MAX_LOGPROBS
 from iterserve.errors import SamplingParamsError
 
 __all__ = ["BeamSearchParams", "RequestOutputKind", "SamplingParams", "SamplingParamsError", "StructuredOutputsParams",
@@ -43,8 +44,6 @@ MAX_STOP_TOKEN_IDS = 1024
 MAX_LOGIT_BIAS = 300
 # n and best_of sequences share one prompt and one batch; the scheduler also caps them at max_num_seqs.
 MAX_N = 128
-# The sampler returns at most this many top alternatives per token (vLLM's default --max-logprobs).
-MAX_LOGPROBS = 20
 # Each bad word is matched against every constrained row's last tokens at every step.
 MAX_BAD_WORDS = 128
 

@@ -78,8 +78,10 @@ class HostileLoop:
             r = self.c.post("/v1/chat/completions", json={
                 "messages": [{"role": "user", "content": "Write a's and b's."}], "n": 8, "max_tokens": 200,
                 "structured_outputs": {"grammar": AMBIGUOUS}})
-            ending = str(r.status_code) if r.status_code != 200 else \
-                ",".join(sorted({str(ch["finish_reason"]) for ch in r.json()["choices"]}))
+            if r.status_code != 200:
+                ending = f"{r.status_code}: {r.json()['error']['message'][:90]}"
+            else:
+                ending = "finish_reason " + ",".join(sorted({str(ch["finish_reason"]) for ch in r.json()["choices"]}))
             self.endings[ending] = self.endings.get(ending, 0) + 1
 
     def __enter__(self) -> HostileLoop:
@@ -107,7 +109,9 @@ def grammar_beside(url: str, rounds: int) -> None:
     a, b = statistics.median(alone), statistics.median(beside)
     print(f"plain 20-token chat alone:  median {a:.2f} s  {[round(x, 2) for x in alone]}")
     print(f"beside the hostile grammar: median {b:.2f} s  {[round(x, 2) for x in beside]}")
-    print(f"ratio {b / a:.2f} (bar: <= 3); the hostile requests ended: {endings}")
+    print(f"ratio {b / a:.2f} (bar: <= 3); the hostile requests ended:")
+    for ending, count in sorted(endings.items()):
+        print(f"  {count} x {ending}")
 
 
 def health_silence(url: str, server_pid: int, max_response_logprobs: int) -> None:

@@ -16,13 +16,14 @@ from iterserve.config.kv_cache import KVCacheDtype, canonical_kv_cache_dtype
 from iterserve.config.kv_events import KVEventsConfig
 from iterserve.config.model import DEFAULT_MODEL
 from iterserve.config.speculative import SpeculativeConfig
-from iterserve.sampling_params import MAX_LOGPROBS
 
 Dtype = Literal["auto", "float32", "bfloat16", "float16"]
 Batching = Literal["continuous", "static", "dynamic"]
 KVAllocation = Literal["paged", "reserved"]
 LogLevel = Literal["DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL"]
 LOG_LEVELS: tuple[str, ...] = typing.get_args(LogLevel)
+# The sampler returns at most this many top alternatives per token (vLLM's default --max-logprobs).
+MAX_LOGPROBS = 20
 
 
 def _opt(default: Any, text: str, **cli: Any) -> Any:
@@ -208,7 +209,7 @@ class ServerConfig:
     grammar_timeout: float = _opt(10.0, "seconds a structured-output grammar may take to compile; slower ones are "
                                         "refused with 400")
     # the API process builds and sends every entry: a bound on that work keeps /health answering (docs/compatibility.md)
-    max_response_logprobs: int = _opt(2**19, "logprob entries one response may carry (choices x tokens x "
+    max_response_logprobs: int = _opt(2**17, "logprob entries one response may carry (choices x tokens x "
                                              "(top alternatives + 1), prompt logprobs too); requests that could "
                                              "return more are refused with 400")
     log_level: LogLevel = _opt("INFO", "log level of the server and its engine core", cli=False)

@@ -3,8 +3,9 @@ and the server's client (and its prompt-length precheck) before it sends one."""
 
 from __future__ import annotations
 
+from iterserve.config.runtime import MAX_LOGPROBS
 from iterserve.errors import RequestError, SamplingParamsError
-from iterserve.sampling_params import MAX_LOGPROBS, SamplingParams
+from iterserve.sampling_params import SamplingParams
 
 
 def check_prompt_ids(token_ids: list[int], vocab_size: int, max_model_len: int) -> None:
