@@ -208,7 +208,7 @@ class ServerConfig:
     grammar_workers: int = _opt(2, "threads that check structured-output grammars before requests are admitted")
     grammar_timeout: float = _opt(10.0, "seconds a structured-output grammar may take to compile; slower ones are "
                                         "refused with 400")
-    # the API process builds and sends every entry: a bound on that work keeps /health answering (docs/compatibility.md)
+    # the API process builds and sends every entry: this bounds that work (figures in docs/compatibility.md)
     max_response_logprobs: int = _opt(2**17, "logprob entries one response may carry (choices x tokens x "
                                              "(top alternatives + 1), prompt logprobs too); requests that could "
                                              "return more are refused with 400")

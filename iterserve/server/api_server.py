@@ -15,6 +15,7 @@ the context is refused before it is tokenized when its length alone proves it.
 from __future__ import annotations
 
 import asyncio
+import gc
 import logging
 import math
 import signal
@@ -89,6 +90,7 @@ def build_app(config: EngineConfig, server: ServerConfig | None = None) -> FastA
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         await llm.start()
+        gc.freeze()  # startup's objects live as long as the process: full collections (GIL held) now skip them
         logger.info("engine core started; serving %r on %s (%s)", served_model_name, config.resolved_device,
                     config.resolved_dtype)
         try:

@@ -5,6 +5,7 @@ shutdown, and bad input that only ever gets a 4xx. Engine faults and admission: 
 from __future__ import annotations
 
 import asyncio
+import gc
 import json
 import math
 import re
@@ -17,7 +18,18 @@ from hypothesis import strategies as st
 
 import iterserve
 from iterserve import SamplingParams
-from tests.server.conftest import API_KEY, MAX_MODEL_LEN, MODEL, ServerThread, aborted, metric_samples, wait_until_idle
+from iterserve.config import EngineConfig, ServerConfig
+from iterserve.server import build_app
+from tests.server.conftest import (
+    API_KEY,
+    MAX_MODEL_LEN,
+    MODEL,
+    TINY_MODEL,
+    ServerThread,
+    aborted,
+    metric_samples,
+    wait_until_idle,
+)
 
 AUTH = {"Authorization": f"Bearer {API_KEY}"}
 PROMPT = "The capital of France is"
@@ -322,6 +334,17 @@ def test_openapi_documents_every_answer(server):
         assert content["text/event-stream"]["schema"]["properties"]["data"] == {"type": "string"}
     assert list(doc["paths"]["/metrics"]["get"]["responses"]["200"]["content"]) == ["text/plain"]
     assert "204" in doc["paths"]["/favicon.ico"]["get"]["responses"]
+
+
+def test_startup_objects_are_frozen_out_of_garbage_collection():
+    """Full collections walk every tracked object with the GIL held: with startup's objects in them, they
+    held /health for about a second during a large logprobs response (docs/compatibility.md)."""
+    gc.collect()
+    before = gc.get_freeze_count()
+    config = EngineConfig(model=TINY_MODEL, dtype="float32", num_kv_blocks=16, max_model_len=64)
+    with ServerThread(build_app(config, ServerConfig(served_model_name=MODEL))) as s:
+        assert httpx.get(f"{s.url}/health").status_code == 200
+        assert gc.get_freeze_count() > before
 
 
 # -- fuzz ----------------------------------------------------------------------------------------------

@@ -1,4 +1,5 @@
-"""The shared steps of the routes (iterserve/server/serving.py), driven without an HTTP server."""
+"""The shared steps of the routes (iterserve/server/serving.py): the abort path driven without an HTTP
+server, the logprobs caps through one."""
 
 from __future__ import annotations
 
