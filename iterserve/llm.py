@@ -36,7 +36,7 @@ IGNORED_VLLM_OPTIONS = frozenset({
     "enforce_eager", "trust_remote_code", "tokenizer_mode", "skip_tokenizer_init", "revision", "tokenizer_revision",
     "swap_space", "cpu_offload_gb", "max_seq_len_to_capture", "disable_custom_all_reduce", "disable_log_stats",
     "disable_async_output_proc", "enable_chunked_prefill", "distributed_executor_backend", "load_format",
-    "download_dir", "hf_token", "compilation_config", "max_logprobs", "task", "worker_cls", "tokenizer",
+    "download_dir", "hf_token", "compilation_config", "task", "worker_cls", "tokenizer",
 })
 # vLLM options accepted only at the value this engine implements; any other value is an error.
 FIXED_VLLM_OPTIONS: dict[str, Any] = {

@@ -17,6 +17,7 @@ from contextvars import ContextVar
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
+from iterserve.config.runtime import MAX_LOGPROBS
 from iterserve.errors import SamplingParamsError
 
 __all__ = ["BeamSearchParams", "RequestOutputKind", "SamplingParams", "SamplingParamsError", "StructuredOutputsParams",
@@ -342,10 +343,10 @@ class SamplingParams:
             (self.min_tokens >= 0, "min_tokens", f"min_tokens must be >= 0, got {self.min_tokens}"),
             (self.max_tokens is None or self.min_tokens <= self.max_tokens, "min_tokens",
              f"min_tokens ({self.min_tokens}) must not exceed max_tokens ({self.max_tokens})"),
-            (self.logprobs is None or 0 <= self.logprobs <= 20, "logprobs",
-             f"logprobs must be in [0, 20], got {self.logprobs}"),
-            (self.prompt_logprobs is None or 0 <= self.prompt_logprobs <= 20, "prompt_logprobs",
-             f"prompt_logprobs must be in [0, 20], got {self.prompt_logprobs}"),
+            (self.logprobs is None or 0 <= self.logprobs <= MAX_LOGPROBS, "logprobs",
+             f"logprobs must be in [0, {MAX_LOGPROBS}], got {self.logprobs}"),
+            (self.prompt_logprobs is None or 0 <= self.prompt_logprobs <= MAX_LOGPROBS, "prompt_logprobs",
+             f"prompt_logprobs must be in [0, {MAX_LOGPROBS}], got {self.prompt_logprobs}"),
             (all(self.stop), "stop", "stop must be a list of non-empty strings"),
             (stop_chars <= MAX_STOP_CHARS, "stop",
              f"stop strings have {stop_chars} characters in all; at most {MAX_STOP_CHARS} are allowed"),

@@ -88,6 +88,17 @@ def test_logprob_objects_and_cumulative_logprob(smollm):
     assert plain.logprobs is None and plain.cumulative_logprob is None
 
 
+def test_max_logprobs_caps_what_a_request_may_ask_for(smollm):
+    """vLLM's max_logprobs option: more alternatives per token are refused, fewer are served."""
+    llm = LLM(loaded=smollm, num_kv_blocks=64, max_logprobs=2)
+    with pytest.raises(ValueError, match="greater than max allowed: 2"):
+        llm.generate("Hello", SamplingParams(max_tokens=2, logprobs=3), use_tqdm=False)
+    c = llm.generate("Hello", SamplingParams(temperature=0, max_tokens=2, logprobs=2), use_tqdm=False)[0].outputs[0]
+    assert [len(entry) for entry in c.logprobs] == [2, 2]
+    with pytest.raises(ValueError, match="max_logprobs must be an integer in"):
+        LLM(loaded=smollm, max_logprobs=21)
+
+
 def test_vllm_options_are_mapped_warned_about_or_refused(smollm, caplog):
     with caplog.at_level(logging.WARNING, logger="iterserve.llm"):
         llm = LLM(loaded=smollm, enforce_eager=True, trust_remote_code=True, pipeline_parallel_size=1,

@@ -22,6 +22,8 @@ Batching = Literal["continuous", "static", "dynamic"]
 KVAllocation = Literal["paged", "reserved"]
 LogLevel = Literal["DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL"]
 LOG_LEVELS: tuple[str, ...] = typing.get_args(LogLevel)
+# The sampler returns at most this many top alternatives per token (vLLM's default --max-logprobs).
+MAX_LOGPROBS = 20
 
 
 def _opt(default: Any, text: str, **cli: Any) -> Any:
@@ -112,6 +114,8 @@ class EngineConfig:
     kv_allocation: KVAllocation = _same_as(SchedulerConfig, "kv_allocation")
     tensor_parallel_size: int = _opt(1, "split every layer over this many processes (tensor parallelism); "
                                         "under torchrun, the launcher's WORLD_SIZE")
+    max_logprobs: int = _opt(MAX_LOGPROBS, "most top alternatives a request may ask for per token (logprobs, "
+                                           f"top_logprobs, prompt_logprobs), as vLLM's; at most {MAX_LOGPROBS}")
     seed: int = _opt(0, "seed of random weights and of sampling without a per-request seed")
     step_trace: str | None = _opt(None, "write a JSON-lines trace of every step and request to this file")
     load_progress: bool = _opt(True, "count the weights on stderr while the model loads (drawn only where stderr "
@@ -144,6 +148,10 @@ class EngineConfig:
         _check_positive(self, "max_model_len", "num_kv_blocks", allow_none=True)
         if self.quantization is not None:
             _check_choice(self, "quantization", Quantization)
+        if isinstance(self.max_logprobs, bool) or not isinstance(self.max_logprobs, int) \
+                or not 0 <= self.max_logprobs <= MAX_LOGPROBS:
+            raise ValueError(f"max_logprobs must be an integer in [0, {MAX_LOGPROBS}] (the sampler returns at most "
+                             f"{MAX_LOGPROBS} alternatives), got {self.max_logprobs!r}")
         if not isinstance(self.step_history, int) or self.step_history < 0:
             raise ValueError(f"step_history must be an integer >= 0, got {self.step_history!r}")
         self.scheduler_config(self.max_model_len)  # the scheduler's fields are checked where they are defined
@@ -200,13 +208,17 @@ class ServerConfig:
     grammar_workers: int = _opt(2, "threads that check structured-output grammars before requests are admitted")
     grammar_timeout: float = _opt(10.0, "seconds a structured-output grammar may take to compile; slower ones are "
                                         "refused with 400")
+    # the API process builds and sends every entry: this bounds that work (figures in docs/compatibility.md)
+    max_response_logprobs: int = _opt(2**17, "logprob entries one response may carry (choices x tokens x "
+                                             "(top alternatives + 1), prompt logprobs too); requests that could "
+                                             "return more are refused with 400")
     log_level: LogLevel = _opt("INFO", "log level of the server and its engine core", cli=False)
     chat_template: str | None = _opt(None, "chat template used instead of the model's: a file, or the template "
                                            "itself (as vLLM takes it); a request's chat_template still wins")
 
     def __post_init__(self) -> None:
         _check_positive(self, "max_waiting", "max_request_body_bytes", "data_parallel_size", "max_dashboard_viewers",
-                        "grammar_workers")
+                        "grammar_workers", "max_response_logprobs")
         if not isinstance(self.port, int) or not 0 <= self.port <= 65535:
             raise ValueError(f"port must be in [0, 65535], got {self.port!r}")
         if self.shutdown_timeout < 0:

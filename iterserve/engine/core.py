@@ -150,7 +150,7 @@ class EngineCore:
         if rid in self.requests or rid in self._compiling:
             raise ValueError(f"request id {rid!r} is already in use")
         max_tokens = check_prompt(request.prompt_token_ids, params, self.model_config.vocab_size,
-                                  self.max_model_len, self.config.max_num_seqs)
+                                  self.max_model_len, self.config.max_num_seqs, self.config.max_logprobs)
         if params.structured_outputs is None:
             self._queue(request, max_tokens, None)
             return None

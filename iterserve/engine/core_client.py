@@ -259,7 +259,7 @@ class EngineCoreClient:
     def check_request(self, prompt: list[int], params: SamplingParams) -> int:
         """The request's max_tokens, once its prompt and params are proven to fit the model; RequestError if not."""
         return check_prompt(prompt, params, self.model_config.vocab_size, self.max_model_len,
-                            self.config.max_num_seqs)
+                            self.config.max_num_seqs, self.config.max_logprobs)
 
     def add_request(self, request_id: str, prompt: list[int], params: SamplingParams, arrival_time: float,
                     stream: bool = True, admitted: bool = False, kind: RequestOutputKind | None = None,

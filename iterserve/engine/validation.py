@@ -3,6 +3,7 @@ and the server's client (and its prompt-length precheck) before it sends one."""
 
 from __future__ import annotations
 
+from iterserve.config.runtime import MAX_LOGPROBS
 from iterserve.errors import RequestError, SamplingParamsError
 from iterserve.sampling_params import SamplingParams
 
@@ -21,11 +22,21 @@ def check_prompt_ids(token_ids: list[int], vocab_size: int, max_model_len: int) 
         raise RequestError(f"prompt token ids must be integers in [0, {vocab_size}); got {bad[:5]}", "prompt")
 
 
+def check_logprobs(params: SamplingParams, max_logprobs: int) -> None:
+    """Refuse more top alternatives per token than the engine's ``max_logprobs`` (vLLM's check and words)."""
+    for name, asked in (("logprobs", params.logprobs), ("prompt_logprobs", params.prompt_logprobs)):
+        if asked is not None and asked > max_logprobs:
+            kind = "sample" if name == "logprobs" else "prompt"
+            raise SamplingParamsError(name, f"Requested {kind} logprobs of {asked}, which is greater than max "
+                                            f"allowed: {max_logprobs} (max_logprobs)")
+
+
 def check_prompt(token_ids: list[int], params: SamplingParams, vocab_size: int, max_model_len: int,
-                 max_num_seqs: int | None = None) -> int:
+                 max_num_seqs: int | None = None, max_logprobs: int = MAX_LOGPROBS) -> int:
     """Validate a tokenized request (the one home of these checks, for the server too); returns its
     max_tokens resolved against max_model_len. Raises :class:`RequestError`."""
     check_prompt_ids(token_ids, vocab_size, max_model_len)
+    check_logprobs(params, max_logprobs)
     for name, ids in (("logit_bias", params.logit_bias or {}), ("allowed_token_ids", params.allowed_token_ids or [])):
         outside = [t for t in ids if t >= vocab_size]
         if outside:

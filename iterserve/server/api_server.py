@@ -15,6 +15,7 @@ the context is refused before it is tokenized when its length alone proves it.
 from __future__ import annotations
 
 import asyncio
+import gc
 import logging
 import math
 import signal
@@ -24,7 +25,7 @@ from typing import Any
 
 import uvicorn
 from fastapi import FastAPI
-from fastapi.responses import Response
+from fastapi.responses import PlainTextResponse, Response
 
 from iterserve import __version__
 from iterserve.config import EngineConfig, ServerConfig
@@ -41,7 +42,8 @@ from iterserve.server.middleware import (
     HTTP2PrefaceMiddleware,
     JSONBodyMiddleware,
 )
-from iterserve.server.request_body import document_bodies
+from iterserve.server.request_body import document_bodies, streamed_or_whole
+from iterserve.server.response_bodies import ChatCompletionResponse, CompletionResponse, ResponseObject
 from iterserve.server.serving_chat import ChatServing
 from iterserve.server.serving_completions import CompletionServing
 from iterserve.server.serving_discovery import DiscoveryServing, cache_config_info
@@ -80,6 +82,8 @@ def build_app(config: EngineConfig, server: ServerConfig | None = None) -> FastA
     info = InfoServing(engine, metrics, served_model_name)
     discovery = DiscoveryServing(engine, metrics, served_model_name, grammars)
     metrics.record_cache_config(cache_config_info(engine))
+    for route in (completion, chat, responses):
+        route.max_response_logprobs = server.max_response_logprobs
     if server.chat_template is not None:
         chat.chat_template = responses.chat_template = tokenize.chat_template = discovery.chat_template = \
             load_chat_template(server.chat_template)
@@ -87,6 +91,7 @@ def build_app(config: EngineConfig, server: ServerConfig | None = None) -> FastA
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         await llm.start()
+        gc.freeze()  # startup's objects live as long as the process: full collections (GIL held) now skip them
         logger.info("engine core started; serving %r on %s (%s)", served_model_name, config.resolved_device,
                     config.resolved_dtype)
         try:
@@ -109,9 +114,11 @@ def build_app(config: EngineConfig, server: ServerConfig | None = None) -> FastA
         app.add_middleware(APIKeyMiddleware, api_key=api_key)
     app.add_middleware(HTTP2PrefaceMiddleware)
 
-    app.post("/v1/completions", response_model=None)(completion.completions)
-    app.post("/v1/chat/completions", response_model=None)(chat.chat_completions)
-    app.post("/v1/responses", response_model=None)(responses.responses)
+    app.post("/v1/completions", response_model=None, responses=streamed_or_whole(CompletionResponse))(
+        completion.completions)
+    app.post("/v1/chat/completions", response_model=None, responses=streamed_or_whole(ChatCompletionResponse))(
+        chat.chat_completions)
+    app.post("/v1/responses", response_model=None, responses=streamed_or_whole(ResponseObject))(responses.responses)
     app.get("/v1/models")(info.models)
     app.get("/v1/models/{model_id:path}")(info.model)
     app.post("/tokenize")(tokenize.tokenize)
@@ -121,9 +128,10 @@ def build_app(config: EngineConfig, server: ServerConfig | None = None) -> FastA
         app.api_route("/ping", methods=[method], response_model=None, operation_id=f"ping_{method.lower()}")(
             info.health)
     app.post("/v1/embeddings", response_model=None)(info.embeddings)
-    app.get("/favicon.ico", response_model=None)(lambda: Response(status_code=204))  # browsers ask; nothing to send
+    # browsers ask; nothing to send
+    app.get("/favicon.ico", response_model=None, status_code=204)(lambda: Response(status_code=204))
     app.get("/version")(info.version)
-    app.get("/metrics", response_model=None)(info.prometheus)
+    app.get("/metrics", response_model=None, response_class=PlainTextResponse)(info.prometheus)
     add_discovery_routes(app, discovery)
     add_dashboard(app, engine, served_model_name, api_key, server.max_dashboard_viewers)
     document_bodies(app)

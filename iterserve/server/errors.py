@@ -63,9 +63,10 @@ def error_response(error: APIError) -> JSONResponse:
     return JSONResponse(error.body(), status_code=error.status_code, headers=error.headers)
 
 
-def request_error(error: RequestError, prompt_param: str = "prompt") -> APIError:
-    """A request the engine refused, as a 400 naming the field (the prompt under the name the client used)."""
-    param = prompt_param if error.param == "prompt" else error.param
+def request_error(error: RequestError, prompt_param: str = "prompt", logprobs_param: str = "logprobs") -> APIError:
+    """A request the engine refused, as a 400 naming the field (the prompt and logprobs under the names the
+    client used)."""
+    param = {"prompt": prompt_param, "logprobs": logprobs_param}.get(error.param or "", error.param)
     return bad_request(str(error), param, error.code)
 
 

@@ -19,6 +19,8 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.routing import APIRoute
 from pydantic import BaseModel, ValidationError
 
+from iterserve.server.errors import ErrorResponse
+
 M = TypeVar("M", bound=BaseModel)
 
 
@@ -56,9 +58,35 @@ def validated(model: type[M]) -> Any:
     return Depends(parse)
 
 
+def streamed_or_whole(model: type[BaseModel]) -> dict[int | str, dict[str, Any]]:
+    """A generation route's 200 for its ``responses``: ``model`` as JSON, or server-sent events when streamed."""
+    event = {"type": "object", "required": ["data"],
+             "properties": {"event": {"type": "string"}, "data": {"type": "string"}}}  # one event of the stream
+    return {200: {"model": model, "content": {"text/event-stream": {"schema": event}}}}
+
+
+def _document_errors(doc: dict[str, Any]) -> None:
+    """Every operation's 4xx and 5xx as what they are, OpenAI's error body (:mod:`.errors`), in place of
+    FastAPI's 422, which this server never sends (validation errors are 400s)."""
+    schemas = doc.setdefault("components", {}).setdefault("schemas", {})
+    schema = ErrorResponse.model_json_schema(ref_template="#/components/schemas/{model}")
+    schemas.update(schema.pop("$defs", {}))
+    schemas["ErrorResponse"] = schema
+    for name in ("HTTPValidationError", "ValidationError"):
+        schemas.pop(name, None)
+    error = {"content": {"application/json": {"schema": {"$ref": "#/components/schemas/ErrorResponse"}}}}
+    for operations in doc.get("paths", {}).values():
+        for operation in operations.values():
+            responses = operation.setdefault("responses", {})
+            responses.pop("422", None)
+            responses["4XX"] = {"description": "the request was refused (an OpenAI error body)", **error}
+            responses["5XX"] = {"description": "the server or its engine failed (an OpenAI error body)", **error}
+
+
 def document_bodies(app: FastAPI) -> None:
-    """Put the bodies that :func:`validated` parses into ``/openapi.json``: FastAPI sees raw bytes there,
-    and generated clients and fuzzers need each route's real schema."""
+    """Put the bodies that :func:`validated` parses into ``/openapi.json`` (FastAPI sees raw bytes there,
+    and generated clients and fuzzers need each route's real schema), and the error answers every route
+    may give."""
     generate = app.openapi
 
     def openapi() -> dict[str, Any]:
@@ -80,6 +108,7 @@ def document_bodies(app: FastAPI) -> None:
                 for method in route.methods or ():
                     doc["paths"][route.path_format][method.lower()]["requestBody"] = {
                         "required": True, "content": {"application/json": {"schema": ref}}}
+        _document_errors(doc)
         return doc
 
     app.openapi = openapi  # type: ignore[method-assign]

@@ -24,6 +24,7 @@ from fastapi import Request
 from fastapi.responses import StreamingResponse
 from starlette.background import BackgroundTask
 
+from iterserve.config import ServerConfig
 from iterserve.engine.core_client import EngineCoreClient
 from iterserve.engine.request_stream import RequestStream
 from iterserve.errors import QueueFullError, RequestError
@@ -45,6 +46,7 @@ RETRY_AFTER_S = 1
 MIN_LOGPROB = -9999.0  # stands in for -inf, which JSON cannot carry
 
 LogprobPairs = list[tuple[int, dict[int, Logprob] | None]]  # (token, its logprobs entry) per token
+DEFAULT_MAX_RESPONSE_LOGPROBS = ServerConfig.max_response_logprobs
 
 
 def finite(logprob: float) -> float:
@@ -61,6 +63,19 @@ def new_logprobs(c: CompletionOutput) -> LogprobPairs:
     if not k or not c.logprobs:
         return []
     return list(zip(c.token_ids[-k:], c.logprobs[-k:]))
+
+
+def logprobs_work(params: SamplingParams, prompt_len: int, max_tokens: int) -> tuple[int, str]:
+    """How many logprob entries a request may return (each sampled or prompt token's own, and its top
+    alternatives), and the sum that makes it, for an error message."""
+    total, parts = 0, []
+    if params.logprobs is not None:
+        total += params.n * max_tokens * (params.logprobs + 1)
+        parts.append(f"n={params.n} x {max_tokens} tokens x {params.logprobs + 1} per token")
+    if params.prompt_logprobs is not None:
+        total += prompt_len * (params.prompt_logprobs + 1)
+        parts.append(f"{prompt_len} prompt tokens x {params.prompt_logprobs + 1}")
+    return total, " + ".join(parts)
 
 
 def usage_of(out: RequestOutput) -> Usage:
@@ -88,6 +103,7 @@ class OpenAIServing:
         self.model_name = model_name
         self.grammars = grammars  # what proves a request's grammar runnable (the routes that take one)
         self.chat_template: str | None = None  # the server's --chat-template, used where a request gives none
+        self.max_response_logprobs = DEFAULT_MAX_RESPONSE_LOGPROBS  # the server's --max-response-logprobs
 
     # -- shared steps -------------------------------------------------------------------------
 
@@ -165,18 +181,33 @@ class OpenAIServing:
         return await asyncio.to_thread(render_and_encode)
 
     async def _submit(self, request_id: str, prompt: list[int], params: SamplingParams, stream: bool,
-                      prompt_param: str = "prompt") -> RequestStream:
+                      prompt_param: str = "prompt", logprobs_param: str = "logprobs") -> RequestStream:
         """Send the request to the engine: deltas when streaming, one final output otherwise. The
-        engine validates the prompt against its context; ``prompt_param`` is the field that carried it."""
+        engine validates the prompt against its context; ``prompt_param`` is the field that carried it,
+        ``logprobs_param`` the one that asked for logprobs."""
         try:
+            self._check_logprobs_work(prompt, params, logprobs_param)
             return self.engine.add_request(request_id, prompt, params, time.perf_counter(), stream)
         except QueueFullError as e:
             raise APIError(429, f"the server is at capacity: {e}; retry later", type="rate_limit_error",
                            code="rate_limit_exceeded", headers={"Retry-After": str(RETRY_AFTER_S)}) from e
         except RequestError as e:
-            raise request_error(e, prompt_param) from e
+            raise request_error(e, prompt_param, logprobs_param) from e
         except ValueError as e:
             raise bad_request(str(e)) from e
+
+    def _check_logprobs_work(self, prompt: list[int], params: SamplingParams, param: str = "logprobs") -> None:
+        """Refuse a request whose logprobs could make a response of more than ``max_response_logprobs``
+        entries (building and sending one takes the API process seconds), naming the limit."""
+        if params.logprobs is None and params.prompt_logprobs is None:
+            return
+        max_tokens = self.engine.check_request(prompt, params)  # a prompt that does not fit is told so first
+        total, terms = logprobs_work(params, len(prompt), max_tokens)
+        if total > self.max_response_logprobs:
+            raise bad_request(f"this request could return {total} logprobs ({terms}), more than the "
+                              f"{self.max_response_logprobs} a response may carry (max_response_logprobs); ask for "
+                              "fewer choices, tokens or top alternatives",
+                              param if params.logprobs is not None else "prompt_logprobs")
 
     async def _final_outputs(self, streams: Sequence[Outputs], request: Request) -> list[RequestOutput] | None:
         """Every stream's finished output, or None when the client disconnected first (all are aborted)."""
@@ -225,6 +256,7 @@ class OpenAIServing:
             return [await self._submit(request_id, prompts[0], params, stream)]
         for prompt in prompts[1:]:
             try:
+                self._check_logprobs_work(prompt, params)
                 self.engine.check_request(prompt, params)
             except RequestError as e:
                 raise request_error(e) from e

@@ -5,6 +5,7 @@ shutdown, and bad input that only ever gets a 4xx. Engine faults and admission: 
 from __future__ import annotations
 
 import asyncio
+import gc
 import json
 import math
 import re
@@ -17,7 +18,18 @@ from hypothesis import strategies as st
 
 import iterserve
 from iterserve import SamplingParams
-from tests.server.conftest import API_KEY, MAX_MODEL_LEN, MODEL, ServerThread, aborted, metric_samples, wait_until_idle
+from iterserve.config import EngineConfig, ServerConfig
+from iterserve.server import build_app
+from tests.server.conftest import (
+    API_KEY,
+    MAX_MODEL_LEN,
+    MODEL,
+    TINY_MODEL,
+    ServerThread,
+    aborted,
+    metric_samples,
+    wait_until_idle,
+)
 
 AUTH = {"Authorization": f"Bearer {API_KEY}"}
 PROMPT = "The capital of France is"
@@ -298,6 +310,41 @@ def test_openapi_documents_every_request_body(server):
     assert refs <= set(schemas), refs - set(schemas)  # every reference resolves
     operations = [op["operationId"] for item in doc["paths"].values() for op in item.values()]
     assert len(operations) == len(set(operations))
+
+
+def test_openapi_documents_every_answer(server):
+    """What a schema-driven fuzzer checks responses against: errors as OpenAI bodies (never FastAPI's 422),
+    the generation routes' bodies and streams, and the routes that answer neither JSON nor 200."""
+    with http(server) as c:
+        doc = c.get("/openapi.json").json()
+        refused = c.post("/v1/completions", json={"prompt": "Hi", "n": 0})
+    error_ref = {"$ref": "#/components/schemas/ErrorResponse"}
+    for path, item in doc["paths"].items():
+        for method, op in item.items():
+            responses = op["responses"]
+            assert "422" not in responses, (method, path)
+            assert all(responses[k]["content"]["application/json"]["schema"] == error_ref for k in ("4XX", "5XX"))
+    assert "HTTPValidationError" not in doc["components"]["schemas"]
+    assert refused.status_code == 400 and set(refused.json()["error"]) == \
+        set(doc["components"]["schemas"]["ErrorInfo"]["properties"])
+    for path, model in [("/v1/completions", "CompletionResponse"), ("/v1/chat/completions", "ChatCompletionResponse"),
+                        ("/v1/responses", "ResponseObject")]:
+        content = doc["paths"][path]["post"]["responses"]["200"]["content"]
+        assert content["application/json"]["schema"] == {"$ref": f"#/components/schemas/{model}"}
+        assert content["text/event-stream"]["schema"]["properties"]["data"] == {"type": "string"}
+    assert list(doc["paths"]["/metrics"]["get"]["responses"]["200"]["content"]) == ["text/plain"]
+    assert "204" in doc["paths"]["/favicon.ico"]["get"]["responses"]
+
+
+def test_startup_objects_are_frozen_out_of_garbage_collection():
+    """Full collections walk every tracked object with the GIL held: with startup's objects in them, they
+    held /health for about a second during a large logprobs response (docs/compatibility.md)."""
+    gc.collect()
+    before = gc.get_freeze_count()
+    config = EngineConfig(model=TINY_MODEL, dtype="float32", num_kv_blocks=16, max_model_len=64)
+    with ServerThread(build_app(config, ServerConfig(served_model_name=MODEL))) as s:
+        assert httpx.get(f"{s.url}/health").status_code == 200
+        assert gc.get_freeze_count() > before
 
 
 # -- fuzz ----------------------------------------------------------------------------------------------
