@@ -25,7 +25,7 @@ from iterserve.engine.scheduler import ScheduledSeq
 from iterserve.engine.sequence import Sequence
 from iterserve.engine.spec_decode.draft import load_draft
 from iterserve.models.loader import LoadedModel, load_model
-from iterserve.platforms.malloc import tune_allocator
+from iterserve.platforms.malloc import release_free_heap, tune_allocator
 
 logger = logging.getLogger(__name__)
 
@@ -47,12 +47,16 @@ class Worker:
     @classmethod
     def load(cls, config: EngineConfig, device: str | None, parallel: ParallelState | None = None) -> Worker:
         """Load ``config.model`` (the shard ``parallel`` names) onto ``device``."""
-        if (device or ("cuda" if torch.cuda.is_available() else "cpu")).startswith("cpu"):
+        on_cpu = (device or ("cuda" if torch.cuda.is_available() else "cpu")).startswith("cpu")
+        if on_cpu:
             prepare_cpu()  # before loading: the linear methods are timed on the threads they will run on
         # under tensor parallelism rank 0 alone draws the load's progress
         progress = config.load_progress and (parallel is None or parallel.rank == 0)
-        return cls(config, load_model(config.model, config.dtype, device, config.seed, parallel=parallel,
-                                      quantization=config.quantization, progress=progress))
+        loaded = load_model(config.model, config.dtype, device, config.seed, parallel=parallel,
+                            quantization=config.quantization, progress=progress)
+        if on_cpu:
+            release_free_heap()  # memory held is the weights', not the load's transients
+        return cls(config, loaded)
 
     def execute_model(self, scheduled: list[ScheduledSeq], block_copies: list[tuple[int, int]]) -> SampleResult:
         """One whole step in this process: inputs, forward pass, samples."""
