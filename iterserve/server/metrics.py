@@ -105,10 +105,8 @@ class ServerMetrics:
         self._counters = {
             field: Counter(name, doc, names, registry=self.registry) for field, (name, doc) in _CORE_COUNTERS.items()
         }
-        self._request_success = Counter(
-            "vllm:request_success", "Finished requests by finish reason.", [*names, "finished_reason"],
-            registry=self.registry,
-        )
+        self._request_success = Counter("vllm:request_success", "Finished requests by finish reason.",
+                                        [*names, "finished_reason"], registry=self.registry)
         self._restarts = Counter("iterserve:engine_restarts", "Engine core processes started in place of one that "
                                  "died.", names, registry=self.registry)
         families.append(self._restarts)
