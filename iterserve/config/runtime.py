@@ -71,10 +71,11 @@ class SchedulerConfig:
     kv_allocation: KVAllocation = _opt("paged", "paged: KV blocks as tokens arrive; reserved: blocks for "
                                                 "prompt + max_tokens (each of n) held from admission")
     max_model_len: int | None = _opt(None, "a sequence reaching this many tokens finishes with 'length'", cli=False)
+    max_loras: int | None = _opt(None, "most LoRA adapters in one step's batch (None: LoRA is off)", cli=False)
 
     def __post_init__(self) -> None:
         _check_positive(self, "max_num_seqs", "max_num_batched_tokens")
-        _check_positive(self, "max_model_len", allow_none=True)
+        _check_positive(self, "max_model_len", "max_loras", allow_none=True)
         _check_choice(self, "batching", Batching)
         _check_choice(self, "kv_allocation", KVAllocation)
         if isinstance(self.max_batch_wait, bool) or not isinstance(self.max_batch_wait, (int, float)) \
@@ -121,6 +122,10 @@ class EngineConfig:
               '{"enable_kv_cache_events": true, "publisher": "zmq", "endpoint": "tcp://*:5557"} (also '
               'replay_endpoint, buffer_steps, hwm, max_queue_size, topic); replica i of a data-parallel server '
               'publishes on the port + i', type=str)
+    enable_lora: bool = _opt(False, "serve LoRA adapters of the model (PEFT folders), many in one batch; a request "
+                                    "names its adapter (LLM.generate(lora_request=...))")
+    max_loras: int = _opt(1, "most LoRA adapters in one step's batch, and held loaded at once")
+    max_lora_rank: int = _opt(16, "highest LoRA rank an adapter may have")
 
     def __post_init__(self) -> None:
         # aliases (fp32, bf16, half) are accepted and stored under their one canonical name
@@ -133,7 +138,9 @@ class EngineConfig:
         if spec is not None and spec.uses_draft_model and self.tensor_parallel_size > 1:
             raise ValueError("a speculative draft model runs with tensor_parallel_size=1 only; n-gram speculation "
                              "works with any")
-        _check_positive(self, "block_size", "tensor_parallel_size")
+        _check_positive(self, "block_size", "tensor_parallel_size", "max_loras", "max_lora_rank")
+        if self.enable_lora and self.tensor_parallel_size > 1:
+            raise ValueError("LoRA adapters run with tensor_parallel_size=1 only")
         _check_positive(self, "max_model_len", "num_kv_blocks", allow_none=True)
         if self.quantization is not None:
             _check_choice(self, "quantization", Quantization)
@@ -158,7 +165,7 @@ class EngineConfig:
     def scheduler_config(self, max_model_len: int | None) -> SchedulerConfig:
         """The scheduler's share of this config, with max_model_len resolved against the KV pool."""
         return SchedulerConfig(self.max_num_seqs, self.max_num_batched_tokens, self.batching, self.max_batch_wait,
-                               self.kv_allocation, max_model_len)
+                               self.kv_allocation, max_model_len, self.max_loras if self.enable_lora else None)
 
 
 @dataclass(frozen=True)

@@ -149,6 +149,11 @@ class EngineCore:
             raise ValueError(f"request id {rid!r} is already in use")
         max_tokens = check_prompt(request.prompt_token_ids, params, self.model_config.vocab_size,
                                   self.max_model_len, self.config.max_num_seqs)
+        if request.lora is not None:
+            if not self.config.enable_lora:
+                raise ValueError(f"request {rid!r} names LoRA adapter {request.lora.lora_name!r} but LoRA is not "
+                                 "enabled (enable_lora=True / --enable-lora)")
+            self.executor.add_lora(request.lora)  # loads and checks it now: a bad adapter fails its request here
         if params.structured_outputs is None:
             self._queue(request, max_tokens, None)
             return None
@@ -169,7 +174,7 @@ class EngineCore:
                 request_id=rid, prompt=None, prompt_token_ids=list(ids), params=params, max_tokens=max_tokens,
                 metrics=RequestMetrics(arrival_time=request.arrival_time, num_prompt_tokens=len(ids)),
                 stop_ids=stop_ids, index=index, generator=self._generator(params.seed, index),
-                grammar=grammar.copy() if grammar is not None and index else grammar,
+                grammar=grammar.copy() if grammar is not None and index else grammar, lora=request.lora,
             )
             for index in range(params.num_seqs)
         ]

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import msgspec
 
+from iterserve.lora.request import LoRARequest
 from iterserve.outputs import TokenLogprobs
 from iterserve.sampling_params import SamplingParams
 
@@ -21,6 +22,7 @@ class EngineCoreRequest(msgspec.Struct, tag="add"):
     prompt_token_ids: list[int]
     params: SamplingParams
     arrival_time: float
+    lora: LoRARequest | None = None  # the LoRA adapter the request runs under (None: the base model)
 
 
 class AbortRequests(msgspec.Struct, tag="abort"):
