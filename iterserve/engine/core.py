@@ -17,7 +17,7 @@ import logging
 import os
 import time
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from concurrent.futures import FIRST_COMPLETED, Future, wait
 from typing import IO
 
@@ -343,7 +343,13 @@ class EngineCore:
             spec_num_accepted_tokens=self.spec_stats.num_accepted_tokens,
             spec_accepted_per_pos=list(self.spec_stats.accepted_per_pos),
             kv_events_dropped=self.kv_events.dropped if self.kv_events is not None else 0,
+            running_loras=self._lora_names(self.scheduler.running) if self.config.enable_lora else [],
+            waiting_loras=self._lora_names(self.scheduler.waiting) if self.config.enable_lora else [],
         )
+
+    @staticmethod
+    def _lora_names(seqs: Iterable[Sequence]) -> list[str]:
+        return sorted({s.lora.lora_name for s in seqs if s.lora is not None})
 
     def _record(self, sched: SchedulerOutput, start: float, duration: float,
                 spec: SpecDecodeStats | None = None) -> StepStats | None:

@@ -83,6 +83,8 @@ class SchedulerStats(msgspec.Struct, array_like=True):
     spec_num_accepted_tokens: int = 0
     spec_accepted_per_pos: list[int] = []
     kv_events_dropped: int = 0  # KV-cache events the publisher's full queue dropped since start
+    running_loras: list[str] = []  # the LoRA adapters of the running requests, by name (with enable_lora)
+    waiting_loras: list[str] = []  # and of the waiting ones
 
 
 class BatchRow(msgspec.Struct, array_like=True):
