@@ -203,6 +203,9 @@ class ServerConfig:
     log_level: LogLevel = _opt("INFO", "log level of the server and its engine core", cli=False)
     chat_template: str | None = _opt(None, "chat template used instead of the model's: a file, or the template "
                                            "itself (as vLLM takes it); a request's chat_template still wins")
+    lora_modules: tuple[str, ...] = _opt((), "LoRA adapters served beside the model, as vLLM's name=path ...: a "
+                                             "request's \"model\": \"<name>\" runs under that adapter (needs "
+                                             "--enable-lora)", type=str, nargs="+")
 
     def __post_init__(self) -> None:
         _check_positive(self, "max_waiting", "max_request_body_bytes", "data_parallel_size", "max_dashboard_viewers",
@@ -218,7 +221,21 @@ class ServerConfig:
             if not getattr(self, name) > 0:
                 raise ValueError(f"{name} must be > 0, got {getattr(self, name)!r}")
         object.__setattr__(self, "log_level", str(self.log_level).upper())
+        object.__setattr__(self, "lora_modules", tuple(self.lora_modules or ()))
+        self.lora_paths()  # a malformed name=path is refused at start
         _check_choice(self, "log_level", LogLevel)
+
+    def lora_paths(self) -> dict[str, str]:
+        """``{adapter name: its PEFT folder}`` from ``lora_modules``, in the order given."""
+        paths: dict[str, str] = {}
+        for module in self.lora_modules:
+            name, sep, path = str(module).partition("=")
+            if not sep or not name or not path:
+                raise ValueError(f"lora_modules takes name=path entries, got {module!r}")
+            if name in paths:
+                raise ValueError(f"LoRA adapter name {name!r} is given twice")
+            paths[name] = path
+        return paths
 
     def model_name(self, engine: EngineConfig) -> str:
         """The name clients ask for: ``served_model_name``, else the engine's model."""

@@ -30,6 +30,7 @@ from iterserve import __version__
 from iterserve.config import EngineConfig, ServerConfig
 from iterserve.engine.async_llm import AsyncLLM
 from iterserve.engine.core_client import EngineCoreClient
+from iterserve.lora.request import LoRARequest
 from iterserve.server.dashboard import add_dashboard
 from iterserve.server.errors import add_error_handlers
 from iterserve.server.grammars import GrammarChecker
@@ -60,6 +61,8 @@ def build_app(config: EngineConfig, server: ServerConfig | None = None) -> FastA
     Request bodies over ``server.max_request_body_bytes`` are refused with a 413.
     """
     server = server or ServerConfig()
+    if server.lora_modules and not config.enable_lora:
+        raise ValueError("--lora-modules needs --enable-lora")
     served_model_name, api_key = server.model_name(config), server.api_key
     llm = AsyncLLM(config, max_waiting=server.max_waiting, log_level=server.log_level,
                    data_parallel_size=server.data_parallel_size, stall_timeout=server.engine_stall_timeout,
@@ -79,6 +82,11 @@ def build_app(config: EngineConfig, server: ServerConfig | None = None) -> FastA
     info = InfoServing(engine, metrics, served_model_name)
     discovery = DiscoveryServing(engine, metrics, served_model_name, grammars)
     metrics.record_cache_config(cache_config_info(engine))
+    loras = {name: LoRARequest(name, i, path) for i, (name, path) in enumerate(server.lora_paths().items(), 1)}
+    for serving in (completion, chat, responses, tokenize, info, discovery):
+        serving.loras = loras
+    if config.enable_lora:
+        metrics.record_lora_info(config.max_loras)
     if server.chat_template is not None:
         chat.chat_template = responses.chat_template = tokenize.chat_template = discovery.chat_template = \
             load_chat_template(server.chat_template)

@@ -34,21 +34,29 @@ def save_adapter(folder, base: transformers.PreTrainedModel, lora_args: dict, se
     model.save_pretrained(folder)
 
 
-@pytest.fixture(scope="session")
-def base_folder(tmp_path_factory):
+def make_base_folder(tmp_path_factory):
     folder = tmp_path_factory.mktemp("lora_base")
     base_model().save_pretrained(folder)
     return folder
 
 
-@pytest.fixture(scope="session")
-def adapter_folders(tmp_path_factory) -> dict[str, object]:
+def make_adapter_folders(tmp_path_factory) -> dict[str, object]:
     folders = {}
     for name, (args, seed) in ADAPTERS.items():
         folder = tmp_path_factory.mktemp(f"lora_{name}")
         save_adapter(folder, base_model(), args, seed)
         folders[name] = folder
     return folders
+
+
+@pytest.fixture(scope="session")
+def base_folder(tmp_path_factory):
+    return make_base_folder(tmp_path_factory)
+
+
+@pytest.fixture(scope="session")
+def adapter_folders(tmp_path_factory) -> dict[str, object]:
+    return make_adapter_folders(tmp_path_factory)
 
 
 def merged_model(adapter_folder) -> transformers.PreTrainedModel:
