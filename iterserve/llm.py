@@ -41,7 +41,7 @@ IGNORED_VLLM_OPTIONS = frozenset({
 })
 # vLLM options accepted only at the value this engine implements; any other value is an error.
 FIXED_VLLM_OPTIONS: dict[str, Any] = {
-    "pipeline_parallel_size": 1, "kv_cache_dtype": "auto",
+    "pipeline_parallel_size": 1,
 }
 
 

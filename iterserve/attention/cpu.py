@@ -4,6 +4,7 @@ reference PyTorch path for the rest (prefill attention), and a decode step's who
 
 from __future__ import annotations
 
+import sys
 import weakref
 from types import ModuleType
 from typing import Any
@@ -17,7 +18,8 @@ from iterserve.attention.reference import ReferenceBackend
 
 class CpuBackend(ReferenceBackend):
     """``ops`` is the loaded extension (``iterserve.kernels.ops``); ``native_layers=False`` keeps every step's
-    layers in Python (the same kernels, called one by one: the native loop's A/B)."""
+    layers in Python (the same kernels, called one by one: the native loop's A/B); ``batch_invariant`` attends
+    prompts of any length as decodes, so that a row's attention never depends on the batch's make-up."""
 
     name = "cpu"
     # paged_decode on every prompt token, over its own prefix, on the kernels' threads, against SDPA on torch's
@@ -26,9 +28,11 @@ class CpuBackend(ReferenceBackend):
     # reuses a tile of K/V across rows. A whole step of decodes then runs in one native call.
     decode_prompts_up_to = 512
 
-    def __init__(self, ops: ModuleType, native_layers: bool = True) -> None:
+    def __init__(self, ops: ModuleType, native_layers: bool = True, batch_invariant: bool = False) -> None:
         self.ops = ops
         self.native_layers = native_layers
+        if batch_invariant:  # every prompt token attended in the decode kernel's order (platforms/invariance.py)
+            self.decode_prompts_up_to = sys.maxsize
         self._stacks: weakref.WeakKeyDictionary[NativeDecoderModel, Any] = weakref.WeakKeyDictionary()
 
     def keys_in_groups(self, dtype: torch.dtype, head_dim: int, block_size: int) -> bool:
@@ -38,6 +42,8 @@ class CpuBackend(ReferenceBackend):
                       kv_caches: list[KVCache], meta: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor] | None:
         # csrc/decoder.cpp calls this backend's kernels in this backend's order, built once per model.
         if not self.native_layers or not meta.num_decode_tokens or meta.num_decode_tokens != x.shape[0]:
+            return None
+        if kv_caches and kv_caches[0].quantized:  # the native loop reads float caches only: the layers run one by one
             return None
         if model not in self._stacks:
             self._stacks[model] = model.native_decoder(self.ops)
@@ -51,6 +57,10 @@ class CpuBackend(ReferenceBackend):
         return out
 
     def write_kv(self, k: torch.Tensor, v: torch.Tensor, cache: KVCache, meta: AttentionMetadata) -> None:
+        if cache.quantized:
+            self.ops.write_kv_quant(k, v, cache.k, cache.v, cache.k_scale, cache.v_scale, meta.slot_blocks,
+                                    meta.slot_offsets)
+            return
         self.ops.write_kv(k, v, cache.k, cache.v, meta.slot_blocks, meta.slot_offsets)
 
     def decode(self, out: torch.Tensor, q: torch.Tensor, cache: KVCache, meta: AttentionMetadata, scale: float) -> None:
@@ -58,6 +68,11 @@ class CpuBackend(ReferenceBackend):
         # context 512, one layer) measured the gather + two matmuls 5.6x / 4.7x / 6.1x slower at batch
         # 1 / 16 / 64; torch.compile of that route took 0.7-1.2x the gather's time, still 7-20x the
         # kernel's (scripts/bench_decode_attention.py, under heavy shared load, routes alternating).
+        if cache.quantized:  # csrc/kv_quant.cpp: the one-byte blocks widened in place, tile by tile
+            self.ops.paged_decode_quant(out, q, cache.k, cache.v, cache.k_scale, cache.v_scale,
+                                        meta.decode_block_tables, meta.decode_context_lens, scale,
+                                        meta.sliding_window or 0, 0)
+            return
         self.ops.paged_decode(out, q, cache.k, cache.v, meta.decode_block_tables, meta.decode_context_lens, scale,
                               meta.sliding_window or 0)
 

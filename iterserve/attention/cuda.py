@@ -8,7 +8,7 @@ import torch
 import torch.nn.functional as F
 
 from iterserve.attention.metadata import AttentionMetadata, KVCache
-from iterserve.attention.reference import ReferenceBackend, gather_rows
+from iterserve.attention.reference import ReferenceBackend, cache_rows
 
 
 class CudaBackend(ReferenceBackend):
@@ -18,8 +18,8 @@ class CudaBackend(ReferenceBackend):
         _, kv_heads, _, head_dim = cache.v.shape
         seqs = meta.decode_tables()[0].shape[0]
         rows = meta.decode_rows(kv_heads)
-        keys = gather_rows(cache.k, rows).view(seqs, kv_heads, -1, head_dim)
-        values = gather_rows(cache.v, rows).view(seqs, kv_heads, -1, head_dim)
+        keys = cache_rows(cache, rows, q.dtype, keys=True).view(seqs, kv_heads, -1, head_dim)
+        values = cache_rows(cache, rows, q.dtype, keys=False).view(seqs, kv_heads, -1, head_dim)
         allowed = meta.decode_bias == 0  # [S, 1, 1, T]: the positions each sequence attends to
         o = F.scaled_dot_product_attention(q.unsqueeze(2), keys, values, attn_mask=allowed, scale=scale,
                                            enable_gqa=True)  # [S, H, 1, D]

@@ -24,29 +24,59 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
+from iterserve.attention import kv_quant
+from iterserve.config.kv_cache import canonical_kv_cache_dtype
 from iterserve.platforms import huge_pages
 
 
 @dataclass
 class KVCache:
-    """K and V block pools of one layer."""
+    """K and V block pools of one layer; under a quantized ``kv_dtype`` (:mod:`iterserve.config.kv_cache`) the
+    pools hold float8 or int8 values, and int8 one float16 scale per (block, head, offset) for each."""
 
     k: torch.Tensor  # [num_blocks, kv_heads, block_size, head_dim], or in key groups (see allocate)
     v: torch.Tensor  # [num_blocks, kv_heads, block_size, head_dim]
+    kv_dtype: str = "auto"  # canonical kv_cache_dtype: auto, fp8_e4m3, fp8_e5m2 or int8
+    k_scale: torch.Tensor | None = None  # int8: [num_blocks, kv_heads, block_size] float16
+    v_scale: torch.Tensor | None = None
+
+    @property
+    def quantized(self) -> bool:
+        return self.kv_dtype != "auto"
 
     @classmethod
     def allocate(
         cls, num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int,
-        dtype: torch.dtype, device: torch.device | str, keys_in_groups: bool = False,
+        dtype: torch.dtype, device: torch.device | str, keys_in_groups: bool = False, kv_dtype: str = "auto",
     ) -> KVCache:
         """``keys_in_groups`` lays K out as ``[num_blocks, kv_heads, block_size / 16, head_dim / 2, 16, 2]``: each 16
         keys of a block's head hold their dimension pairs side by side, as the CPU kernels' bf16 dot products
-        read them (``ops.keys_in_groups`` says where)."""
+        read them (``ops.keys_in_groups`` says where); a quantized cache keeps K in rows. ``dtype`` is the
+        model's; a quantized ``kv_dtype`` stores its own."""
+        kv_dtype = canonical_kv_cache_dtype(kv_dtype)
         shape = (num_blocks, num_kv_heads, block_size, head_dim)
-        k_shape = (num_blocks, num_kv_heads, block_size // 16, head_dim // 2, 16, 2) if keys_in_groups else shape
-        if torch.device(device).type == "cpu":  # each decode streams its blocks: on 2 MiB pages
-            return cls(huge_pages.empty(k_shape, dtype), huge_pages.empty(shape, dtype))
-        return cls(torch.zeros(k_shape, dtype=dtype, device=device), torch.zeros(shape, dtype=dtype, device=device))
+        grouped = keys_in_groups and kv_dtype == "auto"
+        k_shape = (num_blocks, num_kv_heads, block_size // 16, head_dim // 2, 16, 2) if grouped else shape
+        store = dtype if kv_dtype == "auto" else kv_quant.storage_dtype(kv_dtype)
+        on_cpu = torch.device(device).type == "cpu"
+
+        def pool(pool_shape: tuple[int, ...], pool_dtype: torch.dtype) -> torch.Tensor:
+            if on_cpu:  # each decode streams its blocks: on 2 MiB pages
+                return huge_pages.empty(pool_shape, pool_dtype)
+            return torch.zeros(pool_shape, dtype=pool_dtype, device=device)
+
+        if kv_dtype != "int8":
+            return cls(pool(k_shape, store), pool(shape, store), kv_dtype)
+        return cls(pool(k_shape, store), pool(shape, store), kv_dtype, pool(shape[:3], torch.float16),
+                   pool(shape[:3], torch.float16))
+
+    def copy_blocks(self, src: torch.Tensor, dst: torch.Tensor) -> None:
+        """Blocks ``src`` into blocks ``dst``, scales included."""
+        self.k[dst] = self.k[src]
+        self.v[dst] = self.v[src]
+        if self.k_scale is not None and self.v_scale is not None:
+            self.k_scale[dst] = self.k_scale[src]
+            self.v_scale[dst] = self.v_scale[src]
 
 
 @dataclass

@@ -6,6 +6,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from iterserve.attention import kv_quant
 from iterserve.attention.backend import AttentionBackend
 from iterserve.attention.metadata import AttentionMetadata, KVCache, PrefillSpan
 
@@ -28,7 +29,14 @@ class ReferenceBackend(AttentionBackend):
         return out
 
     def write_kv(self, k: torch.Tensor, v: torch.Tensor, cache: KVCache, meta: AttentionMetadata) -> None:
-        """This step's K/V into their slots."""
+        """This step's K/V into their slots (quantized on the way in, for a quantized cache)."""
+        if cache.quantized:
+            for x, pool, scales in ((k, cache.k, cache.k_scale), (v, cache.v, cache.v_scale)):
+                q, scale = kv_quant.quantize(x, cache.kv_dtype)
+                pool[meta.slot_blocks, :, meta.slot_offsets] = q
+                if scales is not None and scale is not None:
+                    scales[meta.slot_blocks, :, meta.slot_offsets] = scale
+            return
         cache.k[meta.slot_blocks, :, meta.slot_offsets] = k
         cache.v[meta.slot_blocks, :, meta.slot_offsets] = v
 
@@ -40,17 +48,21 @@ class ReferenceBackend(AttentionBackend):
                 scale: float) -> torch.Tensor:
         """Attention of one sequence's prompt chunk: ``[chunk, num_heads, head_dim]``."""
         qs = q[span.start:span.end].transpose(0, 1).unsqueeze(0)  # [1, H, chunk, D]
-        if span.num_cached == 0 and span.mask is None:
-            # The whole prompt is in this chunk: attend to the fresh K/V directly, causally.
+        if span.num_cached == 0 and span.mask is None and not cache.quantized:
+            # The whole prompt is in this chunk: attend to the fresh K/V directly, causally. A quantized cache's
+            # prompt attends to its K/V as stored, as its decodes and later chunks will: the same numbers
+            # whether the prompt came in one chunk or several.
             ks = k[span.start:span.end].transpose(0, 1).unsqueeze(0)
             vs = v[span.start:span.end].transpose(0, 1).unsqueeze(0)
             o = F.scaled_dot_product_attention(qs, ks, vs, is_causal=True, scale=scale, enable_gqa=True)
         else:
             _, kv_heads, _, head_dim = cache.v.shape
             rows = span.rows(kv_heads)
-            ks = gather_rows(cache.k, rows).view(1, kv_heads, -1, head_dim)[:, :, : span.context_len]
-            vs = gather_rows(cache.v, rows).view(1, kv_heads, -1, head_dim)[:, :, : span.context_len]
-            o = F.scaled_dot_product_attention(qs, ks, vs, attn_mask=span.mask, scale=scale, enable_gqa=True)
+            ks = cache_rows(cache, rows, q.dtype, keys=True).view(1, kv_heads, -1, head_dim)[:, :, : span.context_len]
+            vs = cache_rows(cache, rows, q.dtype, keys=False).view(1, kv_heads, -1, head_dim)[:, :, : span.context_len]
+            causal = span.mask is None  # only a quantized cache's whole prompt comes here without a mask
+            o = F.scaled_dot_product_attention(qs, ks, vs, attn_mask=span.mask, is_causal=causal, scale=scale,
+                                               enable_gqa=True)
         return o.squeeze(0).transpose(0, 1)
 
     def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -89,12 +101,21 @@ def decode_attention_reference(q: torch.Tensor, cache: KVCache, meta: AttentionM
     _, kv_heads, _, head_dim = cache.v.shape
     seqs = meta.decode_tables()[0].shape[0]
     rows = meta.decode_rows(kv_heads)
-    keys = gather_rows(cache.k, rows).view(seqs, kv_heads, -1, head_dim)
-    values = gather_rows(cache.v, rows).view(seqs, kv_heads, -1, head_dim)
+    keys = cache_rows(cache, rows, q.dtype, keys=True).view(seqs, kv_heads, -1, head_dim)
+    values = cache_rows(cache, rows, q.dtype, keys=False).view(seqs, kv_heads, -1, head_dim)
     qd = q.reshape(seqs, kv_heads, -1, head_dim)
     scores = torch.matmul(qd, keys.transpose(-1, -2)).float() * scale + meta.decode_bias
     probs = scores.softmax(dim=-1).to(q.dtype)
     return torch.matmul(probs, values).view(seqs, -1, head_dim)
+
+
+def cache_rows(cache: KVCache, rows: torch.Tensor, dtype: torch.dtype, keys: bool) -> torch.Tensor:
+    """K (or V) rows of ``rows`` (:func:`gather_rows`) in ``dtype``, dequantized from a quantized cache."""
+    pool, scales = (cache.k, cache.k_scale) if keys else (cache.v, cache.v_scale)
+    picked = gather_rows(pool, rows)
+    if not cache.quantized:
+        return picked
+    return kv_quant.dequantize(picked, None if scales is None else kv_quant.gather_scales(scales, rows), dtype)
 
 
 def gather_rows(pool: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:

@@ -1,5 +1,6 @@
-"""Perplexity of a model on a fixed text: how much a weight format (float, ``gguf`` blocks, ``int8``) costs in
-quality, measured through the engine itself (prompt logprobs), with the prefill tokens/s beside it.
+"""Perplexity of a model on a fixed text: how much a weight format (float, ``gguf`` blocks, ``int8``) or a KV cache
+dtype (``fp8``, ``int8``: a prompt attends to its K/V as stored) costs in quality, measured through the engine
+itself (prompt logprobs), with the prefill tokens/s beside it.
 
 The text is cut into windows of ``window`` tokens, each scored on its own (its first token has no context and
 is not scored), so every format is scored on exactly the same tokens. The shipped text
@@ -13,7 +14,7 @@ import math
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from iterserve.inputs import TokensPrompt
 from iterserve.sampling_params import SamplingParams
@@ -63,3 +64,31 @@ def perplexity(llm: LLM, text: str, window: int = 512) -> Perplexity:
             nll -= logprobs[token].logprob
             scored += 1
     return Perplexity(math.exp(nll / scored), nll / scored, scored, len(chunks), sum(map(len, chunks)) / elapsed)
+
+
+def compare(model: str, dtype: str, device: str | None, seed: int, formats: list[str], kv_cache_dtypes: list[str],
+            text: str, window: int) -> tuple[int, list[str], list[list[Any]]]:
+    """Score ``text`` under every weight format and KV cache dtype: the tokens scored, and a table's headers and
+    rows (perplexity and its change against the first row)."""
+    from iterserve.bench.progress import load_model_with_status
+    from iterserve.config.kv_cache import canonical_kv_cache_dtype
+    from iterserve.llm import LLM
+    from iterserve.quantization.model import check_quantization, weight_formats
+
+    for kv in kv_cache_dtypes:
+        canonical_kv_cache_dtype(kv)  # refused before any model loads
+    rows: list[list[Any]] = []
+    first: Perplexity | None = None
+    for name in formats:
+        quantization = check_quantization(name)
+        loaded = load_model_with_status(model, dtype, device, seed, quantization=quantization)
+        weight_mb = round(sum(f.bytes for f in weight_formats(loaded.model)) / 1e6, 1)
+        for kv in kv_cache_dtypes:
+            llm = LLM(model, loaded=loaded, dtype=dtype, device=device, kv_cache_dtype=kv)
+            result = perplexity(llm, text, window)
+            first = first or result
+            rows.append([name, kv, weight_mb, f"{result.perplexity:.3f}",
+                         f"{100 * (result.perplexity / first.perplexity - 1):+.2f}%", f"{result.tokens_per_s:.0f}"])
+    headers = ["format", "KV cache", "weights MB", "perplexity", f"vs {rows[0][0]}/{rows[0][1]}" if rows else "vs",
+               "prefill tokens/s"]
+    return first.scored if first else 0, headers, rows

@@ -460,33 +460,25 @@ def _add_ttft_parser(sub: argparse._SubParsersAction) -> None:
 
 
 def _add_perplexity_parser(sub: argparse._SubParsersAction) -> None:
-    pp = sub.add_parser("perplexity", help="perplexity of a fixed text under each weight format, side by side")
+    pp = sub.add_parser("perplexity", help="perplexity of a fixed text under each weight format and KV cache dtype")
     add_config_args(pp.add_argument_group("engine"), EngineConfig, include=("model", "dtype", "device", "seed"))
     pp.add_argument("--formats", default="none,gguf,int8",
                     help="comma-separated quantizations; none: float weights in --dtype (default %(default)s)")
+    pp.add_argument("--kv-cache-dtypes", default="auto",
+                    help="comma-separated KV cache dtypes (auto, fp8, fp8_e5m2, int8), each scored with each format")
     pp.add_argument("--text", default=None, help="a UTF-8 text file (default: the shipped opening of Coriolanus)")
     pp.add_argument("--window", type=int, default=512, help="tokens scored together (default %(default)s)")
     pp.set_defaults(func=_cmd_perplexity)
 
 
 def _cmd_perplexity(args: argparse.Namespace) -> int:
-    from iterserve.bench.perplexity import SHIPPED_TEXT, perplexity
-    from iterserve.bench.progress import load_model_with_status
-    from iterserve.llm import LLM
-    from iterserve.quantization.model import check_quantization, weight_formats
+    from iterserve.bench.perplexity import SHIPPED_TEXT, compare
 
     text = Path(args.text or SHIPPED_TEXT).read_text(encoding="utf-8")
-    rows, first = [], None
-    for name in args.formats.split(","):
-        quantization = check_quantization(name)
-        loaded = load_model_with_status(args.model, args.dtype, args.device, args.seed, quantization=quantization)
-        result = perplexity(LLM(args.model, loaded=loaded, dtype=args.dtype, device=args.device), text, args.window)
-        first = first or result
-        weight_mb = sum(f.bytes for f in weight_formats(loaded.model)) / 1e6
-        rows.append([name, round(weight_mb, 1), f"{result.perplexity:.3f}",
-                     f"{100 * (result.perplexity / first.perplexity - 1):+.2f}%", f"{result.tokens_per_s:.0f}"])
-    print(f"{args.model}: {first.scored if first else 0} tokens scored in windows of {args.window}")
-    print(render_table(["format", "weights MB", "perplexity", f"vs {rows[0][0]}", "prefill tokens/s"], rows))
+    scored, headers, rows = compare(args.model, args.dtype, args.device, args.seed, args.formats.split(","),
+                                    args.kv_cache_dtypes.split(","), text, args.window)
+    print(f"{args.model}: {scored} tokens scored in windows of {args.window}")
+    print(render_table(headers, rows))
     return 0
 
 

@@ -76,7 +76,8 @@ def _add_arguments(p: argparse.ArgumentParser) -> None:
     wl.add_argument("--dtype", help="weight/compute dtype: fp32, tf32, bf16, fp16, fp8, int8, or auto (what the engine "
                     "runs in: bf16 on a GPU or a CPU with bf16 instructions, else fp32) (default bf16; with "
                     "--validate fp32 on CPU)")
-    wl.add_argument("--kv-dtype", help="KV-cache dtype (default: --dtype)")
+    wl.add_argument("--kv-cache-dtype", "--kv-dtype", dest="kv_dtype", help="KV-cache dtype: bf16, fp16, fp32, "
+                    "fp8 (fp8_e4m3, fp8_e5m2) or int8 (+ a float16 scale per token and KV head) (default: --dtype)")
     wl.add_argument("--quantization", type=str.lower, choices=planner.QUANTIZATION_CHOICES, default="none",
                     help="the matmul weights' format: gguf (a GGUF model's own mix of tensor types; approximated "
                          "for other models), q4_0, q4_1, q8_0, int8, int4, fp8, or none (all in --dtype) "

@@ -13,6 +13,7 @@ from typing import Any
 
 from iterserve.cli.flags import add_config_args
 from iterserve.config import EngineConfig
+from iterserve.config.kv_cache import canonical_kv_cache_dtype
 from iterserve.config.speculative import DEFAULT_DISABLE_BY_BATCH_SIZE
 from iterserve.planner.weights import QUANTIZATION_CHOICES
 from iterserve.simulate.cost import ConstantCost, CostModel, LinearCost, RooflineCost
@@ -44,7 +45,8 @@ def _add_run_parser(sub: Any) -> None:
     m.add_argument("--profile", default=None, help="calibrated step profile JSON (iterserve simulate calibrate)")
     e = p.add_argument_group("simulated engine")
     add_config_args(e, EngineConfig, include=("block_size", "max_num_seqs", "max_num_batched_tokens", "batching",
-                                              "max_batch_wait", "kv_allocation", "enable_prefix_caching"))
+                                              "max_batch_wait", "kv_allocation", "enable_prefix_caching",
+                                              "kv_cache_dtype"))
     e.add_argument("--kv-cache-memory", default=None,
                    help="KV pool size, e.g. 2GiB (default: what fits beside the weights under --gpu, else 2GiB)")
     e.add_argument("--num-kv-blocks", type=int, default=None, help="KV pool size in blocks (overrides memory)")
@@ -134,6 +136,11 @@ def _cost_model(args: argparse.Namespace, terms: PlannerTerms) -> CostModel:
     return RooflineCost(terms, args.step_overhead)
 
 
+def _planner_kv_dtype(kv_cache_dtype: str) -> str | None:
+    """The planner's name of the engine's KV cache dtype (None: the model's dtype)."""
+    return None if kv_cache_dtype == "auto" else canonical_kv_cache_dtype(kv_cache_dtype)
+
+
 def sim_config_from_args(args: argparse.Namespace, terms: PlannerTerms, cost: CostModel) -> Any:
     from iterserve.config.units import parse_size
     from iterserve.simulate.runner import SimConfig
@@ -163,6 +170,7 @@ def sim_config_from_args(args: argparse.Namespace, terms: PlannerTerms, cost: Co
                      max_num_batched_tokens=args.max_num_batched_tokens, batching=args.batching,
                      max_batch_wait=args.max_batch_wait, kv_allocation=args.kv_allocation,
                      enable_prefix_caching=args.enable_prefix_caching, max_model_len=max_len,
+                     kv_cache_dtype=args.kv_cache_dtype,
                      request_latency_s=latency, admission_interval_s=interval,
                      num_speculative_tokens=args.num_speculative_tokens, spec_acceptance=args.spec_acceptance,
                      spec_disable_by_batch_size=args.spec_disable_by_batch_size)
@@ -191,7 +199,8 @@ def _cmd_run(args: argparse.Namespace) -> int:
 
     terms = planner_terms(model, args.dtype, gpu=args.gpu, flops=args.flops, bandwidth=args.bandwidth,
                           memory=args.memory, gpu_memory_utilization=args.gpu_memory_utilization,
-                          quantization=quantization_for(args.model, args.quantization))
+                          quantization=quantization_for(args.model, args.quantization),
+                          kv_dtype=_planner_kv_dtype(args.kv_cache_dtype))
     cost = _cost_model(args, terms)
     cfg = sim_config_from_args(args, terms, cost)
     tokenizer = load_tokenizer(args.tokenizer) if args.tokenizer else None

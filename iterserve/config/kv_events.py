@@ -9,10 +9,11 @@ router (vllm-router's ``kv_aware`` policy) subscribes to. The same dictionary co
 from __future__ import annotations
 
 import dataclasses
-import json
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
+
+from iterserve.config.json_option import json_object
 
 PUBLISHERS = ("null", "zmq")
 DEFAULT_ENDPOINT = "tcp://*:5557"  # vLLM's default
@@ -73,21 +74,8 @@ class KVEventsConfig:
         """A config from vLLM's dictionary, its JSON text (the command line's), or None for no events."""
         if value is None or isinstance(value, KVEventsConfig):
             return value
-        if isinstance(value, str):
-            try:
-                value = json.loads(value)
-            except json.JSONDecodeError as e:
-                raise ValueError(f"kv_events_config is not valid JSON: {e}") from None
-            if value is None:
-                return None
-        if not isinstance(value, Mapping):
-            raise ValueError(f"kv_events_config must be a dict (or its JSON), got {type(value).__name__}")
-        known = {f.name for f in dataclasses.fields(cls)}
-        unknown = sorted(set(value) - known)
-        if unknown:
-            raise ValueError(f"kv_events_config: unknown key(s) {', '.join(unknown)}; "
-                             f"known: {', '.join(sorted(known))}")
-        return cls(**value)
+        given = json_object(value, "kv_events_config", (f.name for f in dataclasses.fields(cls)))
+        return None if given is None else cls(**given)
 
 
 def offset_endpoint(endpoint: str | None, rank: int) -> str | None:

@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 from typing import Any, Literal
 
 from iterserve.config.dtypes import Quantization, parse_dtype
+from iterserve.config.kv_cache import KVCacheDtype, canonical_kv_cache_dtype
 from iterserve.config.kv_events import KVEventsConfig
 from iterserve.config.model import DEFAULT_MODEL
 from iterserve.config.speculative import SpeculativeConfig
@@ -91,9 +92,9 @@ class EngineConfig:
     dtype: Dtype = _opt("auto", "weights and KV cache precision; auto is bfloat16 where the hardware computes in "
                                 "it, else float32")
     device: str | None = _opt(None, "cpu, cuda or cuda:N (default: cuda when available)")
-    quantization: Quantization | None = _opt(None, "weights kept quantized: gguf keeps a GGUF file's Q4_0/Q4_1/Q8_0 "
-                                                   "blocks, int8 quantizes a float checkpoint at load (default: "
-                                                   "float weights in --dtype)")
+    quantization: Quantization | None = _opt(None, "weights kept quantized: gguf keeps a GGUF file's quantized "
+                                                   "blocks (Q4_0..Q8_0, K-quants), int8 quantizes a float "
+                                                   "checkpoint at load (default: float weights in --dtype)")
     block_size: int = _opt(16, "tokens per KV cache block")
     max_model_len: int | None = _opt(None, "longest prompt + output (default: the model's context, capped by "
                                            "what the KV pool holds)")
@@ -103,6 +104,10 @@ class EngineConfig:
                                        flag="--prefix-caching")
     kv_cache_memory: str | int = _opt("2GiB", "KV pool size, e.g. 2GiB or 512MiB")
     num_kv_blocks: int | None = _opt(None, "KV pool size in blocks (overrides --kv-cache-memory)")
+    kv_cache_dtype: KVCacheDtype = _opt("auto", "KV cache storage: auto (the model's dtype); fp8 (= fp8_e4m3) or "
+                                                "fp8_e5m2, one byte per value; int8, one byte per value and a "
+                                                "float16 scale per token and KV head. The 1-byte kinds hold about "
+                                                "twice the tokens of bf16 in the same memory")
     batching: Batching = _same_as(SchedulerConfig, "batching")
     max_batch_wait: float = _same_as(SchedulerConfig, "max_batch_wait")
     kv_allocation: KVAllocation = _same_as(SchedulerConfig, "kv_allocation")
@@ -141,6 +146,8 @@ class EngineConfig:
         _check_positive(self, "block_size", "tensor_parallel_size", "max_loras", "max_lora_rank")
         if self.enable_lora and self.tensor_parallel_size > 1:
             raise ValueError("LoRA adapters run with tensor_parallel_size=1 only")
+        canonical_kv_cache_dtype(self.kv_cache_dtype)  # an unknown value fails here, listing the accepted ones
+        object.__setattr__(self, "kv_cache_dtype", str(self.kv_cache_dtype).lower())
         _check_positive(self, "max_model_len", "num_kv_blocks", allow_none=True)
         if self.quantization is not None:
             _check_choice(self, "quantization", Quantization)

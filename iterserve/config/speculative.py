@@ -10,13 +10,13 @@ vocabulary. The same dictionary comes from ``LLM(speculative_config={...})``, fr
 from __future__ import annotations
 
 import dataclasses
-import json
 import typing
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any, Literal
 
 from iterserve.config.dtypes import Quantization
+from iterserve.config.json_option import json_object
 
 SpecMethod = Literal["ngram", "draft_model"]
 
@@ -86,23 +86,12 @@ class SpeculativeConfig:
         """
         if value is None or isinstance(value, SpeculativeConfig):
             return value
-        if isinstance(value, str):
-            try:
-                value = json.loads(value)
-            except json.JSONDecodeError as e:
-                raise ValueError(f"speculative_config is not valid JSON: {e}") from None
-            if value is None:
-                return None
-        if not isinstance(value, Mapping):
-            raise ValueError(f"speculative_config must be a dict (or its JSON), got {type(value).__name__}")
-        known = {f.name for f in dataclasses.fields(cls)}
-        unknown = sorted(set(value) - known)
-        if unknown:
-            raise ValueError(f"speculative_config: unknown key(s) {', '.join(unknown)}; "
-                             f"known: {', '.join(sorted(known))}")
-        if "num_speculative_tokens" not in value:
+        given = json_object(value, "speculative_config", (f.name for f in dataclasses.fields(cls)))
+        if given is None:
+            return None
+        if "num_speculative_tokens" not in given:
             raise ValueError("speculative_config needs num_speculative_tokens")
-        fields = dict(value)
+        fields = dict(given)
         fields.setdefault("method", "draft_model" if fields.get("model") else "ngram")
         return cls(**fields)
 

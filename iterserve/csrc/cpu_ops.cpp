@@ -481,9 +481,9 @@ inline GroupKernels<T> group_kernels(int64_t group, int64_t dim) {
   return k;
 }
 
-// Keys at least this many per piece when one sequence's context is split across threads: below it the
-// merge costs more than the parallelism gains.
-constexpr int64_t kMinSplit = 64;
+// Keys per piece of a context split across threads. Fixed, not sized to the batch: a row's sums then run in one
+// order alone or batched (a piece's merge alone equals the unsplit path bit for bit).
+constexpr int64_t kPiece = 128;
 
 // Where one head's K or V rows [from, to) lie, walking the block table a block at a time: a division per
 // row, four times per key (two prefetches, two reads), took a third of a decode task's time (perf, batch 8).
@@ -533,15 +533,13 @@ void paged_decode_impl(at::Tensor& out, const at::Tensor& q, const at::Tensor& k
   };
 
   // One task per (sequence, KV head, piece of its context): a task reads its head's K/V once for the whole
-  // GQA group. A small batch has too few (sequence, head) pairs to keep every thread busy (3 for SmolLM2 at
-  // batch 1, on 2 threads), so its contexts are cut into pieces whose partial softmaxes are merged after.
+  // GQA group. Pieces of kPiece keys also keep every thread busy at small batches (3 pairs for SmolLM2 at
+  // batch 1); their partial softmaxes are merged after, empty ones (shorter contexts) weighing nothing.
   int64_t longest = 0;
   for (int64_t s = 0; s < seqs; ++s) longest = std::max(longest, ctx_lens[s] - first_key(s));
   const int64_t want = 4 * iterserve::ChunkPool::get().threads();
   const int64_t pairs = seqs * kv_heads;
-  const int64_t splits =
-      pairs >= want ? 1 : std::max<int64_t>(1, std::min((want + pairs - 1) / pairs, longest / kMinSplit));
-  const int64_t piece = (longest + splits - 1) / splits;
+  const int64_t splits = std::max<int64_t>(1, (longest + kPiece - 1) / kPiece), piece = kPiece;
   // Partials of split contexts, per (sequence, head, piece): the running max, the sum of exps, then the
   // unnormalised output.
   const int64_t pstride = dim + 2;
@@ -956,6 +954,7 @@ at::Tensor argmax_rows(const at::Tensor& x) {
 
 void register_linear(pybind11::module& m);  // linear.cpp
 void register_decoder(pybind11::module& m);  // decoder.cpp
+void register_kv_quant(pybind11::module& m);  // kv_quant.cpp
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("paged_decode", &paged_decode, "Paged decode attention reading K/V blocks in place");
@@ -970,6 +969,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("argmax_rows", &argmax_rows, "Each row's first index of its maximum, as torch.argmax(dim=-1)");
   register_linear(m);
   register_decoder(m);
+  register_kv_quant(m);
   m.def("set_threads", [](int64_t n) { iterserve::ChunkPool::get().resize(static_cast<int>(n)); },
         "Run the kernels' parallel loops on n threads (the caller included)");
   m.def("threads", [] { return iterserve::ChunkPool::get().threads(); }, "Threads of the kernels' pool");

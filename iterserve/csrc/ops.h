@@ -27,3 +27,6 @@ at::Tensor packed_linear(const at::Tensor& x, const at::Tensor& packed, int64_t 
 
 // quant_ops.cpp
 at::Tensor qgemm(const at::Tensor& x, const at::Tensor& w, int64_t n, int64_t bits, int64_t isa);
+
+// kquant_ops.cpp
+at::Tensor kgemm(const at::Tensor& x, at::TensorList ws, at::IntArrayRef types, at::IntArrayRef ns, int64_t isa);

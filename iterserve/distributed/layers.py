@@ -22,7 +22,7 @@ from torch import nn
 
 from iterserve.distributed.parallel_state import ParallelState
 from iterserve.models.linear import LinearBase, LinearDelta
-from iterserve.quantization.packed import PackedWeight, dequantize
+from iterserve.quantization.packed import QuantizedWeight, dequantize
 
 
 @dataclass(frozen=True)
@@ -130,7 +130,7 @@ class VocabParallelEmbedding(nn.Embedding):
     def full_shape(self, name: str) -> tuple[int, ...]:
         return (self.rows.vocab_size, self.embedding_dim)
 
-    qweight: PackedWeight | None = None  # the rows in quantized blocks (iterserve.quantization) instead
+    qweight: QuantizedWeight | None = None  # the rows in quantized blocks (iterserve.quantization) instead
 
     def load(self, name: str, tensor: torch.Tensor, part: int | None = None) -> None:
         self.rows.load(self.weight, name, tensor)

@@ -5,7 +5,14 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from iterserve.config import EngineConfig, ModelConfig, parse_dtype
+from iterserve.config.kv_cache import kv_bytes_per_token
 from iterserve.config.units import parse_size
+
+
+def token_bytes(model_config: ModelConfig, kv_cache_dtype: str, dtype_bytes: int) -> int:
+    """One token's K and V over all layers of ``model_config``, as the pool stores them."""
+    c = model_config
+    return kv_bytes_per_token(c.num_layers, c.num_kv_heads, c.head_dim, kv_cache_dtype, dtype_bytes)
 
 
 @dataclass(frozen=True)
@@ -26,12 +33,14 @@ class Capacity:
 
         Under tensor parallelism the pool is one rank's: ``kv_cache_memory`` is per rank, and a rank's
         token holds only its KV heads, so the same memory holds more tokens. A speculative ``draft``
-        model keeps its K/V in the same blocks, so a token costs both models' bytes.
+        model keeps its K/V in the same blocks, so a token costs both models' bytes. A quantized
+        ``kv_cache_dtype`` costs one byte per value, int8 a float16 scale per token and KV head too.
         """
         bs = config.block_size
         shard = model_config.tensor_parallel_shard(config.tensor_parallel_size)
         itemsize = dtype_bytes or parse_dtype(config.dtype).itemsize
-        per_token = shard.kv_bytes_per_token(itemsize) + (draft.kv_bytes_per_token(itemsize) if draft else 0)
+        per_token = token_bytes(shard, config.kv_cache_dtype, itemsize) + (
+            token_bytes(draft, config.kv_cache_dtype, itemsize) if draft else 0)
         num_blocks = config.num_kv_blocks or parse_size(config.kv_cache_memory) // (bs * per_token)
         if num_blocks < 1:
             raise ValueError(f"KV cache memory {config.kv_cache_memory!r} does not hold a single block of {bs} tokens")

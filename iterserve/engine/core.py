@@ -128,9 +128,11 @@ class EngineCore:
         fault = os.environ.get(FAULT_TOKEN_ENV)
         self._fault_token = int(fault) if fault else None
         c = self.capacity
+        kv_dtype = str(self.executor.dtype).removeprefix("torch.") if config.kv_cache_dtype == "auto" \
+            else config.kv_cache_dtype
         logger.info(
             "KV cache: %d bytes/token (%s), %d blocks x %d tokens = %d tokens; %d sequences of max_model_len=%d fit",
-            c.kv_bytes_per_token, str(self.executor.dtype).removeprefix("torch."), c.num_blocks, bs, c.total_tokens,
+            c.kv_bytes_per_token, kv_dtype, c.num_blocks, bs, c.total_tokens,
             c.max_full_length_seqs, c.max_model_len,
         )
 

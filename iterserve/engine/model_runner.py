@@ -58,14 +58,17 @@ class ModelRunner:
     (every rank) and :meth:`sample` (rank 0), which :meth:`execute` runs in a row in one process."""
 
     def __init__(self, model: LlamaModel, num_blocks: int, block_size: int, seed: int = 0,
-                 draft: LlamaModel | None = None, lora: LoRAManager | None = None) -> None:
+                 draft: LlamaModel | None = None, kv_cache_dtype: str = "auto",
+                 lora: LoRAManager | None = None) -> None:
         self.model = model
         self.device = model.device
         self.block_size = block_size
-        self.attn_backend = select_backend(self.device)  # chosen once; passed to the model with each step
-        self.kv_caches: list[KVCache] = model.allocate_kv_cache(num_blocks, block_size, self.attn_backend)
+        self.attn_backend = select_backend(self.device, model.dtype)  # chosen once; passed to the model each step
+        self.kv_caches: list[KVCache] = model.allocate_kv_cache(num_blocks, block_size, self.attn_backend,
+                                                                kv_cache_dtype)
         self.sampler = Sampler(torch.Generator(device=self.device).manual_seed(seed))
-        self.draft = DraftModel(draft, num_blocks, block_size, self.attn_backend) if draft is not None else None
+        self.draft = (DraftModel(draft, num_blocks, block_size, self.attn_backend, kv_cache_dtype)
+                      if draft is not None else None)
         self.lora = lora  # the loaded LoRA adapters (None: LoRA is off)
 
     @torch.inference_mode()

@@ -44,7 +44,7 @@ class Worker:
                                     self.draft.config if self.draft else None)
         lora = LoRAManager(loaded.model, config.max_loras, config.max_lora_rank) if config.enable_lora else None
         self.runner = ModelRunner(loaded.model, self.capacity.num_blocks, config.block_size, config.seed,
-                                  self.draft.model if self.draft else None, lora)
+                                  self.draft.model if self.draft else None, config.kv_cache_dtype, lora)
 
     @classmethod
     def load(cls, config: EngineConfig, device: str | None, parallel: ParallelState | None = None) -> Worker:

@@ -8,8 +8,9 @@ keeps the large-row float32 shapes where the BLAS's cache blocking wins.
 
 :class:`MeasuredChooser` times every candidate on each distinct layer shape at 1, 8 and 64 rows (a
 decode step, a small batch, a large batch or prompt chunk) and gives the layer the one with the least
-total time relative to the best at each row count. Choices are kept per process, keyed by shape, dtype
-and thread count, and logged with their times (``scripts/bench_forward.py`` prints them).
+total time relative to the best at each row count; a batch-invariant dtype (:mod:`iterserve.platforms.invariance`)
+takes the packed kernel unmeasured. Choices are kept per process, keyed by shape, dtype and thread count, and
+logged with their times (``scripts/bench_forward.py`` prints them).
 """
 
 from __future__ import annotations
@@ -33,6 +34,7 @@ from iterserve.models.linear import (
     dense_chooser,
 )
 from iterserve.platforms import huge_pages
+from iterserve.platforms.invariance import batch_invariant
 
 logger = logging.getLogger(__name__)
 
@@ -90,6 +92,9 @@ class MeasuredChooser:
         if len(usable) <= 1:
             return usable[0] if usable else DENSE
         w = layer.weight
+        invariant = [m for m in usable if isinstance(m, PackedLinear)] if batch_invariant(w.dtype) else []
+        if invariant:  # oneDNN picks its kernel and k blocking by row count: not one order per row
+            return invariant[0]
         key = (layer.in_features, layer.out_features, w.dtype, layer.bias is not None, torch.get_num_threads())
         if key not in self._choice:
             times = {m.name: _time_method(m, layer) for m in usable}

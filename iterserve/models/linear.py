@@ -23,7 +23,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from iterserve.quantization.packed import PackedWeight
+from iterserve.quantization.packed import QuantizedWeight
 
 logger = logging.getLogger(__name__)
 
@@ -125,7 +125,7 @@ class LinearBase(nn.Linear):
     :func:`process_weights` gives it another): the one place kernels plug in."""
 
     method: LinearMethod = DENSE
-    qweight: PackedWeight | None = None  # the weight in quantized blocks (iterserve.quantization), if it is
+    qweight: QuantizedWeight | None = None  # the weight in quantized blocks (iterserve.quantization), if it is
 
     def matmul(self, x: torch.Tensor) -> torch.Tensor:
         """This rank's ``x @ W^T (+ bias)``, before any communication."""

@@ -195,14 +195,15 @@ class LlamaModel(nn.Module):
     def device(self) -> torch.device:
         return self.embed_tokens.weight.device
 
-    def allocate_kv_cache(self, num_blocks: int, block_size: int,
-                          backend: AttentionBackend | None = None) -> list[KVCache]:
+    def allocate_kv_cache(self, num_blocks: int, block_size: int, backend: AttentionBackend | None = None,
+                          kv_cache_dtype: str = "auto") -> list[KVCache]:
         """One K and V pool per layer, holding this rank's KV heads only, K laid out as ``backend`` reads it
-        fastest (rows, which every backend reads, without one)."""
+        fastest (rows, which every backend reads, without one), stored in ``kv_cache_dtype``."""
         c = self.config.tensor_parallel_shard(self.parallel.world_size)
         grouped = backend is not None and backend.keys_in_groups(self.dtype, c.head_dim, block_size)
         return [
-            KVCache.allocate(num_blocks, block_size, c.num_kv_heads, c.head_dim, self.dtype, self.device, grouped)
+            KVCache.allocate(num_blocks, block_size, c.num_kv_heads, c.head_dim, self.dtype, self.device, grouped,
+                             kv_cache_dtype)
             for _ in range(c.num_layers)
         ]
 

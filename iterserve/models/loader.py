@@ -20,30 +20,30 @@ from collections import Counter
 from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Literal
+from typing import Literal
 from urllib.parse import parse_qsl
 
-import numpy as np
 import torch
 
 from iterserve.config import DEFAULT_MODEL, PRESETS, ModelConfig, find_preset, get_preset, parse_dtype
 from iterserve.distributed.layers import ShardedLayer
 from iterserve.distributed.parallel_state import ParallelState
-from iterserve.formats.gguf_file import gguf_field, open_gguf
+from iterserve.formats.gguf_file import open_gguf
 from iterserve.models.archs import hf_param_name, model_class, parts_of
+from iterserve.models.gguf_model import gguf_config, gguf_tensors
 from iterserve.models.linear import MethodChooser
 from iterserve.models.llama import LlamaModel
 from iterserve.models.load_progress import tensor_progress
-from iterserve.models.moe import GGUF_EXPERT_NAMES, ExpertLoader, gguf_moe_config
+from iterserve.models.moe import ExpertLoader
+from iterserve.quantization.gguf_weight import GGUFWeight
 from iterserve.quantization.model import (
     check_quantization,
     describe,
-    gguf_block_tensors,
     load_blocks,
     quantize_model,
     weight_formats,
 )
-from iterserve.quantization.packed import BlockWeight, from_gguf
+from iterserve.quantization.packed import BlockWeight
 from iterserve.tokenizer import Tokenizer
 
 logger = logging.getLogger(__name__)
@@ -235,12 +235,13 @@ def _empty_model(config: ModelConfig, dtype: torch.dtype, device: torch.device,
     return model.eval()
 
 
-def load_weight(model: LlamaModel, name: str, tensor: torch.Tensor | BlockWeight, part: int | None = None) -> None:
+def load_weight(model: LlamaModel, name: str, tensor: torch.Tensor | BlockWeight | GGUFWeight,
+                part: int | None = None) -> None:
     """Copy one whole tensor (part ``part`` of a fused one) into parameter ``name``; a sharded layer keeps
-    this rank's rows of it (in blocks, for a :class:`BlockWeight`)."""
+    this rank's rows of it (in blocks, for a :class:`BlockWeight` or :class:`GGUFWeight`)."""
     module_name, _, param = name.rpartition(".")
     module = model.get_submodule(module_name)
-    if isinstance(tensor, BlockWeight):
+    if isinstance(tensor, (BlockWeight, GGUFWeight)):
         load_blocks(module, param, tensor, part)
         return
     if isinstance(module, ShardedLayer):
@@ -253,7 +254,8 @@ def load_weight(model: LlamaModel, name: str, tensor: torch.Tensor | BlockWeight
         dest.copy_(tensor)
 
 
-def load_hf_state_dict(model: LlamaModel, tensors: Iterable[tuple[str, torch.Tensor | BlockWeight]]) -> None:
+def load_hf_state_dict(model: LlamaModel,
+                       tensors: Iterable[tuple[str, torch.Tensor | BlockWeight | GGUFWeight]]) -> None:
     """Copy Hugging Face-named tensors into the model, fusing q/k/v and gate/up projections
     (:func:`~iterserve.models.archs.hf_param_name` names each tensor's parameter)."""
     c = model.config
@@ -280,107 +282,6 @@ def load_hf_state_dict(model: LlamaModel, tensors: Iterable[tuple[str, torch.Ten
 
 # -- GGUF ---------------------------------------------------------------------------------------
 
-_GGUF_ARCHS = {"llama": "llama", "mistral": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "qwen3moe": "qwen3"}
-
-
-def gguf_config(reader, name: str = "") -> ModelConfig:
-    """A ModelConfig from GGUF metadata (llama, qwen2, qwen3 architectures)."""
-    arch = gguf_field(reader, "general.architecture")
-    if arch not in _GGUF_ARCHS:
-        raise ValueError(
-            f"unsupported architecture {arch!r} in GGUF file; iterserve runs {', '.join(sorted(_GGUF_ARCHS))}"
-        )
-    if any(t.name == "rope_freqs.weight" for t in reader.tensors):
-        raise ValueError("GGUF files with per-frequency RoPE factors (rope_freqs.weight) are not supported yet")
-
-    def g(key: str, default: Any = None) -> Any:
-        return gguf_field(reader, f"{arch}.{key}", default)
-
-    hidden, heads = g("embedding_length"), g("attention.head_count")
-    vocab = g("vocab_size") or len(reader.fields["tokenizer.ggml.tokens"].data)
-    has_output = any(t.name == "output.weight" for t in reader.tensors)
-    rope_scaling = None
-    if g("rope.scaling.type") == "linear":
-        rope_scaling = {"rope_type": "linear", "factor": g("rope.scaling.factor")}
-    elif g("rope.scaling.type") not in (None, "none"):
-        raise ValueError(f"unsupported RoPE scaling {g('rope.scaling.type')!r} in GGUF file")
-    return gguf_moe_config(ModelConfig(
-        architecture=_GGUF_ARCHS[arch],
-        vocab_size=int(vocab),
-        hidden_size=int(hidden),
-        intermediate_size=int(g("feed_forward_length")),
-        num_layers=int(g("block_count")),
-        num_heads=int(heads),
-        num_kv_heads=int(g("attention.head_count_kv", heads)),
-        head_dim=int(g("attention.key_length", hidden // heads)),
-        max_position_embeddings=int(g("context_length", 2048)),
-        rms_norm_eps=float(g("attention.layer_norm_rms_epsilon", 1e-5)),
-        rope_theta=float(g("rope.freq_base", 10000.0)),
-        rope_scaling=rope_scaling,
-        tie_word_embeddings=not has_output,
-        attention_bias=_GGUF_ARCHS[arch] == "qwen2",
-        qk_norm=_GGUF_ARCHS[arch] == "qwen3",
-        bos_token_id=gguf_field(reader, "tokenizer.ggml.bos_token_id"),
-        eos_token_id=gguf_field(reader, "tokenizer.ggml.eos_token_id"),
-        name=name or gguf_field(reader, "general.name", ""),
-    ), g)
-
-
-def _unpermute_rope(w: np.ndarray, n_heads: int) -> np.ndarray:
-    """Undo llama.cpp's interleaving of Q/K rows so RoPE uses the rotate-half layout."""
-    shape = w.shape
-    return w.reshape(n_heads, shape[0] // n_heads // 2, 2, *shape[1:]).swapaxes(1, 2).reshape(shape)
-
-
-_GGUF_NAMES = {
-    "attn_norm": "input_layernorm", "ffn_norm": "post_attention_layernorm",
-    "attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj", "attn_v": "self_attn.v_proj",
-    "attn_output": "self_attn.o_proj", "attn_q_norm": "self_attn.q_norm", "attn_k_norm": "self_attn.k_norm",
-    "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj", "ffn_down": "mlp.down_proj",
-}
-_GGUF_NAMES.update(GGUF_EXPERT_NAMES)  # a MoE layer's router and 3-D experts (iterserve.models.moe)
-
-
-def _gguf_name(name: str, config: ModelConfig, permute: bool) -> tuple[str, int | None]:
-    """The Hugging Face name of a GGUF tensor, and the heads whose Q/K rows llama.cpp interleaved (or None)."""
-    if name == "token_embd.weight":
-        return "embed_tokens.weight", None
-    if name == "output_norm.weight":
-        return "norm.weight", None
-    if name == "output.weight":
-        return "lm_head.weight", None
-    _, layer, kind, suffix = name.split(".", 3)
-    if kind not in _GGUF_NAMES:
-        raise ValueError(f"unexpected GGUF tensor {name!r}")
-    heads = None
-    if permute and kind in ("attn_q", "attn_k"):
-        heads = config.num_heads if kind == "attn_q" else config.num_kv_heads
-    return f"layers.{layer}.{_GGUF_NAMES[kind]}.{suffix}", heads
-
-
-def _gguf_tensors(reader, config: ModelConfig, keep_blocks: bool = False):
-    """``(Hugging Face name, tensor)`` for every GGUF tensor: float, or with ``keep_blocks`` a
-    :class:`BlockWeight` for the matrices :func:`gguf_block_tensors` keeps in their blocks."""
-    import gguf
-
-    permute = reader.fields["general.architecture"].contents() in ("llama", "mistral")
-    kept = gguf_block_tensors((t.name, t.tensor_type.name, len(t.shape)) for t in reader.tensors) if keep_blocks \
-        else set()
-    for t in reader.tensors:
-        hf, heads = _gguf_name(t.name, config, permute)
-        if t.name in kept:
-            n = int(t.shape[1])
-            blocks = from_gguf(t.data, t.tensor_type.name, n, int(t.shape[0]))
-            yield hf, blocks if heads is None else blocks.rows(torch.from_numpy(_unpermute_rope(np.arange(n), heads)))
-            continue
-        try:
-            w = gguf.quants.dequantize(t.data, t.tensor_type)
-        except Exception as e:
-            raise ValueError(f"cannot dequantize GGUF tensor {t.name!r} ({t.tensor_type.name}): {e}") from None
-        if heads is not None:
-            w = _unpermute_rope(w, heads)
-        yield hf, torch.from_numpy(np.array(w))  # copy: GGUF data is a read-only memmap
-
 
 def _load_gguf(path: Path, name: str, dtype: torch.dtype, device: torch.device, ps: ParallelState,
                keep_blocks: bool = False, progress: bool = False) -> LoadedModel:
@@ -388,7 +289,7 @@ def _load_gguf(path: Path, name: str, dtype: torch.dtype, device: torch.device, 
     config = gguf_config(reader, name)
     model = _empty_model(config, dtype, device, ps)
     try:
-        load_hf_state_dict(model, tensor_progress(_gguf_tensors(reader, config, keep_blocks), len(reader.tensors),
+        load_hf_state_dict(model, tensor_progress(gguf_tensors(reader, config, keep_blocks), len(reader.tensors),
                                                   progress))
     except (ValueError, RuntimeError) as e:
         raise ValueError(f"cannot load weights from {str(path)!r}: {e}") from None

@@ -47,6 +47,7 @@ from dataclasses import asdict, dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from iterserve.config.dtypes import canonical_dtype, dtype_bytes
+from iterserve.config.kv_cache import INT8_SCALE_BYTES
 from iterserve.config.moe import mlp_parameters
 from iterserve.planner.hardware import Accelerator, GiB, Interconnect, get_interconnect
 from iterserve.planner.weights import Quantization, as_quantization, streamed_bytes, total_bytes
@@ -90,8 +91,10 @@ def streamed_weight_bytes(cfg: ModelConfig, dtype: str = "bf16", quantization: Q
 
 
 def kv_bytes_per_token(cfg: ModelConfig, kv_dtype: str = "bf16") -> int:
-    """layers x 2 (K and V) x KV heads x head_dim x bytes."""
-    return cfg.kv_bytes_per_token(dtype_bytes(kv_dtype))
+    """layers x 2 (K and V) x KV heads x head_dim x bytes; an int8 cache adds its float16 scale per token and
+    KV head (:mod:`iterserve.config.kv_cache`). fp8_e4m3 / fp8_e5m2 are fp8's byte."""
+    scales = cfg.num_layers * 2 * cfg.num_kv_heads * INT8_SCALE_BYTES if canonical_dtype(kv_dtype) == "int8" else 0
+    return cfg.kv_bytes_per_token(dtype_bytes(kv_dtype)) + scales
 
 
 def attention_flops_per_token(cfg: ModelConfig, context: int) -> int:

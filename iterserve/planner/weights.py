@@ -8,7 +8,7 @@ does not name stays in the plan's dtype, as do norms and biases.
 
 The named formats (``--quantization``) quantize every matmul weight (the decoder's linear layers and the LM
 head) and leave an untied token embedding in the dtype; ``gguf`` takes each tensor's type from the file, as
-``iterserve serve --quantization gguf`` loads it (Q4_0, Q4_1, Q8_0 in blocks, any other type in the dtype).
+``iterserve serve --quantization gguf`` loads it (quantized types in their blocks, float types in the dtype).
 Pure arithmetic: the GGUF's tensor list is read by the caller (:func:`iterserve.planner.quantization_for`).
 
 A mixture-of-experts layer holds ``E`` experts (roles ``ffn_gate_exps``, ``ffn_up_exps``, ``ffn_down_exps``) and a
@@ -65,7 +65,12 @@ FORMATS: dict[str, MatrixFormat] = {
                          "float16 scale per group of 128 inputs"),
     "fp8": MatrixFormat("fp8", Fraction(1), description="fp8 (e4m3) weights: 1 B a weight (one scale per tensor)"),
 }
-GGUF_TYPES = {"Q8_0": FORMATS["q8_0"], "Q4_0": FORMATS["q4_0"], "Q4_1": FORMATS["q4_1"]}  # kept in blocks
+# GGUF types kept as stored: (inputs, bytes) per block, the scales inside the block's bytes.
+_GGUF_STORED = {"Q5_0": (32, 22), "Q5_1": (32, 24), "Q2_K": (256, 84), "Q3_K": (256, 110), "Q4_K": (256, 144),
+                "Q5_K": (256, 176), "Q6_K": (256, 210)}
+GGUF_TYPES = {"Q8_0": FORMATS["q8_0"], "Q4_0": FORMATS["q4_0"], "Q4_1": FORMATS["q4_1"],  # kept in blocks
+              **{name: MatrixFormat(name, Fraction(nbytes, block), description=f"GGUF {name}: {nbytes} B / {block}")
+                 for name, (block, nbytes) in _GGUF_STORED.items()}}
 QUANTIZATION_CHOICES = ("none", "gguf", *FORMATS)
 
 Mix = tuple[tuple[MatrixFormat, Fraction], ...]  # formats and the share of a role's weights in each

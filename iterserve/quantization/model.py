@@ -4,8 +4,10 @@ keeps its part of them, and the linear method that multiplies with them.
 ``quantization``:
 
 * ``None`` (the default): float weights in the model's dtype, as loaded;
-* ``"gguf"``: a GGUF file's Q4_0, Q4_1 and Q8_0 matrices stay in their blocks (the token embedding and
-  LM head too); any other type (F16, Q6_K, ...) is dequantized to float, with one log line naming them;
+* ``"gguf"``: a GGUF file's quantized matrices stay in their blocks (the token embedding and LM head too):
+  Q4_0, Q4_1 and Q8_0 repacked for the block kernel, the K-quants (Q2_K..Q6_K) and Q5_0/Q5_1 as stored
+  (:mod:`iterserve.quantization.gguf_weight`); float ones (F16, ...) load in the dtype, with one log line;
+  any other type is refused at load;
 * ``"int8"``: every linear layer and the LM head quantized at load to int8 blocks of 32 (one float16 scale
   per column and block), from any float checkpoint.
 """
@@ -40,10 +42,13 @@ from iterserve.models.linear import (
     process_weights,
 )
 from iterserve.models.llama import LlamaModel
+from iterserve.quantization.gguf_weight import GGUFWeight
 from iterserve.quantization.packed import (
     GGUF_PACKED_TYPES,
+    GGUF_REPACKED_TYPES,
     BlockWeight,
     PackedWeight,
+    QuantizedWeight,
     dequantize,
     linear,
     pack,
@@ -77,15 +82,24 @@ def _group(name: str) -> str:
     return m.group(1) + (".attn_qkv" if ".attn_" in name else ".ffn_gate_up")
 
 
-def gguf_block_tensors(tensors: Iterable[tuple[str, str, int]]) -> set[str]:
-    """Names of the matrices (``(name, type name, dims)``) that ``quantization="gguf"`` keeps in blocks:
-    the Q4_0/Q4_1/Q8_0 ones whose fused partners are too. The rest are logged, once, as loaded in float."""
+GGUF_FLOAT_TYPES = ("F32", "F16", "BF16")
+
+
+def gguf_block_tensors(tensors: Iterable[tuple[str, str, int]]) -> dict[str, bool]:
+    """The matrices (``(name, type name, dims)``) that ``quantization="gguf"`` keeps in blocks, those whose
+    fused partners are quantized too, each with whether it stays as stored (its group holds a type beyond
+    Q4_0/Q4_1/Q8_0: a fused layer's parts share one weight class). The rest are logged, once, as loaded in
+    float; a type neither quantized nor float is refused."""
     matrices = [(name, kind) for name, kind, dims in tensors if dims == 2]
+    for name, kind in matrices:
+        if kind not in GGUF_PACKED_TYPES + GGUF_FLOAT_TYPES:
+            raise ValueError(f"GGUF tensor {name} has type {kind}, which quantization=gguf does not load; supported "
+                             f"types: {', '.join(GGUF_FLOAT_TYPES + GGUF_PACKED_TYPES)}")
     groups: dict[str, list[tuple[str, str]]] = {}
     for name, kind in matrices:
         groups.setdefault(_group(name), []).append((name, kind))
-    kept = {name for members in groups.values() if all(kind in GGUF_PACKED_TYPES for _, kind in members)
-            for name, _ in members}
+    kept = {name: any(kind not in GGUF_REPACKED_TYPES for _, kind in members) for members in groups.values()
+            if all(kind in GGUF_PACKED_TYPES for _, kind in members) for name, _ in members}
     floats = Counter(kind for name, kind in matrices if name not in kept)
     if floats:
         logger.warning("quantization=gguf keeps %s in blocks; %d matrices load as float (%s)",
@@ -97,7 +111,7 @@ def gguf_block_tensors(tensors: Iterable[tuple[str, str, int]]) -> set[str]:
 # -- loading blocks into a (sharded, fused) layer ----------------------------------------------------
 
 
-def _check(name: str, w: BlockWeight, expected: tuple[int, ...]) -> None:
+def _check(name: str, w: BlockWeight | GGUFWeight, expected: tuple[int, ...]) -> None:
     if w.shape != expected:
         raise ValueError(f"{name} has shape {w.shape}, expected {expected}")
 
@@ -105,12 +119,12 @@ def _check(name: str, w: BlockWeight, expected: tuple[int, ...]) -> None:
 Layer = LinearBase | VocabParallelEmbedding
 
 
-def load_blocks(layer: nn.Module, name: str, w: BlockWeight, part: int | None = None) -> None:
+def load_blocks(layer: nn.Module, name: str, w: BlockWeight | GGUFWeight, part: int | None = None) -> None:
     """Keep this rank's part of a whole checkpoint tensor in blocks, as ``layer.load`` does for a float one;
     the layer's float weight is dropped (its memory is what quantization saves)."""
     if name != "weight":
         raise ValueError(f"only weights load in blocks, not {name!r}")
-    parts: dict[int, BlockWeight] = layer.__dict__.setdefault("weight_blocks", {})
+    parts: dict[int, BlockWeight | GGUFWeight] = layer.__dict__.setdefault("weight_blocks", {})
     if isinstance(layer, ColumnParallelLinear):
         if part is None:
             _check(name, w, layer.full_shape(name))
@@ -140,14 +154,21 @@ def _drop_float_weight(layer: Layer) -> None:
         layer.weight = nn.Parameter(torch.empty(0, dtype=w.dtype, device=w.device), requires_grad=False)
 
 
-def _pack_blocks(layer: Layer) -> PackedWeight | None:
+def _pack_blocks(layer: Layer) -> QuantizedWeight | None:
     """The layer's loaded blocks, fused in part order and packed (once); None when it loaded float."""
     if layer.qweight is not None:
         return layer.qweight
-    parts: dict[int, BlockWeight] | None = layer.__dict__.pop("weight_blocks", None)
+    parts: dict[int, BlockWeight | GGUFWeight] | None = layer.__dict__.pop("weight_blocks", None)
     if not parts:
         return None
-    blocks = [parts[i] for i in sorted(parts)]
+    stored = [parts[i] for i in sorted(parts) if isinstance(parts[i], GGUFWeight)]
+    if stored:
+        if len(stored) != len(parts):
+            raise ValueError("a fused layer's parts load either all as stored GGUF blocks or none")
+        w = GGUFWeight.cat(typing.cast(list[GGUFWeight], stored))
+        layer.qweight = (w.tiled() if isinstance(layer, LinearBase) else w).to(layer.weight.device)
+        return layer.qweight
+    blocks = [typing.cast(BlockWeight, parts[i]) for i in sorted(parts)]
     if len({b.bits for b in blocks}) > 1:  # a 4-bit block is an 8-bit one with small quants
         blocks = [BlockWeight(b.q, b.d, b.c, 8, b.fmt) for b in blocks]
     packed = pack(BlockWeight.cat(blocks)).to(layer.weight.device)
@@ -180,8 +201,8 @@ class QuantizedLinear(LinearMethod):
 
     def native(self, layer: LinearBase) -> NativeLinear | None:
         w = layer.qweight
-        if w is None or kernels.ops is None or not w.data.is_cpu:
-            return None
+        if not isinstance(w, PackedWeight) or kernels.ops is None or not w.data.is_cpu:
+            return None  # the decode loop knows the repacked blocks only: stored GGUF blocks run layer by layer
         return NATIVE_QUANTIZED, w.data, w.n, w.bits, layer.bias
 
 
@@ -242,6 +263,9 @@ def weight_formats(model: nn.Module) -> list[WeightFormat]:
         q = getattr(module, "qweight", None)
         if isinstance(q, PackedWeight):
             add(q, q.fmt, q.n * q.k, q.nbytes)
+        elif isinstance(q, GGUFWeight):  # each part in its own type, a fused layer's too
+            for part in q.parts:
+                add(part.raw, part.type_name, part.rows * q.k, part.raw.numel())
         packed = getattr(module, "packed", None)  # a float weight re-laid out for the CPU kernel (cpu_linear)
         weight = getattr(module, "weight", None)
         if isinstance(packed, torch.Tensor) and isinstance(weight, torch.Tensor):

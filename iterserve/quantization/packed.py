@@ -4,6 +4,8 @@ Every supported format is one formula per output column and block of 32 inputs: 
 ``q`` unsigned (a nibble for Q4_0/Q4_1, the int8 value + 128 for Q8_0 and int8), ``d`` and ``c`` float16.
 GGUF's Q4_1 stores exactly ``d`` and ``c`` (its ``m``); Q4_0 is ``c = -8 d`` and the 8-bit formats
 ``c = -128 d``, all exact in float16. So one kernel (``csrc/quant_ops.cpp``) serves all of them.
+Other GGUF types (Q5_0, Q5_1, the K-quants) stay in the file's own blocks: :mod:`gguf_weight`, which
+:func:`linear` and :func:`dequantize` hand a :class:`GGUFWeight` to.
 
 Layout of :attr:`PackedWeight.data`, ``uint8 [tiles, blocks, bytes]``: output columns in tiles of 16; for
 each tile and block, the 16 columns' quants in 64-byte chunks of 16 columns x 4 consecutive inputs (4-bit:
@@ -20,6 +22,8 @@ import torch
 import torch.nn.functional as F
 
 from iterserve import kernels
+from iterserve.quantization import gguf_weight
+from iterserve.quantization.gguf_weight import STORED_TYPES, GGUFWeight
 
 BLOCK = 32
 TILE = 16
@@ -49,6 +53,10 @@ class PackedWeight:
 
     def to(self, device: torch.device | str) -> PackedWeight:
         return PackedWeight(self.data.to(device), self.n, self.k, self.bits, self.fmt)
+
+
+# A weight the quantized linear method multiplies: repacked blocks of 32, or GGUF blocks as stored.
+QuantizedWeight = PackedWeight | GGUFWeight
 
 
 @dataclass
@@ -157,8 +165,11 @@ def unpack(w: PackedWeight, rows: torch.Tensor | None = None) -> BlockWeight:
     return BlockWeight(q, scales(qbytes), scales(qbytes + 2 * TILE), w.bits, w.fmt)
 
 
-def dequantize(w: PackedWeight, dtype: torch.dtype = torch.float32, rows: torch.Tensor | None = None) -> torch.Tensor:
+def dequantize(w: QuantizedWeight, dtype: torch.dtype = torch.float32,
+               rows: torch.Tensor | None = None) -> torch.Tensor:
     """The float weight ``[n, k]``, or its ``rows`` (``[*rows.shape, k]``: the C++ op on the CPU)."""
+    if isinstance(w, GGUFWeight):
+        return gguf_weight.dequantize(w, dtype, rows)
     if rows is not None and kernels.ops is not None and w.data.is_cpu:
         return torch.ops.iterserve_quant.qrows.default(w.data, rows, w.n, w.k, w.bits, dtype)
     out = unpack(w, rows).dequantize(dtype)
@@ -169,17 +180,25 @@ def dequantize(w: PackedWeight, dtype: torch.dtype = torch.float32, rows: torch.
 
 # Bytes of one GGUF block of 32 weights and where its parts lie (see ggml's block_q4_0/q4_1/q8_0).
 _GGUF_BLOCK_BYTES = {"Q4_0": 18, "Q4_1": 20, "Q8_0": 34}
-GGUF_PACKED_TYPES = tuple(_GGUF_BLOCK_BYTES)
+GGUF_REPACKED_TYPES = tuple(_GGUF_BLOCK_BYTES)  # repacked into PackedWeight's tiles
+GGUF_PACKED_TYPES = tuple(STORED_TYPES)  # every type quantization="gguf" keeps quantized
 
 
-def from_gguf(raw: np.ndarray, type_name: str, n: int, k: int) -> BlockWeight:
-    """A GGUF tensor's blocks (``raw``: its uint8 data, ``n`` rows of ``k`` weights), without loss."""
-    if type_name not in _GGUF_BLOCK_BYTES:
+def from_gguf(raw: np.ndarray, type_name: str, n: int, k: int, as_stored: bool = False) -> BlockWeight | GGUFWeight:
+    """A GGUF tensor's blocks (``raw``: its uint8 data, ``n`` rows of ``k`` weights), without loss: Q4_0, Q4_1
+    and Q8_0 as a :class:`BlockWeight` to repack, other types (and any with ``as_stored``) as stored."""
+    if type_name not in GGUF_PACKED_TYPES:
         raise ValueError(f"GGUF type {type_name} is not kept in blocks; kept types: {', '.join(GGUF_PACKED_TYPES)}")
+    if as_stored or type_name not in _GGUF_BLOCK_BYTES:
+        return gguf_weight.from_stored(raw, type_name, n, k)
     if k % BLOCK:
         raise ValueError(f"a {type_name} row of {k} weights is not a whole number of blocks of {BLOCK}")
     blocks = k // BLOCK
-    b = torch.from_numpy(np.array(raw, dtype=np.uint8).reshape(n, blocks, _GGUF_BLOCK_BYTES[type_name]))
+    data = np.asarray(raw).reshape(-1).view(np.uint8)
+    if data.size != n * blocks * _GGUF_BLOCK_BYTES[type_name]:
+        raise ValueError(f"a [{n}, {k}] {type_name} tensor takes {n * blocks * _GGUF_BLOCK_BYTES[type_name]} bytes, "
+                         f"the file holds {data.size}")
+    b = torch.from_numpy(data.reshape(n, blocks, _GGUF_BLOCK_BYTES[type_name]).copy())
     d = b[..., 0:2].contiguous().view(torch.float16).squeeze(-1)
     if type_name == "Q8_0":
         q = (b[..., 2:].contiguous().view(torch.int8).to(torch.int16) + 128).to(torch.uint8)
@@ -207,12 +226,14 @@ def quantize_int8(w: torch.Tensor) -> BlockWeight:
 # -- matmul --------------------------------------------------------------------------------------------
 
 
-def linear(x: torch.Tensor, w: PackedWeight, isa: int = 0) -> torch.Tensor:
+def linear(x: torch.Tensor, w: QuantizedWeight, isa: int = 0) -> torch.Tensor:
     """``x @ w.T`` for ``x [..., k]``: the C++ kernel on the CPU, else dequantize then matmul (CUDA, or
     ``ITERSERVE_CPU_KERNELS=0``). ``isa`` forces one kernel (1 scalar, 2 AVX2, 3 AVX-512 VNNI; 0 the best).
 
     A decode step makes one call per linear layer (121 for SmolLM2) on a few rows, so the common case, 2-D
     rows on the CPU, goes straight to the op: a general path cost 8.3 us per call, this one 3.9 (the op 3.1)."""
+    if isinstance(w, GGUFWeight):
+        return gguf_weight.linear(x, w, isa)
     if kernels.ops is None or not x.is_cpu:
         return F.linear(x, dequantize(w, x.dtype))
     if x.dim() == 2 and x.stride(1) == 1:

@@ -101,17 +101,17 @@ class ServerMetrics:
                                      "Older name of vllm:kv_cache_usage_perc.")
         self._weights = {field: Gauge(name, doc, [*names, "format"], registry=self.registry)
                          for field, (name, doc) in _WEIGHT_GAUGES.items()}
-        self.prefix_hit_rate = gauge(
-            "iterserve:prefix_cache_hit_rate", "Prompt tokens served from the prefix cache / prompt tokens looked up."
-        )
+        self.prefix_hit_rate = gauge("iterserve:prefix_cache_hit_rate",
+                                     "Prompt tokens served from the prefix cache / prompt tokens looked up.")
         self._counters = {
             field: Counter(name, doc, names, registry=self.registry) for field, (name, doc) in _CORE_COUNTERS.items()
         }
-        self._request_success = Counter("vllm:request_success", "Finished requests by finish reason.",
-                                        [*names, "finished_reason"], registry=self.registry)
-        self._restarts = Counter("iterserve:engine_restarts", "Engine core processes started in place of one that "
-                                 "died.", names, registry=self.registry)
-        families.append(self._restarts)
+        self._request_success = Counter(
+            "vllm:request_success", "Finished requests by finish reason.", [*names, "finished_reason"],
+            registry=self.registry,
+        )
+        self._restarts = Counter("iterserve:engine_restarts", "Engine cores started in place of one that died.",
+                                 names, registry=self.registry)
         self.iteration_tokens = histogram("vllm:iteration_tokens_total", "Tokens computed per engine step.",
                                           ITERATION_TOKEN_BUCKETS)
         self.prompt_tokens = histogram("vllm:request_prompt_tokens", "Prompt tokens of each finished request.", counts)
@@ -146,7 +146,7 @@ class ServerMetrics:
         self._last_per_pos = [[0] * num_speculative_tokens for _ in self._labels]
         self._last_step = [0 for _ in self._labels]
         for labels in self._labels:  # every engine's series is there from the start, at zero
-            for family in [*families, *self._counters.values()]:
+            for family in [*families, self._restarts, *self._counters.values()]:
                 family.labels(**labels)
             for reason in FINISH_REASONS:
                 self._request_success.labels(**labels, finished_reason=reason)

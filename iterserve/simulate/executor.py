@@ -21,7 +21,7 @@ import numpy as np
 import torch
 
 from iterserve.config import EngineConfig, ModelConfig, parse_dtype
-from iterserve.engine.capacity import Capacity
+from iterserve.engine.capacity import Capacity, token_bytes
 from iterserve.engine.executor import Executor
 from iterserve.engine.sampler import SampleResult, Verdict
 from iterserve.engine.scheduler import ScheduledSeq, sampling_seqs
@@ -82,8 +82,8 @@ class CostModelExecutor(Executor):
         self.dtype, self.device = parse_dtype(config.dtype), torch.device("cpu")
         blocks, block_size, max_len = config.num_kv_blocks, config.block_size, config.max_model_len
         tokens = blocks * block_size
-        self.capacity = Capacity(model.kv_bytes_per_token(self.dtype.itemsize), blocks, block_size, tokens, max_len,
-                                 tokens // max_len)
+        self.capacity = Capacity(token_bytes(model, config.kv_cache_dtype, self.dtype.itemsize), blocks, block_size,
+                                 tokens, max_len, tokens // max_len)
         self.cost, self.clock = cost, clock
         self.busy_s = 0.0  # simulated time spent in steps
         self.rows = 0  # sequences scheduled, summed over the steps

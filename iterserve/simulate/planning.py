@@ -52,13 +52,14 @@ class PlannerTerms:
 def planner_terms(
     model: str | ModelConfig, dtype: str = "bf16", *, gpu: str | None = None, flops: str | None = None,
     bandwidth: str | None = None, memory: str | None = None, gpu_memory_utilization: float = 0.9,
-    quantization: Quantization | str | None = None,
+    quantization: Quantization | str | None = None, kv_dtype: str | None = None,
 ) -> PlannerTerms:
     """Terms for ``model`` (a preset, config.json, folder or .gguf, or its config already read) and
     optionally an accelerator: a named one (``gpu``) with any of ``flops``/``bandwidth``/``memory``
     replaced, or, without a name, ``flops`` and ``bandwidth`` given. Quantities are read as
     ``iterserve plan`` reads them ("312" is TFLOP/s, "2039" GB/s, "40" GiB, or with a unit); ``quantization``
-    the weights' formats, as :func:`iterserve.planner.quantization_for` resolves them."""
+    the weights' formats, as :func:`iterserve.planner.quantization_for` resolves them; ``kv_dtype`` the KV
+    cache's, by default ``dtype``."""
     from iterserve.config.units import parse_bandwidth, parse_flops, parse_size
     from iterserve.models.loader import load_model_config
     from iterserve.planner import quantization_for
@@ -79,7 +80,7 @@ def planner_terms(
     terms: dict[str, Any] = {
         "model_name": cfg.name or str(model), "vocab_size": cfg.vocab_size,
         "max_position_embeddings": cfg.max_position_embeddings,
-        "kv_bytes_per_token": kv_bytes_per_token(cfg, dtype), "layer_matmul_params": layer,
+        "kv_bytes_per_token": kv_bytes_per_token(cfg, kv_dtype or dtype), "layer_matmul_params": layer,
         "lm_head_params": matmul_parameters(cfg) - layer,
         "streamed_weight_bytes": streamed_weight_bytes(cfg, dtype, q, 0),  # tokens=0: no expert
         "expert_weight_bytes": streamed_weight_bytes(cfg, dtype, q) - streamed_weight_bytes(cfg, dtype, q, 0),

@@ -48,6 +48,7 @@ from iterserve.config import (
     SpeculativeConfig,
     get_preset,
 )
+from iterserve.config.kv_cache import KVCacheDtype
 from iterserve.config.speculative import DEFAULT_DISABLE_BY_BATCH_SIZE
 from iterserve.engine.core import EngineCore
 from iterserve.engine.messages import EngineCoreOutput, EngineCoreRequest
@@ -71,6 +72,7 @@ class SimConfig:
     max_batch_wait: float = 0.05  # dynamic batching: the oldest request's longest wait for its batch to fill
     kv_allocation: KVAllocation = "paged"
     enable_prefix_caching: bool = True
+    kv_cache_dtype: KVCacheDtype = "auto"  # what a token's K/V costs in the pool (iterserve.config.kv_cache)
     max_model_len: int | None = None  # None: what the pool holds
     request_latency_s: float = 0.0  # client -> scheduler -> client round trip outside the steps
     admission_interval_s: float = 0.0  # least time between two requests reaching the scheduler
@@ -120,6 +122,7 @@ class SimConfig:
                             enable_prefix_caching=self.enable_prefix_caching, num_kv_blocks=self.num_kv_blocks,
                             batching=self.batching, max_batch_wait=self.max_batch_wait,
                             kv_allocation=self.kv_allocation, step_trace=step_trace,
+                            kv_cache_dtype=self.kv_cache_dtype,
                             speculative_config=self.speculative_config)
 
 

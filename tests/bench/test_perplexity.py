@@ -51,5 +51,20 @@ def test_bench_perplexity_compares_formats(capsys):
     cells = [[c.strip() for c in line.strip("│ ").split("│")] for line in out.splitlines()]
     rows = {c[0]: c for c in cells if c[0] in ("none", "int8")}
     assert set(rows) == {"none", "int8"}
-    assert float(rows["int8"][1]) < 0.3 * float(rows["none"][1])  # weights MB
-    assert rows["none"][3] == "+0.00%"
+    assert float(rows["int8"][2]) < 0.3 * float(rows["none"][2])  # weights MB
+    assert rows["none"][4] == "+0.00%"
+
+
+def test_bench_perplexity_scores_each_kv_cache_dtype(capsys, tmp_path):
+    text = tmp_path / "text.txt"
+    text.write_text(SHIPPED_TEXT.read_text()[:800])
+    assert main(["bench", "perplexity", "--model", TINY, "--dtype", "float32", "--formats", "none",
+                 "--kv-cache-dtypes", "auto,fp8,int8", "--window", "64", "--text", str(text)]) == 0
+    out = capsys.readouterr().out
+    cells = [[c.strip() for c in line.strip("│ ").split("│")] for line in out.splitlines()]
+    rows = {c[1]: c for c in cells if len(c) > 1 and c[0] == "none"}
+    assert set(rows) == {"auto", "fp8", "int8"} and rows["auto"][4] == "+0.00%"
+    for kv in ("fp8", "int8"):  # one-byte K/V cost a random model's perplexity little
+        assert abs(float(rows[kv][3]) / float(rows["auto"][3]) - 1) < 0.05
+    assert main(["bench", "perplexity", "--model", TINY, "--kv-cache-dtypes", "fp4", "--text", str(text)]) != 0
+    assert "kv_cache_dtype must be one of auto, fp8" in capsys.readouterr().err

@@ -11,7 +11,9 @@ import pytest
 import torch
 
 from iterserve.formats.gguf_file import open_gguf
-from iterserve.models.loader import _empty_model, _gguf_tensors, gguf_config, load_hf_state_dict
+from iterserve.models import gguf_model
+from iterserve.models.gguf_model import gguf_config
+from iterserve.models.loader import _empty_model, load_hf_state_dict
 from tests.models.test_llama import run_ours
 from tests.models.test_moe import VOCAB, hf_model
 
@@ -92,7 +94,7 @@ def load(path: Path):
     reader = open_gguf(path)
     config = gguf_config(reader, "tiny")
     model = _empty_model(config, torch.float32, torch.device("cpu"))
-    load_hf_state_dict(model, _gguf_tensors(reader, config))
+    load_hf_state_dict(model, gguf_model.gguf_tensors(reader, config))
     return model
 
 

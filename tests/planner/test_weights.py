@@ -9,7 +9,7 @@ import pytest
 from iterserve import planner
 from iterserve.formats.gguf_file import open_gguf
 from iterserve.models.loader import embedded_model_path
-from iterserve.planner.weights import FORMATS, as_quantization
+from iterserve.planner.weights import FORMATS, as_quantization, gguf_quantization
 
 # llama-3-8b: per layer q 4096x4096, k and v 1024x4096, o 4096x4096, gate/up 14336x4096, down 4096x14336
 LAYER_MATMUL = 16_777_216 + 2 * 4_194_304 + 16_777_216 + 3 * 58_720_256
@@ -78,3 +78,11 @@ def test_gguf_of_a_model_without_a_file_is_a_labelled_approximation():
     assert planner.streamed_weight_bytes(cfg, "bf16", q) == expected
     assert as_quantization(None).name == as_quantization("none").name == "none"
     assert set(planner.QUANTIZATION_CHOICES) == {"none", "gguf", *FORMATS}
+
+
+def test_k_quants_count_the_bytes_the_file_holds():
+    """A Q4_K_M mix: Q4_K keeps 144 B per 256 weights, Q6_K 210, as quantization=gguf loads them."""
+    q = gguf_quantization([("blk.0.attn_q.weight", "Q4_K", 512 * 256), ("blk.0.ffn_down.weight", "Q6_K", 512 * 256)])
+    assert q.role_bytes("attn_q", 512, 256, "bfloat16") == 512 * 144
+    assert q.role_bytes("ffn_down", 512, 256, "bfloat16") == 512 * 210
+    assert q.label == "gguf, from the file: Q4_K 50.0%, Q6_K 50.0% of the matrices' weights"

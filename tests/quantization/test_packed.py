@@ -88,8 +88,8 @@ def test_int8_quantization_rounds_each_weight_to_its_block_scale(n, k):
 
 def test_unknown_gguf_type_and_ragged_rows_are_refused():
     raw, _ = gguf_weight("Q8_0", 4, 32)
-    with pytest.raises(ValueError, match="Q6_K is not kept in blocks"):
-        P.from_gguf(raw, "Q6_K", 4, 32)
+    with pytest.raises(ValueError, match="IQ2_XXS is not kept in blocks"):
+        P.from_gguf(raw, "IQ2_XXS", 4, 32)
     with pytest.raises(ValueError, match="not a whole number of blocks"):
         P.from_gguf(raw, "Q8_0", 4, 33)
 

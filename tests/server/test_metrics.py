@@ -79,7 +79,9 @@ def test_every_series_vllms_dashboard_queries_is_served():
     assert value("vllm:gpu_cache_usage_perc") == 0 and value("vllm:num_preemptions_total") == 0
     # one home per series: only what vLLM has no name for stays under iterserve:
     assert {s.name for s in samples if s.name.startswith("iterserve:")} == {
-        "iterserve:prefix_cache_hit_rate", "iterserve:weight_bytes", "iterserve:weight_tensors"}
+        "iterserve:prefix_cache_hit_rate", "iterserve:weight_bytes", "iterserve:weight_tensors",
+        "iterserve:engine_restarts_total", "iterserve:engine_restarts_created"}
+    assert value("iterserve:engine_restarts_total") == 0
     assert not any(s.name.startswith("vllm:spec_decode") for s in samples)  # registered only with speculation
 
 

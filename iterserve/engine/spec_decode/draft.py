@@ -45,18 +45,18 @@ def copy_kv_blocks(caches: list[KVCache], copies: list[tuple[int, int]], device:
     src = torch.tensor([c[0] for c in copies], dtype=torch.long, device=device)
     dst = torch.tensor([c[1] for c in copies], dtype=torch.long, device=device)
     for cache in caches:
-        cache.k[dst] = cache.k[src]
-        cache.v[dst] = cache.v[src]
+        cache.copy_blocks(src, dst)
 
 
 class DraftModel:
     """The draft's weights and its KV cache, as many blocks of the same size as the target's."""
 
-    def __init__(self, model: LlamaModel, num_blocks: int, block_size: int, backend: AttentionBackend) -> None:
+    def __init__(self, model: LlamaModel, num_blocks: int, block_size: int, backend: AttentionBackend,
+                 kv_cache_dtype: str = "auto") -> None:
         self.model = model
         self.backend = backend  # the target's: both models run on one device
         self.block_size = block_size
-        self.kv_caches = model.allocate_kv_cache(num_blocks, block_size, backend)
+        self.kv_caches = model.allocate_kv_cache(num_blocks, block_size, backend, kv_cache_dtype)
 
     def _meta(self, block_tables: list[list[int]], num_cached: list[int], query_lens: list[int],
               max_decode_query: int = 1) -> AttentionMetadata:

@@ -1,0 +1,648 @@
+// Matmuls and row lookups on GGUF tensors kept exactly as the file stores them (the K-quants Q2_K..Q6_K in
+// super-blocks of 256, Q4_0/Q4_1/Q5_0/Q5_1/Q8_0 in blocks of 32), row-major: row j of the weight is output
+// column j, its bytes the file's blocks one after another (iterserve/quantization/gguf_weight.py).
+//
+// Every type decodes to one form: signed integer codes q and, per group of 16 inputs, a float scale s and
+// offset o, with w = s * q + o. The scales are products of a float16 and a small integer, computed in float32
+// as gguf-py does (exact), so a row lookup gives gguf's dequantized values to the bit.
+//
+// A matmul decodes 16 columns x 256 inputs at a time into a Tile (codes + 128 as unsigned bytes, laid out
+// 16 columns x 4 inputs per 64 bytes, as vpdpbusd consumes them) and multiplies it with every row of the
+// activations, quantized to int8 per block of 32 (quant_rows.h):
+//   sum_i w_i x_i ~= a_d * (s * sum_i q_i a_i + o * sum_i a_i)      per group of 16
+// so each super-block is decoded once per call, whatever the number of rows.
+//
+// Q4_K, Q6_K and Q5_0 weights of linear layers are re-laid out at load ("tiled", gguf_weight.py): per tile of 16
+// rows and block, dword i of the 16 rows' blocks side by side (64 bytes), the block padded to whole dwords. The
+// AVX-512 decoders then read with plain loads what they otherwise gather from 16 rows.
+
+#include "ops.h"
+#include "parallel.h"
+#include "quant_rows.h"
+
+using namespace iterserve_quant;
+
+namespace {
+
+constexpr int64_t kCols = 16;   // output columns per tile
+constexpr int64_t kUnit = 256;  // inputs decoded at once: one K-quant super-block, or 8 blocks of 32
+constexpr int64_t kGroup = 16;  // inputs sharing one scale and offset once decoded
+constexpr int64_t kGroups = kUnit / kGroup;
+
+// ggml's type ids (gguf.GGMLQuantizationType), which Python passes.
+enum Type : int64_t {
+  kQ4_0 = 2, kQ4_1 = 3, kQ5_0 = 6, kQ5_1 = 7, kQ8_0 = 8, kQ2_K = 10, kQ3_K = 11, kQ4_K = 12, kQ5_K = 13, kQ6_K = 14
+};
+
+// Inputs per block and bytes per block of a type; {0, 0} for a type this file does not decode.
+struct Layout {
+  int64_t block, bytes;
+};
+
+Layout layout(int64_t type) {
+  switch (type) {
+    case kQ4_0: return {32, 18};
+    case kQ4_1: return {32, 20};
+    case kQ5_0: return {32, 22};
+    case kQ5_1: return {32, 24};
+    case kQ8_0: return {32, 34};
+    case kQ2_K: return {256, 84};
+    case kQ3_K: return {256, 110};
+    case kQ4_K: return {256, 144};
+    case kQ5_K: return {256, 176};
+    case kQ6_K: return {256, 210};
+    default: return {0, 0};
+  }
+}
+
+// Bytes of a block in a tiled weight: whole dwords.
+inline int64_t padded_bytes(int64_t type) { return (layout(type).bytes + 3) / 4 * 4; }
+
+// -- one block to codes, scales and offsets (scalar; the formulas and bit layouts of ggml's block_*) --------
+
+void decode_q4_0(const uint8_t* p, int8_t* q, float* s, float* o, bool with_min) {
+  const float d = half_to_float(p), m = with_min ? half_to_float(p + 2) : 0.f;
+  const uint8_t* qs = p + (with_min ? 4 : 2);
+  const int bias = with_min ? 0 : 8;
+  for (int j = 0; j < 16; ++j) {
+    q[j] = static_cast<int8_t>((qs[j] & 0x0F) - bias);
+    q[j + 16] = static_cast<int8_t>((qs[j] >> 4) - bias);
+  }
+  s[0] = s[1] = d;
+  o[0] = o[1] = m;
+}
+
+void decode_q5_0(const uint8_t* p, int8_t* q, float* s, float* o, bool with_min) {
+  const float d = half_to_float(p), m = with_min ? half_to_float(p + 2) : 0.f;
+  const uint8_t* h = p + (with_min ? 4 : 2);
+  const uint32_t qh = static_cast<uint32_t>(h[0]) | static_cast<uint32_t>(h[1]) << 8 |
+                      static_cast<uint32_t>(h[2]) << 16 | static_cast<uint32_t>(h[3]) << 24;
+  const uint8_t* qs = h + 4;
+  const int bias = with_min ? 0 : 16;
+  for (int j = 0; j < 16; ++j) {
+    q[j] = static_cast<int8_t>(((qs[j] & 0x0F) | ((qh >> j) & 1) << 4) - bias);
+    q[j + 16] = static_cast<int8_t>(((qs[j] >> 4) | ((qh >> (j + 16)) & 1) << 4) - bias);
+  }
+  s[0] = s[1] = d;
+  o[0] = o[1] = m;
+}
+
+void decode_q8_0(const uint8_t* p, int8_t* q, float* s, float* o) {
+  std::memcpy(q, p + 2, 32);
+  s[0] = s[1] = half_to_float(p);
+  o[0] = o[1] = 0.f;
+}
+
+void decode_q2_k(const uint8_t* p, int8_t* q, float* s, float* o) {
+  const uint8_t *sc = p, *qs = p + 16;
+  const float d = half_to_float(p + 80), dmin = half_to_float(p + 82);
+  for (int h = 0; h < 2; ++h)
+    for (int t = 0; t < 4; ++t)
+      for (int l = 0; l < 32; ++l) q[128 * h + 32 * t + l] = static_cast<int8_t>((qs[32 * h + l] >> (2 * t)) & 3);
+  for (int g = 0; g < 16; ++g) {
+    s[g] = d * static_cast<float>(sc[g] & 0x0F);
+    o[g] = -(dmin * static_cast<float>(sc[g] >> 4));
+  }
+}
+
+void decode_q3_k(const uint8_t* p, int8_t* q, float* s, float* o) {
+  const uint8_t *hmask = p, *qs = p + 32, *sc = p + 96;
+  const float d = half_to_float(p + 108);
+  for (int h = 0; h < 2; ++h)
+    for (int t = 0; t < 4; ++t)
+      for (int l = 0; l < 32; ++l) {
+        const int low = (qs[32 * h + l] >> (2 * t)) & 3, high = (hmask[l] >> (4 * h + t)) & 1;
+        q[128 * h + 32 * t + l] = static_cast<int8_t>(low - 4 + 4 * high);
+      }
+  for (int g = 0; g < 16; ++g) {
+    const int low = g < 8 ? sc[g] & 0x0F : sc[g - 8] >> 4, high = (sc[8 + g % 4] >> (2 * (g / 4))) & 3;
+    s[g] = d * static_cast<float>((low | high << 4) - 32);
+    o[g] = 0.f;
+  }
+}
+
+// Q4_K and Q5_K: eight 6-bit scales and mins of 32 inputs each, packed into 12 bytes.
+void scales_k4(const uint8_t* p, float* s, float* o) {
+  const float d = half_to_float(p), dmin = half_to_float(p + 2);
+  const uint8_t* sc = p + 4;
+  for (int j = 0; j < 8; ++j) {
+    const int scale = j < 4 ? sc[j] & 63 : (sc[j + 4] & 0x0F) | ((sc[j - 4] >> 6) << 4);
+    const int min = j < 4 ? sc[j + 4] & 63 : (sc[j + 4] >> 4) | ((sc[j] >> 6) << 4);
+    s[2 * j] = s[2 * j + 1] = d * static_cast<float>(scale);
+    o[2 * j] = o[2 * j + 1] = -(dmin * static_cast<float>(min));
+  }
+}
+
+void decode_q4_k(const uint8_t* p, int8_t* q, float* s, float* o) {
+  scales_k4(p, s, o);
+  const uint8_t* qs = p + 16;
+  for (int j = 0; j < 4; ++j)
+    for (int l = 0; l < 32; ++l) {
+      q[64 * j + l] = static_cast<int8_t>(qs[32 * j + l] & 0x0F);
+      q[64 * j + 32 + l] = static_cast<int8_t>(qs[32 * j + l] >> 4);
+    }
+}
+
+void decode_q5_k(const uint8_t* p, int8_t* q, float* s, float* o) {
+  scales_k4(p, s, o);
+  const uint8_t *qh = p + 16, *qs = p + 48;
+  for (int j = 0; j < 4; ++j)
+    for (int l = 0; l < 32; ++l) {
+      q[64 * j + l] = static_cast<int8_t>((qs[32 * j + l] & 0x0F) | ((qh[l] >> (2 * j)) & 1) << 4);
+      q[64 * j + 32 + l] = static_cast<int8_t>((qs[32 * j + l] >> 4) | ((qh[l] >> (2 * j + 1)) & 1) << 4);
+    }
+}
+
+void decode_q6_k(const uint8_t* p, int8_t* q, float* s, float* o) {
+  const uint8_t *ql = p, *qh = p + 128;
+  const int8_t* sc = reinterpret_cast<const int8_t*>(p + 192);
+  const float d = half_to_float(p + 208);
+  for (int h = 0; h < 2; ++h)
+    for (int l = 0; l < 32; ++l) {
+      const int a = ql[64 * h + l], b = ql[64 * h + 32 + l], hb = qh[32 * h + l];
+      int8_t* out = q + 128 * h + l;
+      out[0] = static_cast<int8_t>(((a & 0x0F) | (hb & 3) << 4) - 32);
+      out[32] = static_cast<int8_t>(((b & 0x0F) | ((hb >> 2) & 3) << 4) - 32);
+      out[64] = static_cast<int8_t>(((a >> 4) | ((hb >> 4) & 3) << 4) - 32);
+      out[96] = static_cast<int8_t>(((b >> 4) | ((hb >> 6) & 3) << 4) - 32);
+    }
+  for (int g = 0; g < 16; ++g) {
+    s[g] = d * static_cast<float>(sc[g]);
+    o[g] = 0.f;
+  }
+}
+
+// Inputs [u * 256, u * 256 + len) of one row into q[len], s and o[len / 16]; returns len.
+int64_t decode_unit(int64_t type, const uint8_t* row, int64_t u, int64_t k, int8_t* q, float* s, float* o) {
+  const Layout l = layout(type);
+  if (l.block == kUnit) {
+    const uint8_t* p = row + u * l.bytes;
+    switch (type) {
+      case kQ2_K: decode_q2_k(p, q, s, o); break;
+      case kQ3_K: decode_q3_k(p, q, s, o); break;
+      case kQ4_K: decode_q4_k(p, q, s, o); break;
+      case kQ5_K: decode_q5_k(p, q, s, o); break;
+      default: decode_q6_k(p, q, s, o); break;
+    }
+    return kUnit;
+  }
+  const int64_t first = u * kUnit / l.block, len = std::min(kUnit, k - u * kUnit);
+  for (int64_t b = 0; b < len / l.block; ++b) {
+    const uint8_t* p = row + (first + b) * l.bytes;
+    int8_t* qb = q + b * 32;
+    float *sb = s + 2 * b, *ob = o + 2 * b;
+    switch (type) {
+      case kQ4_0: decode_q4_0(p, qb, sb, ob, false); break;
+      case kQ4_1: decode_q4_0(p, qb, sb, ob, true); break;
+      case kQ5_0: decode_q5_0(p, qb, sb, ob, false); break;
+      case kQ5_1: decode_q5_0(p, qb, sb, ob, true); break;
+      default: decode_q8_0(p, qb, sb, ob); break;
+    }
+  }
+  return len;
+}
+
+// -- a tile of 16 columns x 256 inputs, decoded for the integer dot products -------------------------------
+
+struct Tile {
+  alignas(64) uint8_t q[kUnit * kCols];  // code + 128, [input / 4][column][input % 4]
+  alignas(64) float s[kGroups][kCols];
+  alignas(64) float o[kGroups][kCols];
+  int64_t len;
+};
+
+// Column c's blocks of unit u (t.len inputs) from a tiled weight's tile, as the file stores them.
+void untile_unit(int64_t type, const uint8_t* tile, int64_t u, int64_t c, int64_t len, uint8_t* out) {
+  const Layout l = layout(type);
+  const int64_t dwords = padded_bytes(type) / 4, per_unit = kUnit / l.block;
+  uint8_t padded[kUnit];
+  for (int64_t b = 0; b < len / l.block; ++b) {
+    for (int64_t i = 0; i < dwords; ++i)
+      std::memcpy(padded + 4 * i, tile + (((u * per_unit + b) * dwords + i) * kCols + c) * 4, 4);
+    if (type == kQ5_0) {  // the scale, then past its 2 bytes of padding
+      std::memcpy(out + b * l.bytes, padded, 2);
+      std::memcpy(out + b * l.bytes + 2, padded + 4, l.bytes - 2);
+    } else {
+      std::memcpy(out + b * l.bytes, padded, l.bytes);
+    }
+  }
+}
+
+// Columns [0, cols) of the tile from their rows (a tiled weight: from its tile's blocks, put back together);
+// the others multiply as zero.
+void decode_tile(int64_t type, bool tiled, const uint8_t* rows, int64_t row_bytes, int64_t cols, int64_t u, int64_t k,
+                 Tile& t) {
+  alignas(64) int8_t q[kUnit];
+  float s[kGroups], o[kGroups];
+  uint8_t block[kUnit];
+  t.len = std::min(kUnit, k - u * kUnit);
+  for (int64_t c = 0; c < kCols; ++c) {
+    if (tiled) {
+      untile_unit(type, rows, u, c, t.len, block);
+      decode_unit(type, block, 0, t.len, q, s, o);
+    } else if (c < cols) {
+      decode_unit(type, rows + c * row_bytes, u, k, q, s, o);
+    } else {
+      std::memset(q, 0, sizeof(q));
+      std::fill(s, s + kGroups, 0.f);
+      std::fill(o, o + kGroups, 0.f);
+    }
+    for (int64_t i = 0; i < t.len / 4; ++i) {
+      uint32_t word;
+      std::memcpy(&word, q + 4 * i, 4);
+      word ^= 0x80808080u;
+      std::memcpy(t.q + (i * kCols + c) * 4, &word, 4);
+    }
+    for (int64_t g = 0; g < t.len / kGroup; ++g) {
+      t.s[g][c] = s[g];
+      t.o[g][c] = o[g];
+    }
+  }
+}
+
+// Activations quantized per block of 32, with each row's sums of its int8 values per group of 16.
+struct Activations {
+  const QuantizedRows& a;
+  std::vector<int32_t> sum16;  // [row][k / 16]
+  int64_t groups;
+  float d(int64_t r, int64_t g) const { return a.d[r * a.blocks + g / 2]; }
+  int32_t sum(int64_t r, int64_t g) const { return sum16[r * groups + g]; }
+};
+
+// acc[r][c] for rows [r0, r0 + mr) += the tile (unit u) times the rows, portable C++.
+void rows_scalar(const Tile& t, const Activations& x, int64_t u, int64_t r0, int64_t mr, float* acc) {
+  for (int64_t r = 0; r < mr; ++r) {
+    const int8_t* xr = x.a.row(r0 + r) + u * kUnit;
+    for (int64_t g = 0; g < t.len / kGroup; ++g) {
+      const int64_t ga = u * kGroups + g;
+      const float ad = x.d(r0 + r, ga), e = ad * static_cast<float>(x.sum(r0 + r, ga));
+      for (int64_t c = 0; c < kCols; ++c) {
+        int32_t dot = 0;
+        for (int64_t i = 0; i < kGroup; ++i)
+          dot += (static_cast<int32_t>(t.q[((g * 4 + i / 4) * kCols + c) * 4 + i % 4]) - 128) * xr[g * kGroup + i];
+        acc[r * kCols + c] += t.s[g][c] * ad * static_cast<float>(dot) + t.o[g][c] * e;
+      }
+    }
+  }
+}
+
+#if defined(__AVX2__) && defined(__F16C__) && defined(__FMA__)
+// AVX2: 8 columns a register. vpmaddubsw wants unsigned x signed: |q| times x with q's sign (|q| <= 128,
+// |x| <= 127: a pair's sum stays within int16).
+void rows_avx2(const Tile& t, const Activations& x, int64_t u, int64_t r0, int64_t mr, float* acc) {
+  const __m256i flip = _mm256_set1_epi8(static_cast<char>(0x80)), ones = _mm256_set1_epi16(1);
+  for (int64_t r = 0; r < mr; ++r) {
+    const int8_t* xr = x.a.row(r0 + r) + u * kUnit;
+    __m256 out[2] = {_mm256_loadu_ps(acc + r * kCols), _mm256_loadu_ps(acc + r * kCols + 8)};
+    for (int64_t g = 0; g < t.len / kGroup; ++g) {
+      const int64_t ga = u * kGroups + g;
+      const float ad = x.d(r0 + r, ga), e = ad * static_cast<float>(x.sum(r0 + r, ga));
+      for (int h = 0; h < 2; ++h) {
+        __m256i dot = _mm256_setzero_si256();
+        for (int j = 0; j < 4; ++j) {
+          const __m256i v = _mm256_load_si256(reinterpret_cast<const __m256i*>(t.q + (g * 4 + j) * 64 + h * 32));
+          const __m256i q = _mm256_xor_si256(v, flip), xb = _mm256_set1_epi32(load_i32(xr + g * kGroup + 4 * j));
+          const __m256i prod = _mm256_maddubs_epi16(_mm256_sign_epi8(q, q), _mm256_sign_epi8(xb, q));
+          dot = _mm256_add_epi32(dot, _mm256_madd_epi16(prod, ones));
+        }
+        const __m256 s = _mm256_mul_ps(_mm256_load_ps(t.s[g] + 8 * h), _mm256_set1_ps(ad));
+        out[h] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot), s, out[h]);
+        out[h] = _mm256_fmadd_ps(_mm256_load_ps(t.o[g] + 8 * h), _mm256_set1_ps(e), out[h]);
+      }
+    }
+    _mm256_storeu_ps(acc + r * kCols, out[0]);
+    _mm256_storeu_ps(acc + r * kCols + 8, out[1]);
+  }
+}
+#endif
+
+#if defined(__AVX512VNNI__) && defined(__AVX512BW__)
+// AVX-512 VNNI: one vpdpbusd is 16 columns x 4 inputs of (q + 128) * a; 128 * sum(a) is taken back off.
+template <int MR>
+void rows_avx512(const Tile& t, const Activations& x, int64_t u, int64_t r0, float* acc) {
+  __m512 out[MR];
+  for (int r = 0; r < MR; ++r) out[r] = _mm512_loadu_ps(acc + r * kCols);
+  for (int64_t g = 0; g < t.len / kGroup; ++g) {
+    const int64_t ga = u * kGroups + g;
+    __m512i w[4];
+    for (int j = 0; j < 4; ++j) w[j] = _mm512_load_si512(t.q + (g * 4 + j) * 64);
+    const __m512 s = _mm512_load_ps(t.s[g]), o = _mm512_load_ps(t.o[g]);
+    for (int r = 0; r < MR; ++r) {
+      const int8_t* xr = x.a.row(r0 + r) + u * kUnit + g * kGroup;
+      const int32_t sum = x.sum(r0 + r, ga);
+      __m512i dot = _mm512_set1_epi32(-128 * sum);
+      for (int j = 0; j < 4; ++j) dot = _mm512_dpbusd_epi32(dot, w[j], _mm512_set1_epi32(load_i32(xr + 4 * j)));
+      const float ad = x.d(r0 + r, ga);
+      out[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), _mm512_mul_ps(s, _mm512_set1_ps(ad)), out[r]);
+      out[r] = _mm512_fmadd_ps(o, _mm512_set1_ps(ad * static_cast<float>(sum)), out[r]);
+    }
+  }
+  for (int r = 0; r < MR; ++r) _mm512_storeu_ps(acc + r * kCols, out[r]);
+}
+
+void rows_avx512_any(const Tile& t, const Activations& x, int64_t u, int64_t r0, int64_t mr, float* acc) {
+  using Kernel = void (*)(const Tile&, const Activations&, int64_t, int64_t, float*);
+  static constexpr Kernel by_rows[] = {rows_avx512<1>, rows_avx512<2>, rows_avx512<3>, rows_avx512<4>};
+  constexpr int64_t most = sizeof(by_rows) / sizeof(by_rows[0]);
+  for (int64_t r = 0; r < mr; r += most) by_rows[std::min(most, mr - r) - 1](t, x, u, r0 + r, acc + r * kCols);
+}
+
+// Decoding with lanes = columns: a dword gathered from each of the 16 rows is 4 inputs x 16 columns, one
+// chunk of the tile as it stands, so no transpose follows. `idx` holds each column's row offset, `mask`
+// the columns that exist (the others read as zero: zero scales).
+struct Gather {
+  __m512i idx;
+  __mmask16 mask;
+  static constexpr bool kTiled = false;
+  __m512i at(const uint8_t* p) const { return _mm512_mask_i32gather_epi32(_mm512_setzero_si512(), mask, idx, p, 1); }
+};
+
+// A tiled block: the dword at byte offset p - base of the 16 rows is one 64-byte load.
+struct TileLoads {
+  const uint8_t* base;
+  static constexpr bool kTiled = true;
+  __m512i at(const uint8_t* p) const { return _mm512_loadu_si512(base + (p - base) * 16); }
+};
+
+// The float16 in bits [shift, shift + 16) of each lane, as float.
+inline __m512 half_lanes(__m512i v, int shift) {
+  return _mm512_cvtph_ps(_mm512_cvtepi32_epi16(_mm512_srli_epi32(v, shift)));
+}
+
+inline __m512i byte_lanes(__m512i v, int byte) {
+  return _mm512_and_si512(_mm512_srli_epi32(v, 8 * byte), _mm512_set1_epi32(0xFF));
+}
+
+void store_codes(Tile& t, int64_t chunk, __m512i codes, __m512i bias) {
+  _mm512_store_si512(t.q + chunk * 64, _mm512_add_epi8(codes, bias));
+}
+
+template <class Src>
+void decode_q4_k_avx512(const Src& g, const uint8_t* p, Tile& t) {
+  const __m512i head = g.at(p), s0 = g.at(p + 4), s1 = g.at(p + 8), s2 = g.at(p + 12);
+  const __m512 d = half_lanes(head, 0), dmin = half_lanes(head, 16);
+  const __m512i m6 = _mm512_set1_epi32(63), m4 = _mm512_set1_epi32(0x0F);
+  for (int j = 0; j < 8; ++j) {
+    __m512i sc, mn;
+    if (j < 4) {
+      sc = _mm512_and_si512(byte_lanes(s0, j), m6);
+      mn = _mm512_and_si512(byte_lanes(s1, j), m6);
+    } else {
+      const __m512i hi = byte_lanes(s2, j - 4);
+      sc = _mm512_or_si512(_mm512_and_si512(hi, m4), _mm512_slli_epi32(_mm512_srli_epi32(byte_lanes(s0, j - 4), 6), 4));
+      mn = _mm512_or_si512(_mm512_srli_epi32(hi, 4), _mm512_slli_epi32(_mm512_srli_epi32(byte_lanes(s1, j - 4), 6), 4));
+    }
+    const __m512 s = _mm512_mul_ps(d, _mm512_cvtepi32_ps(sc));
+    const __m512 o = _mm512_sub_ps(_mm512_setzero_ps(), _mm512_mul_ps(dmin, _mm512_cvtepi32_ps(mn)));
+    _mm512_store_ps(t.s[2 * j], s);
+    _mm512_store_ps(t.s[2 * j + 1], s);
+    _mm512_store_ps(t.o[2 * j], o);
+    _mm512_store_ps(t.o[2 * j + 1], o);
+  }
+  const __m512i nib = _mm512_set1_epi8(0x0F), bias = _mm512_set1_epi8(static_cast<char>(0x80));
+  for (int j = 0; j < 4; ++j) {
+    for (int i = 0; i < 8; ++i) {
+      const __m512i v = g.at(p + 16 + 32 * j + 4 * i);
+      store_codes(t, 16 * j + i, _mm512_and_si512(v, nib), bias);
+      store_codes(t, 16 * j + 8 + i, _mm512_and_si512(_mm512_srli_epi16(v, 4), nib), bias);
+    }
+  }
+}
+
+template <class Src>
+void decode_q6_k_avx512(const Src& g, const uint8_t* p, Tile& t) {
+  // bytes 208..209, the last of the block: a gather reads the dword that ends there, a tile has it padded
+  const __m512 d = Src::kTiled ? half_lanes(g.at(p + 208), 0) : half_lanes(g.at(p + 206), 16);
+  for (int i = 0; i < 4; ++i) {
+    const __m512i v = g.at(p + 192 + 4 * i);
+    for (int b = 0; b < 4; ++b) {
+      const __m512i sc = _mm512_srai_epi32(_mm512_slli_epi32(v, 24 - 8 * b), 24);
+      _mm512_store_ps(t.s[4 * i + b], _mm512_mul_ps(d, _mm512_cvtepi32_ps(sc)));
+      _mm512_store_ps(t.o[4 * i + b], _mm512_setzero_ps());
+    }
+  }
+  const __m512i nib = _mm512_set1_epi8(0x0F), two = _mm512_set1_epi8(3), bias = _mm512_set1_epi8(96);  // -32 + 128
+  for (int h = 0; h < 2; ++h) {
+    for (int l = 0; l < 16; ++l) {
+      const __m512i ql = g.at(p + 64 * h + 4 * l), qh = g.at(p + 128 + 32 * h + 4 * (l % 8));
+      const int shift = 2 * (l / 8);
+      const __m512i lo = _mm512_and_si512(ql, nib), hi = _mm512_and_si512(_mm512_srli_epi16(ql, 4), nib);
+      const __m512i h0 = _mm512_and_si512(_mm512_srli_epi16(qh, shift), two);
+      const __m512i h1 = _mm512_and_si512(_mm512_srli_epi16(qh, shift + 4), two);
+      store_codes(t, 32 * h + l, _mm512_or_si512(lo, _mm512_slli_epi16(h0, 4)), bias);
+      store_codes(t, 32 * h + 16 + l, _mm512_or_si512(hi, _mm512_slli_epi16(h1, 4)), bias);
+    }
+  }
+}
+
+// Bits 0..3 of each lane to bit 4 of its bytes 0..3 (Q5_0's fifth bit of 4 consecutive inputs).
+inline __m512i spread_bits(__m512i x) {
+  const __m512i one = _mm512_set1_epi32(1);
+  __m512i r = _mm512_slli_epi32(_mm512_and_si512(x, one), 4);
+  r = _mm512_or_si512(r, _mm512_slli_epi32(_mm512_and_si512(x, _mm512_set1_epi32(2)), 11));
+  r = _mm512_or_si512(r, _mm512_slli_epi32(_mm512_and_si512(x, _mm512_set1_epi32(4)), 18));
+  return _mm512_or_si512(r, _mm512_slli_epi32(_mm512_and_si512(x, _mm512_set1_epi32(8)), 25));
+}
+
+// A tiled Q5_0 block is padded to 24 bytes after its scale, so that qh and qs start on whole dwords.
+template <class Src>
+void decode_q5_0_avx512(const Src& g, const uint8_t* p, int64_t blocks, Tile& t) {
+  constexpr int64_t stride = Src::kTiled ? 24 : 22, qh_at = Src::kTiled ? 4 : 2;
+  const __m512i nib = _mm512_set1_epi8(0x0F), bias = _mm512_set1_epi8(112);  // -16 + 128
+  for (int64_t b = 0; b < blocks; ++b) {
+    const uint8_t* q = p + b * stride;
+    const __m512 d = half_lanes(g.at(q), 0);
+    for (int h = 0; h < 2; ++h) {
+      _mm512_store_ps(t.s[2 * b + h], d);
+      _mm512_store_ps(t.o[2 * b + h], _mm512_setzero_ps());
+    }
+    const __m512i qh = g.at(q + qh_at);
+    for (int i = 0; i < 4; ++i) {
+      const __m512i v = g.at(q + qh_at + 4 + 4 * i);
+      const __m512i lo = _mm512_and_si512(v, nib), hi = _mm512_and_si512(_mm512_srli_epi16(v, 4), nib);
+      store_codes(t, 8 * b + i, _mm512_or_si512(lo, spread_bits(_mm512_srli_epi32(qh, 4 * i))), bias);
+      store_codes(t, 8 * b + 4 + i, _mm512_or_si512(hi, spread_bits(_mm512_srli_epi32(qh, 16 + 4 * i))), bias);
+    }
+  }
+}
+
+// The tile with the gather decoders where the type has one; false leaves it to decode_tile. A tiled weight's
+// `rows` is its tile's run of blocks.
+bool decode_tile_avx512(int64_t type, bool tiled, const uint8_t* rows, int64_t row_bytes, int64_t cols, int64_t u,
+                        int64_t k, Tile& t) {
+  if (type != kQ4_K && type != kQ6_K && type != kQ5_0) return false;
+  if (tiled) {
+    t.len = std::min(kUnit, k - u * kUnit);
+    const uint8_t* base = rows + u * (kUnit / layout(type).block) * padded_bytes(type) * kCols;
+    const TileLoads src{base};
+    if (type == kQ4_K) decode_q4_k_avx512(src, base, t);
+    else if (type == kQ6_K) decode_q6_k_avx512(src, base, t);
+    else decode_q5_0_avx512(src, base, t.len / 32, t);
+    return true;
+  }
+  const Gather g{_mm512_mullo_epi32(_mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0),
+                                    _mm512_set1_epi32(static_cast<int32_t>(row_bytes))),
+                 static_cast<__mmask16>((1u << cols) - 1)};
+  t.len = std::min(kUnit, k - u * kUnit);
+  if (type == kQ4_K) decode_q4_k_avx512(g, rows + u * 144, t);
+  else if (type == kQ6_K) decode_q6_k_avx512(g, rows + u * 210, t);
+  else decode_q5_0_avx512(g, rows + u * 8 * 22, t.len / 32, t);
+  return true;
+}
+#endif
+
+// The SIMD decoders built here for this type (AVX-512: Q4_K, Q6_K, Q5_0); false when there is none.
+bool decode_tile_fast(int64_t type, bool tiled, const uint8_t* rows, int64_t row_bytes, int64_t cols, int64_t u,
+                      int64_t k, Tile& t) {
+#if defined(__AVX512VNNI__) && defined(__AVX512BW__)
+  return decode_tile_avx512(type, tiled, rows, row_bytes, cols, u, k, t);
+#else
+  return false;
+#endif
+}
+
+void tile_rows(int64_t isa, const Tile& t, const Activations& x, int64_t u, int64_t m, float* acc) {
+#if defined(__AVX512VNNI__) && defined(__AVX512BW__)
+  if (isa == kAvx512Vnni) return rows_avx512_any(t, x, u, 0, m, acc);
+#endif
+#if defined(__AVX2__) && defined(__F16C__) && defined(__FMA__)
+  if (isa == kAvx2) return rows_avx2(t, x, u, 0, m, acc);
+#endif
+  rows_scalar(t, x, u, 0, m, acc);
+}
+
+void sums_of_16(const QuantizedRows& a, int64_t k, std::vector<int32_t>& out) {
+  const int64_t groups = k / kGroup;
+  out.resize(a.rows * groups);
+  for (int64_t r = 0; r < a.rows; ++r) {
+    const int8_t* q = a.row(r);
+    for (int64_t g = 0; g < groups; ++g) {
+      int32_t s = 0;
+      for (int64_t i = 0; i < kGroup; ++i) s += q[g * kGroup + i];
+      out[r * groups + g] = s;
+    }
+  }
+}
+
+void check_weight(const at::Tensor& w, int64_t type, int64_t k) {
+  const Layout l = layout(type);
+  TORCH_CHECK(l.block > 0, "GGUF type id ", type, " is not one kgemm decodes");
+  TORCH_CHECK(k % l.block == 0, "rows of ", k, " inputs are not whole blocks of ", l.block);
+  if (w.dim() == 3) {  // tiled
+    TORCH_CHECK(type == kQ4_K || type == kQ6_K || type == kQ5_0, "only Q4_K, Q6_K and Q5_0 weights are tiled");
+    TORCH_CHECK(w.scalar_type() == at::kByte && w.is_contiguous() && w.device().is_cpu() &&
+                    w.size(1) == k / l.block && w.size(2) == padded_bytes(type) * kCols,
+                "a tiled weight must be a contiguous uint8 [tiles, ", k / l.block, ", ", padded_bytes(type) * kCols,
+                "] CPU tensor");
+    return;
+  }
+  TORCH_CHECK(w.dim() == 2 && w.scalar_type() == at::kByte && w.is_contiguous() && w.device().is_cpu(),
+              "a GGUF weight must be a contiguous uint8 [n, row bytes] CPU tensor");
+  TORCH_CHECK(w.size(1) == k / l.block * l.bytes, "rows of ", w.size(1), " bytes, ", k, " inputs of type id ",
+              type, " take ", k / l.block * l.bytes);
+}
+
+}  // namespace
+
+// x [M, K] (float32/bfloat16/float16) times the weights `ws` (GGUF types `types`, each [n_i, row bytes])
+// stacked by rows -> [M, sum n_i] in x's dtype.
+at::Tensor kgemm(const at::Tensor& x, at::TensorList ws, at::IntArrayRef types, at::IntArrayRef ns, int64_t isa) {
+  TORCH_CHECK(x.dim() == 2 && x.stride(1) == 1 && x.device().is_cpu(), "x must be a 2-D CPU tensor, rows contiguous");
+  TORCH_CHECK(ws.size() == types.size() && ws.size() == ns.size() && !ws.empty(), "one type and row count per weight");
+  const int64_t m = x.size(0), k = x.size(1);
+  TORCH_CHECK(k % kBlock == 0, "x's rows of ", k, " inputs are not whole blocks of ", kBlock);
+  std::vector<int64_t> first_tile{0}, first_col{0};
+  for (size_t i = 0; i < ws.size(); ++i) {
+    check_weight(ws[i], types[i], k);
+    const int64_t tiles = (ns[i] + kCols - 1) / kCols;
+    TORCH_CHECK(ws[i].dim() == 3 ? ws[i].size(0) == tiles : ws[i].size(0) == ns[i], "weight ", i, " does not hold ",
+                ns[i], " rows");
+    first_tile.push_back(first_tile.back() + tiles);
+    first_col.push_back(first_col.back() + ns[i]);
+  }
+  if (isa == kAuto) isa = best_isa();
+  TORCH_CHECK(isa >= kScalar && isa <= best_isa(), "isa ", isa, " is not built for this machine (best: ", best_isa(),
+              ")");
+  const int64_t n = first_col.back();
+  at::Tensor out = at::empty({m, n}, x.options());
+  if (m == 0 || n == 0 || k == 0) return out;
+  thread_local QuantizedRows buffer;
+  QuantizedRows& a = buffer;
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, x.scalar_type(), "kgemm",
+                                  [&] { quantize_rows(x.data_ptr<scalar_t>(), x.stride(0), m, k, a); });
+  Activations act{a, {}, k / kGroup};
+  sums_of_16(a, k, act.sum16);
+  const int64_t units = (k + kUnit - 1) / kUnit;
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, x.scalar_type(), "kgemm", [&] {
+    scalar_t* op = out.data_ptr<scalar_t>();
+    iterserve::parallel_chunks(first_tile.back(), 4, [&](int64_t begin, int64_t end) {
+      Tile tile;
+      std::vector<float> acc(m * kCols);
+      for (int64_t t = begin; t < end; ++t) {
+        const int64_t part = std::upper_bound(first_tile.begin(), first_tile.end(), t) - first_tile.begin() - 1;
+        const at::Tensor& w = ws[part];
+        const bool tiled = w.dim() == 3;
+        const int64_t col = (t - first_tile[part]) * kCols, cols = std::min(kCols, ns[part] - col);
+        const int64_t row_bytes = tiled ? 0 : w.size(1);
+        const uint8_t* rows = w.data_ptr<uint8_t>() + (tiled ? col / kCols * w.size(1) * w.size(2) : col * row_bytes);
+        std::fill(acc.begin(), acc.end(), 0.f);
+        for (int64_t u = 0; u < units; ++u) {
+          if (!(isa == kAvx512Vnni && decode_tile_fast(types[part], tiled, rows, row_bytes, cols, u, k, tile)))
+            decode_tile(types[part], tiled, rows, row_bytes, cols, u, k, tile);
+          tile_rows(isa, tile, act, u, m, acc.data());
+        }
+        for (int64_t r = 0; r < m; ++r)
+          for (int64_t c = 0; c < cols; ++c)
+            op[r * n + first_col[part] + col + c] = static_cast<scalar_t>(acc[r * kCols + c]);
+      }
+    });
+  });
+  return out;
+}
+
+namespace {
+
+// Rows `ids` of a GGUF weight [n, row bytes] of type `type` as `dtype` values, [*ids.shape, k]: gguf's
+// dequantized values exactly (an embedding lookup reads only those rows).
+at::Tensor krows(const at::Tensor& w, int64_t type, const at::Tensor& ids, int64_t k, at::ScalarType dtype) {
+  TORCH_CHECK(w.dim() == 2, "rows are looked up in a row-major weight, not a tiled one");
+  check_weight(w, type, k);
+  const int64_t n = w.size(0);
+  const at::Tensor flat = ids.to(at::kLong).contiguous().view(-1);
+  const int64_t* id = flat.data_ptr<int64_t>();
+  for (int64_t i = 0; i < flat.numel(); ++i)
+    TORCH_CHECK(id[i] >= 0 && id[i] < n, "row ", id[i], " is outside a weight of ", n, " rows");
+  std::vector<int64_t> shape(ids.sizes().begin(), ids.sizes().end());
+  shape.push_back(k);
+  at::Tensor out = at::empty(shape, w.options().dtype(dtype));
+  const uint8_t* wp = w.data_ptr<uint8_t>();
+  const int64_t units = (k + kUnit - 1) / kUnit;
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, dtype, "krows", [&] {
+    scalar_t* op = out.data_ptr<scalar_t>();
+    iterserve::parallel_chunks(flat.numel(), 16, [&](int64_t begin, int64_t end) {
+      int8_t q[kUnit];
+      float s[kGroups], o[kGroups];
+      for (int64_t r = begin; r < end; ++r) {
+        for (int64_t u = 0; u < units; ++u) {
+          const int64_t len = decode_unit(type, wp + id[r] * w.size(1), u, k, q, s, o);
+          scalar_t* dst = op + r * k + u * kUnit;
+          for (int64_t i = 0; i < len; ++i)
+            dst[i] = static_cast<scalar_t>(s[i / kGroup] * static_cast<float>(q[i]) + o[i / kGroup]);
+        }
+      }
+    });
+  });
+  return out;
+}
+
+}  // namespace
+
+TORCH_LIBRARY_FRAGMENT(iterserve_quant, m) {
+  m.def("kgemm(Tensor x, Tensor[] w, int[] types, int[] n, int isa=0) -> Tensor");
+  m.def("krows(Tensor w, int type, Tensor ids, int k, ScalarType dtype) -> Tensor");
+}
+
+TORCH_LIBRARY_IMPL(iterserve_quant, CPU, m) {
+  m.impl("kgemm", &kgemm);
+  m.impl("krows", &krows);
+}

@@ -1,0 +1,85 @@
+"""bf16 greedy outputs do not depend on what else runs: each prompt's tokens and their logprobs, bit for bit,
+are the same alone as in one batch, under chunked prefill, static batching, prefix caching (the second run
+hitting cached blocks) and n-gram speculation, on natural, copy-heavy and long prompts. Logprobs are compared
+rather than tokens alone: a reduction in another order changes their bits long before it flips a greedy pick."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from iterserve import LLM, SamplingParams, kernels
+from iterserve.platforms.cpu import cpu_has_native_bf16
+
+pytestmark = pytest.mark.skipif(kernels.ops is None or not cpu_has_native_bf16(),
+                                reason="bf16 is emulated here (or no kernels): the float32 tests apply")
+
+COPY_TEXT = ("The lighthouse keeper climbed the spiral stairs every evening at dusk, carrying a lantern, "
+             "a notebook and a flask of tea, and wrote down the ships he saw pass.")
+NATURAL = ["What is the capital of France?", "Write a haiku about the sea.", "Why is the sky blue?",
+           "Explain photosynthesis in one sentence.", "hi", "Tell me a joke about cats."]
+# Copy-heavy prompts long enough that decoding runs past the contexts the attention kernel splits across
+# threads, and one prompt longer than the decode kernel's share of prefill.
+COPY = [f"Repeat this text exactly:\n\n{COPY_TEXT * 3}", f"Fix the spelling: {COPY_TEXT.replace('the', 'teh') * 3}",
+        f"Copy this list twice: {', '.join(['apples', 'pears', 'plums', 'figs', 'dates', 'limes'] * 8)}",
+        f"Summarize in one line:\n\n{COPY_TEXT * 16}"]
+PARAMS = SamplingParams(temperature=0, max_tokens=24, logprobs=0)
+NGRAM = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 1, "prompt_lookup_max": 3}
+MODES = {
+    "batch": dict(),
+    "chunked": dict(max_num_batched_tokens=32),
+    "static": dict(batching="static", max_num_seqs=4),
+    "prefix-cached": dict(enable_prefix_caching=True),
+    "ngram": dict(speculative_config=NGRAM),
+}
+FAST_MODES = ("batch", "chunked")  # the rest under -m slow: the default suite stays fast
+
+Output = tuple[tuple[int, ...], tuple[float, ...]]
+
+
+@pytest.fixture(scope="module")
+def smollm_bf16():
+    from iterserve.models.loader import load_model
+
+    return load_model("smollm2-135m", dtype="bfloat16", device="cpu")
+
+
+@pytest.fixture(scope="module")
+def prompts(smollm_bf16) -> list[list[int]]:
+    tok = smollm_bf16.tokenizer
+    return [tok.encode(tok.apply_chat_template([{"role": "user", "content": p}], add_generation_prompt=True),
+                       add_special_tokens=False) for p in NATURAL + COPY]
+
+
+def outputs(llm: LLM, prompts: list[list[int]]) -> list[Output]:
+    out = []
+    for o in llm.generate(prompts, PARAMS, use_tqdm=False):
+        c = o.outputs[0]
+        out.append((tuple(c.token_ids), tuple(lp[t].logprob for t, lp in zip(c.token_ids, c.logprobs, strict=True))))
+    return out
+
+
+@pytest.fixture(scope="module")
+def alone(smollm_bf16, prompts) -> list[Output]:
+    assert smollm_bf16.model.dtype == torch.bfloat16
+    llm = LLM(loaded=smollm_bf16, num_kv_blocks=256, enable_prefix_caching=False)
+    return [outputs(llm, [p])[0] for p in prompts]
+
+
+def differing(expected: list[Output], got: list[Output]) -> str:
+    tokens = sum(a[0] != b[0] for a, b in zip(expected, got, strict=True))
+    bits = sum(a != b for a, b in zip(expected, got, strict=True))
+    return f"{tokens}/{len(got)} differ in tokens, {bits}/{len(got)} in logprobs"
+
+
+@pytest.mark.parametrize("mode", [m if m in FAST_MODES else pytest.param(m, marks=pytest.mark.slow) for m in MODES])
+def test_bf16_outputs_alone_equal_batched(smollm_bf16, prompts, alone, mode):
+    assert max(map(len, prompts)) > 512 and len(prompts[len(NATURAL)]) + PARAMS.max_tokens > 128
+    llm = LLM(loaded=smollm_bf16, num_kv_blocks=256, **{"enable_prefix_caching": False, **MODES[mode]})
+    got = outputs(llm, prompts)
+    if mode == "prefix-cached":
+        got += outputs(llm, prompts)  # every full block of every prompt now hits the cache
+        assert llm.engine.prefix_hit_tokens > 0
+    expected = alone * (len(got) // len(alone))
+    assert got == expected, differing(expected, got)
+    llm.engine.block_manager.check_no_leaks()
