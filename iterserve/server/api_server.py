@@ -30,7 +30,6 @@ from iterserve import __version__
 from iterserve.config import EngineConfig, ServerConfig
 from iterserve.engine.async_llm import AsyncLLM
 from iterserve.engine.core_client import EngineCoreClient
-from iterserve.lora.request import LoRARequest
 from iterserve.server.dashboard import add_dashboard
 from iterserve.server.errors import add_error_handlers
 from iterserve.server.grammars import GrammarChecker
@@ -46,6 +45,7 @@ from iterserve.server.serving_chat import ChatServing
 from iterserve.server.serving_completions import CompletionServing
 from iterserve.server.serving_discovery import DiscoveryServing, cache_config_info
 from iterserve.server.serving_info import InfoServing
+from iterserve.server.serving_lora import LoRAServing, add_lora_routes
 from iterserve.server.serving_responses import ResponsesServing
 from iterserve.server.serving_tokenize import TokenizeServing
 from iterserve.tokenizer.chat_template import load_chat_template
@@ -82,9 +82,10 @@ def build_app(config: EngineConfig, server: ServerConfig | None = None) -> FastA
     info = InfoServing(engine, metrics, served_model_name)
     discovery = DiscoveryServing(engine, metrics, served_model_name, grammars)
     metrics.record_cache_config(cache_config_info(engine))
-    loras = {name: LoRARequest(name, i, path) for i, (name, path) in enumerate(server.lora_paths().items(), 1)}
+    lora = LoRAServing(engine, metrics, served_model_name)
     for serving in (completion, chat, responses, tokenize, info, discovery):
-        serving.loras = loras
+        serving.loras = lora.loras  # one dict: an adapter loaded at runtime is served by every route
+    lora.add_modules(server.lora_paths())
     if config.enable_lora:
         metrics.record_lora_info(config.max_loras)
     if server.chat_template is not None:
@@ -130,6 +131,7 @@ def build_app(config: EngineConfig, server: ServerConfig | None = None) -> FastA
     app.get("/version")(info.version)
     app.get("/metrics", response_model=None)(info.prometheus)
     add_discovery_routes(app, discovery)
+    add_lora_routes(app, lora)
     add_dashboard(app, engine, served_model_name, api_key, server.max_dashboard_viewers)
     document_bodies(app)
     return app

@@ -117,7 +117,7 @@ class OpenAIServing:
         if model in self.loras:
             return self.loras[model]
         adapters = f" and LoRA adapters {', '.join(map(repr, self.loras))}" if self.loras else ""
-        raise APIError(404, f"the model {model!r} does not exist; this server serves {self.model_name!r}{adapters}",
+        raise APIError(404, f"The model `{model}` does not exist. This server serves {self.model_name!r}{adapters}.",
                        param="model", code="model_not_found")
 
     def _tokenizer(self) -> Tokenizer:
