@@ -13,9 +13,11 @@ import pytest
 from fastapi.testclient import TestClient
 from safetensors.torch import load_file, save_file
 
+from iterserve.bench.serve import LoadPoint, ServeConfig, request_models, run_serve
+from iterserve.bench.workloads import WorkloadSpec, make_workload
 from iterserve.config import EngineConfig, ServerConfig
 from iterserve.server import build_app
-from tests.lora.conftest import ADAPTERS, base_model, make_adapter_folders, make_base_folder, save_adapter
+from tests.lora.conftest import ADAPTERS, VOCAB, base_model, make_adapter_folders, make_base_folder, save_adapter
 from tests.lora.test_generate import PROMPTS, lora, make_llm, tokens
 from tests.server.conftest import ServerThread, metric_samples
 
@@ -174,3 +176,27 @@ def test_runtime_updating_needs_the_opt_in(folders, monkeypatch):
     assert r.status_code == 404 and r.json()["error"]["message"] == "The lora adapter 'x' cannot be found."
     assert client.post("/v1/load_lora_adapter", json=body).status_code == 200
 
+
+@pytest.fixture
+def texting_server(folders, tmp_path):
+    """The adapters behind a copy of the base model with a word-level tokenizer: text to stream, as bench needs."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    base = shutil.copytree(folders[0], tmp_path / "base")
+    words = Tokenizer(models.WordLevel({"<unk>": 0, **{f"w{i}": i for i in range(1, VOCAB)}}, unk_token="<unk>"))
+    words.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    words.save(str(base / "tokenizer.json"))
+    modules = tuple(f"{name}={folder}" for name, folder in folders[1].items())
+    with ServerThread(build_app(engine_config(base), ServerConfig(served_model_name=BASE, lora_modules=modules))) as s:
+        yield s
+
+
+def test_bench_serve_mixes_the_adapters(texting_server):
+    assert request_models(2, BASE, (), 0) == [BASE, BASE]
+    mixed = request_models(32, BASE, ("all", "some"), 0)
+    assert set(mixed) == {"all", "some"} and mixed == request_models(32, BASE, ("all", "some=/the/folder"), 0)
+    spec = WorkloadSpec(num_prompts=6, input_len="8", output_len="3")
+    cfg = ServeConfig(texting_server.url, prompt_format="ids", lora_modules=("all", "some"))
+    result = run_serve(cfg, make_workload(spec, tokenizer=None, vocab_size=VOCAB), None, [LoadPoint()],
+                       workload=spec, use_tqdm=False)
+    assert (result["completed"], result["failed"], result["lora_modules"]) == (6, 0, ["all", "some"])
