@@ -1,10 +1,11 @@
-"""One step's adapters and the rows each serves: the base matmul runs once for every row, then each adapter's
-low-rank product is added to its own rows only (a segmented shrink ``x @ A.T`` and expand ``@ B.T``, as vLLM's
-punica kernels do, here in plain torch ops)."""
+"""One step's adapters and the rows each serves: the base matmul runs once for every row, then each row gets its
+own adapter's low-rank product: the step's adapters' A stacked for one shrink ``x @ A.T``, each row's columns of
+other adapters zeroed, and their B side by side for one expand (vLLM's punica shrink/expand, in three torch ops
+per layer whatever the number of adapters)."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -13,46 +14,58 @@ from iterserve.models.linear import LinearBase
 
 
 @dataclass
-class LoRASegment:
-    """An adapter and the step's rows it serves (None: every row of the step)."""
+class LayerStack:
+    """The step's adapters' weights for one layer, side by side: ``a`` ``[sum of ranks, in]``, ``b``
+    ``[out, sum of ranks]``, and ``layout``: the place among the step's adapters of each stacked column."""
 
-    adapter: LoRAAdapter
-    rows: torch.Tensor | None
+    a: torch.Tensor
+    b: torch.Tensor
+    layout: tuple[int, ...]
+
+
+def stack_layer(adapters: list[LoRAAdapter], layer: LinearBase) -> LayerStack | None:
+    """``layer``'s stack of the adapters that target it (None: none does)."""
+    parts = [(slot, w) for slot, adapter in enumerate(adapters) if (w := adapter.weights.get(layer)) is not None]
+    if not parts:
+        return None
+    layout = tuple(slot for slot, w in parts for _ in range(w.a.shape[0]))
+    return LayerStack(torch.cat([w.a for _, w in parts]), torch.cat([w.b for _, w in parts], dim=1), layout)
 
 
 @dataclass
 class LoRABatch:
     """What :meth:`LinearBase.forward` adds to a step's rows; passed down the model's forward with the step."""
 
-    segments: list[LoRASegment]
+    adapters: list[LoRAAdapter]  # the step's, by their place (a slot)
+    row_slots: torch.Tensor | None  # each row's slot, -1 for the base model; None: every row is under slot 0
+    stacks: dict[LinearBase, LayerStack | None]  # per layer, built on first use (kept while the adapters are)
+    masks: dict[tuple[int, ...], torch.Tensor] = field(default_factory=dict)  # per layout: 1 where row meets column
 
     def add(self, layer: LinearBase, x: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
-        for segment in self.segments:
-            w = segment.adapter.weights.get(layer)
-            if w is None:  # the adapter does not target this layer
-                continue
-            if segment.rows is None:
-                out = out + (x @ w.a.T) @ w.b.T
-            else:
-                out = out.index_add(0, segment.rows, (x.index_select(0, segment.rows) @ w.a.T) @ w.b.T)
-        return out
+        if layer not in self.stacks:
+            self.stacks[layer] = stack_layer(self.adapters, layer)
+        stack = self.stacks[layer]
+        if stack is None:  # no adapter of the step targets this layer
+            return out
+        shrunk = x @ stack.a.T
+        if self.row_slots is not None:
+            mask = self.masks.get(stack.layout)
+            if mask is None:
+                columns = torch.tensor(stack.layout, device=x.device)
+                mask = self.masks[stack.layout] = (self.row_slots[:, None] == columns[None, :]).to(shrunk.dtype)
+            shrunk = shrunk * mask
+        return out + shrunk @ stack.b.T
 
     @classmethod
-    def build(cls, adapters: list[LoRAAdapter | None], query_lens: list[int],
-              device: torch.device) -> LoRABatch | None:
-        """The segments of a step whose scheduled sequence i runs ``query_lens[i]`` rows under ``adapters[i]``;
-        None when no row has an adapter (the step then runs the base model alone)."""
-        rows: dict[int, list[int]] = {}
-        by_id: dict[int, LoRAAdapter] = {}
-        start = 0
-        for adapter, n in zip(adapters, query_lens):
-            if adapter is not None:
-                by_id[adapter.id] = adapter
-                rows.setdefault(adapter.id, []).extend(range(start, start + n))
-            start += n
-        if not rows:
+    def build(cls, adapters: list[LoRAAdapter | None], query_lens: list[int], device: torch.device,
+              stacks: dict[LinearBase, LayerStack | None] | None = None) -> LoRABatch | None:
+        """The batch of a step whose scheduled sequence i runs ``query_lens[i]`` rows under ``adapters[i]``;
+        None when no row has an adapter (the step then runs the base model alone). ``stacks``: the layers'
+        stacks of these same adapters in id order, kept from an earlier step."""
+        present = sorted({a.id: a for a in adapters if a is not None}.items())
+        if not present:
             return None
-        return cls([
-            LoRASegment(by_id[i], None if len(r) == start else torch.tensor(r, dtype=torch.long, device=device))
-            for i, r in rows.items()
-        ])
+        slot_of = {lora_id: slot for slot, (lora_id, _) in enumerate(present)}
+        slots = [slot_of[a.id] if a is not None else -1 for a, n in zip(adapters, query_lens) for _ in range(n)]
+        row_slots = None if len(present) == 1 and -1 not in slots else torch.tensor(slots, device=device)
+        return cls([a for _, a in present], row_slots, {} if stacks is None else stacks)

@@ -8,9 +8,12 @@ from collections import OrderedDict
 import torch
 
 from iterserve.lora.adapter import LoRAAdapter, load_adapter
-from iterserve.lora.batch import LoRABatch
+from iterserve.lora.batch import LayerStack, LoRABatch
 from iterserve.lora.request import LoRARequest
+from iterserve.models.linear import LinearBase
 from iterserve.models.llama import LlamaModel
+
+MAX_STACKED_SETS = 8  # sets of a step's adapters whose stacked weights are kept for the next steps
 
 
 class LoRAManager:
@@ -24,6 +27,8 @@ class LoRAManager:
         self.max_lora_rank = max_lora_rank
         self.loaded: OrderedDict[int, LoRAAdapter] = OrderedDict()  # LRU order: evict from the front
         self.active: set[int] = set()  # the last step's adapters: evicted last
+        # per set of a step's adapters (ids in order), its layers' stacked weights: steps reuse them
+        self.stacks: dict[tuple[int, ...], dict[LinearBase, LayerStack | None]] = {}
 
     def add(self, lora: LoRARequest) -> LoRAAdapter:
         """The adapter, loaded (and checked) if it is not yet; raises ValueError naming what is wrong with it."""
@@ -39,6 +44,7 @@ class LoRAManager:
             idle = [i for i in self.loaded if i not in self.active]
             del self.loaded[idle[0] if idle else next(iter(self.loaded))]
         self.loaded[lora.lora_int_id] = adapter
+        self.stacks.clear()  # stacks of an evicted adapter's weights would keep them in memory
         return adapter
 
     def batch(self, loras: list[LoRARequest | None], query_lens: list[int],
@@ -50,4 +56,9 @@ class LoRAManager:
             raise ValueError(f"a step holds {len(wanted)} LoRA adapters; max_loras is {self.max_loras}")
         self.active = wanted
         adapters = [None if lora is None else self.add(lora) for lora in loras]
-        return LoRABatch.build(adapters, query_lens, device)
+        key = tuple(sorted(wanted))
+        stacks = self.stacks.pop(key, {})  # put back last: the dict's order is least recently used first
+        self.stacks[key] = stacks
+        while len(self.stacks) > MAX_STACKED_SETS:
+            del self.stacks[next(iter(self.stacks))]
+        return LoRABatch.build(adapters, query_lens, device, stacks)

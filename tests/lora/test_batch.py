@@ -1,4 +1,4 @@
-"""The segmented LoRA product: each adapter's ``x @ A.T @ B.T`` lands on its own rows only."""
+"""The stacked LoRA product: each adapter's ``x @ A.T @ B.T`` lands on its own rows only."""
 
 from __future__ import annotations
 
@@ -37,5 +37,24 @@ def test_one_adapter_for_every_row_and_none():
     layer = LinearBase(4, 3, bias=False)
     a = adapter(layer, 1, 2)
     batch = LoRABatch.build([a, a], [2, 2], torch.device("cpu"))
-    assert batch is not None and batch.segments[0].rows is None  # no gather when every row shares it
+    assert batch is not None and batch.row_slots is None  # no mask when every row shares it
     assert LoRABatch.build([None, None], [2, 2], torch.device("cpu")) is None
+
+
+def test_stacks_are_kept_for_the_same_adapters():
+    layer = LinearBase(4, 3, bias=False)
+    a, b = adapter(layer, 1, 2), adapter(layer, 2, 3)
+    x, stacks = torch.randn(3, 4), {}
+    first = LoRABatch.build([b, a], [1, 2], torch.device("cpu"), stacks)
+    assert first is not None
+    first.add(layer, x, layer(x))
+    stack = stacks[layer]
+    assert stack is not None and stack.layout == (0, 0, 1, 1, 1)  # by id: a's two columns, then b's three
+    second = LoRABatch.build([a, None, b], [1, 1, 1], torch.device("cpu"), stacks)
+    assert second is not None
+    out = second.add(layer, x, layer(x))
+    assert stacks[layer] is stack
+    want = layer(x)
+    want[0] += x[0] @ a.weights[layer].a.T @ a.weights[layer].b.T
+    want[2] += x[2] @ b.weights[layer].a.T @ b.weights[layer].b.T
+    torch.testing.assert_close(out, want)
