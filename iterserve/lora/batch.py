@@ -9,16 +9,17 @@ from dataclasses import dataclass, field
 
 import torch
 
+from iterserve.attention.backend import NativeLoRA
 from iterserve.lora.adapter import LoRAAdapter
 from iterserve.models.linear import LinearBase
 
 
 @dataclass
 class LayerStack:
-    """The step's adapters' weights for one layer, side by side: ``a`` ``[sum of ranks, in]``, ``b``
-    ``[out, sum of ranks]``, and ``layout``: the place among the step's adapters of each stacked column."""
+    """The step's adapters' weights for one layer, side by side: ``a_t`` (A transposed) ``[in, sum of ranks]``,
+    ``b`` ``[out, sum of ranks]``, and ``layout``: the place among the step's adapters of each stacked column."""
 
-    a: torch.Tensor
+    a_t: torch.Tensor  # contiguous: a bf16 matmul with a transposed view of A took about 10x as long
     b: torch.Tensor
     layout: tuple[int, ...]
 
@@ -29,7 +30,8 @@ def stack_layer(adapters: list[LoRAAdapter], layer: LinearBase) -> LayerStack | 
     if not parts:
         return None
     layout = tuple(slot for slot, w in parts for _ in range(w.a.shape[0]))
-    return LayerStack(torch.cat([w.a for _, w in parts]), torch.cat([w.b for _, w in parts], dim=1), layout)
+    return LayerStack(torch.cat([w.a for _, w in parts]).T.contiguous(), torch.cat([w.b for _, w in parts], dim=1),
+                      layout)
 
 
 @dataclass
@@ -42,19 +44,36 @@ class LoRABatch:
     masks: dict[tuple[int, ...], torch.Tensor] = field(default_factory=dict)  # per layout: 1 where row meets column
 
     def add(self, layer: LinearBase, x: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
-        if layer not in self.stacks:
-            self.stacks[layer] = stack_layer(self.adapters, layer)
-        stack = self.stacks[layer]
+        stack = self._stack(layer)
         if stack is None:  # no adapter of the step targets this layer
             return out
-        shrunk = x @ stack.a.T
-        if self.row_slots is not None:
-            mask = self.masks.get(stack.layout)
-            if mask is None:
-                columns = torch.tensor(stack.layout, device=x.device)
-                mask = self.masks[stack.layout] = (self.row_slots[:, None] == columns[None, :]).to(shrunk.dtype)
+        shrunk = x @ stack.a_t
+        mask = self._mask(stack)
+        if mask is not None:
             shrunk = shrunk * mask
         return out + shrunk @ stack.b.T
+
+    def native(self, layers: list[LinearBase]) -> NativeLoRA:
+        """What csrc/decoder.cpp adds with the same ops as :meth:`add`: per layer its A (a view of ``a_t``, which
+        the loop transposes back), B and mask."""
+        stacks = [self._stack(layer) for layer in layers]
+        return ([s.a_t.T if s else None for s in stacks], [s.b if s else None for s in stacks],
+                [self._mask(s) if s else None for s in stacks])
+
+    def _stack(self, layer: LinearBase) -> LayerStack | None:
+        if layer not in self.stacks:
+            self.stacks[layer] = stack_layer(self.adapters, layer)
+        return self.stacks[layer]
+
+    def _mask(self, stack: LayerStack) -> torch.Tensor | None:
+        """1 where a row meets a column of its own adapter (None: every row has the step's one adapter)."""
+        if self.row_slots is None:
+            return None
+        mask = self.masks.get(stack.layout)
+        if mask is None:
+            columns = torch.tensor(stack.layout, device=self.row_slots.device)
+            mask = self.masks[stack.layout] = (self.row_slots[:, None] == columns[None, :]).to(stack.a_t.dtype)
+        return mask
 
     @classmethod
     def build(cls, adapters: list[LoRAAdapter | None], query_lens: list[int], device: torch.device,

@@ -23,6 +23,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from iterserve.attention.backend import NativeLoRA
 from iterserve.quantization.packed import QuantizedWeight
 
 logger = logging.getLogger(__name__)
@@ -40,6 +41,10 @@ class LinearDelta(Protocol):
 
     def add(self, layer: LinearBase, x: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
         """``out`` (``layer``'s product of ``x``) with the step's additions to its rows."""
+        ...
+
+    def native(self, layers: list[LinearBase]) -> NativeLoRA:
+        """The tensors with which a native decode loop makes the same additions to ``layers``, in order."""
         ...
 
 

@@ -17,6 +17,7 @@ import torch
 from torch import nn
 
 from iterserve.attention import AttentionBackend, AttentionMetadata, KVCache
+from iterserve.attention.backend import NativeLoRA
 from iterserve.config import ModelConfig
 from iterserve.distributed.layers import (
     ColumnParallelLinear,
@@ -225,6 +226,16 @@ class LlamaModel(nn.Module):
             stack.add_layer(layer.input_layernorm.weight, layer.post_attention_layernorm.weight, *qk_norms, *linears)
         return stack
 
+    def native_lora(self, lora: LinearDelta) -> NativeLoRA | None:
+        """The step's LoRA tensors for the native decode loop's linear layers (qkv, o, gate/up, down of each
+        layer); None where it has no such layers (a mixture-of-experts MLP): the layers then run in Python."""
+        layers = typing.cast(list[DecoderLayer], self.layers)
+        if any(not isinstance(layer.mlp, MLP) for layer in layers):
+            return None
+        return lora.native([p for layer in layers for p in (
+            layer.self_attn.qkv_proj, layer.self_attn.o_proj, typing.cast(MLP, layer.mlp).gate_up_proj,
+            typing.cast(MLP, layer.mlp).down_proj)])
+
     @torch.inference_mode()
     def forward(
         self,
@@ -240,8 +251,9 @@ class LlamaModel(nn.Module):
         parallelism on rank 0 only (the other ranks get an empty tensor)."""
         x = self.embed_tokens(input_ids)
         cos, sin = self.rotary_at(positions, x.dtype, meta)
-        # the C++ decode loop multiplies the base weights only: a step with adapter rows runs in Python
-        native = backend.decode_layers(self, x, cos, sin, kv_caches, meta) if lora is None else None
+        native_lora = None if lora is None else self.native_lora(lora)
+        native = (backend.decode_layers(self, x, cos, sin, kv_caches, meta, native_lora)
+                  if lora is None or native_lora is not None else None)
         residual: torch.Tensor | None = None
         if native is not None:
             x, residual = native
