@@ -82,12 +82,8 @@ def build_app(config: EngineConfig, server: ServerConfig | None = None) -> FastA
     info = InfoServing(engine, metrics, served_model_name)
     discovery = DiscoveryServing(engine, metrics, served_model_name, grammars)
     metrics.record_cache_config(cache_config_info(engine))
-    lora = LoRAServing(engine, metrics, served_model_name)
-    for serving in (completion, chat, responses, tokenize, info, discovery):
-        serving.loras = lora.loras  # one dict: an adapter loaded at runtime is served by every route
-    lora.add_modules(server.lora_paths())
-    if config.enable_lora:
-        metrics.record_lora_info(config.max_loras)
+    lora = LoRAServing.serving(engine, metrics, served_model_name, server.lora_paths(),
+                               [completion, chat, responses, tokenize, info, discovery])
     if server.chat_template is not None:
         chat.chat_template = responses.chat_template = tokenize.chat_template = discovery.chat_template = \
             load_chat_template(server.chat_template)

@@ -16,9 +16,11 @@ from typing import Annotated
 from fastapi import FastAPI
 from fastapi.responses import PlainTextResponse
 
+from iterserve.engine.core_client import EngineCoreClient
 from iterserve.lora.check import check_adapter
 from iterserve.lora.request import LoRARequest
 from iterserve.server.errors import APIError, bad_request
+from iterserve.server.metrics import ServerMetrics
 from iterserve.server.protocol import RequestBody
 from iterserve.server.request_body import validated
 from iterserve.server.serving import OpenAIServing
@@ -45,6 +47,19 @@ class LoRAServing(OpenAIServing):
     """The served adapters (``self.loras``, the dict every route shares) and the routes that change them."""
 
     _last_id = 0  # the last lora_int_id given
+
+    @classmethod
+    def serving(cls, engine: EngineCoreClient, metrics: ServerMetrics, model_name: str, paths: dict[str, str],
+                routes: list[OpenAIServing]) -> LoRAServing:
+        """The adapters of ``paths`` (``--lora-modules``), checked, shared with every route's ``loras``: one
+        dict, so that an adapter loaded at runtime is served by all of them; vLLM's gauge where LoRA is on."""
+        lora = cls(engine, metrics, model_name)
+        for route in routes:
+            route.loras = lora.loras
+        lora.add_modules(paths)
+        if engine.config.enable_lora:
+            metrics.record_lora_info(engine.config.max_loras)
+        return lora
 
     def add_modules(self, paths: dict[str, str]) -> None:
         """Check and serve ``--lora-modules``; a ValueError naming the first bad adapter stops the server."""
