@@ -366,7 +366,7 @@ def test_validate_with_injected_timer(tmp_path):
     assert v.measured_knee == v.predicted_knee_on_sweep == 64
 
     from iterserve.cli.plan import print_validation
-    from iterserve.cli.plan_charts import chart_validation
+    from iterserve.planner.charts import chart_validation
 
     chart = tmp_path / "validate.png"
     chart_validation(v, str(chart))

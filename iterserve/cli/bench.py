@@ -5,17 +5,22 @@ from __future__ import annotations
 
 import argparse
 import math
-import statistics
 import tempfile
-from collections.abc import Sequence
 from dataclasses import asdict
 from pathlib import Path
-from typing import Any
 
 from iterserve.bench.metrics import DEFAULT_PERCENTILES, parse_goodput, parse_percentiles, percentile_key
+from iterserve.bench.report import (
+    batch_report,
+    decode_bandwidth_line,
+    first_step_line,
+    serve_table,
+    throughput_report,
+    ttft_report,
+)
+from iterserve.bench.tables import render_table
 from iterserve.cli.flags import add_config_args, config_from_args
 from iterserve.cli.results import add_allow_busy_arg, write_json
-from iterserve.cli.tables import render_table
 from iterserve.cli.workload import add_workload_args, float_list, load_points, workload_spec_from_args
 from iterserve.config import DEFAULT_MODEL, EngineConfig
 
@@ -30,71 +35,6 @@ def sibling_path(json_path: str, suffix: str) -> Path:
 
 
 # -- throughput -----------------------------------------------------------------------------------
-
-
-def _spread(values: Sequence[float]) -> str:
-    """``min-max`` of a repeated figure, or ``-`` for a single run."""
-    return f"{min(values):,.2f}-{max(values):,.2f}" if len(values) > 1 else "-"
-
-
-def throughput_report(result: dict[str, Any]) -> str:
-    """The ``bench throughput`` tables: counts first (the same on any machine), then wall-clock
-    medians with their spread over the repeats, then the ratios and any busy-machine warning."""
-    runs = result["runs"]
-    counts = render_table(
-        ["mode", "steps", "out tok/step", "peak running", "mean running", "slot occupancy", "peak KV blocks",
-         "mean KV blocks", "joined running batch", "preempted"],
-        [[r["mode"], r["num_steps"], r["output_tokens_per_step"], r["peak_running"], r["mean_running"],
-          f"{r['slot_occupancy']:.0%}", r["peak_kv_blocks"], r["mean_kv_blocks"], r["joined_running_batch"],
-          r["num_preemptions"]] for r in runs],
-    )
-
-    def lat(r: dict[str, Any], key: str) -> float | None:
-        return (r["latency"] or {}).get(key)
-
-    def lat_spread(r: dict[str, Any], key: str) -> str:
-        return _spread([run[key] for run in r["latency_runs"]]) if r["latency_runs"] else "-"
-
-    n = result["repeats"]
-    clock = render_table(
-        ["mode", "out tok/s", "min-max", "req/s", "median TTFT ms", "min-max", "median TPOT ms", "min-max",
-         "median E2EL ms"],
-        [[r["mode"], r["output_throughput"], _spread(r["output_throughput_runs"]), r["request_throughput"],
-          lat(r, "median_ttft_ms"), lat_spread(r, "median_ttft_ms"), lat(r, "median_tpot_ms"),
-          lat_spread(r, "median_tpot_ms"), lat(r, "median_e2el_ms")] for r in runs],
-    )
-    cap = result.get("max_tokens_cap")
-    lines = [
-        f"{result['num_requests']} requests, max_num_seqs {result['engine']['max_num_seqs']}"
-        + (f", max_tokens {cap} with an emulated end at each drawn length" if cap else ""),
-        "counts (machine-independent)", counts, "",
-        f"wall clock: median of {n} run{'s' if n > 1 else ''}" + (", min-max over the runs" if n > 1 else ""), clock,
-    ]
-    if "continuous_over_static" in result:
-        ratios = result["continuous_over_static_runs"]
-        spread = f" (runs: {', '.join(f'{x:.2f}' for x in ratios)})" if len(ratios) > 1 else ""
-        lines.append(f"continuous / static: {result['continuous_over_static_per_step']:.2f}x output tokens per step; "
-                     f"{result['continuous_over_static']:.2f}x output tokens/s{spread}")
-    lines += _spec_lines(result)
-    if result.get("busy_warning"):
-        lines.append(result["busy_warning"])
-    return "\n".join(lines)
-
-
-def _spec_lines(result: dict[str, Any]) -> list[str]:
-    """Speculative decoding's counts per mode that verified drafts, and its speed-up over no-spec."""
-    runs = [r for r in result["runs"] if r.get("num_drafts")]
-    lines = []
-    if runs:
-        lines += ["speculative decoding", render_table(
-            ["mode", "drafts", "draft tokens", "accepted", "acceptance rate", "mean accepted length"],
-            [[r["mode"], r["num_drafts"], r["num_draft_tokens"], r["num_accepted_tokens"],
-              f"{r['acceptance_rate']:.1%}", f"{r['mean_accepted_length']:.2f}"] for r in runs])]
-    if "spec_over_no_spec" in result:  # also where nothing was drafted: what the proposer costs alone
-        ratios = result["spec_over_no_spec_runs"]
-        spread = f" (runs: {', '.join(f'{x:.2f}' for x in ratios)})" if len(ratios) > 1 else ""
-        lines.append(f"speculative / no-spec: {result['spec_over_no_spec']:.2f}x output tokens/s{spread}")
-    return [""] + lines if lines else []
 
 
 # timeline panel titles, in panel order: the batching and how KV blocks are allocated
@@ -155,22 +95,6 @@ def _cmd_throughput(args: argparse.Namespace) -> int:
 # -- serve ----------------------------------------------------------------------------------------
 
 
-def serve_table(result: dict[str, Any]) -> str:
-    p = percentile_key(result["percentiles"][-1])
-    goodput = result["goodput"] is not None
-    headers = ["rate", "concurrency", "done", "failed", "req/s", "out tok/s", "total tok/s",
-               *(["goodput req/s"] if goodput else []), "median TTFT", f"p{p} TTFT", "median TPOT", f"p{p} TPOT",
-               "median ITL", "median E2EL"]
-    rows = [
-        [str(r["request_rate"]), r["max_concurrency"], r["completed"], r["failed"], r["request_throughput"],
-         r["output_throughput"], r["total_token_throughput"], *([r["request_goodput"]] if goodput else []),
-         r["median_ttft_ms"], r[f"p{p}_ttft_ms"], r["median_tpot_ms"], r[f"p{p}_tpot_ms"], r["median_itl_ms"],
-         r["median_e2el_ms"]]
-        for r in result["runs"]
-    ]
-    return render_table(headers, rows) + "\n(latencies in ms)"
-
-
 def _cmd_serve(args: argparse.Namespace) -> int:
     from iterserve.bench.charts import serve_charts
     from iterserve.bench.serve import ServeConfig, run_serve
@@ -203,21 +127,6 @@ def _cmd_serve(args: argparse.Namespace) -> int:
 # -- batch ----------------------------------------------------------------------------------------
 
 
-def _decode_bandwidth_line(loaded: Any, context: int, decode_s: float, device: str) -> str:
-    """Batch-1 decode as a memory stream: the bytes one step must read (every matmul weight and the
-    sequence's KV cache) over its time, beside this machine's measured bandwidth."""
-    from iterserve import planner
-    from iterserve.bench.microbench import measure_bandwidth
-
-    dtype = loaded.model.dtype.itemsize
-    read = planner.matmul_parameters(loaded.config) * dtype + context * loaded.config.kv_bytes_per_token(dtype)
-    measured = measure_bandwidth(device.split(":")[0] if device.startswith("cuda") else "cpu", budget_s=0.3)
-    peak = max(measured["copy"], measured["read"])
-    return (f"batch-1 decode reads {read / 1e6:,.3g} MB (weights + KV cache) per step in {decode_s * 1000:,.2f} ms: "
-            f"{read / decode_s / 1e9:,.3g} GB/s achieved, {read / decode_s / peak:.0%} of the {peak / 1e9:,.1f} GB/s "
-            "this machine's memory copy/read benchmark reached")
-
-
 def _cmd_batch(args: argparse.Namespace) -> int:
     from iterserve.bench.batch import default_batch_sizes, sweep_batches
     from iterserve.bench.charts import Series, throughput_latency_chart
@@ -239,25 +148,10 @@ def _cmd_batch(args: argparse.Namespace) -> int:
                           use_tqdm=not args.disable_tqdm)
     monitor.sample()
     warning = monitor.check.warning()
-    print(f"{sweep.model} ({sweep.dtype}, {sweep.device}), context {sweep.context}, median of {sweep.repeats}")
-    print(render_table(
-        ["batch", "decode step ms", "decode tok/s", "ms per token", "prefill ms", "prefill tok/s"],
-        [[p.batch_size, p.decode_s * 1000, p.decode_tokens_per_s, p.ms_per_token,
-          None if p.prefill_s is None else p.prefill_s * 1000, p.prefill_tokens_per_s] for p in sweep.points],
-    ))
-    knee = sweep.knee_batch_size
-    if sweep.knee_refused:
-        print(f"knee: {sweep.knee_refused}")
-    else:
-        print(f"knee: batch {knee}" if knee is not None else "knee: none within the sweep",
-              f"(first batch whose decode step grew >= (B/B_prev)^{sweep.elasticity:g}; "
-              f"a doubling there adds < {sweep.max_gain_at_knee:.0%} tokens/s)")
-        if knee is not None:
-            print(f"reading: below batch {knee} a step costs about the same whatever the batch, so a larger batch "
-                  "is nearly free throughput; from it on, latency per token grows about as fast as throughput")
+    print(batch_report(sweep))
     one = next((p for p in sweep.points if p.batch_size == 1), None)
     if one is not None:
-        print(_decode_bandwidth_line(loaded, sweep.context, one.decode_s, args.device or "cpu"))
+        print(decode_bandwidth_line(loaded, sweep.context, one.decode_s, args.device or "cpu"))
     if warning:
         print(warning)
     chart = args.chart or (str(sibling_path(args.output_json, ".png")) if args.output_json else None)
@@ -266,7 +160,7 @@ def _cmd_batch(args: argparse.Namespace) -> int:
         throughput_latency_chart(
             [Series(f"{sweep.model} ({sweep.dtype})", [p.decode_tokens_per_s for p in sweep.points],
                     [p.decode_s * 1000 for p in sweep.points], [f"B={b}" for b in sizes],
-                    sizes.index(knee) if knee is not None else None)],
+                    sizes.index(sweep.knee_batch_size) if sweep.knee_batch_size is not None else None)],
             chart, xlabel="decode throughput (tokens/s)", ylabel="decode step = time per output token (ms)",
             title=f"decode batch sweep at context {sweep.context} ({sweep.device})",
             stamp=machine_stamp(monitor.check.to_dict()),
@@ -297,23 +191,15 @@ def _cmd_ttft(args: argparse.Namespace) -> int:
     monitor.sample()
     warning = monitor.check.warning()
     print(f"{loaded.name}: one request at a time, {args.output_len} output tokens, median of {args.repeats}")
-    print(render_table(
-        ["prompt tokens", "steps per request", "tokens in first step", "TTFT ms", "min-max", "TPOT ms", "min-max"],
-        [[p.prompt_len, p.steps_per_request, p.first_step_tokens, p.ttft_ms, _spread(p.ttft_ms_runs), p.tpot_ms,
-          _spread(p.tpot_ms_runs)] for p in points],
-    ))
-    first, last = points[0], points[-1]
-    print(f"prompt {first.prompt_len} -> {last.prompt_len} tokens: TTFT x{last.ttft_ms / first.ttft_ms:.1f}, "
-          f"TPOT x{last.tpot_ms / first.tpot_ms:.1f}")
+    print(ttft_report(points))
     if warning:
         print(warning)
     if args.chart:
         prompt_sweep_chart(points, args.chart, stamp=machine_stamp(monitor.check.to_dict()))
         print(f"chart written to {args.chart}")
     if args.steps_chart:
-        request_steps_chart(last, args.steps_chart, stamp=machine_stamp(monitor.check.to_dict()))
-        print(f"steps of one {last.prompt_len}-token request: {last.step_tokens[0]} tokens in its first pass "
-              f"({last.step_ms[0]:.1f} ms), then 1 token a pass (median {statistics.median(last.step_ms[1:]):.1f} ms)")
+        request_steps_chart(points[-1], args.steps_chart, stamp=machine_stamp(monitor.check.to_dict()))
+        print(first_step_line(points[-1]))
         print(f"chart written to {args.steps_chart}")
     if args.output_json:
         write_json(args.output_json, {"benchmark": "ttft", "model": loaded.name, "output_len": args.output_len,

@@ -8,9 +8,9 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
+from iterserve.bench.tables import render_table
 from iterserve.cli.flags import add_config_args, config_from_args
 from iterserve.cli.results import add_allow_busy_arg
-from iterserve.cli.tables import render_table
 from iterserve.cli.workload import add_workload_args, float_list, workload_spec_from_args
 from iterserve.config import EngineConfig
 

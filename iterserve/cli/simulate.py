@@ -179,8 +179,9 @@ def sim_config_from_args(args: argparse.Namespace, terms: PlannerTerms, cost: Co
 def _cmd_run(args: argparse.Namespace) -> int:
     from iterserve.bench.charts import serve_charts
     from iterserve.bench.metrics import parse_goodput, parse_percentiles
+    from iterserve.bench.report import serve_table
     from iterserve.bench.workloads import make_workload
-    from iterserve.cli.bench import serve_table, sibling_path
+    from iterserve.cli.bench import sibling_path
     from iterserve.cli.results import write_json
     from iterserve.cli.workload import load_points, workload_spec_from_args
     from iterserve.models.loader import load_model_config, load_tokenizer

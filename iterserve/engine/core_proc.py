@@ -27,6 +27,7 @@ from iterserve.engine.messages import (
     Shutdown,
     WatchKV,
 )
+from iterserve.platforms.malloc import release_free_heap
 from iterserve.quantization.model import weight_formats
 from iterserve.sampling_params import grammar_checks_deferred
 
@@ -88,8 +89,12 @@ def loaded_weights(executor: Executor) -> list[LoadedWeights]:
 def _busy_loop(core: EngineCore, inputs: zmq.Socket, outputs: zmq.Socket, encoder: msgspec.msgpack.Encoder,
                parent: int) -> None:
     decoder = msgspec.msgpack.Decoder(EngineCoreInput)
+    stepped = False
     while True:
         if not core.has_unfinished_requests():
+            if stepped:  # the burst's requests, buffers and outputs are freed: their pages go back, once
+                release_free_heap()
+                stepped = False
             while not inputs.poll(int(ORPHAN_CHECK_S * 1000)) and os.getppid() == parent:
                 pass
         elif (hold := core.scheduler.hold_s()) > 0:  # a dynamic batch waits to fill: until a request or its time
@@ -120,6 +125,7 @@ def _busy_loop(core: EngineCore, inputs: zmq.Socket, outputs: zmq.Socket, encode
             except ValueError as e:  # the API side validates first; this is a second line of defence
                 logger.warning("refused request %s: %s", msg.request_id, e)
                 errors.append(EngineCoreOutput(msg.request_id, [], core.clock(), finish_reason="error", error=str(e)))
+        stepped = stepped or core.has_unfinished_requests()
         step = core.step() if core.has_unfinished_requests() else EngineCoreOutputs([], core.stats())
         step.outputs[:0] = errors
         step.kv = core.kv_snapshot(force=not core.has_unfinished_requests())  # an idle pool's last state

@@ -35,6 +35,7 @@ from iterserve.models.linear import MethodChooser
 from iterserve.models.llama import LlamaModel
 from iterserve.models.load_progress import tensor_progress
 from iterserve.models.moe import ExpertLoader
+from iterserve.platforms.malloc import release_free_heap
 from iterserve.quantization.gguf_weight import GGUFWeight
 from iterserve.quantization.model import (
     check_quantization,
@@ -158,6 +159,8 @@ def load_model(
     quantize_model(loaded.model, quantization, linear)
     for line in describe(weight_formats(loaded.model)):
         logger.info("%s: %s", loaded.name, line)
+    if device.type == "cpu":
+        release_free_heap()  # memory held is the weights', not the load's transients
     return loaded
 
 

@@ -41,3 +41,16 @@ def tune_allocator() -> bool:
     except (OSError, AttributeError, ValueError):  # not glibc, or a value that is not an integer
         logger.debug("mallopt unavailable; CPU steps will pay page faults on large buffers")
         return False
+
+
+def release_free_heap() -> bool:
+    """Hand the heap's free pages back to the OS (glibc's ``malloc_trim``): loading leaves freed float copies
+    and per-tensor buffers behind, below the trim threshold above, which the steps would never reuse.
+    False where libc is not glibc."""
+    libc_name = ctypes.util.find_library("c")
+    if not libc_name:
+        return False
+    try:
+        return bool(ctypes.CDLL(libc_name).malloc_trim(0))
+    except (OSError, AttributeError):
+        return False

@@ -10,10 +10,10 @@ import torch
 import transformers
 
 from iterserve.bench.machine import MachineMonitor
+from iterserve.bench.report import throughput_report
 from iterserve.bench.throughput import run_hf_static, run_throughput, token_prompts
 from iterserve.bench.timeline import joins_chart, read_trace, sequence_spans, timeline_chart
 from iterserve.bench.workloads import Request, WorkloadSpec, make_workload
-from iterserve.cli.bench import throughput_report
 from iterserve.cli.main import main
 from iterserve.config import EngineConfig
 from iterserve.models.loader import load_model

@@ -51,9 +51,9 @@ def prompts(smollm_bf16) -> list[list[int]]:
                        add_special_tokens=False) for p in NATURAL + COPY]
 
 
-def outputs(llm: LLM, prompts: list[list[int]]) -> list[Output]:
+def outputs(llm: LLM, prompts: list[list[int]], params: SamplingParams = PARAMS) -> list[Output]:
     out = []
-    for o in llm.generate(prompts, PARAMS, use_tqdm=False):
+    for o in llm.generate(prompts, params, use_tqdm=False):
         c = o.outputs[0]
         out.append((tuple(c.token_ids), tuple(lp[t].logprob for t, lp in zip(c.token_ids, c.logprobs, strict=True))))
     return out
@@ -83,3 +83,22 @@ def test_bf16_outputs_alone_equal_batched(smollm_bf16, prompts, alone, mode):
     expected = alone * (len(got) // len(alone))
     assert got == expected, differing(expected, got)
     llm.engine.block_manager.check_no_leaks()
+
+
+def test_ngram_halves_the_passes_of_copying_with_the_same_tokens(smollm_bf16, prompts):
+    """Copy-heavy prompts, each alone, at k=4: verification gives decoding's bf16 tokens and logprobs bit for
+    bit in at most half the forward passes."""
+    copying = prompts[len(NATURAL):len(NATURAL) + 2]
+    params = SamplingParams(temperature=0, max_tokens=48, logprobs=0, ignore_eos=True)
+    runs = {}
+    for name, spec in (("plain", None), ("ngram", NGRAM)):
+        llm = LLM(loaded=smollm_bf16, num_kv_blocks=256, enable_prefix_caching=False, speculative_config=spec)
+        got, steps = [], []
+        for p in copying:
+            before = llm.engine.num_steps
+            got += outputs(llm, [p], params)
+            steps.append(llm.engine.num_steps - before)
+        runs[name] = got, steps
+    assert runs["ngram"][0] == runs["plain"][0]
+    for plain, ngram in zip(runs["plain"][1], runs["ngram"][1], strict=True):
+        assert plain >= 2.0 * ngram, (runs["plain"][1], runs["ngram"][1])

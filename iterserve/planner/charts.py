@@ -6,16 +6,22 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
-from iterserve import planner
 from iterserve.bench.charts import save_figure, subplots
 from iterserve.planner.hardware import Accelerator
-from iterserve.planner.roofline import model_label
+from iterserve.planner.roofline import (
+    DEFAULT_GPU_MEMORY_UTILIZATION,
+    Plan,
+    kv_bytes_per_token,
+    kv_capacity,
+    model_label,
+)
+from iterserve.planner.weights import Quantization
 
 if TYPE_CHECKING:
     from iterserve.bench.validate import Validation
 
 
-def chart_plans(plans: list[planner.Plan], path: str, stamp: str | None = None) -> None:
+def chart_plans(plans: list[Plan], path: str, stamp: str | None = None) -> None:
     """Predicted tokens/s and per-token latency vs batch, knee and memory limit marked."""
     fig, (ax_tps, ax_lat) = subplots(1, 2, figsize=(11, 4.5))
     for i, p in enumerate(plans):
@@ -76,7 +82,7 @@ def chart_validation(v: Validation, path: str, stamp: str | None = None) -> None
     save_figure(fig, path, dpi=120, stamp=stamp)
 
 
-def chart_roofline(p: planner.Plan, path: str, stamp: str | None = None) -> None:
+def chart_roofline(p: Plan, path: str, stamp: str | None = None) -> None:
     """The roofline of ``p``'s hardware, attainable FLOP/s = min(peak, intensity x bandwidth), with the
     ridge at ops:byte and the plan's steps placed on it by their arithmetic intensity: the decode
     step at every swept batch, and the prefill."""
@@ -109,8 +115,8 @@ def chart_roofline(p: planner.Plan, path: str, stamp: str | None = None) -> None
 
 
 def chart_capacity(cfg: Any, hws: Sequence[Accelerator], dtype: str, kv_dtype: str | None, path: str,
-                   gpu_memory_utilization: float = planner.DEFAULT_GPU_MEMORY_UTILIZATION,
-                   quantization: planner.Quantization | None = None) -> None:
+                   gpu_memory_utilization: float = DEFAULT_GPU_MEMORY_UTILIZATION,
+                   quantization: Quantization | None = None) -> None:
     """Sequences whose KV cache fits beside the weights, against their context length, per accelerator."""
     fig, ax = subplots(figsize=(7.5, 4.5))
     contexts = [c for c in (2 ** k for k in range(7, 18)) if c <= cfg.max_position_embeddings]
@@ -118,7 +124,7 @@ def chart_capacity(cfg: Any, hws: Sequence[Accelerator], dtype: str, kv_dtype: s
         seqs = []
         for c in contexts:
             try:
-                seqs.append(planner.kv_capacity(cfg, hw, c, dtype, kv_dtype, gpu_memory_utilization,
+                seqs.append(kv_capacity(cfg, hw, c, dtype, kv_dtype, gpu_memory_utilization,
                                                 quantization=quantization).max_seqs)
             except ValueError:  # the weights do not fit: no sequence does
                 seqs.append(0)
@@ -126,7 +132,7 @@ def chart_capacity(cfg: Any, hws: Sequence[Accelerator], dtype: str, kv_dtype: s
         for c, s in zip(contexts, seqs):
             if c in (contexts[0], 4096, contexts[-1]):
                 ax.annotate(f"{s:,}", (c, max(s, 0.5)), textcoords="offset points", xytext=(4, 4), fontsize=7)
-    kv = planner.kv_bytes_per_token(cfg, kv_dtype or dtype)
+    kv = kv_bytes_per_token(cfg, kv_dtype or dtype)
     _log_batch_axes(((ax, "sequences that fit at once"),), "context length (tokens per sequence)")
     ax.set_title(f"{model_label(cfg)}: {kv:,} B of KV cache per token ({kv_dtype or dtype}), "
                  f"weights in {dtype if quantization is None or quantization.name == 'none' else quantization.name}, "

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from iterserve.cli.tables import render_table
+from iterserve.bench.tables import render_table
 
 
 def test_numbers_are_right_aligned_and_missing_values_dashed():
