@@ -38,6 +38,7 @@ from iterserve.server.middleware import (
     APIKeyMiddleware,
     BodyReadTimeoutMiddleware,
     BodySizeLimitMiddleware,
+    HTTP2PrefaceMiddleware,
     JSONBodyMiddleware,
 )
 from iterserve.server.request_body import document_bodies
@@ -104,12 +105,14 @@ def build_app(config: EngineConfig, server: ServerConfig | None = None) -> FastA
     app.state.engine = engine
     app.state.llm = llm
     add_error_handlers(app)
-    # the last added runs first: the key is checked, then the Content-Type, then the body's size and time
+    # the last added runs first: an HTTP/2 preface is answered, the key is checked, then the Content-Type,
+    # then the body's size and time
     app.add_middleware(BodyReadTimeoutMiddleware, timeout=server.request_body_timeout)
     app.add_middleware(BodySizeLimitMiddleware, max_bytes=server.max_request_body_bytes)
     app.add_middleware(JSONBodyMiddleware)
     if api_key:
         app.add_middleware(APIKeyMiddleware, api_key=api_key)
+    app.add_middleware(HTTP2PrefaceMiddleware)
 
     app.post("/v1/completions", response_model=None)(completion.completions)
     app.post("/v1/chat/completions", response_model=None)(chat.chat_completions)

@@ -37,6 +37,23 @@ class APIKeyMiddleware:
         await self.app(scope, receive, send)
 
 
+class HTTP2PrefaceMiddleware:
+    """505 to HTTP/2's prior-knowledge preface (``PRI * HTTP/2.0``), which the HTTP/1.1 server hands on as a
+    request: sglang-router sends it to every worker it registers, to find out whether the worker speaks gRPC,
+    and a 404 there read as a missing route in the worker's log."""
+
+    def __init__(self, app: ASGIApp) -> None:
+        self.app = app
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] == "http" and scope["method"] == "PRI":
+            error = APIError(505, "this server speaks HTTP/1.1 only (no HTTP/2 or gRPC)",
+                             code="http_version_not_supported")
+            await error_response(error)(scope, receive, send)
+            return
+        await self.app(scope, receive, send)
+
+
 class JSONBodyMiddleware:
     """POST bodies must be declared ``application/json`` (415 otherwise).
 

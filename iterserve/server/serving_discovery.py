@@ -5,7 +5,9 @@ sglang-router (sgl-model-gateway) registers a worker by reading ``/server_info``
 for the model's type; without them it lists the model as "unknown". vllm-router's cache-aware policy
 renders each chat request to token ids with ``POST /v1/chat/completions/render`` (falling back to a second
 round trip to ``/tokenize``; ``/v1/completions/render`` is the completions twin), and its ``kv_aware``
-policy finds each worker's KV-event publisher at ``/kv_event_sources``. SGLang's ``/health_generate`` is
+policy reads ``/get_server_info`` for the block size (``kv_block_size``) and each worker's KV-event publishers
+at ``/kv_event_sources`` (an object keyed by data-parallel rank, as vllm-router parses it; 0.1.17 then takes
+an HTTP worker's publishers from its ``--kv-event-source`` flags instead). SGLang's ``/health_generate`` is
 the health check that proves a token can be made.
 """
 
@@ -43,7 +45,10 @@ class DiscoveryServing(ChatServing, CompletionServing):
                 "max_total_num_tokens": cap.total_tokens, "max_total_tokens": cap.total_tokens,
                 "max_prefill_tokens": config.max_num_batched_tokens, "max_running_requests": config.max_num_seqs,
                 "max_batch_size": config.max_num_seqs, "max_num_reqs": config.max_num_seqs,
-                "block_size": cap.block_size, "page_size": cap.block_size, "num_kv_blocks": cap.num_blocks}
+                "page_size": cap.block_size, "num_kv_blocks": cap.num_blocks,
+                # vllm-router's kv_aware index reads the block size under these names (no block size: no index);
+                # it also takes "block_size" as a name for kv_block_size, so sending both fails its parse
+                "kv_block_size": cap.block_size, "effective_attention_block_size": cap.block_size}
 
     async def server_info(self) -> dict[str, Any]:
         """SGLang's server info: the fields sgl-model-gateway reads (model_id, model_path, served_model_name,
@@ -69,9 +74,15 @@ class DiscoveryServing(ChatServing, CompletionServing):
                 "has_audio_understanding": False}
 
     async def kv_event_sources(self, request: Request) -> JSONResponse:
-        """vLLM's discovery list of KV-event publishers: one per replica, a bare JSON array (empty when
-        events are off); a wildcard bind address is given as the host the client reached us by."""
-        return JSONResponse(kv_event_sources(self.engine, request.url.hostname))
+        """The KV-event publishers, one per replica, keyed by its data-parallel rank as a string (the shape
+        vllm-router deserializes; an empty object when events are off), each with its publisher settings; a
+        wildcard bind address is given as the host the client reached us by."""
+        config = self.engine.config.kv_events_config
+        settings = {} if config is None else {"publisher": config.publisher, "hwm": config.hwm,
+                                               "buffer_steps": config.buffer_steps,
+                                               "enable_kv_cache_events": config.enable_kv_cache_events}
+        sources = kv_event_sources(self.engine, request.url.hostname)
+        return JSONResponse({str(s["data_parallel_rank"]): {**s, **settings} for s in sources})
 
     async def render_chat(self, body: Annotated[ChatCompletionRequest, validated(ChatCompletionRequest)],
                           ) -> JSONResponse:

@@ -23,9 +23,12 @@ def test_the_core_process_publishes_and_the_server_lists_the_publisher():
                           kv_events_config=events)
     try:
         with ServerThread(build_app(config, ServerConfig(served_model_name=MODEL))) as s:
-            sources = httpx.get(f"{s.url}/kv_event_sources").json()
-            assert sources == [{"data_parallel_rank": 0, "endpoint": endpoint, "replay_endpoint": None, "topic": "w0"}]
-            assert httpx.get(f"{s.url}/server_info").json()["kv_events"] == sources
+            source = {"data_parallel_rank": 0, "endpoint": endpoint, "replay_endpoint": None, "topic": "w0"}
+            # keyed by rank, with the publisher's settings: the body vllm-router's discovery deserializes
+            assert httpx.get(f"{s.url}/kv_event_sources").json() == {
+                "0": {**source, "publisher": "zmq", "enable_kv_cache_events": True, "hwm": 100_000,
+                      "buffer_steps": 10_000}}
+            assert httpx.get(f"{s.url}/server_info").json()["kv_events"] == [source]
             prompt = list(range(1, 41))  # two full blocks of 16
             stored = []
             for _ in range(20):  # the first batches may go before the subscription reaches the publisher

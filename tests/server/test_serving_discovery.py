@@ -4,6 +4,8 @@ real values."""
 
 from __future__ import annotations
 
+import socket
+
 import httpx
 import pytest
 
@@ -29,7 +31,11 @@ def test_server_info_has_sglangs_fields_with_real_values(server, path):
     assert info["max_total_tokens"] == engine.capacity.total_tokens and info["context_length"] == MAX_MODEL_LEN
     assert info["max_running_requests"] == engine.config.max_num_seqs
     assert info["max_prefill_tokens"] == engine.config.max_num_batched_tokens
-    assert info["page_size"] == info["block_size"] == engine.capacity.block_size
+    assert info["page_size"] == engine.capacity.block_size
+    # vllm-router's kv_aware discovery reads the block size under these names, and refuses a body that also
+    # has "block_size" (its alias of kv_block_size: a duplicate field)
+    assert info["kv_block_size"] == info["effective_attention_block_size"] == engine.capacity.block_size
+    assert "block_size" not in info
     assert info["kv_events"] == []  # the server fixture publishes none
 
 
@@ -75,9 +81,9 @@ def test_chat_render_refuses_what_the_request_would_be_refused(server):
     assert r.status_code == 400
 
 
-def test_kv_event_sources_is_an_empty_list_without_events(server):
+def test_kv_event_sources_is_empty_without_events(server):
     r = get(server, "/kv_event_sources")
-    assert r.status_code == 200 and r.json() == []
+    assert r.status_code == 200 and r.json() == {}
 
 
 def test_health_generate_makes_a_token(server):
@@ -93,3 +99,13 @@ def test_cache_config_info_has_vllms_labels(server):
     assert labels["block_size"] == str(server.engine.capacity.block_size)
     assert labels["num_gpu_blocks"] == str(server.engine.capacity.num_blocks) == "256"
     assert labels["enable_prefix_caching"] == "True" and labels["cache_dtype"] == "float32"
+
+
+def test_an_http2_preface_gets_505_not_404(server):
+    # sglang-router opens every worker it registers with HTTP/2's prior-knowledge preface (its gRPC check)
+    host, port = server.url.removeprefix("http://").split(":")
+    with socket.create_connection((host, int(port)), timeout=60) as conn:
+        conn.sendall(b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n")
+        status_line = conn.recv(4096).split(b"\r\n", 1)[0]
+    assert status_line.split()[1] == b"505", status_line
+    assert get(server, "/health").status_code == 200
