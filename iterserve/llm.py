@@ -22,6 +22,7 @@ from iterserve.beam_search import BeamSearchOutput, run_beam_search
 from iterserve.config import EngineConfig
 from iterserve.engine.llm_engine import LLMEngine
 from iterserve.inputs import PromptType, parse_prompt
+from iterserve.lora.request import LoRARequest
 from iterserve.models.loader import DEFAULT_MODEL, LoadedModel, load_model
 from iterserve.outputs import RequestOutput
 from iterserve.platforms.memory import available_memory_bytes
@@ -129,8 +130,10 @@ class LLM:
         prompts: PromptType | Seq[PromptType],
         sampling_params: SamplingParams | Seq[SamplingParams] | None = None,
         use_tqdm: bool = True,
+        lora_request: LoRARequest | Seq[LoRARequest | None] | None = None,
     ) -> list[RequestOutput]:
-        """Generate for every prompt; outputs come back in prompt order."""
+        """Generate for every prompt; outputs come back in prompt order. ``lora_request`` names the LoRA adapter
+        of every prompt, or (a list) of each prompt, None for the base model (``enable_lora=True``)."""
         batch = [prompts] if _is_single(prompts) else list(cast(Seq[PromptType], prompts))
         parsed = [parse_prompt(cast(PromptType, p)) for p in batch]
         if sampling_params is None or isinstance(sampling_params, SamplingParams):
@@ -139,11 +142,18 @@ class LLM:
             params = list(sampling_params)
             if len(params) != len(parsed):
                 raise ValueError(f"got {len(params)} SamplingParams for {len(parsed)} prompts")
+        if lora_request is None or isinstance(lora_request, LoRARequest):
+            loras: list[LoRARequest | None] = [lora_request] * len(parsed)
+        else:
+            loras = list(lora_request)
+            if len(loras) != len(parsed):
+                raise ValueError(f"got {len(loras)} LoRA requests for {len(parsed)} prompts")
         # Validate everything before queueing anything, so a bad prompt leaves the engine untouched.
         ids = []
         try:
-            for prompt, p in zip(parsed, params):
-                ids.append(self.llm_engine.add_request(prompt, p, output_kind=RequestOutputKind.FINAL_ONLY))
+            for prompt, p, lora in zip(parsed, params, loras):
+                ids.append(self.llm_engine.add_request(prompt, p, output_kind=RequestOutputKind.FINAL_ONLY,
+                                                       lora_request=lora))
         except ValueError:
             for rid in ids:
                 self.llm_engine.abort_request(rid)

@@ -24,6 +24,11 @@ import torch
 
 from iterserve.attention.metadata import AttentionMetadata, KVCache
 
+# A step's LoRA tensors for a native decode loop: for every linear layer (qkv, o, gate/up and down of each
+# decoder layer in turn) its stacked A, its stacked B and its row mask, None where nothing is added
+# (:meth:`iterserve.lora.batch.LoRABatch.native`).
+NativeLoRA = tuple[list[torch.Tensor | None], list[torch.Tensor | None], list[torch.Tensor | None]]
+
 
 class AttentionBackend(ABC):
     """One way of computing a decoder layer's attention and its fused operations."""
@@ -62,10 +67,11 @@ class AttentionBackend(ABC):
         return False
 
     def decode_layers(self, model: NativeDecoderModel, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                      kv_caches: list[KVCache], meta: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor] | None:
+                      kv_caches: list[KVCache], meta: AttentionMetadata,
+                      lora: NativeLoRA | None = None) -> tuple[torch.Tensor, torch.Tensor] | None:
         """All of ``model``'s decoder layers for a step whose every token is a decode, in one native call:
         ``(output, residual)`` as the last layer returns them; None where this backend has no such loop for
-        the step or the model (the layers then run one by one)."""
+        the step or the model (the layers then run one by one). ``lora``: the step's LoRA rows."""
         return None
 
 

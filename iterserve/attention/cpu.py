@@ -11,7 +11,7 @@ from typing import Any
 
 import torch
 
-from iterserve.attention.backend import NativeDecoderModel
+from iterserve.attention.backend import NativeDecoderModel, NativeLoRA
 from iterserve.attention.metadata import AttentionMetadata, KVCache
 from iterserve.attention.reference import ReferenceBackend
 
@@ -39,7 +39,8 @@ class CpuBackend(ReferenceBackend):
         return bool(self.ops.keys_in_groups(dtype, head_dim, block_size))
 
     def decode_layers(self, model: NativeDecoderModel, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                      kv_caches: list[KVCache], meta: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor] | None:
+                      kv_caches: list[KVCache], meta: AttentionMetadata,
+                      lora: NativeLoRA | None = None) -> tuple[torch.Tensor, torch.Tensor] | None:
         # csrc/decoder.cpp calls this backend's kernels in this backend's order, built once per model.
         if not self.native_layers or not meta.num_decode_tokens or meta.num_decode_tokens != x.shape[0]:
             return None
@@ -53,7 +54,7 @@ class CpuBackend(ReferenceBackend):
         tables, context_lens = meta.decode_tables()
         out: tuple[torch.Tensor, torch.Tensor] = stack.forward(
             x, cos[:, 0], sin[:, 0], [c.k for c in kv_caches], [c.v for c in kv_caches], meta.slot_blocks,
-            meta.slot_offsets, tables, context_lens, meta.sliding_window or 0)
+            meta.slot_offsets, tables, context_lens, meta.sliding_window or 0, *(lora or ([], [], [])))
         return out
 
     def write_kv(self, k: torch.Tensor, v: torch.Tensor, cache: KVCache, meta: AttentionMetadata) -> None:

@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import json
 import math
+import random
 import time
 from dataclasses import asdict, dataclass
 from datetime import datetime
@@ -40,6 +41,7 @@ class ServeConfig:
     connect_timeout: float = 3.0
     read_timeout: float = 600.0
     api_key: str | None = None
+    lora_modules: tuple[str, ...] = ()  # vLLM's: each request names one of these LoRA adapters, chosen at random
 
     @property
     def chat(self) -> bool:
@@ -58,6 +60,16 @@ def arrival_offsets(n: int, request_rate: float, burstiness: float, seed: int) -
         return [0.0] * n
     gaps = np.random.default_rng(seed).gamma(burstiness, 1.0 / (request_rate * burstiness), size=n)
     return [0.0, *np.cumsum(gaps[:-1]).tolist()]
+
+
+def request_models(n: int, model: str, lora_modules: tuple[str, ...], seed: int) -> list[str]:
+    """The model each of ``n`` requests names: ``model``, or with ``lora_modules`` (names, or the server's
+    ``name=path``) one of those adapters drawn at random (seeded), as ``vllm bench serve --lora-modules`` does."""
+    if not lora_modules:
+        return [model] * n
+    names = [m.partition("=")[0] for m in lora_modules]
+    rng = random.Random(seed)
+    return [rng.choice(names) for _ in range(n)]
 
 
 def request_payload(
@@ -181,7 +193,8 @@ async def _run_once(
     client: httpx.AsyncClient, cfg: ServeConfig, model: str, requests: list[Request], tokenizer: Tokenizer | None,
     request_rate: float, burstiness: float, max_concurrency: int | None, seed: int, use_tqdm: bool, desc: str,
 ) -> tuple[list[RequestResult], float]:
-    bodies = [request_payload(r, cfg, model, tokenizer, r.output_len) for r in requests]
+    models = request_models(len(requests), model, cfg.lora_modules, seed)
+    bodies = [request_payload(r, cfg, name, tokenizer, r.output_len) for r, name in zip(requests, models)]
     offsets = arrival_offsets(len(requests), request_rate, burstiness, seed)
     gate = asyncio.Semaphore(max_concurrency) if max_concurrency else None
     headers = _headers(cfg)
@@ -276,6 +289,7 @@ def run_serve(
         "tokenizer_id": tokenizer_id,
         "percentiles": percentiles or list(DEFAULT_PERCENTILES),
         "goodput": goodput,
+        "lora_modules": list(cfg.lora_modules),
         "workload": asdict(workload) if workload is not None else None,
         "runs": runs,
     }

@@ -110,7 +110,7 @@ def _cmd_serve(args: argparse.Namespace) -> int:
     cfg = ServeConfig(
         base_url=args.base_url, endpoint=args.endpoint, model=args.model, prompt_format=args.prompt_format,
         temperature=args.temperature, ignore_eos=not args.no_ignore_eos, connect_timeout=args.connect_timeout,
-        read_timeout=args.timeout, api_key=args.api_key,
+        read_timeout=args.timeout, api_key=args.api_key, lora_modules=tuple(args.lora_modules or ()),
     )
     result = run_serve(cfg, requests, tokenizer, points, burstiness=args.burstiness, workload=spec,
                        tokenizer_id=None if tokenizer is None else args.tokenizer, label=args.label,
@@ -287,6 +287,8 @@ def _add_serve_parser(sub: argparse._SubParsersAction) -> None:
     sv.add_argument("--endpoint", default="/v1/completions", help="/v1/completions or /v1/chat/completions")
     sv.add_argument("--model", default=None, help="model name to request (default: the first of GET /v1/models)")
     sv.add_argument("--api-key", default=None, help="sent as 'Authorization: Bearer KEY'")
+    sv.add_argument("--lora-modules", nargs="+", default=None, metavar="NAME",
+                    help="LoRA adapters the server serves; each request names one, drawn at random (as vLLM)")
     sv.add_argument("--tokenizer", default=DEFAULT_MODEL,
                     help="model whose tokenizer builds prompts and counts tokens: an embedded name, .gguf or "
                          "folder; 'none' for none (default %(default)s)")

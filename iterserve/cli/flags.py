@@ -49,7 +49,9 @@ def add_config_args(parser: argparse.ArgumentParser | argparse._ArgumentGroup, c
             continue
         kind, choices = _flag_type(hints[f.name])
         kind = f.metadata.get("type", kind)  # a field whose flag is parsed from text (JSON, say)
-        parser.add_argument(flag, dest=f.name, type=kind, choices=choices, default=default, help=f.metadata["help"])
+        nargs = {"nargs": f.metadata["nargs"]} if "nargs" in f.metadata else {}
+        parser.add_argument(flag, dest=f.name, type=kind, choices=choices, default=default, help=f.metadata["help"],
+                            **nargs)
 
 
 def config_from_args(cls: type, args: argparse.Namespace, **overrides: Any) -> Any:

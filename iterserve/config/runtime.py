@@ -74,10 +74,11 @@ class SchedulerConfig:
     kv_allocation: KVAllocation = _opt("paged", "paged: KV blocks as tokens arrive; reserved: blocks for "
                                                 "prompt + max_tokens (each of n) held from admission")
     max_model_len: int | None = _opt(None, "a sequence reaching this many tokens finishes with 'length'", cli=False)
+    max_loras: int | None = _opt(None, "most LoRA adapters in one step's batch (None: LoRA is off)", cli=False)
 
     def __post_init__(self) -> None:
         _check_positive(self, "max_num_seqs", "max_num_batched_tokens")
-        _check_positive(self, "max_model_len", allow_none=True)
+        _check_positive(self, "max_model_len", "max_loras", allow_none=True)
         _check_choice(self, "batching", Batching)
         _check_choice(self, "kv_allocation", KVAllocation)
         if isinstance(self.max_batch_wait, bool) or not isinstance(self.max_batch_wait, (int, float)) \
@@ -130,6 +131,10 @@ class EngineConfig:
               '{"enable_kv_cache_events": true, "publisher": "zmq", "endpoint": "tcp://*:5557"} (also '
               'replay_endpoint, buffer_steps, hwm, max_queue_size, topic); replica i of a data-parallel server '
               'publishes on the port + i', type=str)
+    enable_lora: bool = _opt(False, "serve LoRA adapters of the model (PEFT folders), many in one batch; a request "
+                                    "names its adapter (LLM.generate(lora_request=...))")
+    max_loras: int = _opt(1, "most LoRA adapters in one step's batch, and held loaded at once")
+    max_lora_rank: int = _opt(16, "highest LoRA rank an adapter may have")
 
     def __post_init__(self) -> None:
         # aliases (fp32, bf16, half) are accepted and stored under their one canonical name
@@ -142,7 +147,9 @@ class EngineConfig:
         if spec is not None and spec.uses_draft_model and self.tensor_parallel_size > 1:
             raise ValueError("a speculative draft model runs with tensor_parallel_size=1 only; n-gram speculation "
                              "works with any")
-        _check_positive(self, "block_size", "tensor_parallel_size")
+        _check_positive(self, "block_size", "tensor_parallel_size", "max_loras", "max_lora_rank")
+        if self.enable_lora and self.tensor_parallel_size > 1:
+            raise ValueError("LoRA adapters run with tensor_parallel_size=1 only")
         canonical_kv_cache_dtype(self.kv_cache_dtype)  # an unknown value fails here, listing the accepted ones
         object.__setattr__(self, "kv_cache_dtype", str(self.kv_cache_dtype).lower())
         _check_positive(self, "max_model_len", "num_kv_blocks", allow_none=True)
@@ -173,7 +180,7 @@ class EngineConfig:
     def scheduler_config(self, max_model_len: int | None) -> SchedulerConfig:
         """The scheduler's share of this config, with max_model_len resolved against the KV pool."""
         return SchedulerConfig(self.max_num_seqs, self.max_num_batched_tokens, self.batching, self.max_batch_wait,
-                               self.kv_allocation, max_model_len)
+                               self.kv_allocation, max_model_len, self.max_loras if self.enable_lora else None)
 
 
 @dataclass(frozen=True)
@@ -215,6 +222,9 @@ class ServerConfig:
     log_level: LogLevel = _opt("INFO", "log level of the server and its engine core", cli=False)
     chat_template: str | None = _opt(None, "chat template used instead of the model's: a file, or the template "
                                            "itself (as vLLM takes it); a request's chat_template still wins")
+    lora_modules: tuple[str, ...] = _opt((), "LoRA adapters served beside the model, as vLLM's name=path ...: a "
+                                             "request's \"model\": \"<name>\" runs under that adapter (needs "
+                                             "--enable-lora)", type=str, nargs="+")
 
     def __post_init__(self) -> None:
         _check_positive(self, "max_waiting", "max_request_body_bytes", "data_parallel_size", "max_dashboard_viewers",
@@ -230,7 +240,21 @@ class ServerConfig:
             if not getattr(self, name) > 0:
                 raise ValueError(f"{name} must be > 0, got {getattr(self, name)!r}")
         object.__setattr__(self, "log_level", str(self.log_level).upper())
+        object.__setattr__(self, "lora_modules", tuple(self.lora_modules or ()))
+        self.lora_paths()  # a malformed name=path is refused at start
         _check_choice(self, "log_level", LogLevel)
+
+    def lora_paths(self) -> dict[str, str]:
+        """``{adapter name: its PEFT folder}`` from ``lora_modules``, in the order given."""
+        paths: dict[str, str] = {}
+        for module in self.lora_modules:
+            name, sep, path = str(module).partition("=")
+            if not sep or not name or not path:
+                raise ValueError(f"lora_modules takes name=path entries, got {module!r}")
+            if name in paths:
+                raise ValueError(f"LoRA adapter name {name!r} is given twice")
+            paths[name] = path
+        return paths
 
     def model_name(self, engine: EngineConfig) -> str:
         """The name clients ask for: ``served_model_name``, else the engine's model."""

@@ -6,6 +6,8 @@
 // was large: SmolLM2-135M in Q4_1 spent about 1.5 of its 5.9 ms a step (batch 1) in 30 layers of module
 // calls and op dispatch. Every token of such a step is attended as a decode (short prompts included, see
 // CpuBackend.decode_prompts_up_to); a step with a longer prompt chunk takes the Python path (SDPA's).
+// A step's LoRA adapters come as each linear layer's stacked tensors (iterserve.lora.batch.LoRABatch.native)
+// and are added with the ops LoRABatch.add uses, so a row gets the same values on either path.
 
 #include "ops.h"
 
@@ -40,6 +42,20 @@ struct Linear {
 };
 
 using LinearArgs = std::tuple<int64_t, at::Tensor, int64_t, int64_t, c10::optional<at::Tensor>>;
+using OptionalTensors = std::vector<c10::optional<at::Tensor>>;
+
+// The step's LoRA tensors of every linear layer (4 a layer: qkv, o, gate_up, down), each list empty when no
+// row has an adapter: out + ((x @ a.T) * mask) @ b.T, the mask zeroing the columns of other rows' adapters.
+struct LoRARows {
+  const OptionalTensors &a, &b, &mask;
+
+  at::Tensor add(const at::Tensor& out, const at::Tensor& x, size_t i) const {
+    if (a.empty() || !a[i].has_value()) return out;
+    at::Tensor shrunk = at::matmul(x, a[i]->t());
+    if (mask[i].has_value()) shrunk = shrunk * *mask[i];
+    return out + at::matmul(shrunk, b[i]->t());
+  }
+};
 
 Linear make_linear(const LinearArgs& a) {
   const auto& [kind, weight, n, param, bias] = a;
@@ -72,9 +88,15 @@ class DecoderStack {
                                              const std::vector<at::Tensor>& k_caches,
                                              const std::vector<at::Tensor>& v_caches, const at::Tensor& slot_blocks,
                                              const at::Tensor& slot_offsets, const at::Tensor& block_tables,
-                                             const at::Tensor& context_lens, int64_t sliding_window) const {
+                                             const at::Tensor& context_lens, int64_t sliding_window,
+                                             const OptionalTensors& lora_a, const OptionalTensors& lora_b,
+                                             const OptionalTensors& lora_mask) const {
     TORCH_CHECK(k_caches.size() == layers_.size() && v_caches.size() == layers_.size(),
                 "one K and one V cache per layer expected");
+    TORCH_CHECK(lora_a.empty() || (lora_a.size() == 4 * layers_.size() && lora_b.size() == lora_a.size() &&
+                                   lora_mask.size() == lora_a.size()),
+                "LoRA tensors for 4 linear layers per decoder layer expected");
+    const LoRARows lora{lora_a, lora_b, lora_mask};
     TORCH_CHECK(block_tables.size(0) == x.size(0), "every token of a decode-only step is a decode");
     const int64_t n = x.size(0), q_size = heads_ * dim_, kv_size = kv_heads_ * dim_;
     at::Tensor residual;
@@ -88,7 +110,7 @@ class DecoderStack {
         fused_add_rms_norm(x, residual, L.input_norm, eps_);
         h = x;
       }
-      const at::Tensor qkv = L.qkv(h);
+      const at::Tensor qkv = lora.add(L.qkv(h), h, 4 * l);
       at::Tensor q = qkv.narrow(1, 0, q_size).view({n, heads_, dim_});
       at::Tensor k = qkv.narrow(1, q_size, kv_size).view({n, kv_heads_, dim_});
       const at::Tensor v = qkv.narrow(1, q_size + kv_size, kv_size).view({n, kv_heads_, dim_});
@@ -100,9 +122,11 @@ class DecoderStack {
       write_kv(k, v, k_caches[l], v_caches[l], slot_blocks, slot_offsets);
       at::Tensor attn = at::empty({n, heads_, dim_}, q.options());
       paged_decode(attn, q, k_caches[l], v_caches[l], block_tables, context_lens, scale_, sliding_window);
-      x = L.o(attn.view({n, q_size}));
+      const at::Tensor attn_out = attn.view({n, q_size});
+      x = lora.add(L.o(attn_out), attn_out, 4 * l + 1);
       fused_add_rms_norm(x, residual, L.post_norm, eps_);
-      x = L.down(silu_and_mul(L.gate_up(x)));
+      const at::Tensor act = silu_and_mul(lora.add(L.gate_up(x), x, 4 * l + 2));
+      x = lora.add(L.down(act), act, 4 * l + 3);
     }
     return {x, residual};
   }

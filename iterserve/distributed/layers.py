@@ -21,7 +21,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from iterserve.distributed.parallel_state import ParallelState
-from iterserve.models.linear import LinearBase
+from iterserve.models.linear import LinearBase, LinearDelta
 from iterserve.quantization.packed import QuantizedWeight, dequantize
 
 
@@ -97,8 +97,9 @@ class RowParallelLinear(LinearBase):
         with torch.no_grad():
             self.weight.copy_(tensor[:, self.shard.start:self.shard.start + self.shard.size])
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.ps.all_reduce(self.matmul(x))
+    def forward(self, x: torch.Tensor, delta: LinearDelta | None = None) -> torch.Tensor:
+        out = self.matmul(x)  # an adapter's rows are added on this rank, before the sum over ranks
+        return self.ps.all_reduce(out if delta is None else delta.add(self, x, out))
 
 
 class _VocabRows:
@@ -161,7 +162,7 @@ class ParallelLMHead(LinearBase):
     def load(self, name: str, tensor: torch.Tensor, part: int | None = None) -> None:
         self.rows.load(self.weight, name, tensor)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, delta: LinearDelta | None = None) -> torch.Tensor:
         logits = self.ps.gather_last_dim(self.matmul(x))
         return logits[..., :self.rows.vocab_size] if self.ps.is_parallel else logits
 

@@ -20,6 +20,7 @@ from iterserve.engine.core_client import DEFAULT_MAX_RESTARTS, EngineCoreClient
 from iterserve.engine.request_stream import RequestStream
 from iterserve.errors import EngineDeadError
 from iterserve.inputs import PromptType, parse_prompt
+from iterserve.lora.request import LoRARequest
 from iterserve.outputs import RequestOutput
 from iterserve.sampling_params import SamplingParams
 from iterserve.tokenizer import Tokenizer
@@ -98,9 +99,11 @@ class AsyncLLM:
             raise EngineDeadError(problem)
 
     async def generate(self, prompt: PromptType, sampling_params: SamplingParams | None = None,
-                       request_id: str | None = None) -> AsyncIterator[RequestOutput]:
+                       request_id: str | None = None,
+                       lora_request: LoRARequest | None = None) -> AsyncIterator[RequestOutput]:
         """The request's outputs as they come; leaving the loop early (or cancelling) aborts it. Raises at
-        once for bad input (RequestError, ValueError) or a full queue (QueueFullError)."""
+        once for bad input (RequestError, ValueError) or a full queue (QueueFullError). ``lora_request``: the
+        LoRA adapter it runs under (``enable_lora``)."""
         await self.start()
         params = sampling_params or SamplingParams()
         parsed = parse_prompt(prompt)
@@ -112,7 +115,7 @@ class AsyncLLM:
         else:
             token_ids = parsed
         stream = self.engine_core.add_request(request_id or uuid.uuid4().hex, token_ids, params,
-                                              time.perf_counter(), kind=params.output_kind)
+                                              time.perf_counter(), kind=params.output_kind, lora=lora_request)
         self._streams[stream.request_id] = stream
         try:
             async for out in stream:

@@ -40,6 +40,15 @@ def chain_hash(parent_hash: int | None, token_ids: tuple[int, ...]) -> int:
     return hash((ROOT_PARENT if parent_hash is None else parent_hash, token_ids))
 
 
+LORA_ROOT = -1  # tags the chain root of an adapter's blocks, so no adapter's root equals a block's hash by design
+
+
+def chain_root(seq: Sequence) -> int | None:
+    """The parent of a sequence's first block: none for the base model, its LoRA adapter's id otherwise, so that
+    the K/V one adapter computed is never served to another adapter or to the base model."""
+    return None if seq.lora is None else hash((LORA_ROOT, seq.lora.lora_int_id))
+
+
 @dataclass
 class BlockManager:
     num_blocks: int
@@ -86,7 +95,7 @@ class BlockManager:
         if not self.enable_prefix_caching or seq.params.prompt_logprobs is not None:
             return []  # prompt logprobs need every prompt position to run through the model
         hits: list[Block] = []
-        parent: int | None = None
+        parent = chain_root(seq)
         if seq.block_table:
             return hits
         tokens = seq.token_ids
@@ -105,9 +114,9 @@ class BlockManager:
         full = num_tokens // self.block_size
         if full <= seq.num_hashed_blocks:
             return  # most decode steps fill no block; skip copying the sequence's tokens
-        tokens = seq.token_ids
+        tokens, root = seq.token_ids, chain_root(seq)
         for i in range(seq.num_hashed_blocks, full):
-            parent = seq.block_hashes[-1] if seq.block_hashes else None
+            parent = seq.block_hashes[-1] if seq.block_hashes else root
             chunk = tuple(tokens[i * self.block_size:(i + 1) * self.block_size])
             h = chain_hash(parent, chunk)
             seq.block_hashes.append(h)
@@ -116,21 +125,23 @@ class BlockManager:
                 block.hash, block.parent_hash, block.token_ids = h, parent, chunk
                 self.cached[h] = block
                 if self.events is not None:
-                    self._stored(h, parent, chunk)
+                    self._stored(h, None if i == 0 else parent, chunk, seq)
         seq.num_hashed_blocks = full
 
-    def _stored(self, h: int, parent: int | None, chunk: tuple[int, ...]) -> None:
+    def _stored(self, h: int, parent: int | None, chunk: tuple[int, ...], seq: Sequence) -> None:
         """Record a block entering the cache, in the last BlockStored when it continues that one's chain."""
         assert self.events is not None
         last = self.events[-1] if self.events else None
-        if isinstance(last, BlockStored) and last.block_hashes[-1] == (None if parent is None else
-                                                                      external_hash(parent)):
+        lora_id, lora_name = (seq.lora.lora_int_id, seq.lora.lora_name) if seq.lora is not None else (None, None)
+        if isinstance(last, BlockStored) and last.lora_id == lora_id and last.block_hashes[-1] == (
+                None if parent is None else external_hash(parent)):
             last.block_hashes.append(external_hash(h))
             last.token_ids.extend(chunk)
             return
         self.events.append(BlockStored(block_hashes=[external_hash(h)], token_ids=list(chunk),
                                        parent_block_hash=None if parent is None else external_hash(parent),
-                                       block_size=self.block_size, lora_id=None, medium=MEDIUM_GPU, lora_name=None))
+                                       block_size=self.block_size, lora_id=lora_id, medium=MEDIUM_GPU,
+                                       lora_name=lora_name))
 
     def record_events(self) -> None:
         """Keep the prefix cache's stores and evictions for :meth:`take_events` from now on."""

@@ -17,7 +17,7 @@ import logging
 import os
 import time
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from concurrent.futures import FIRST_COMPLETED, Future, wait
 from typing import IO
 
@@ -151,6 +151,11 @@ class EngineCore:
             raise ValueError(f"request id {rid!r} is already in use")
         max_tokens = check_prompt(request.prompt_token_ids, params, self.model_config.vocab_size,
                                   self.max_model_len, self.config.max_num_seqs, self.config.max_logprobs)
+        if request.lora is not None:
+            if not self.config.enable_lora:
+                raise ValueError(f"request {rid!r} names LoRA adapter {request.lora.lora_name!r} but LoRA is not "
+                                 "enabled (enable_lora=True / --enable-lora)")
+            self.executor.add_lora(request.lora)  # loads and checks it now: a bad adapter fails its request here
         if params.structured_outputs is None:
             self._queue(request, max_tokens, None)
             return None
@@ -171,7 +176,7 @@ class EngineCore:
                 request_id=rid, prompt=None, prompt_token_ids=list(ids), params=params, max_tokens=max_tokens,
                 metrics=RequestMetrics(arrival_time=request.arrival_time, num_prompt_tokens=len(ids)),
                 stop_ids=stop_ids, index=index, generator=self._generator(params.seed, index),
-                grammar=grammar.copy() if grammar is not None and index else grammar,
+                grammar=grammar.copy() if grammar is not None and index else grammar, lora=request.lora,
             )
             for index in range(params.num_seqs)
         ]
@@ -340,7 +345,13 @@ class EngineCore:
             spec_num_accepted_tokens=self.spec_stats.num_accepted_tokens,
             spec_accepted_per_pos=list(self.spec_stats.accepted_per_pos),
             kv_events_dropped=self.kv_events.dropped if self.kv_events is not None else 0,
+            running_loras=self._lora_names(self.scheduler.running) if self.config.enable_lora else [],
+            waiting_loras=self._lora_names(self.scheduler.waiting) if self.config.enable_lora else [],
         )
+
+    @staticmethod
+    def _lora_names(seqs: Iterable[Sequence]) -> list[str]:
+        return sorted({s.lora.lora_name for s in seqs if s.lora is not None})
 
     def _record(self, sched: SchedulerOutput, start: float, duration: float,
                 spec: SpecDecodeStats | None = None) -> StepStats | None:

@@ -52,6 +52,7 @@ from iterserve.engine.request_stream import RequestStream
 from iterserve.engine.router import Router
 from iterserve.engine.validation import check_prompt
 from iterserve.errors import EngineDeadError, QueueFullError, RequestFailedError
+from iterserve.lora.request import LoRARequest
 from iterserve.models.loader import load_model_config, load_model_info
 from iterserve.outputs import RequestOutput
 from iterserve.sampling_params import RequestOutputKind, SamplingParams
@@ -263,7 +264,7 @@ class EngineCoreClient:
 
     def add_request(self, request_id: str, prompt: list[int], params: SamplingParams, arrival_time: float,
                     stream: bool = True, admitted: bool = False, kind: RequestOutputKind | None = None,
-                    ) -> RequestStream:
+                    lora: LoRARequest | None = None) -> RequestStream:
         """Send a request to a core; raises EngineDeadError, RequestError, QueueFullError or ValueError at once.
         ``admitted``: a later prompt of a request the queue took already (its caller bounds their number),
         sent whatever the queue holds. Outputs come as ``kind`` says, else as deltas when ``stream`` and
@@ -277,7 +278,7 @@ class EngineCoreClient:
         if request_id in self._streams:
             raise ValueError(f"request id {request_id!r} is already in use")
         try:  # before anything is registered: a request that cannot be sent leaves nothing behind
-            message = self._encoder.encode(EngineCoreRequest(request_id, prompt, params, arrival_time))
+            message = self._encoder.encode(EngineCoreRequest(request_id, prompt, params, arrival_time, lora))
         except (OverflowError, TypeError) as e:
             raise ValueError(f"the request cannot be sent to the engine: {e}") from e
         down = {core.index for core in self._cores if core.dead}

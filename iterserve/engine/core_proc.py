@@ -124,7 +124,7 @@ def _busy_loop(core: EngineCore, inputs: zmq.Socket, outputs: zmq.Socket, encode
                 core.add_request(msg)
             except ValueError as e:  # the API side validates first; this is a second line of defence
                 logger.warning("refused request %s: %s", msg.request_id, e)
-                errors.append(EngineCoreOutput(msg.request_id, [], core.clock(), finish_reason="error"))
+                errors.append(EngineCoreOutput(msg.request_id, [], core.clock(), finish_reason="error", error=str(e)))
         stepped = stepped or core.has_unfinished_requests()
         step = core.step() if core.has_unfinished_requests() else EngineCoreOutputs([], core.stats())
         step.outputs[:0] = errors

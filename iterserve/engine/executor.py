@@ -55,6 +55,7 @@ from iterserve.engine.scheduler import ScheduledSeq
 from iterserve.engine.sequence import Sequence
 from iterserve.engine.worker import Worker
 from iterserve.errors import TensorParallelError
+from iterserve.lora.request import LoRARequest
 from iterserve.models.loader import LoadedModel, load_model_info
 from iterserve.tokenizer import Tokenizer
 
@@ -82,6 +83,10 @@ class Executor(ABC):
     @abstractmethod
     def execute_model(self, scheduled: list[ScheduledSeq], block_copies: list[tuple[int, int]]) -> SampleResult:
         """One step: copy ``block_copies`` (copy-on-write), run the forward pass of ``scheduled``, sample."""
+
+    def add_lora(self, lora: LoRARequest) -> None:
+        """Load (or find loaded) and check the LoRA adapter a new request names; ValueError if it cannot run."""
+        raise ValueError(f"{type(self).__name__} runs no LoRA adapters")
 
     def propose_drafts(self, seqs: list[Sequence], limits: list[int],
                        block_copies: list[tuple[int, int]]) -> list[list[int]]:
@@ -114,6 +119,9 @@ class UniProcExecutor(Executor):
 
     def execute_model(self, scheduled: list[ScheduledSeq], block_copies: list[tuple[int, int]]) -> SampleResult:
         return self.worker.execute_model(scheduled, block_copies)
+
+    def add_lora(self, lora: LoRARequest) -> None:
+        self.worker.runner.add_lora(lora)
 
     def propose_drafts(self, seqs: list[Sequence], limits: list[int],
                        block_copies: list[tuple[int, int]]) -> list[list[int]]:

@@ -20,6 +20,7 @@ from iterserve.engine.messages import EngineCoreRequest, StepStats
 from iterserve.engine.output_processor import OutputProcessor
 from iterserve.engine.scheduler import Scheduler
 from iterserve.engine.sequence import Sequence
+from iterserve.lora.request import LoRARequest
 from iterserve.models.loader import LoadedModel
 from iterserve.outputs import RequestOutput
 from iterserve.sampling_params import RequestOutputKind, SamplingParams
@@ -44,9 +45,11 @@ class LLMEngine:
         request_id: str | None = None,
         arrival_time: float | None = None,
         output_kind: RequestOutputKind | None = None,
+        lora_request: LoRARequest | None = None,
     ) -> str:
         """Validate and queue a request; raises ValueError (and queues nothing) for bad input. Outputs
-        come as ``output_kind`` says, else as ``params.output_kind`` does (vLLM's place for it)."""
+        come as ``output_kind`` says, else as ``params.output_kind`` does (vLLM's place for it); ``lora_request``
+        names the LoRA adapter it runs under."""
         params = params or SamplingParams()
         output_kind = output_kind or params.output_kind
         request_id = request_id if request_id is not None else str(next(self._ids))
@@ -57,7 +60,7 @@ class LLMEngine:
         else:
             text, token_ids = None, list(prompt)
         arrival = arrival_time or time.perf_counter()
-        compiling = self.core.add_request(EngineCoreRequest(request_id, token_ids, params, arrival))
+        compiling = self.core.add_request(EngineCoreRequest(request_id, token_ids, params, arrival, lora_request))
         if compiling is not None:  # offline, a grammar that cannot run is the caller's error, raised here
             try:
                 compiling.result()

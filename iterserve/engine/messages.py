@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import msgspec
 
+from iterserve.lora.request import LoRARequest
 from iterserve.outputs import TokenLogprobs
 from iterserve.sampling_params import SamplingParams
 
@@ -21,6 +22,7 @@ class EngineCoreRequest(msgspec.Struct, tag="add"):
     prompt_token_ids: list[int]
     params: SamplingParams
     arrival_time: float
+    lora: LoRARequest | None = None  # the LoRA adapter the request runs under (None: the base model)
 
 
 class AbortRequests(msgspec.Struct, tag="abort"):
@@ -81,6 +83,8 @@ class SchedulerStats(msgspec.Struct, array_like=True):
     spec_num_accepted_tokens: int = 0
     spec_accepted_per_pos: list[int] = []
     kv_events_dropped: int = 0  # KV-cache events the publisher's full queue dropped since start
+    running_loras: list[str] = []  # the LoRA adapters of the running requests, by name (with enable_lora)
+    waiting_loras: list[str] = []  # and of the waiting ones
 
 
 class BatchRow(msgspec.Struct, array_like=True):

@@ -18,6 +18,8 @@ from iterserve.engine.sampler import Sampler, SampleResult, SamplingRow, bitmask
 from iterserve.engine.scheduler import ScheduledSeq, sampling_seqs
 from iterserve.engine.sequence import Sequence
 from iterserve.engine.spec_decode.draft import DraftModel, copy_kv_blocks
+from iterserve.lora.manager import LoRAManager
+from iterserve.lora.request import LoRARequest
 from iterserve.models.llama import LlamaModel
 
 
@@ -34,6 +36,7 @@ class StepInputs:
     logits_rows: list[int]  # sampling rows first, then prompt-logprob rows
     block_copies: list[tuple[int, int]] = field(default_factory=list)
     max_decode_query: int = 1  # 1 + the most drafts a sequence verifies: those are attended like decodes
+    loras: list[LoRARequest | None] = field(default_factory=list)  # per scheduled sequence, its adapter if any
 
 
 @dataclass
@@ -55,7 +58,8 @@ class ModelRunner:
     (every rank) and :meth:`sample` (rank 0), which :meth:`execute` runs in a row in one process."""
 
     def __init__(self, model: LlamaModel, num_blocks: int, block_size: int, seed: int = 0,
-                 draft: LlamaModel | None = None, kv_cache_dtype: str = "auto") -> None:
+                 draft: LlamaModel | None = None, kv_cache_dtype: str = "auto",
+                 lora: LoRAManager | None = None) -> None:
         self.model = model
         self.device = model.device
         self.block_size = block_size
@@ -65,6 +69,7 @@ class ModelRunner:
         self.sampler = Sampler(torch.Generator(device=self.device).manual_seed(seed))
         self.draft = (DraftModel(draft, num_blocks, block_size, self.attn_backend, kv_cache_dtype)
                       if draft is not None else None)
+        self.lora = lora  # the loaded LoRA adapters (None: LoRA is off)
 
     @torch.inference_mode()
     def execute(self, scheduled: list[ScheduledSeq],
@@ -114,6 +119,7 @@ class ModelRunner:
             input_ids, positions, [list(s.seq.block_table) for s in scheduled],
             [s.seq.num_computed_tokens for s in scheduled], [s.num_tokens for s in scheduled], logits_rows,
             list(block_copies or []), 1 + max((len(s.spec_token_ids) for s in scheduled), default=0),
+            [s.seq.lora for s in scheduled] if self.lora is not None else [],
         )
         seqs = sampling_seqs(scheduled)
         drafts = [s.spec_token_ids for s in sampled for _ in range(1 + len(s.seq.forks))]
@@ -154,6 +160,8 @@ class ModelRunner:
             max_decode_query=inputs.max_decode_query, decode_prompts_up_to=self.attn_backend.decode_prompts_up_to,
         )
         dev = self.device
+        lora = (self.lora.batch(inputs.loras, inputs.query_lens, dev)
+                if self.lora is not None and any(inputs.loras) else None)
         input_ids = torch.tensor(inputs.input_ids, dtype=torch.long, device=dev)
         positions = torch.tensor(inputs.positions, dtype=torch.long, device=dev)
         logits = self.model(
@@ -163,11 +171,18 @@ class ModelRunner:
             meta,
             self.attn_backend,
             torch.tensor(inputs.logits_rows, dtype=torch.long, device=dev),
+            lora,
         )
         if self.draft is not None:
             self.draft.mirror(input_ids, positions, inputs.block_tables, inputs.num_cached, inputs.query_lens,
                               inputs.max_decode_query)
         return logits
+
+    def add_lora(self, lora: LoRARequest) -> None:
+        """Load and check the adapter a new request names (ValueError naming the problem if it cannot run)."""
+        if self.lora is None:
+            raise ValueError("LoRA is not enabled (enable_lora=True / --enable-lora)")
+        self.lora.add(lora)
 
     def copy_blocks(self, copies: list[tuple[int, int]]) -> None:
         """Copy whole KV blocks, every layer (the draft model's too): a forked sequence's private copy of a

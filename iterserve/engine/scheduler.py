@@ -200,6 +200,8 @@ class Scheduler:
                 break
             if len(self.running) + 1 + len(seq.forks) > self.config.max_num_seqs:
                 break  # the group's children join the batch when it samples its first token
+            if not self._lora_fits(seq):
+                break  # its adapter would be one too many in the batch: it waits for one to leave
             hits = bm.find_cached_prefix(seq)
             num_computed = len(hits) * bm.block_size
             num_new = min(seq.num_tokens - num_computed, budget)
@@ -220,6 +222,14 @@ class Scheduler:
         out.scheduled = decodes + verifies + prefills
         out.block_copies = bm.take_copies()
         return out
+
+    def _lora_fits(self, seq: Sequence) -> bool:
+        """Whether ``seq``'s LoRA adapter can join the running batch: at most ``max_loras`` adapters run at once
+        (every running sequence counts, scheduled this step or not, so a step never holds more)."""
+        if seq.lora is None or self.config.max_loras is None:
+            return True
+        running = {s.lora.lora_int_id for s in self.running if s.lora is not None}
+        return seq.lora.lora_int_id in running or len(running) < self.config.max_loras
 
     def _fit_drafts(self, seq: Sequence, budget: int) -> list[int]:
         """The drafts of a decoding sequence that this step verifies, its KV blocks allocated: as many as

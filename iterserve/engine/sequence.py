@@ -8,6 +8,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from iterserve.lora.request import LoRARequest
 from iterserve.outputs import RequestMetrics, TokenLogprobs
 from iterserve.sampling_params import SamplingParams
 
@@ -42,6 +43,7 @@ class Sequence:
     stop_ids: frozenset[int] = frozenset()
     generator: torch.Generator | None = None
     grammar: GrammarMatcher | None = None  # advanced with each accepted token (structured output)
+    lora: LoRARequest | None = None  # the LoRA adapter its rows run under (None: the base model)
     status: SequenceStatus = SequenceStatus.WAITING
     output_token_ids: list[int] = field(default_factory=list)
     output_logprobs: list[TokenLogprobs] = field(default_factory=list)

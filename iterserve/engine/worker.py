@@ -24,6 +24,7 @@ from iterserve.engine.sampler import SampleResult
 from iterserve.engine.scheduler import ScheduledSeq
 from iterserve.engine.sequence import Sequence
 from iterserve.engine.spec_decode.draft import load_draft
+from iterserve.lora.manager import LoRAManager
 from iterserve.models.loader import LoadedModel, load_model
 from iterserve.platforms.malloc import release_free_heap, tune_allocator
 
@@ -41,8 +42,9 @@ class Worker:
         self.draft = load_draft(spec.model, loaded, config.seed, spec.quantization) if spec and spec.model else None
         self.capacity = Capacity.of(config, loaded.config, loaded.model.dtype.itemsize,
                                     self.draft.config if self.draft else None)
+        lora = LoRAManager(loaded.model, config.max_loras, config.max_lora_rank) if config.enable_lora else None
         self.runner = ModelRunner(loaded.model, self.capacity.num_blocks, config.block_size, config.seed,
-                                  self.draft.model if self.draft else None, config.kv_cache_dtype)
+                                  self.draft.model if self.draft else None, config.kv_cache_dtype, lora)
 
     @classmethod
     def load(cls, config: EngineConfig, device: str | None, parallel: ParallelState | None = None) -> Worker:

@@ -22,6 +22,7 @@ from iterserve.attention import AttentionBackend, AttentionMetadata, KVCache
 from iterserve.config import ModelConfig
 from iterserve.distributed.layers import ParallelLMHead, VocabParallelEmbedding
 from iterserve.distributed.parallel_state import ParallelState
+from iterserve.models.linear import LinearDelta
 from iterserve.models.llama import MLP, Attention, LlamaModel, RMSNorm, rope_inv_freq
 
 
@@ -62,7 +63,7 @@ class Gemma3Attention(Attention):
 
     def forward(
         self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache: KVCache, meta: AttentionMetadata,
-        backend: AttentionBackend,
+        backend: AttentionBackend, lora: LinearDelta | None = None,  # never given: no LoRA on Gemma 3
     ) -> torch.Tensor:
         n = x.shape[0]
         q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
@@ -76,7 +77,7 @@ class Gemma3Attention(Attention):
 
 
 class Gemma3MLP(MLP):
-    def forward(self, x: torch.Tensor, backend: AttentionBackend) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, backend: AttentionBackend, lora: LinearDelta | None = None) -> torch.Tensor:
         gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
         return self.down_proj(F.gelu(gate, approximate="tanh") * up)
 
@@ -148,6 +149,8 @@ class Gemma3Model(LlamaModel):
     def make_rotary(self) -> nn.Module:
         return Gemma3Rotary(self.config)
 
+    supports_lora = False  # its layers take no LoRA rows (adapters are refused when they load)
+
     def native_decoder(self, ops: ModuleType) -> typing.Any:
         return None  # csrc/decoder.cpp runs Llama's layer order only
 
@@ -160,6 +163,7 @@ class Gemma3Model(LlamaModel):
         meta: AttentionMetadata,
         backend: AttentionBackend,
         logits_indices: torch.Tensor | None = None,  # rows whose next token is sampled
+        lora: LinearDelta | None = None,  # never given: supports_lora is False
     ) -> torch.Tensor:
         """Float32 logits ``[len(logits_indices), vocab]`` (all rows when None), as :meth:`LlamaModel.forward`."""
         x = self.embed_tokens(input_ids)

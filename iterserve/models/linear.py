@@ -17,11 +17,13 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable
+from typing import Protocol
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+from iterserve.attention.backend import NativeLoRA
 from iterserve.quantization.packed import QuantizedWeight
 
 logger = logging.getLogger(__name__)
@@ -31,6 +33,19 @@ NATIVE_DENSE, NATIVE_PACKED, NATIVE_QUANTIZED = 0, 1, 2  # csrc/decoder.cpp's Li
 NativeLinear = tuple[int, torch.Tensor, int, int, "torch.Tensor | None"]
 """``(kind, weight, out_features, param, bias)``: one linear layer as the C++ decode loop takes it; ``param`` is
 AMX's minimum rows for the packed kernel and the bits of quantized blocks."""
+
+
+class LinearDelta(Protocol):
+    """What a step adds to some rows of a linear layer's output (each request's LoRA adapter:
+    :class:`iterserve.lora.batch.LoRABatch`), passed explicitly with the step's activations."""
+
+    def add(self, layer: LinearBase, x: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+        """``out`` (``layer``'s product of ``x``) with the step's additions to its rows."""
+        ...
+
+    def native(self, layers: list[LinearBase]) -> NativeLoRA:
+        """The tensors with which a native decode loop makes the same additions to ``layers``, in order."""
+        ...
 
 
 class LinearMethod:
@@ -130,5 +145,6 @@ class LinearBase(nn.Linear):
         w = self.weight
         self.weight = nn.Parameter(torch.empty(w.shape, dtype=w.dtype, device="meta"), requires_grad=False)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.matmul(x)
+    def forward(self, x: torch.Tensor, delta: LinearDelta | None = None) -> torch.Tensor:
+        out = self.matmul(x)
+        return out if delta is None else delta.add(self, x, out)

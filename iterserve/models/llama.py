@@ -17,6 +17,7 @@ import torch
 from torch import nn
 
 from iterserve.attention import AttentionBackend, AttentionMetadata, KVCache
+from iterserve.attention.backend import NativeLoRA
 from iterserve.config import ModelConfig
 from iterserve.distributed.layers import (
     ColumnParallelLinear,
@@ -27,6 +28,7 @@ from iterserve.distributed.layers import (
     head_shard,
 )
 from iterserve.distributed.parallel_state import ParallelState
+from iterserve.models.linear import LinearDelta
 from iterserve.models.moe import SparseMoeBlock
 
 
@@ -108,10 +110,10 @@ class Attention(nn.Module):
 
     def forward(
         self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache: KVCache, meta: AttentionMetadata,
-        backend: AttentionBackend,
+        backend: AttentionBackend, lora: LinearDelta | None = None,
     ) -> torch.Tensor:
         n = x.shape[0]
-        q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q, k, v = self.qkv_proj(x, lora).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q = q.view(n, self.num_heads, self.head_dim)
         k = k.view(n, self.num_kv_heads, self.head_dim)
         v = v.view(n, self.num_kv_heads, self.head_dim)
@@ -119,7 +121,7 @@ class Attention(nn.Module):
             q, k = self.q_norm(q, backend), self.k_norm(k, backend)
         q, k = backend.rotary(q, k, cos, sin)
         out = backend.forward(q, k, v, cache, meta, self.scale)
-        return self.o_proj(out.reshape(n, self.q_size))
+        return self.o_proj(out.reshape(n, self.q_size), lora)
 
 
 class MLP(nn.Module):
@@ -129,8 +131,8 @@ class MLP(nn.Module):
         self.gate_up_proj = ColumnParallelLinear(config.hidden_size, [width, width])
         self.down_proj = RowParallelLinear(config.intermediate_size, config.hidden_size, ps)
 
-    def forward(self, x: torch.Tensor, backend: AttentionBackend) -> torch.Tensor:
-        return self.down_proj(backend.silu_and_mul(self.gate_up_proj(x)))
+    def forward(self, x: torch.Tensor, backend: AttentionBackend, lora: LinearDelta | None = None) -> torch.Tensor:
+        return self.down_proj(backend.silu_and_mul(self.gate_up_proj(x, lora)), lora)
 
 
 class DecoderLayer(nn.Module):
@@ -143,16 +145,16 @@ class DecoderLayer(nn.Module):
 
     def forward(
         self, x: torch.Tensor, residual: torch.Tensor | None, cos: torch.Tensor, sin: torch.Tensor, cache: KVCache,
-        meta: AttentionMetadata, backend: AttentionBackend,
+        meta: AttentionMetadata, backend: AttentionBackend, lora: LinearDelta | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Returns this layer's output and the residual stream before it (the next norm adds them)."""
         if residual is None:
             x, residual = self.input_layernorm(x, backend), x
         else:
             x, residual = self.input_layernorm(x, backend, residual)
-        x = self.self_attn(x, cos, sin, cache, meta, backend)
+        x = self.self_attn(x, cos, sin, cache, meta, backend, lora)
         x, residual = self.post_attention_layernorm(x, backend, residual)
-        return self.mlp(x, backend), residual
+        return (self.mlp(x, backend, lora) if isinstance(self.mlp, MLP) else self.mlp(x, backend)), residual
 
 
 class LlamaModel(nn.Module):
@@ -160,6 +162,8 @@ class LlamaModel(nn.Module):
 
     ``config`` is the whole model's; ``parallel`` says which shard of it this process holds.
     """
+
+    supports_lora = True  # its layers pass a step's LoRA rows to their linear layers
 
     def __init__(self, config: ModelConfig, parallel: ParallelState | None = None) -> None:
         super().__init__()
@@ -222,6 +226,16 @@ class LlamaModel(nn.Module):
             stack.add_layer(layer.input_layernorm.weight, layer.post_attention_layernorm.weight, *qk_norms, *linears)
         return stack
 
+    def native_lora(self, lora: LinearDelta) -> NativeLoRA | None:
+        """The step's LoRA tensors for the native decode loop's linear layers (qkv, o, gate/up, down of each
+        layer); None where it has no such layers (a mixture-of-experts MLP): the layers then run in Python."""
+        layers = typing.cast(list[DecoderLayer], self.layers)
+        if any(not isinstance(layer.mlp, MLP) for layer in layers):
+            return None
+        return lora.native([p for layer in layers for p in (
+            layer.self_attn.qkv_proj, layer.self_attn.o_proj, typing.cast(MLP, layer.mlp).gate_up_proj,
+            typing.cast(MLP, layer.mlp).down_proj)])
+
     @torch.inference_mode()
     def forward(
         self,
@@ -231,18 +245,21 @@ class LlamaModel(nn.Module):
         meta: AttentionMetadata,
         backend: AttentionBackend,  # how attention and the fused operations are computed (chosen once, per device)
         logits_indices: torch.Tensor | None = None,  # rows whose next token is sampled
+        lora: LinearDelta | None = None,  # the step's LoRA adapters and the rows each serves
     ) -> torch.Tensor:
         """Returns float32 logits ``[len(logits_indices), vocab]`` (all rows when None); under tensor
         parallelism on rank 0 only (the other ranks get an empty tensor)."""
         x = self.embed_tokens(input_ids)
         cos, sin = self.rotary_at(positions, x.dtype, meta)
-        native = backend.decode_layers(self, x, cos, sin, kv_caches, meta)
+        native_lora = None if lora is None else self.native_lora(lora)
+        native = (backend.decode_layers(self, x, cos, sin, kv_caches, meta, native_lora)
+                  if lora is None or native_lora is not None else None)
         residual: torch.Tensor | None = None
         if native is not None:
             x, residual = native
         else:
             for layer, cache in zip(self.layers, kv_caches):
-                x, residual = layer(x, residual, cos, sin, cache, meta, backend)
+                x, residual = layer(x, residual, cos, sin, cache, meta, backend, lora)
         assert residual is not None  # every layer returns it
         if logits_indices is not None:
             x, residual = x[logits_indices], residual[logits_indices]

@@ -24,6 +24,7 @@ from torch import nn
 from iterserve.attention import AttentionBackend, AttentionMetadata, KVCache
 from iterserve.config import ModelConfig
 from iterserve.distributed.parallel_state import ParallelState
+from iterserve.models.linear import LinearDelta
 from iterserve.models.llama import Attention, DecoderLayer, LlamaModel
 
 
@@ -104,17 +105,17 @@ class PartialRotaryAttention(Attention):
 
     def forward(
         self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache: KVCache, meta: AttentionMetadata,
-        backend: AttentionBackend,
+        backend: AttentionBackend, lora: LinearDelta | None = None,
     ) -> torch.Tensor:
         n, r = x.shape[0], self.rotary_dim
-        q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q, k, v = self.qkv_proj(x, lora).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q = q.reshape(n, self.num_heads, self.head_dim)
         k = k.reshape(n, self.num_kv_heads, self.head_dim)
         v = v.view(n, self.num_kv_heads, self.head_dim)
         q_rot, k_rot = backend.rotary(q[..., :r].contiguous(), k[..., :r].contiguous(), cos, sin)
         q, k = torch.cat((q_rot, q[..., r:]), dim=-1), torch.cat((k_rot, k[..., r:]), dim=-1)
         out = backend.forward(q, k, v, cache, meta, self.scale)
-        return self.o_proj(out.reshape(n, self.q_size))
+        return self.o_proj(out.reshape(n, self.q_size), lora)
 
 
 class Phi3Model(LlamaModel):

@@ -48,6 +48,7 @@ from iterserve.server.serving_chat import ChatServing
 from iterserve.server.serving_completions import CompletionServing
 from iterserve.server.serving_discovery import DiscoveryServing, cache_config_info
 from iterserve.server.serving_info import InfoServing
+from iterserve.server.serving_lora import LoRAServing, add_lora_routes
 from iterserve.server.serving_responses import ResponsesServing
 from iterserve.server.serving_tokenize import TokenizeServing
 from iterserve.tokenizer.chat_template import load_chat_template
@@ -63,6 +64,8 @@ def build_app(config: EngineConfig, server: ServerConfig | None = None) -> FastA
     Request bodies over ``server.max_request_body_bytes`` are refused with a 413.
     """
     server = server or ServerConfig()
+    if server.lora_modules and not config.enable_lora:
+        raise ValueError("--lora-modules needs --enable-lora")
     served_model_name, api_key = server.model_name(config), server.api_key
     llm = AsyncLLM(config, max_waiting=server.max_waiting, log_level=server.log_level,
                    data_parallel_size=server.data_parallel_size, stall_timeout=server.engine_stall_timeout,
@@ -84,6 +87,8 @@ def build_app(config: EngineConfig, server: ServerConfig | None = None) -> FastA
     metrics.record_cache_config(cache_config_info(engine))
     for route in (completion, chat, responses):
         route.max_response_logprobs = server.max_response_logprobs
+    lora = LoRAServing.serving(engine, metrics, served_model_name, server.lora_paths(),
+                               [completion, chat, responses, tokenize, info, discovery])
     if server.chat_template is not None:
         chat.chat_template = responses.chat_template = tokenize.chat_template = discovery.chat_template = \
             load_chat_template(server.chat_template)
@@ -105,14 +110,7 @@ def build_app(config: EngineConfig, server: ServerConfig | None = None) -> FastA
     app.state.engine = engine
     app.state.llm = llm
     add_error_handlers(app)
-    # the last added runs first: an HTTP/2 preface is answered, the key is checked, then the Content-Type,
-    # then the body's size and time
-    app.add_middleware(BodyReadTimeoutMiddleware, timeout=server.request_body_timeout)
-    app.add_middleware(BodySizeLimitMiddleware, max_bytes=server.max_request_body_bytes)
-    app.add_middleware(JSONBodyMiddleware)
-    if api_key:
-        app.add_middleware(APIKeyMiddleware, api_key=api_key)
-    app.add_middleware(HTTP2PrefaceMiddleware)
+    add_middlewares(app, server)
 
     app.post("/v1/completions", response_model=None, responses=streamed_or_whole(CompletionResponse))(
         completion.completions)
@@ -133,9 +131,21 @@ def build_app(config: EngineConfig, server: ServerConfig | None = None) -> FastA
     app.get("/version")(info.version)
     app.get("/metrics", response_model=None, response_class=PlainTextResponse)(info.prometheus)
     add_discovery_routes(app, discovery)
+    add_lora_routes(app, lora)
     add_dashboard(app, engine, served_model_name, api_key, server.max_dashboard_viewers)
     document_bodies(app)
     return app
+
+
+def add_middlewares(app: FastAPI, server: ServerConfig) -> None:
+    """The last added runs first: an HTTP/2 preface is answered, the key is checked, then the Content-Type,
+    then the body's size and time."""
+    app.add_middleware(BodyReadTimeoutMiddleware, timeout=server.request_body_timeout)
+    app.add_middleware(BodySizeLimitMiddleware, max_bytes=server.max_request_body_bytes)
+    app.add_middleware(JSONBodyMiddleware)
+    if server.api_key:
+        app.add_middleware(APIKeyMiddleware, api_key=server.api_key)
+    app.add_middleware(HTTP2PrefaceMiddleware)
 
 
 def add_discovery_routes(app: FastAPI, discovery: DiscoveryServing) -> None:

@@ -12,6 +12,8 @@ vLLM labels its data-parallel engines; a query sums over ``engine`` for the serv
 
 from __future__ import annotations
 
+import time
+
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
 from iterserve.engine.messages import LoadedWeights, SchedulerStats
@@ -152,9 +154,30 @@ class ServerMetrics:
                 for pos in range(self._num_positions):
                     self._accepted_per_pos.labels(**labels, position=str(pos))
 
+    _lora_info: Gauge | None = None  # vllm:lora_requests_info, where the server runs LoRA adapters
+
+    def record_lora_info(self, max_loras: int) -> None:
+        """Publish vLLM's ``vllm:lora_requests_info``: one series whose labels name the running and waiting
+        adapters (comma-separated, over every engine) and ``max_lora``, its value when they were last seen."""
+        self._lora_info = Gauge("vllm:lora_requests_info", "Running stats on LoRA requests.",
+                                ["max_lora", "waiting_lora_adapters", "running_lora_adapters"], registry=self.registry)
+        self._max_loras = str(max_loras)
+        self._loras: list[tuple[list[str], list[str]]] = [([], []) for _ in self._labels]
+        self._lora_info.labels(self._max_loras, "", "").set(time.time())
+
+    def _record_loras(self, engine: int, stats: SchedulerStats) -> None:
+        assert self._lora_info is not None
+        self._loras[engine] = (stats.waiting_loras, stats.running_loras)
+        waiting = sorted({name for w, _ in self._loras for name in w})
+        running = sorted({name for _, r in self._loras for name in r})
+        self._lora_info.clear()  # one series, the adapters of now: a series per past set would grow without end
+        self._lora_info.labels(self._max_loras, ",".join(waiting), ",".join(running)).set(time.time())
+
     def record_stats(self, engine: int, stats: SchedulerStats, num_waiting: int) -> None:
         """Refresh the engine's gauges and counters from its core's latest stats."""
         labels, last = self._labels[engine], self._last[engine]
+        if self._lora_info is not None:
+            self._record_loras(engine, stats)
         self.running.labels(**labels).set(stats.num_running)
         self.waiting.labels(**labels).set(num_waiting)
         self.kv_cache_usage.labels(**labels).set(stats.kv_cache_usage)

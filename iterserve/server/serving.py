@@ -28,6 +28,7 @@ from iterserve.config import ServerConfig
 from iterserve.engine.core_client import EngineCoreClient
 from iterserve.engine.request_stream import RequestStream
 from iterserve.errors import QueueFullError, RequestError
+from iterserve.lora.request import LoRARequest
 from iterserve.outputs import CompletionOutput, Logprob, RequestOutput
 from iterserve.sampling_params import SamplingParams, StructuredOutputsParams, grammar_checks_deferred
 from iterserve.server.admission import Outputs, PacedStream, share_of
@@ -104,6 +105,7 @@ class OpenAIServing:
         self.grammars = grammars  # what proves a request's grammar runnable (the routes that take one)
         self.chat_template: str | None = None  # the server's --chat-template, used where a request gives none
         self.max_response_logprobs = DEFAULT_MAX_RESPONSE_LOGPROBS  # the server's --max-response-logprobs
+        self.loras: dict[str, LoRARequest] = {}  # the server's --lora-modules, by the name a request's model gives
 
     # -- shared steps -------------------------------------------------------------------------
 
@@ -124,10 +126,15 @@ class OpenAIServing:
         with grammar_checks_deferred():
             return body.structured_outputs_params()
 
-    def _check_model(self, model: str | None) -> None:
-        if model is not None and model != self.model_name:
-            raise APIError(404, f"the model {model!r} does not exist; this server serves {self.model_name!r}",
-                           param="model", code="model_not_found")
+    def _check_model(self, model: str | None) -> LoRARequest | None:
+        """The LoRA adapter a request's ``model`` names (None: the base model); a 404 for a model not served."""
+        if model is None or model == self.model_name:
+            return None
+        if model in self.loras:
+            return self.loras[model]
+        adapters = f" and LoRA adapters {', '.join(map(repr, self.loras))}" if self.loras else ""
+        raise APIError(404, f"The model `{model}` does not exist. This server serves {self.model_name!r}{adapters}.",
+                       param="model", code="model_not_found")
 
     def _tokenizer(self) -> Tokenizer:
         if self.engine.tokenizer is None:
@@ -181,13 +188,14 @@ class OpenAIServing:
         return await asyncio.to_thread(render_and_encode)
 
     async def _submit(self, request_id: str, prompt: list[int], params: SamplingParams, stream: bool,
-                      prompt_param: str = "prompt", logprobs_param: str = "logprobs") -> RequestStream:
+                      prompt_param: str = "prompt", logprobs_param: str = "logprobs",
+                      lora: LoRARequest | None = None) -> RequestStream:
         """Send the request to the engine: deltas when streaming, one final output otherwise. The
         engine validates the prompt against its context; ``prompt_param`` is the field that carried it,
         ``logprobs_param`` the one that asked for logprobs."""
         try:
             self._check_logprobs_work(prompt, params, logprobs_param)
-            return self.engine.add_request(request_id, prompt, params, time.perf_counter(), stream)
+            return self.engine.add_request(request_id, prompt, params, time.perf_counter(), stream, lora=lora)
         except QueueFullError as e:
             raise APIError(429, f"the server is at capacity: {e}; retry later", type="rate_limit_error",
                            code="rate_limit_exceeded", headers={"Retry-After": str(RETRY_AFTER_S)}) from e
@@ -248,12 +256,12 @@ class OpenAIServing:
                                  background=BackgroundTask(close))
 
     async def _submit_all(self, request_id: str, prompts: list[list[int]], params: SamplingParams,
-                          stream: bool) -> list[Outputs]:
+                          stream: bool, lora: LoRARequest | None = None) -> list[Outputs]:
         """One engine request per prompt. The first is admitted as any request is (429 when the queue is
         full); the others follow a share at a time (:mod:`.admission`), each checked now so that a bad
         one is a 400 before any is sent."""
         if len(prompts) == 1:
-            return [await self._submit(request_id, prompts[0], params, stream)]
+            return [await self._submit(request_id, prompts[0], params, stream, lora=lora)]
         for prompt in prompts[1:]:
             try:
                 self._check_logprobs_work(prompt, params)
@@ -265,10 +273,10 @@ class OpenAIServing:
 
         def sender(i: int) -> Callable[[], RequestStream]:
             return lambda: self.engine.add_request(f"{request_id}-{i}", prompts[i], params, time.perf_counter(),
-                                                   stream, admitted=True)
+                                                   stream, admitted=True, lora=lora)
 
         try:
-            first = await self._submit(f"{request_id}-0", prompts[0], params, stream)
+            first = await self._submit(f"{request_id}-0", prompts[0], params, stream, lora=lora)
         except BaseException:
             places.release()
             raise

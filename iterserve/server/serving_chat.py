@@ -80,7 +80,8 @@ class ChatServing(OpenAIServing):
         tool_plan, params, prompt_ids = await self._prepare(body, constraint, body.structured_outputs_field)
         request_id = f"chatcmpl-{uuid.uuid4().hex}"
         stream = await self._submit(request_id, prompt_ids, params, bool(body.stream), prompt_param="messages",
-                                    logprobs_param="top_logprobs" if body.top_logprobs else "logprobs")
+                                    logprobs_param="top_logprobs" if body.top_logprobs else "logprobs",
+                                    lora=self._check_model(body.model))
         if body.stream:
             return self._streaming(self._chat_events(stream, body, tool_plan), [stream])
         finals = await self._final_outputs([stream], request)

@@ -99,7 +99,8 @@ class CompletionServing(OpenAIServing):
         await self._check_grammar(constraint, body.structured_outputs_field or "structured_outputs")
         prompts = await self._completion_prompts(body.prompt, body.echo)
         request_id = f"cmpl-{uuid.uuid4().hex}"
-        streams = await self._submit_all(request_id, [ids for ids, _ in prompts], params, bool(body.stream))
+        streams = await self._submit_all(request_id, [ids for ids, _ in prompts], params, bool(body.stream),
+                                         self._check_model(body.model))
         echoes = [text if body.echo else "" for _, text in prompts]
         if body.stream:
             return self._streaming(self._completion_events(request_id, streams, body, echoes), streams)

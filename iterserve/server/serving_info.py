@@ -8,6 +8,7 @@ from typing import Any
 from fastapi.responses import JSONResponse, Response
 
 from iterserve import __version__
+from iterserve.lora.request import LoRARequest
 from iterserve.server.errors import APIError, error_response
 from iterserve.server.response_bodies import ModelCard, ModelList
 from iterserve.server.serving import OpenAIServing
@@ -19,12 +20,16 @@ class InfoServing(OpenAIServing):
     def _model_card(self) -> ModelCard:
         return ModelCard(id=self.model_name, root=self.engine.config.model, max_model_len=self.engine.max_model_len)
 
+    def _adapter_card(self, lora: LoRARequest) -> ModelCard:
+        return ModelCard(id=lora.lora_name, root=lora.lora_path, parent=self.model_name,
+                         max_model_len=self.engine.max_model_len)
+
     async def models(self) -> ModelList:
-        return ModelList(data=[self._model_card()])
+        return ModelList(data=[self._model_card(), *map(self._adapter_card, self.loras.values())])
 
     async def model(self, model_id: str) -> ModelCard:
-        self._check_model(model_id)
-        return self._model_card()
+        lora = self._check_model(model_id)
+        return self._model_card() if lora is None else self._adapter_card(lora)
 
     async def health(self) -> Response:
         if (problem := self.engine.health_problem()) is not None:

@@ -178,7 +178,8 @@ class ResponsesServing(ChatServing):
             parallel_tool_calls=body.parallel_tool_calls, temperature=body.temperature, top_p=body.top_p,
             text={"format": body.text_format}, tool_choice=body.tool_choice or "auto", tools=body.tools or [],
             user=body.user)
-        stream = await self._submit(head.id, prompt_ids, params, body.stream, prompt_param="input")
+        stream = await self._submit(head.id, prompt_ids, params, body.stream, prompt_param="input",
+                                    lora=self._check_model(body.model))
         if body.stream:
             return self._streaming(self._response_events(stream, plan, head), [stream])
         finals = await self._final_outputs([stream], request)

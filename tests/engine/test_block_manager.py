@@ -7,12 +7,13 @@ import pytest
 from iterserve.engine.block_manager import BlockManager, chain_hash
 from iterserve.engine.messages import KV_CACHED, KV_FIRST_ROW, KV_FREE, KV_HELD, KV_SHARED
 from iterserve.engine.sequence import Sequence
+from iterserve.lora import LoRARequest
 from iterserve.outputs import RequestMetrics
 from iterserve.sampling_params import SamplingParams
 
 
-def seq(tokens, rid="r"):
-    return Sequence(rid, None, list(tokens), SamplingParams(), 16, RequestMetrics(0.0))
+def seq(tokens, rid="r", lora: LoRARequest | None = None):
+    return Sequence(rid, None, list(tokens), SamplingParams(), 16, RequestMetrics(0.0), lora=lora)
 
 
 def admit(bm: BlockManager, s: Sequence) -> int:
@@ -87,6 +88,19 @@ def test_a_hash_hit_is_confirmed_against_tokens_and_parent():
     # forge a colliding entry: same hash key, different tokens
     bm.cached[h].token_ids = (7, 7)
     assert bm.find_cached_prefix(seq([1, 2, 3, 4, 9], "b")) == []
+
+
+def test_each_lora_adapter_has_its_own_prefix_chains():
+    """The adapter's id roots the chain: the same tokens under two adapters (or an adapter and the base model)
+    hash apart, so neither is served the other's K/V; the same adapter again hits."""
+    bm = BlockManager(16, 4)
+    a, b = LoRARequest("a", 1, "/a"), LoRARequest("b", 2, "/b")
+    tokens = range(9)
+    assert admit(bm, seq(tokens, "a1", a)) == 0
+    assert admit(bm, seq(tokens, "b1", b)) == 0
+    assert admit(bm, seq(tokens, "base")) == 0
+    assert admit(bm, seq(tokens, "a2", a)) == 8
+    assert admit(bm, seq(tokens, "a3", LoRARequest("a-again", 1, "/a"))) == 8  # the id is the identity
 
 
 def test_invalid_pool():

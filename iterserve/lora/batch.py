@@ -1,0 +1,90 @@
+"""One step's adapters and the rows each serves: the base matmul runs once for every row, then each row gets its
+own adapter's low-rank product: the step's adapters' A stacked for one shrink ``x @ A.T``, each row's columns of
+other adapters zeroed, and their B side by side for one expand (vLLM's punica shrink/expand, in three torch ops
+per layer whatever the number of adapters)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from iterserve.attention.backend import NativeLoRA
+from iterserve.lora.adapter import LoRAAdapter
+from iterserve.models.linear import LinearBase
+
+
+@dataclass
+class LayerStack:
+    """The step's adapters' weights for one layer, side by side: ``a_t`` (A transposed) ``[in, sum of ranks]``,
+    ``b`` ``[out, sum of ranks]``, and ``layout``: the place among the step's adapters of each stacked column."""
+
+    a_t: torch.Tensor  # contiguous: a bf16 matmul with a transposed view of A took about 10x as long
+    b: torch.Tensor
+    layout: tuple[int, ...]
+
+
+def stack_layer(adapters: list[LoRAAdapter], layer: LinearBase) -> LayerStack | None:
+    """``layer``'s stack of the adapters that target it (None: none does)."""
+    parts = [(slot, w) for slot, adapter in enumerate(adapters) if (w := adapter.weights.get(layer)) is not None]
+    if not parts:
+        return None
+    layout = tuple(slot for slot, w in parts for _ in range(w.a.shape[0]))
+    return LayerStack(torch.cat([w.a for _, w in parts]).T.contiguous(), torch.cat([w.b for _, w in parts], dim=1),
+                      layout)
+
+
+@dataclass
+class LoRABatch:
+    """What :meth:`LinearBase.forward` adds to a step's rows; passed down the model's forward with the step."""
+
+    adapters: list[LoRAAdapter]  # the step's, by their place (a slot)
+    row_slots: torch.Tensor | None  # each row's slot, -1 for the base model; None: every row is under slot 0
+    stacks: dict[LinearBase, LayerStack | None]  # per layer, built on first use (kept while the adapters are)
+    masks: dict[tuple[int, ...], torch.Tensor] = field(default_factory=dict)  # per layout: 1 where row meets column
+
+    def add(self, layer: LinearBase, x: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+        stack = self._stack(layer)
+        if stack is None:  # no adapter of the step targets this layer
+            return out
+        shrunk = x @ stack.a_t
+        mask = self._mask(stack)
+        if mask is not None:
+            shrunk = shrunk * mask
+        return out + shrunk @ stack.b.T
+
+    def native(self, layers: list[LinearBase]) -> NativeLoRA:
+        """What csrc/decoder.cpp adds with the same ops as :meth:`add`: per layer its A (a view of ``a_t``, which
+        the loop transposes back), B and mask."""
+        stacks = [self._stack(layer) for layer in layers]
+        return ([s.a_t.T if s else None for s in stacks], [s.b if s else None for s in stacks],
+                [self._mask(s) if s else None for s in stacks])
+
+    def _stack(self, layer: LinearBase) -> LayerStack | None:
+        if layer not in self.stacks:
+            self.stacks[layer] = stack_layer(self.adapters, layer)
+        return self.stacks[layer]
+
+    def _mask(self, stack: LayerStack) -> torch.Tensor | None:
+        """1 where a row meets a column of its own adapter (None: every row has the step's one adapter)."""
+        if self.row_slots is None:
+            return None
+        mask = self.masks.get(stack.layout)
+        if mask is None:
+            columns = torch.tensor(stack.layout, device=self.row_slots.device)
+            mask = self.masks[stack.layout] = (self.row_slots[:, None] == columns[None, :]).to(stack.a_t.dtype)
+        return mask
+
+    @classmethod
+    def build(cls, adapters: list[LoRAAdapter | None], query_lens: list[int], device: torch.device,
+              stacks: dict[LinearBase, LayerStack | None] | None = None) -> LoRABatch | None:
+        """The batch of a step whose scheduled sequence i runs ``query_lens[i]`` rows under ``adapters[i]``;
+        None when no row has an adapter (the step then runs the base model alone). ``stacks``: the layers'
+        stacks of these same adapters in id order, kept from an earlier step."""
+        present = sorted({a.id: a for a in adapters if a is not None}.items())
+        if not present:
+            return None
+        slot_of = {lora_id: slot for slot, (lora_id, _) in enumerate(present)}
+        slots = [slot_of[a.id] if a is not None else -1 for a, n in zip(adapters, query_lens) for _ in range(n)]
+        row_slots = None if len(present) == 1 and -1 not in slots else torch.tensor(slots, device=device)
+        return cls([a for _, a in present], row_slots, {} if stacks is None else stacks)
