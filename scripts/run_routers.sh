@@ -39,7 +39,7 @@ for i in 0 1; do
   port=$((PORT_BASE + i)); events=$((PORT_BASE - 2530 + i))
   "$PYTHON" -m iterserve.cli.main serve "$MODEL" --host 127.0.0.1 --port "$port" --served-model-name smollm2 \
     --kv-cache-memory "$KV_CACHE_MEMORY" --max-model-len 2048 --enable-prefix-caching \
-    --kv-events-config "{\"enable_kv_cache_events\": true, \"publisher\": \"zmq\", \"endpoint\": \"tcp://*:$events\", \"topic\": \"kv\"}" \
+    --kv-events-config "{\"enable_kv_cache_events\": true, \"publisher\": \"zmq\", \"endpoint\": \"tcp://*:$events\"}" \
     >"$OUT/server$i.log" 2>&1 &
   PIDS+=($!)
   WORKERS+=("http://127.0.0.1:$port")
@@ -88,16 +88,21 @@ phase vllm-router-round_robin "$R1" "$VR" --host 127.0.0.1 --port $((PORT_BASE -
 phase vllm-router-cache_aware "$R1" "$VR" --host 127.0.0.1 --port $((PORT_BASE - 5099)) \
   --worker-urls "${WORKERS[@]}" --policy cache_aware
 # vllm-router 0.1.17 takes an HTTP worker's event publisher, model and block size from its flags only
-# ("HTTP worker model and block-size metadata must be configured statically"), not from /kv_event_sources
+# ("HTTP worker model and block-size metadata must be configured statically"), not from /kv_event_sources,
+# and its --kv-event-source drops every message whose topic is not the empty one (so the servers use topic "")
 phase vllm-router-kv_aware "$R1" "$VR" --host 127.0.0.1 --port $((PORT_BASE - 5099)) \
   --worker-urls "${WORKERS[@]}" --policy kv_aware --log-level debug \
   --kv-event-source "${WORKERS[0]}=tcp://127.0.0.1:$((PORT_BASE - 2530))" \
   --kv-event-source "${WORKERS[1]}=tcp://127.0.0.1:$((PORT_BASE - 2529))" \
   --kv-event-model smollm2 --kv-event-block-size 16
+KVLOG=$OUT/vllm-router-kv_aware.plain.log  # its log without the colour codes that split "field=value"
+sed 's/\x1b\[[0-9;]*m//g' "$OUT/vllm-router-kv_aware.log" >"$KVLOG"
 echo "vllm-router-kv_aware: decisions that credited a cached prefix:" \
-  "$(grep -c -E 'credited_prefix_tokens=[1-9]' "$OUT/vllm-router-kv_aware.log" || true)" \
-  "of $(grep -c 'KV prefix decision' "$OUT/vllm-router-kv_aware.log" || true);" \
-  "subscribers: $(grep -c 'kv_index subscriber for' "$OUT/vllm-router-kv_aware.log" || true)"
+  "$(grep -c -E 'credited_prefix_tokens=[1-9]' "$KVLOG" || true)" \
+  "of $(grep -c 'KV prefix decision' "$KVLOG" || true);" \
+  "subscribers: $(grep -c 'kv_index subscriber for' "$KVLOG" || true);" \
+  "batches applied: $(grep -c 'kv_index live sequence advanced' "$KVLOG" || true);" \
+  "batches it could not decode: $(grep -c 'kv_index decode batch' "$KVLOG" || true)"
 phase sglang-router-cache_aware "$R2" "$ROUTER_VENV/bin/python" -m sglang_router.launch_router \
   --host 127.0.0.1 --port $((PORT_BASE - 5098)) --worker-urls "${WORKERS[@]}" --policy cache_aware
 echo "results and logs: $OUT"

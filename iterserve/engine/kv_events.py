@@ -4,8 +4,9 @@ router (vllm-router's ``kv_aware`` policy, llm-d's indexer) can follow which pro
 The block manager records a :class:`BlockStored` when full blocks enter the prefix cache (their chained
 hashes, the parent's hash, their tokens) and a :class:`BlockRemoved` when cached blocks are evicted. After
 each step the core hands the step's events, as one :class:`KVEventBatch`, to the publisher. The wire format
-is vLLM's: msgpack of msgspec Structs that encode as arrays (``array_like``) with the class name as their
-first element (``tag``), sent on a ZeroMQ PUB socket as ``[topic, sequence number (8 bytes, big-endian),
+is vLLM's since vllm-project/vllm#42892: msgpack of a batch array ``[ts, events, data_parallel_rank]`` whose
+events are maps of their fields with the class name under ``"type"`` (vllm-router 0.1.17 rejects the older
+array-shaped events), sent on a ZeroMQ PUB socket as ``[topic, sequence number (8 bytes, big-endian),
 payload]``; an optional ROUTER socket resends buffered batches from a sequence number a subscriber asks for.
 
 Publishing never blocks the engine: ``publish`` puts the batch on a bounded queue that a thread drains onto
@@ -41,8 +42,8 @@ class EventBatch(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
     data_parallel_rank: int | None = None
 
 
-class KVCacheEvent(msgspec.Struct, array_like=True, omit_defaults=True, gc=False, tag=True):
-    """The base of the events; ``tag`` puts the class name first in each event's array."""
+class KVCacheEvent(msgspec.Struct, omit_defaults=True, gc=False, tag=True):
+    """The base of the events; each encodes as a map, ``tag`` adds ``"type"``: the class name."""
 
 
 class BlockStored(KVCacheEvent):

@@ -1,5 +1,6 @@
-"""A copy of vLLM's KV-event schema (vllm/distributed/kv_events.py, the array_like form routers decode), so
-that the tests read iterserve's frames as a vLLM consumer would, independently of iterserve's own classes."""
+"""A copy of vLLM's KV-event schema (vllm/distributed/kv_events.py since vllm-project/vllm#42892: the batch an
+array, each event a map tagged with ``"type"``), so that the tests read iterserve's frames as a vLLM consumer
+would, independently of iterserve's own classes."""
 
 from __future__ import annotations
 
@@ -17,7 +18,7 @@ class EventBatch(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
     data_parallel_rank: int | None = None
 
 
-class KVCacheEvent(msgspec.Struct, array_like=True, omit_defaults=True, gc=False, tag=True):
+class KVCacheEvent(msgspec.Struct, omit_defaults=True, gc=False, tag=True):
     pass
 
 

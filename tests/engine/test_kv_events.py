@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import time
 
+import msgspec
 import pytest
 import zmq
 
@@ -89,6 +90,38 @@ def test_frames_are_vllms_topic_sequence_and_msgpack_batch(ctx):
     assert isinstance(event, vllm.BlockStored) and event.block_hashes == [2**64 - 1, 7]
     assert event.token_ids == list(range(1, 9)) and event.block_size == 4 and event.parent_block_hash is None
     assert isinstance(batch1.events[0], vllm.BlockRemoved) and batch1.events[0].block_hashes == [7]
+
+
+# The fields vllm-router 0.1.17 requires and allows in each event (src/kv_index/decode.rs, decode_event)
+ROUTER_REQUIRED = {"BlockStored": {"block_hashes", "parent_block_hash", "token_ids", "block_size", "lora_id",
+                                   "medium", "lora_name"},
+                   "BlockRemoved": {"block_hashes", "medium"}}
+ROUTER_OPTIONAL = {"type", "extra_keys", "group_idx", "kv_cache_spec_kind", "kv_cache_spec_sliding_window",
+                   "locality", "ownership", "session_id"}
+
+
+def test_events_are_maps_tagged_with_their_type_as_vllm_router_decodes_them(ctx):
+    sub, endpoint = vllm.subscriber(ctx)
+    publisher = start_publisher(KVEventsConfig(enable_kv_cache_events=True, endpoint=endpoint))
+    assert publisher is not None
+    try:
+        vllm.wait_subscribed(publisher, sub)
+        publisher.publish([BlockStored(block_hashes=[5, 6], parent_block_hash=4, token_ids=list(range(8)),
+                                       block_size=4, lora_id=None, medium="GPU", lora_name=None),
+                           BlockRemoved(block_hashes=[5], medium="GPU")])
+        assert sub.poll(5000)
+        topic, _, payload = sub.recv_multipart()
+    finally:
+        publisher.shutdown()
+    ts, events, rank = msgspec.msgpack.decode(payload)  # untyped: the shapes on the wire
+    assert topic == b"" and isinstance(ts, float) and rank == 0
+    stored, removed = events
+    assert isinstance(stored, dict) and stored["type"] == "BlockStored" and removed["type"] == "BlockRemoved"
+    for event in (stored, removed):
+        required = ROUTER_REQUIRED[event["type"]]
+        assert required <= event.keys() <= required | ROUTER_OPTIONAL
+    assert stored["block_hashes"] == [5, 6] and stored["parent_block_hash"] == 4
+    assert len(stored["token_ids"]) == len(stored["block_hashes"]) * stored["block_size"]
 
 
 def test_replay_resends_buffered_batches_then_the_end_marker(ctx):
