@@ -47,6 +47,11 @@ Linear make_linear(const LinearArgs& a) {
   return Linear{kind, weight, n, param, bias};
 }
 
+inline bool is_quantized(const at::Tensor& cache) {
+  const auto t = cache.scalar_type();
+  return t == at::kFloat8_e4m3fn || t == at::kFloat8_e5m2 || t == at::kChar;
+}
+
 struct Layer {
   at::Tensor input_norm, post_norm;
   c10::optional<at::Tensor> q_norm, k_norm;
@@ -72,7 +77,9 @@ class DecoderStack {
                                              const std::vector<at::Tensor>& k_caches,
                                              const std::vector<at::Tensor>& v_caches, const at::Tensor& slot_blocks,
                                              const at::Tensor& slot_offsets, const at::Tensor& block_tables,
-                                             const at::Tensor& context_lens, int64_t sliding_window) const {
+                                             const at::Tensor& context_lens, int64_t sliding_window,
+                                             const std::vector<at::Tensor>& k_scales,
+                                             const std::vector<at::Tensor>& v_scales) const {
     TORCH_CHECK(k_caches.size() == layers_.size() && v_caches.size() == layers_.size(),
                 "one K and one V cache per layer expected");
     TORCH_CHECK(block_tables.size(0) == x.size(0), "every token of a decode-only step is a decode");
@@ -97,9 +104,17 @@ class DecoderStack {
         k = rms_norm(k, *L.k_norm, eps_);
       }
       rope_(q, k, cos, sin);
-      write_kv(k, v, k_caches[l], v_caches[l], slot_blocks, slot_offsets);
       at::Tensor attn = at::empty({n, heads_, dim_}, q.options());
-      paged_decode(attn, q, k_caches[l], v_caches[l], block_tables, context_lens, scale_, sliding_window);
+      if (is_quantized(k_caches[l])) {  // kv_cache_dtype fp8 / int8 (kv_quant.cpp); int8 caches come with scales
+        const auto ks = k_scales.empty() ? c10::optional<at::Tensor>() : k_scales[l];
+        const auto vs = v_scales.empty() ? c10::optional<at::Tensor>() : v_scales[l];
+        write_kv_quant(k, v, k_caches[l], v_caches[l], ks, vs, slot_blocks, slot_offsets);
+        paged_decode_quant(attn, q, k_caches[l], v_caches[l], ks, vs, block_tables, context_lens, scale_,
+                           sliding_window, 0);
+      } else {
+        write_kv(k, v, k_caches[l], v_caches[l], slot_blocks, slot_offsets);
+        paged_decode(attn, q, k_caches[l], v_caches[l], block_tables, context_lens, scale_, sliding_window);
+      }
       x = L.o(attn.view({n, q_size}));
       fused_add_rms_norm(x, residual, L.post_norm, eps_);
       x = L.down(silu_and_mul(L.gate_up(x)));
