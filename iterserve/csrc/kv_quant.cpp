@@ -42,7 +42,8 @@ namespace {
 enum Isa : int64_t { kAuto = 0, kScalar = 1, kAvx2 = 2, kAvx512 = 3, kAvx512Bf16 = 4 };
 enum Kind : int { kE4m3 = 0, kE5m2 = 1, kInt8 = 2 };
 
-#if defined(__AVX512BF16__) && defined(__AVX512BW__) && defined(__AVX512F__) && defined(__AVX2__)
+#if defined(__AVX512BF16__) && defined(__AVX512BW__) && defined(__AVX512VBMI__) && defined(__AVX512F__) && \
+    defined(__AVX2__)
 #define KV_QUANT_DPBF16 1
 #endif
 
@@ -165,6 +166,16 @@ inline float dot(const float* a, const float* b, int64_t n) {
   for (int64_t k = 0; k < Vec::size(); ++k) s += lanes[k];
   for (; i < n; ++i) s += a[i] * b[i];
   return s;
+}
+
+// The largest of p[0, n), one vector at a time and one reduction (as cpu_ops.cpp's max_of).
+inline float max_of(const float* p, int64_t n) {
+  Vec best(-std::numeric_limits<float>::infinity());
+  int64_t i = 0;
+  for (; i + Vec::size() <= n; i += Vec::size()) best = at::vec::maximum(best, Vec::loadu(p + i));
+  float out = best.reduce_max();
+  for (; i < n; ++i) out = std::max(out, p[i]);
+  return out;
 }
 
 // p[i] = exp(p[i] - m) for i < n; returns the sum (exp_u20, as paged_decode's float path).
@@ -380,69 +391,72 @@ inline const FusedKernels& fused(Kind kind, int64_t heads) {
 #endif
 
 #if defined(KV_QUANT_DPBF16)
-// Every float8 magnitude (a byte's low 7 bits) as bf16 bits, per float8 kind: four registers' worth of words.
+// The bf16 of every magnitude (a float8 byte's low 7 bits, an int8's absolute value), its high bytes and its low
+// bytes, 128 of each in two registers (vpermi2b looks up 64 bytes at once).
 struct Bf16Table {
-  __m512i t[4];
+  __m512i hi[2], lo[2];
   explicit Bf16Table(Kind kind) {
-    static const auto words = [] {
-      std::array<std::array<uint16_t, 128>, 2> w{};
-      for (int k = 0; k < 2; ++k)
-        for (int b = 0; b < 128; ++b) w[k][b] = c10::BFloat16(fp8_table(static_cast<Kind>(k))[b]).x;
-      return w;
+    static const auto bytes = [] {
+      std::array<std::array<uint8_t, 256>, 3> b{};
+      for (int k = 0; k < 3; ++k)
+        for (int m = 0; m < 128; ++m) {
+          const float v = k == kInt8 ? static_cast<float>(m) : fp8_table(static_cast<Kind>(k))[m];
+          const uint16_t w = c10::BFloat16(v).x;
+          b[k][m] = static_cast<uint8_t>(w >> 8);
+          b[k][128 + m] = static_cast<uint8_t>(w & 0xFF);
+        }
+      return b;
     }();
-    const uint16_t* src = words[kind == kInt8 ? 0 : kind].data();
-    for (int i = 0; i < 4; ++i) t[i] = _mm512_loadu_si512(src + 32 * i);
+    const uint8_t* t = bytes[kind].data();
+    for (int i = 0; i < 2; ++i) {
+      hi[i] = _mm512_loadu_si512(t + 64 * i);
+      lo[i] = _mm512_loadu_si512(t + 128 + 64 * i);
+    }
   }
 };
 
-// 32 stored bytes -> 32 bf16 values, exact; int8 without its row's scale.
+// 64 stored bytes -> 64 exact bf16 values (int8 without its row's scale; -128 is never stored) in two registers,
+// in unpacklo/hi_epi8's order: scrambled position s holds value scrambled(s). The dot products do not care
+// (the query is scrambled alike); the output is put back in order once per task.
 template <Kind K>
-inline __m512i widen32_bf16(const uint8_t* p, const Bf16Table& table) {
-  const __m256i b = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
-  if constexpr (K == kInt8) {
-    const __m512 lo = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm256_castsi256_si128(b)));
-    const __m512 hi = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm256_extracti128_si256(b, 1)));
-    return (__m512i)_mm512_cvtne2ps_pbh(hi, lo);
-  } else {
-    const __m512i x = _mm512_cvtepu8_epi16(b);
-    // the magnitude looked up by bits 0-5 in both halves of the table, bit 6 choosing; then the sign (bit 7)
-    const __m512i lo = _mm512_permutex2var_epi16(table.t[0], x, table.t[1]);
-    const __m512i hi = _mm512_permutex2var_epi16(table.t[2], x, table.t[3]);
-    const __m512i mag = _mm512_mask_blend_epi16(_mm512_test_epi16_mask(x, _mm512_set1_epi16(0x40)), lo, hi);
-    return _mm512_ternarylogic_epi32(mag, _mm512_slli_epi16(x, 8), _mm512_set1_epi16(static_cast<int16_t>(0x8000)),
-                                     0xF8);  // mag | (x << 8 & 0x8000)
-  }
+inline void widen64_bf16(const uint8_t* p, const Bf16Table& t, __m512i& first, __m512i& second) {
+  const __m512i x = _mm512_loadu_si512(p);
+  const __m512i m = K == kInt8 ? _mm512_abs_epi8(x) : x;  // vpermi2b reads bits 0-6
+  const __m512i sign = _mm512_set1_epi8(static_cast<char>(0x80));
+  const __m512i hi = _mm512_ternarylogic_epi32(_mm512_permutex2var_epi8(t.hi[0], m, t.hi[1]), x, sign, 0xF8);
+  const __m512i lo = _mm512_permutex2var_epi8(t.lo[0], m, t.lo[1]);
+  first = _mm512_unpacklo_epi8(lo, hi);
+  second = _mm512_unpackhi_epi8(lo, hi);
 }
 
-// scores[g * kTile + j] = scale * (q_g . k_j) (times k_scale[j] for int8) for G <= 4 heads of bf16 query qb, each
-// key's bytes widened to bf16 once for the G heads; sixteen keys' partial sums reduced together; dim % 64 == 0.
-// C > 0: dim is 32 C, the query held in registers.
+// scores[g * kTile + j] = scale * (q_g . k_j) (times k_scale[j] for int8) for G <= 4 heads of bf16 query qb
+// (scrambled as widen64_bf16 scrambles), each key's bytes widened once for the G heads; sixteen keys' partial sums
+// reduced together. C > 0: dim is 64 C, the query held in registers; else any multiple of 64.
 template <Kind K, int G, int C>
 void dp_scores(const uint16_t* qb, int64_t dim, const uint8_t* const* rows, const float* k_scale, float scale,
                int64_t n, float* scores) {
   const Bf16Table table(K);
   alignas(64) float part[G][16][16];
   const __m512 vscale = _mm512_set1_ps(scale);
-  __m512bh qr[G][C > 0 ? C : 1];
+  constexpr int kRegs = C > 0 ? 2 * C : 1;
+  __m512bh qr[G][kRegs];
   if constexpr (C > 0)
     for (int g = 0; g < G; ++g)
-      for (int c = 0; c < C; ++c) qr[g][c] = (__m512bh)_mm512_loadu_si512(qb + g * dim + 32 * c);
+      for (int c = 0; c < kRegs; ++c) qr[g][c] = (__m512bh)_mm512_loadu_si512(qb + g * dim + 32 * c);
   for (int64_t j0 = 0; j0 < n; j0 += 16) {
     for (int64_t j = 0; j < 16; ++j) {
       __m512 acc[G];
       for (int g = 0; g < G; ++g) acc[g] = _mm512_setzero_ps();
-      if (C > 0 && j0 + j < n) {
-        for (int c = 0; c < (C > 0 ? C : 1); ++c) {
-          const __m512bh k = (__m512bh)widen32_bf16<K>(rows[j0 + j] + 32 * c, table);
-          for (int g = 0; g < G; ++g) acc[g] = _mm512_dpbf16_ps(acc[g], qr[g][c], k);
+      if (j0 + j < n)
+        for (int64_t i = 0; i < (C > 0 ? 64 * C : dim); i += 64) {
+          __m512i a, b;
+          widen64_bf16<K>(rows[j0 + j] + i, table, a, b);
+          for (int g = 0; g < G; ++g) {
+            const __m512bh q0 = C > 0 ? qr[g][(i / 32) % kRegs] : (__m512bh)_mm512_loadu_si512(qb + g * dim + i);
+            const __m512bh q1 = C > 0 ? qr[g][(i / 32 + 1) % kRegs] : (__m512bh)_mm512_loadu_si512(qb + g * dim + i + 32);
+            acc[g] = _mm512_dpbf16_ps(_mm512_dpbf16_ps(acc[g], q0, (__m512bh)a), q1, (__m512bh)b);
+          }
         }
-      } else if (j0 + j < n) {
-        for (int64_t i = 0; i < dim; i += 32) {
-          const __m512bh k = (__m512bh)widen32_bf16<K>(rows[j0 + j] + i, table);
-          for (int g = 0; g < G; ++g)
-            acc[g] = _mm512_dpbf16_ps(acc[g], (__m512bh)_mm512_loadu_si512(qb + g * dim + i), k);
-        }
-      }
       for (int g = 0; g < G; ++g) _mm512_store_ps(part[g][j], acc[g]);
     }
     for (int g = 0; g < G; ++g) {
@@ -453,8 +467,9 @@ void dp_scores(const uint16_t* qb, int64_t dim, const uint8_t* const* rows, cons
   }
 }
 
-// acc_g += sum_j p[g * kTile + j] v_j for G <= 4 heads with the weights rounded to bf16, two keys a vdpbf16ps: the
-// widened rows of keys j and j + 1 interleaved word by word (as cpu_ops.cpp's group_values_pairs).
+// acc_g += sum_j p[g * kTile + j] v_j for G <= 4 heads (acc scrambled as widen64_bf16 scrambles) with the weights
+// rounded to bf16, two keys a vdpbf16ps: the widened rows of keys j and j + 1 interleaved word by word (as
+// cpu_ops.cpp's group_values_pairs).
 template <Kind K, int G>
 void dp_values(const float* p, const uint8_t* const* rows, int64_t n, int64_t dim, float* acc) {
   const Bf16Table table(K);
@@ -474,10 +489,10 @@ void dp_values(const float* p, const uint8_t* const* rows, int64_t n, int64_t di
     for (int g = 0; g < G; ++g)
       for (int t = 0; t < 4; ++t) a[g][t] = _mm512_loadu_ps(acc + g * dim + i + 16 * t);
     for (int64_t j = 0; j < n; j += 2) {
-      const uint8_t* r0 = rows[j] + i;
       const uint8_t* r1 = (j + 1 < n ? rows[j + 1] : rows[j]) + i;  // weighed by the zero after the last
-      const __m512i x0 = widen32_bf16<K>(r0, table), x1 = widen32_bf16<K>(r0 + 32, table);
-      const __m512i y0 = widen32_bf16<K>(r1, table), y1 = widen32_bf16<K>(r1 + 32, table);
+      __m512i x0, x1, y0, y1;
+      widen64_bf16<K>(rows[j] + i, table, x0, x1);
+      widen64_bf16<K>(r1, table, y0, y1);
       const __m512bh v[4] = {(__m512bh)_mm512_permutex2var_epi16(x0, lo_idx, y0),
                              (__m512bh)_mm512_permutex2var_epi16(x0, hi_idx, y0),
                              (__m512bh)_mm512_permutex2var_epi16(x1, lo_idx, y1),
@@ -505,7 +520,7 @@ constexpr DpKernels kDp[4] = {{dp_scores<K, 1, C>, dp_values<K, 1>}, {dp_scores<
 
 template <Kind K>
 inline const DpKernels& dp_of(int64_t heads, int64_t dim) {
-  return dim == 64 ? kDp<K, 2>[heads - 1] : dim == 128 ? kDp<K, 4>[heads - 1] : kDp<K, 0>[heads - 1];
+  return dim == 64 ? kDp<K, 1>[heads - 1] : dim == 128 ? kDp<K, 2>[heads - 1] : kDp<K, 0>[heads - 1];
 }
 
 // The kernels for up to 4 heads of a kind and head dim.
@@ -513,6 +528,10 @@ inline const DpKernels& dp(Kind kind, int64_t heads, int64_t dim) {
   return kind == kInt8 ? dp_of<kInt8>(heads, dim) : kind == kE5m2 ? dp_of<kE5m2>(heads, dim) : dp_of<kE4m3>(heads, dim);
 }
 #endif
+
+// The value at scrambled position s of a 64-value piece (widen64_bf16): unpacklo/hi_epi8 take bytes 0-7 / 8-15
+// of each 128-bit lane.
+constexpr int64_t scrambled(int64_t s) { return 16 * ((s % 32) / 8) + s % 8 + 8 * (s / 32); }
 
 // How a tile's bytes become numbers: widened a tile at a time into L1 (any isa, any dim), widened in registers
 // to float32 (AVX-512, dim % 64 == 0), or to bf16 for vdpbf16ps (a bf16 query, isa 4, dim % 64 == 0).
@@ -586,9 +605,7 @@ void tile(const DecodeArgs& a, const float* qf, int64_t n, float* acc, Scratch& 
   }
   for (int64_t g = 0; g < group; ++g) {
     float* sc = scores + g * kTile;
-    float tile_max = -std::numeric_limits<float>::infinity();
-    for (int64_t j = 0; j < n; ++j) tile_max = std::max(tile_max, sc[j]);
-    const float new_m = std::max(w.m[g], tile_max);
+    const float new_m = std::max(w.m[g], max_of(sc, n));
     const float correction = std::exp(w.m[g] - new_m);  // 0 on the first tile (m = -inf)
     w.l[g] = w.l[g] * correction + exp_sum(sc, new_m, n);
     if (correction != 1.f)
@@ -681,6 +698,10 @@ void decode_impl(at::Tensor& out, const at::Tensor& q, DecodeArgs a) {
   // Partials of split contexts, per (sequence, head, piece): the running max, the sum of exps, the output.
   std::vector<float> partial(splits > 1 ? seqs * heads * splits * pstride : 0);
   const float qscale = a.scale * a.widen_factor(), factor = a.widen_factor();
+  // Where value i of a row is in the query and output buffers: i itself, except on kDpbf16 (widen64_bf16).
+  std::vector<int64_t> source(dim), place(dim);
+  for (int64_t i = 0; i < dim; ++i) source[i] = a.path == kDpbf16 ? i / 64 * 64 + scrambled(i % 64) : i;
+  for (int64_t i = 0; i < dim; ++i) place[source[i]] = i;
   const int64_t tasks = seqs * kv_heads * splits;
   const int64_t chunk = std::max<int64_t>(1, tasks / (4 * iterserve::ChunkPool::get().threads()));
   iterserve::parallel_chunks(tasks, chunk, [&](int64_t begin, int64_t end) {
@@ -689,7 +710,7 @@ void decode_impl(at::Tensor& out, const at::Tensor& q, DecodeArgs a) {
     float* qf = buf.data();
     float* acc = qf + group * dim;
     Scratch w;
-    w.qb = reinterpret_cast<const uint16_t*>(qp);  // per task, the group's first head
+    w.qb = nullptr;  // set per task on kDpbf16
     w.rows = acc + group * dim;
     w.scores = w.rows + kTile * dim;
     w.k_scale = w.scores + group * kTile;
@@ -708,14 +729,12 @@ void decode_impl(at::Tensor& out, const at::Tensor& q, DecodeArgs a) {
         span(task + 1, s2, h2, piece2, lo2, hi2);
         prefetch_first(a, s2, h2, lo2, hi2);
       }
-      if (a.path == kDpbf16) {  // read where it lies when its heads are contiguous, else copied
-        const T* first = qp + s * q_s0 + h * group * q_s1;
-        w.qb = reinterpret_cast<const uint16_t*>(first);
-        if (q_s1 != dim) {
-          auto* copy = reinterpret_cast<T*>(qf);
-          for (int64_t g = 0; g < group; ++g) std::copy(first + g * q_s1, first + g * q_s1 + dim, copy + g * dim);
-          w.qb = reinterpret_cast<const uint16_t*>(copy);
-        }
+      if (a.path == kDpbf16) {  // the query's bf16 bits, scrambled as the widened K rows are
+        const auto* first = reinterpret_cast<const uint16_t*>(qp + s * q_s0 + h * group * q_s1);
+        auto* bits = reinterpret_cast<uint16_t*>(qf);
+        for (int64_t g = 0; g < group; ++g)
+          for (int64_t i = 0; i < dim; ++i) bits[g * dim + i] = first[g * q_s1 + source[i]];
+        w.qb = bits;
       } else {
         for (int64_t g = 0; g < group; ++g)
           for (int64_t i = 0; i < dim; ++i)
@@ -726,13 +745,14 @@ void decode_impl(at::Tensor& out, const at::Tensor& q, DecodeArgs a) {
         float* o = acc + g * dim;
         if (splits == 1) {
           const float inv = w.l[g] > 0.f ? factor / w.l[g] : 0.f;
-          for (int64_t i = 0; i < dim; ++i) op[s * o_s0 + (h * group + g) * o_s1 + i] = static_cast<T>(o[i] * inv);
+          for (int64_t i = 0; i < dim; ++i)
+            op[s * o_s0 + (h * group + g) * o_s1 + i] = static_cast<T>(o[place[i]] * inv);
           continue;
         }
         float* p = partial.data() + ((s * heads + h * group + g) * splits + piece) * pstride;
         p[0] = w.m[g];  // -inf for an empty piece (a context shorter than the longest): it weighs nothing
         p[1] = w.l[g];
-        for (int64_t i = 0; i < dim; ++i) p[2 + i] = o[i] * factor;
+        for (int64_t i = 0; i < dim; ++i) p[2 + i] = o[place[i]] * factor;
       }
     }
   });
