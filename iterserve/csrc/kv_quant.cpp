@@ -1,18 +1,20 @@
 // The quantized KV cache (kv_cache_dtype fp8_e4m3, fp8_e5m2, int8; iterserve/config/kv_cache.py): the store
 // that quantizes this step's K/V into their slots, and paged decode attention that reads the one-byte blocks in
-// place and widens each tile of rows to float32 in L1 before the dot products. The stored bytes match
-// iterserve/attention/kv_quant.py's quantize exactly (same clamps, same round-to-nearest-even).
+// place, in the bf16 kernel's fixed 128-key pieces (cpu_ops.cpp's paged_decode: a row's sums run in one order
+// whatever the batch). The stored bytes match iterserve/attention/kv_quant.py's quantize exactly (same clamps,
+// same round-to-nearest-even).
 //
-// A bf16 query on AVX512-BF16 (isa 4) takes the bf16 cache's arithmetic instead: each 32 stored bytes become 32 bf16
-// values in registers (every float8 and int8 value is exact in bf16: a 128-word table of the float8 magnitudes,
-// or int8 through float32), dotted with the bf16 query by vdpbf16ps (exact products, float32 sums) and weighed
-// by the softmax weights rounded to bf16 two keys at a time, as cpu_ops.cpp's group_values_pairs.
+// Three paths, the widest that `isa` allows (tests force each): isa 1-2 widen each tile of rows to float32 in L1;
+// isa 3 (AVX-512, head_dim % 64 == 0) widens in registers and scores in float32; isa 4 (AVX512-BF16 + VBMI, a
+// bf16 query) takes the bf16 cache's arithmetic: each 64 stored bytes become 64 exact bf16 values in registers
+// (two byte-table lookups; every float8 and int8 value is exact in bf16), dotted with the query by vdpbf16ps
+// (exact products, float32 sums) and weighed by the softmax weights rounded to bf16 two keys at a time, as
+// cpu_ops.cpp's group_values_pairs.
 //
-// Widening: e5m2 is the top byte of a float16 (x << 8); e4m3 becomes a float16 as
+// Widening to float32: e5m2 is the top byte of a float16 (x << 8); e4m3 becomes a float16 as
 // ((x & 0x80) << 8) | ((x & 0x7F) << 7) times 2^8 (the exponent biases differ by 8), exact for every finite
 // value; int8 is cvtepi8 -> float x the row's float16 scale. AVX-512 widens 16 values at once, AVX2 + F16C 8,
-// a 256-entry table the rest; all are built where the compiler targets them and `isa` picks one (tests run
-// each).
+// a 256-entry table the rest.
 
 #include <torch/extension.h>
 
