@@ -1,7 +1,7 @@
 """Time decode steps of the real model over a KV cache in each kv_cache_dtype: B sequences, each at a context of
-C cached tokens, one new token each (the model's forward pass, sampling left out). A float cache runs the
-native whole-step loop (csrc/decoder.cpp) and, for the A/B, the layers one by one; a quantized cache runs the
-layers one by one (the native loop reads float caches only). Steps alternate between the kinds.
+C cached tokens, one new token each (the model's forward pass, sampling left out). Every kind runs the native
+whole-step loop (csrc/decoder.cpp); the float cache also, for the A/B, the layers one by one. Steps alternate
+between the kinds.
 
     .venv/bin/python scripts/bench_kv_decode.py --batch 16 --context 1500
 """
@@ -41,7 +41,7 @@ def main() -> None:
     rows = torch.arange(b)
     runs = {}
     for kind in args.kinds.split(","):
-        for native in ([True, False] if kind == "auto" else [False]):
+        for native in ([True, False] if kind == "auto" else [True]):
             backend = CpuBackend(kernels.ops, native_layers=native)
             caches = model.allocate_kv_cache(b * per_seq, bs, backend, kind)
             for c in caches:  # random K/V stored as this kind stores them
@@ -49,7 +49,7 @@ def main() -> None:
                                                num_cached=[0], query_lens=[b * per_seq * bs])
                 kv = torch.randn(b * per_seq * bs, c.v.shape[1], c.v.shape[3]).to(model.dtype)
                 backend.write_kv(kv, kv, c, fill)
-            runs[f"{kind}{'' if native or kind != 'auto' else ' (layers one by one)'}"] = (backend, caches, [])
+            runs[f"{kind}{'' if native else ' (layers one by one)'}"] = (backend, caches, [])
     with torch.inference_mode():
         for _ in range(args.repeats + 2):
             for backend, caches, times in runs.values():

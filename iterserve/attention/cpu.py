@@ -44,8 +44,6 @@ class CpuBackend(ReferenceBackend):
         # csrc/decoder.cpp calls this backend's kernels in this backend's order, built once per model.
         if not self.native_layers or not meta.num_decode_tokens or meta.num_decode_tokens != x.shape[0]:
             return None
-        if kv_caches and kv_caches[0].quantized:  # the native loop reads float caches only: the layers run one by one
-            return None
         if model not in self._stacks:
             self._stacks[model] = model.native_decoder(self.ops)
         stack = self._stacks[model]
@@ -54,7 +52,9 @@ class CpuBackend(ReferenceBackend):
         tables, context_lens = meta.decode_tables()
         out: tuple[torch.Tensor, torch.Tensor] = stack.forward(
             x, cos[:, 0], sin[:, 0], [c.k for c in kv_caches], [c.v for c in kv_caches], meta.slot_blocks,
-            meta.slot_offsets, tables, context_lens, meta.sliding_window or 0, *(lora or ([], [], [])))
+            meta.slot_offsets, tables, context_lens, meta.sliding_window or 0,
+            [c.k_scale for c in kv_caches if c.k_scale is not None],
+            [c.v_scale for c in kv_caches if c.v_scale is not None], *(lora or ([], [], [])))
         return out
 
     def write_kv(self, k: torch.Tensor, v: torch.Tensor, cache: KVCache, meta: AttentionMetadata) -> None:

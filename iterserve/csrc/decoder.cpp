@@ -63,6 +63,11 @@ Linear make_linear(const LinearArgs& a) {
   return Linear{kind, weight, n, param, bias};
 }
 
+inline bool is_quantized(const at::Tensor& cache) {
+  const auto t = cache.scalar_type();
+  return t == at::kFloat8_e4m3fn || t == at::kFloat8_e5m2 || t == at::kChar;
+}
+
 struct Layer {
   at::Tensor input_norm, post_norm;
   c10::optional<at::Tensor> q_norm, k_norm;
@@ -89,6 +94,8 @@ class DecoderStack {
                                              const std::vector<at::Tensor>& v_caches, const at::Tensor& slot_blocks,
                                              const at::Tensor& slot_offsets, const at::Tensor& block_tables,
                                              const at::Tensor& context_lens, int64_t sliding_window,
+                                             const std::vector<at::Tensor>& k_scales,
+                                             const std::vector<at::Tensor>& v_scales,
                                              const OptionalTensors& lora_a, const OptionalTensors& lora_b,
                                              const OptionalTensors& lora_mask) const {
     TORCH_CHECK(k_caches.size() == layers_.size() && v_caches.size() == layers_.size(),
@@ -119,9 +126,17 @@ class DecoderStack {
         k = rms_norm(k, *L.k_norm, eps_);
       }
       rope_(q, k, cos, sin);
-      write_kv(k, v, k_caches[l], v_caches[l], slot_blocks, slot_offsets);
       at::Tensor attn = at::empty({n, heads_, dim_}, q.options());
-      paged_decode(attn, q, k_caches[l], v_caches[l], block_tables, context_lens, scale_, sliding_window);
+      if (is_quantized(k_caches[l])) {  // kv_cache_dtype fp8 / int8 (kv_quant.cpp); int8 caches come with scales
+        const auto ks = k_scales.empty() ? c10::optional<at::Tensor>() : k_scales[l];
+        const auto vs = v_scales.empty() ? c10::optional<at::Tensor>() : v_scales[l];
+        write_kv_quant(k, v, k_caches[l], v_caches[l], ks, vs, slot_blocks, slot_offsets);
+        paged_decode_quant(attn, q, k_caches[l], v_caches[l], ks, vs, block_tables, context_lens, scale_,
+                           sliding_window, 0);
+      } else {
+        write_kv(k, v, k_caches[l], v_caches[l], slot_blocks, slot_offsets);
+        paged_decode(attn, q, k_caches[l], v_caches[l], block_tables, context_lens, scale_, sliding_window);
+      }
       const at::Tensor attn_out = attn.view({n, q_size});
       x = lora.add(L.o(attn_out), attn_out, 4 * l + 1);
       fused_add_rms_norm(x, residual, L.post_norm, eps_);

@@ -21,6 +21,15 @@ void rope_(at::Tensor q, at::Tensor k, const at::Tensor& cos, const at::Tensor& 
 at::Tensor silu_and_mul(const at::Tensor& x);
 at::Tensor argmax_rows(const at::Tensor& x);
 
+// kv_quant.cpp
+void paged_decode_quant(at::Tensor out, const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
+                        const c10::optional<at::Tensor>& k_scale, const c10::optional<at::Tensor>& v_scale,
+                        const at::Tensor& block_tables, const at::Tensor& context_lens, double scale,
+                        int64_t sliding_window, int64_t isa);
+void write_kv_quant(const at::Tensor& k, const at::Tensor& v, at::Tensor k_cache, at::Tensor v_cache,
+                    const c10::optional<at::Tensor>& k_scale, const c10::optional<at::Tensor>& v_scale,
+                    const at::Tensor& slot_blocks, const at::Tensor& slot_offsets);
+
 // linear.cpp
 at::Tensor packed_linear(const at::Tensor& x, const at::Tensor& packed, int64_t N, const c10::optional<at::Tensor>& bias,
                          int64_t amx_min_rows);
