@@ -10,7 +10,7 @@
 // 16 columns x 4 inputs per 64 bytes, as vpdpbusd consumes them) and multiplies it with every row of the
 // activations, quantized to int8 per block of 32 (quant_rows.h):
 //   sum_i w_i x_i ~= a_d * (s * sum_i q_i a_i + o * sum_i a_i)      per group of 16
-// so each super-block is decoded once per call, whatever the number of rows. With AVX-512 and up to 8 rows
+// so each super-block is decoded once per call, whatever the number of rows. With AVX-512 and up to 16 rows
 // (decode steps) the codes go from the decoder's registers straight into vpdpbusd instead: the weight is read
 // once and nothing is stored, in the same integer dots and float steps per row, so a row's result does not
 // depend on the row count.
@@ -476,7 +476,8 @@ struct Q3K {
     for (int i = 0; i < 16; ++i) {
       const __m512i b = byte_lanes(sc[(i % 8) / 4], i % 4);
       const __m512i low = i < 8 ? _mm512_and_si512(b, _mm512_set1_epi32(0x0F)) : _mm512_srli_epi32(b, 4);
-      const __m512i high = _mm512_and_si512(_mm512_srli_epi32(byte_lanes(sc[2], i % 4), 2 * (i / 4)), _mm512_set1_epi32(3));
+      const __m512i high =
+          _mm512_and_si512(_mm512_srli_epi32(byte_lanes(sc[2], i % 4), 2 * (i / 4)), _mm512_set1_epi32(3));
       const __m512i v = _mm512_sub_epi32(_mm512_or_si512(low, _mm512_slli_epi32(high, 4)), _mm512_set1_epi32(32));
       _mm512_store_ps(s[i], _mm512_mul_ps(d, _mm512_cvtepi32_ps(v)));
       _mm512_store_ps(o[i], _mm512_setzero_ps());
@@ -502,7 +503,8 @@ struct Q2K {
       const __m512i v = g.at(p + 4 * i);
       for (int b = 0; b < 4; ++b) {
         const __m512i sc = byte_lanes(v, b);
-        _mm512_store_ps(s[4 * i + b], _mm512_mul_ps(d, _mm512_cvtepi32_ps(_mm512_and_si512(sc, _mm512_set1_epi32(15)))));
+        const __m512i scale = _mm512_and_si512(sc, _mm512_set1_epi32(15));
+        _mm512_store_ps(s[4 * i + b], _mm512_mul_ps(d, _mm512_cvtepi32_ps(scale)));
         _mm512_store_ps(o[4 * i + b], _mm512_sub_ps(_mm512_setzero_ps(),
                                                     _mm512_mul_ps(dmin, _mm512_cvtepi32_ps(_mm512_srli_epi32(sc, 4)))));
       }
@@ -546,7 +548,8 @@ struct Q5Blocks {
     const __m512i lo = low_nibbles(g.at(q + 4 + 4 * (i & 3)), i >> 2);
     const __m512i lane = _mm512_set4_epi32(0x0C0C0C0C, 0x08080808, 0x04040404, 0);
     const __m512i qh = _mm512_shuffle_epi8(g.at(q), _mm512_add_epi8(lane, _mm512_set1_epi8(static_cast<char>(byte))));
-    const __mmask64 set = _mm512_test_epi8_mask(qh, _mm512_set1_epi32(static_cast<int32_t>(0x08040201u << 4 * (i & 1))));
+    const __m512i bits = _mm512_set1_epi32(static_cast<int32_t>(0x08040201u << 4 * (i & 1)));
+    const __mmask64 set = _mm512_test_epi8_mask(qh, bits);
     return _mm512_mask_add_epi8(lo, set, lo, _mm512_set1_epi8(16));
   }
 };
@@ -604,8 +607,8 @@ Source<Gather> row_source(const uint8_t* rows, int64_t row_bytes, int64_t cols) 
   return {Gather{idx, static_cast<__mmask16>((1u << cols) - 1)}, rows};
 }
 
-// Decoded in registers and multiplied at once, for up to 8 rows: per group of 16 the same integer dot and the
-// same float steps as rows_avx512 (a row's result does not depend on which of the two multiplied it).
+// Decoded in registers and multiplied at once, for up to 8 rows a pass: per group of 16 the same integer dot
+// and the same float steps as rows_avx512 (a row's result does not depend on which of the two multiplied it).
 template <class D, class Src, int MR>
 void fused_rows(const Source<Src>& at, int64_t k, const Activations& x, int64_t r0, float* acc) {
   alignas(64) float s[kGroups][kCols], o[kGroups][kCols];
@@ -637,7 +640,8 @@ void fused_rows(const Source<Src>& at, int64_t k, const Activations& x, int64_t 
   for (int r = 0; r < MR; ++r) _mm512_storeu_ps(acc + r * kCols, out[r]);
 }
 
-constexpr int64_t kFusedRows = 8;  // up to this many rows decode in registers, more decode a tile once
+constexpr int64_t kFusedRows = 8;   // rows multiplied per pass over the weight in registers
+constexpr int64_t kFusedMost = 16;  // up to this many rows decode in registers, more decode a tile once
 
 template <class D, class Src>
 void fused_any(const Source<Src>& at, int64_t k, const Activations& x, int64_t m, float* acc) {
@@ -645,7 +649,7 @@ void fused_any(const Source<Src>& at, int64_t k, const Activations& x, int64_t m
   static constexpr Kernel by_rows[] = {fused_rows<D, Src, 1>, fused_rows<D, Src, 2>, fused_rows<D, Src, 3>,
                                        fused_rows<D, Src, 4>, fused_rows<D, Src, 5>, fused_rows<D, Src, 6>,
                                        fused_rows<D, Src, 7>, fused_rows<D, Src, 8>};
-  by_rows[m - 1](at, k, x, 0, acc);
+  for (int64_t r = 0; r < m; r += kFusedRows) by_rows[std::min(kFusedRows, m - r) - 1](at, k, x, r, acc + r * kCols);
 }
 
 // Calls f with the type's decoder (a default-constructed tag); false for a type without one.
@@ -681,7 +685,7 @@ bool decode_tile_avx512(int64_t type, bool tiled, const uint8_t* rows, int64_t r
   });
 }
 
-// All of the tile's units times m <= kFusedRows rows into acc; false for a type without a decoder.
+// All of the tile's units times m <= kFusedMost rows into acc; false for a type without a decoder.
 bool fused_tile(int64_t type, bool tiled, const uint8_t* rows, int64_t row_bytes, int64_t cols, int64_t k,
                 const Activations& x, int64_t m, float* acc) {
   return with_decoder(type, [&](auto d) {
@@ -702,11 +706,11 @@ bool decode_tile_fast(int64_t type, bool tiled, const uint8_t* rows, int64_t row
 #endif
 }
 
-// The whole tile times the m rows decoded in registers (AVX-512, few rows); false leaves it to the tile path.
+// The whole tile times the m rows decoded in registers (AVX-512, up to 16 rows); false leaves it to the tile path.
 bool fused_tile_fast(int64_t type, bool tiled, const uint8_t* rows, int64_t row_bytes, int64_t cols, int64_t k,
                      const Activations& x, int64_t m, float* acc) {
 #if defined(__AVX512VNNI__) && defined(__AVX512BW__)
-  return m <= kFusedRows && fused_tile(type, tiled, rows, row_bytes, cols, k, x, m, acc);
+  return m <= kFusedMost && fused_tile(type, tiled, rows, row_bytes, cols, k, x, m, acc);
 #else
   return false;
 #endif
