@@ -13,14 +13,15 @@
 
 #include <optional>
 #include <tuple>
+#include <variant>
 #include <vector>
 
 namespace {
 
 // How one linear layer multiplies (iterserve.models.linear.LinearMethod.native): F.linear on the plain
-// weight, packed_linear on the packed one (param: AMX's minimum rows), or qgemm on quantized blocks (param:
-// bits).
-enum LinearKind : int64_t { kDense = 0, kPacked = 1, kQuantized = 2 };
+// weight, packed_linear on the packed one (param: AMX's minimum rows), qgemm on quantized blocks (param:
+// bits), or kgemm on GGUF blocks as stored (weight: the parts; param: their type ids, then their row counts).
+enum LinearKind : int64_t { kDense = 0, kPacked = 1, kQuantized = 2, kGguf = 3 };
 
 struct Linear {
   int64_t kind;
@@ -28,20 +29,23 @@ struct Linear {
   int64_t out_features;
   int64_t param;
   c10::optional<at::Tensor> bias;
+  std::vector<at::Tensor> parts;
+  std::vector<int64_t> types, rows;
 
   at::Tensor operator()(const at::Tensor& x) const {
     switch (kind) {
       case kDense: return at::linear(x, weight, bias);
       case kPacked: return packed_linear(x, weight, out_features, bias, param);
       default: {
-        at::Tensor y = qgemm(x, weight, out_features, param, 0);
+        at::Tensor y = kind == kGguf ? kgemm(x, parts, types, rows, 0) : qgemm(x, weight, out_features, param, 0);
         return bias.has_value() ? y.add_(*bias) : y;
       }
     }
   }
 };
 
-using LinearArgs = std::tuple<int64_t, at::Tensor, int64_t, int64_t, c10::optional<at::Tensor>>;
+using LinearArgs = std::tuple<int64_t, std::variant<at::Tensor, std::vector<at::Tensor>>, int64_t,
+                              std::variant<int64_t, std::vector<int64_t>>, c10::optional<at::Tensor>>;
 using OptionalTensors = std::vector<c10::optional<at::Tensor>>;
 
 // The step's LoRA tensors of every linear layer (4 a layer: qkv, o, gate_up, down), each list empty when no
@@ -59,8 +63,17 @@ struct LoRARows {
 
 Linear make_linear(const LinearArgs& a) {
   const auto& [kind, weight, n, param, bias] = a;
-  TORCH_CHECK(kind >= kDense && kind <= kQuantized, "unknown linear kind ", kind);
-  return Linear{kind, weight, n, param, bias};
+  TORCH_CHECK(kind >= kDense && kind <= kGguf, "unknown linear kind ", kind);
+  const bool parts = kind == kGguf;
+  TORCH_CHECK(std::holds_alternative<std::vector<at::Tensor>>(weight) == parts &&
+                  std::holds_alternative<std::vector<int64_t>>(param) == parts,
+              "a GGUF linear takes lists of parts and of their types and rows, the others one weight and param");
+  if (!parts) return Linear{kind, std::get<at::Tensor>(weight), n, std::get<int64_t>(param), bias, {}, {}, {}};
+  const auto& ws = std::get<std::vector<at::Tensor>>(weight);
+  const auto& meta = std::get<std::vector<int64_t>>(param);
+  TORCH_CHECK(!ws.empty() && meta.size() == 2 * ws.size(), "a GGUF linear needs a type id and a row count per part");
+  const auto half = meta.begin() + static_cast<std::ptrdiff_t>(ws.size());
+  return Linear{kind, {}, n, 0, bias, ws, {meta.begin(), half}, {half, meta.end()}};
 }
 
 inline bool is_quantized(const at::Tensor& cache) {

@@ -10,11 +10,14 @@
 // 16 columns x 4 inputs per 64 bytes, as vpdpbusd consumes them) and multiplies it with every row of the
 // activations, quantized to int8 per block of 32 (quant_rows.h):
 //   sum_i w_i x_i ~= a_d * (s * sum_i q_i a_i + o * sum_i a_i)      per group of 16
-// so each super-block is decoded once per call, whatever the number of rows.
+// so each super-block is decoded once per call, whatever the number of rows. With AVX-512 and up to 16 rows
+// (decode steps) the codes go from the decoder's registers straight into vpdpbusd instead: the weight is read
+// once and nothing is stored, in the same integer dots and float steps per row, so a row's result does not
+// depend on the row count.
 //
-// Q4_K, Q6_K and Q5_0 weights of linear layers are re-laid out at load ("tiled", gguf_weight.py): per tile of 16
-// rows and block, dword i of the 16 rows' blocks side by side (64 bytes), the block padded to whole dwords. The
-// AVX-512 decoders then read with plain loads what they otherwise gather from 16 rows.
+// Weights of linear layers (all these types but Q4_0/Q4_1) are re-laid out at load ("tiled", gguf_weight.py):
+// per tile of 16 rows and block, dword i of the 16 rows' blocks side by side (64 bytes), the block padded to
+// whole dwords. The AVX-512 decoders then read with plain loads what they otherwise gather from 16 rows.
 
 #include "ops.h"
 #include "parallel.h"
@@ -28,6 +31,7 @@ constexpr int64_t kCols = 16;   // output columns per tile
 constexpr int64_t kUnit = 256;  // inputs decoded at once: one K-quant super-block, or 8 blocks of 32
 constexpr int64_t kGroup = 16;  // inputs sharing one scale and offset once decoded
 constexpr int64_t kGroups = kUnit / kGroup;
+constexpr int64_t kUnitBytes = 8 * 34;  // the most bytes of one row's unit: 8 Q8_0 blocks
 
 // ggml's type ids (gguf.GGMLQuantizationType), which Python passes.
 enum Type : int64_t {
@@ -57,6 +61,13 @@ Layout layout(int64_t type) {
 
 // Bytes of a block in a tiled weight: whole dwords.
 inline int64_t padded_bytes(int64_t type) { return (layout(type).bytes + 3) / 4 * 4; }
+
+// Where a tiled block's padding goes: after Q5_0's and Q8_0's 2-byte scale (their codes then start on a dword),
+// else at the end.
+inline int64_t pad_at(int64_t type) { return type == kQ5_0 || type == kQ8_0 ? 2 : layout(type).bytes; }
+
+// Types whose weights a linear layer tiles (gguf_weight.py's TILED_TYPES): those with an AVX-512 decoder.
+inline bool tiles(int64_t type) { return type != kQ4_0 && type != kQ4_1 && layout(type).block > 0; }
 
 // -- one block to codes, scales and offsets (scalar; the formulas and bit layouts of ggml's block_*) --------
 
@@ -219,12 +230,9 @@ void untile_unit(int64_t type, const uint8_t* tile, int64_t u, int64_t c, int64_
   for (int64_t b = 0; b < len / l.block; ++b) {
     for (int64_t i = 0; i < dwords; ++i)
       std::memcpy(padded + 4 * i, tile + (((u * per_unit + b) * dwords + i) * kCols + c) * 4, 4);
-    if (type == kQ5_0) {  // the scale, then past its 2 bytes of padding
-      std::memcpy(out + b * l.bytes, padded, 2);
-      std::memcpy(out + b * l.bytes + 2, padded + 4, l.bytes - 2);
-    } else {
-      std::memcpy(out + b * l.bytes, padded, l.bytes);
-    }
+    const int64_t at = pad_at(type);  // the bytes before the padding, then those past it
+    std::memcpy(out + b * l.bytes, padded, at);
+    std::memcpy(out + b * l.bytes + at, padded + at + padded_bytes(type) - l.bytes, l.bytes - at);
   }
 }
 
@@ -234,7 +242,7 @@ void decode_tile(int64_t type, bool tiled, const uint8_t* rows, int64_t row_byte
                  Tile& t) {
   alignas(64) int8_t q[kUnit];
   float s[kGroups], o[kGroups];
-  uint8_t block[kUnit];
+  uint8_t block[kUnitBytes];
   t.len = std::min(kUnit, k - u * kUnit);
   for (int64_t c = 0; c < kCols; ++c) {
     if (tiled) {
@@ -373,129 +381,336 @@ inline __m512i byte_lanes(__m512i v, int byte) {
   return _mm512_and_si512(_mm512_srli_epi32(v, 8 * byte), _mm512_set1_epi32(0xFF));
 }
 
-void store_codes(Tile& t, int64_t chunk, __m512i codes, __m512i bias) {
-  _mm512_store_si512(t.q + chunk * 64, _mm512_add_epi8(codes, bias));
+inline __m512i low_nibbles(__m512i v, bool high) {
+  return _mm512_and_si512(high ? _mm512_srli_epi16(v, 4) : v, _mm512_set1_epi8(0x0F));
 }
 
-template <class Src>
-void decode_q4_k_avx512(const Src& g, const uint8_t* p, Tile& t) {
-  const __m512i head = g.at(p), s0 = g.at(p + 4), s1 = g.at(p + 8), s2 = g.at(p + 12);
-  const __m512 d = half_lanes(head, 0), dmin = half_lanes(head, 16);
-  const __m512i m6 = _mm512_set1_epi32(63), m4 = _mm512_set1_epi32(0x0F);
-  for (int j = 0; j < 8; ++j) {
-    __m512i sc, mn;
-    if (j < 4) {
-      sc = _mm512_and_si512(byte_lanes(s0, j), m6);
-      mn = _mm512_and_si512(byte_lanes(s1, j), m6);
-    } else {
-      const __m512i hi = byte_lanes(s2, j - 4);
-      sc = _mm512_or_si512(_mm512_and_si512(hi, m4), _mm512_slli_epi32(_mm512_srli_epi32(byte_lanes(s0, j - 4), 6), 4));
-      mn = _mm512_or_si512(_mm512_srli_epi32(hi, 4), _mm512_slli_epi32(_mm512_srli_epi32(byte_lanes(s1, j - 4), 6), 4));
-    }
-    const __m512 s = _mm512_mul_ps(d, _mm512_cvtepi32_ps(sc));
-    const __m512 o = _mm512_sub_ps(_mm512_setzero_ps(), _mm512_mul_ps(dmin, _mm512_cvtepi32_ps(mn)));
-    _mm512_store_ps(t.s[2 * j], s);
-    _mm512_store_ps(t.s[2 * j + 1], s);
-    _mm512_store_ps(t.o[2 * j], o);
-    _mm512_store_ps(t.o[2 * j + 1], o);
-  }
-  const __m512i nib = _mm512_set1_epi8(0x0F), bias = _mm512_set1_epi8(static_cast<char>(0x80));
-  for (int j = 0; j < 4; ++j) {
-    for (int i = 0; i < 8; ++i) {
-      const __m512i v = g.at(p + 16 + 32 * j + 4 * i);
-      store_codes(t, 16 * j + i, _mm512_and_si512(v, nib), bias);
-      store_codes(t, 16 * j + 8 + i, _mm512_and_si512(_mm512_srli_epi16(v, 4), nib), bias);
-    }
-  }
+// Bit `bit` of each byte, in place of bit `to`.
+inline __m512i byte_bit(__m512i v, int bit, int to) {
+  return _mm512_slli_epi16(_mm512_and_si512(_mm512_srli_epi16(v, bit), _mm512_set1_epi8(1)), to);
 }
 
-template <class Src>
-void decode_q6_k_avx512(const Src& g, const uint8_t* p, Tile& t) {
-  // bytes 208..209, the last of the block: a gather reads the dword that ends there, a tile has it padded
-  const __m512 d = Src::kTiled ? half_lanes(g.at(p + 208), 0) : half_lanes(g.at(p + 206), 16);
-  for (int i = 0; i < 4; ++i) {
-    const __m512i v = g.at(p + 192 + 4 * i);
-    for (int b = 0; b < 4; ++b) {
-      const __m512i sc = _mm512_srai_epi32(_mm512_slli_epi32(v, 24 - 8 * b), 24);
-      _mm512_store_ps(t.s[4 * i + b], _mm512_mul_ps(d, _mm512_cvtepi32_ps(sc)));
-      _mm512_store_ps(t.o[4 * i + b], _mm512_setzero_ps());
+using Groups = float (*)[kCols];
+
+// Each type's decoder, one super-block or 8 blocks of 32 ("unit", from p) at a time: `scales` writes the
+// float scale and offset of every group of 16 inputs, `codes(c)` gives inputs 4c..4c+3 of the 16 columns as
+// unsigned bytes, the code plus kBias (kOffset: whether the type has offsets at all).
+struct Q4K {
+  static constexpr int kBias = 0;
+  static constexpr bool kOffset = true;
+  static constexpr int64_t kBlock = 256, kStride = 144;
+  template <class Src>
+  static void scales(const Src& g, const uint8_t* p, int64_t, Groups s, Groups o) {
+    const __m512i head = g.at(p), s0 = g.at(p + 4), s1 = g.at(p + 8), s2 = g.at(p + 12);
+    const __m512 d = half_lanes(head, 0), dmin = half_lanes(head, 16);
+    const __m512i m6 = _mm512_set1_epi32(63), m4 = _mm512_set1_epi32(0x0F);
+    for (int j = 0; j < 8; ++j) {
+      __m512i sc, mn;
+      if (j < 4) {
+        sc = _mm512_and_si512(byte_lanes(s0, j), m6);
+        mn = _mm512_and_si512(byte_lanes(s1, j), m6);
+      } else {
+        const __m512i hi = byte_lanes(s2, j - 4);
+        sc = _mm512_or_si512(_mm512_and_si512(hi, m4), _mm512_slli_epi32(_mm512_srli_epi32(byte_lanes(s0, j - 4), 6), 4));
+        mn = _mm512_or_si512(_mm512_srli_epi32(hi, 4), _mm512_slli_epi32(_mm512_srli_epi32(byte_lanes(s1, j - 4), 6), 4));
+      }
+      const __m512 sv = _mm512_mul_ps(d, _mm512_cvtepi32_ps(sc));
+      const __m512 ov = _mm512_sub_ps(_mm512_setzero_ps(), _mm512_mul_ps(dmin, _mm512_cvtepi32_ps(mn)));
+      _mm512_store_ps(s[2 * j], sv);
+      _mm512_store_ps(s[2 * j + 1], sv);
+      _mm512_store_ps(o[2 * j], ov);
+      _mm512_store_ps(o[2 * j + 1], ov);
     }
   }
-  const __m512i nib = _mm512_set1_epi8(0x0F), two = _mm512_set1_epi8(3), bias = _mm512_set1_epi8(96);  // -32 + 128
-  for (int h = 0; h < 2; ++h) {
-    for (int l = 0; l < 16; ++l) {
-      const __m512i ql = g.at(p + 64 * h + 4 * l), qh = g.at(p + 128 + 32 * h + 4 * (l % 8));
-      const int shift = 2 * (l / 8);
-      const __m512i lo = _mm512_and_si512(ql, nib), hi = _mm512_and_si512(_mm512_srli_epi16(ql, 4), nib);
-      const __m512i h0 = _mm512_and_si512(_mm512_srli_epi16(qh, shift), two);
-      const __m512i h1 = _mm512_and_si512(_mm512_srli_epi16(qh, shift + 4), two);
-      store_codes(t, 32 * h + l, _mm512_or_si512(lo, _mm512_slli_epi16(h0, 4)), bias);
-      store_codes(t, 32 * h + 16 + l, _mm512_or_si512(hi, _mm512_slli_epi16(h1, 4)), bias);
-    }
+  template <class Src>
+  static __m512i codes(const Src& g, const uint8_t* p, int c) {
+    return low_nibbles(g.at(p + 16 + 32 * (c >> 4) + 4 * (c & 7)), c & 8);
   }
-}
+};
 
-// Bits 0..3 of each lane to bit 4 of its bytes 0..3 (Q5_0's fifth bit of 4 consecutive inputs).
-inline __m512i spread_bits(__m512i x) {
-  const __m512i one = _mm512_set1_epi32(1);
-  __m512i r = _mm512_slli_epi32(_mm512_and_si512(x, one), 4);
-  r = _mm512_or_si512(r, _mm512_slli_epi32(_mm512_and_si512(x, _mm512_set1_epi32(2)), 11));
-  r = _mm512_or_si512(r, _mm512_slli_epi32(_mm512_and_si512(x, _mm512_set1_epi32(4)), 18));
-  return _mm512_or_si512(r, _mm512_slli_epi32(_mm512_and_si512(x, _mm512_set1_epi32(8)), 25));
-}
+// Q5_K: Q4_K's scales, a fifth bit per input from qh.
+struct Q5K : Q4K {
+  static constexpr int64_t kStride = 176;
+  template <class Src>
+  static __m512i codes(const Src& g, const uint8_t* p, int c) {
+    const int j = c >> 4, hi = (c >> 3) & 1, i = c & 7;
+    const __m512i v = low_nibbles(g.at(p + 48 + 32 * j + 4 * i), hi);
+    return _mm512_or_si512(v, byte_bit(g.at(p + 16 + 4 * i), 2 * j + hi, 4));
+  }
+};
 
-// A tiled Q5_0 block is padded to 24 bytes after its scale, so that qh and qs start on whole dwords.
-template <class Src>
-void decode_q5_0_avx512(const Src& g, const uint8_t* p, int64_t blocks, Tile& t) {
-  constexpr int64_t stride = Src::kTiled ? 24 : 22, qh_at = Src::kTiled ? 4 : 2;
-  const __m512i nib = _mm512_set1_epi8(0x0F), bias = _mm512_set1_epi8(112);  // -16 + 128
-  for (int64_t b = 0; b < blocks; ++b) {
-    const uint8_t* q = p + b * stride;
-    const __m512 d = half_lanes(g.at(q), 0);
-    for (int h = 0; h < 2; ++h) {
-      _mm512_store_ps(t.s[2 * b + h], d);
-      _mm512_store_ps(t.o[2 * b + h], _mm512_setzero_ps());
-    }
-    const __m512i qh = g.at(q + qh_at);
+struct Q6K {
+  static constexpr int kBias = 32;
+  static constexpr bool kOffset = false;
+  static constexpr int64_t kBlock = 256, kStride = 210;
+  template <class Src>
+  static void scales(const Src& g, const uint8_t* p, int64_t, Groups s, Groups o) {
+    // bytes 208..209, the last of the block: a gather reads the dword that ends there, a tile has it padded
+    const __m512 d = Src::kTiled ? half_lanes(g.at(p + 208), 0) : half_lanes(g.at(p + 206), 16);
     for (int i = 0; i < 4; ++i) {
-      const __m512i v = g.at(q + qh_at + 4 + 4 * i);
-      const __m512i lo = _mm512_and_si512(v, nib), hi = _mm512_and_si512(_mm512_srli_epi16(v, 4), nib);
-      store_codes(t, 8 * b + i, _mm512_or_si512(lo, spread_bits(_mm512_srli_epi32(qh, 4 * i))), bias);
-      store_codes(t, 8 * b + 4 + i, _mm512_or_si512(hi, spread_bits(_mm512_srli_epi32(qh, 16 + 4 * i))), bias);
+      const __m512i v = g.at(p + 192 + 4 * i);
+      for (int b = 0; b < 4; ++b) {
+        const __m512i sc = _mm512_srai_epi32(_mm512_slli_epi32(v, 24 - 8 * b), 24);
+        _mm512_store_ps(s[4 * i + b], _mm512_mul_ps(d, _mm512_cvtepi32_ps(sc)));
+        _mm512_store_ps(o[4 * i + b], _mm512_setzero_ps());
+      }
     }
+  }
+  template <class Src>
+  static __m512i codes(const Src& g, const uint8_t* p, int c) {
+    const int h = c >> 5, hi = (c >> 4) & 1, l = c & 15;
+    const __m512i lo = low_nibbles(g.at(p + 64 * h + 4 * l), hi);
+    const __m512i qh = _mm512_srli_epi16(g.at(p + 128 + 32 * h + 4 * (l & 7)), 2 * (l >> 3) + 4 * hi);
+    return _mm512_or_si512(lo, _mm512_slli_epi16(_mm512_and_si512(qh, _mm512_set1_epi8(3)), 4));
+  }
+};
+
+struct Q3K {
+  static constexpr int kBias = 4;
+  static constexpr bool kOffset = false;
+  static constexpr int64_t kBlock = 256, kStride = 110;
+  template <class Src>
+  static void scales(const Src& g, const uint8_t* p, int64_t, Groups s, Groups o) {
+    const __m512 d = Src::kTiled ? half_lanes(g.at(p + 108), 0) : half_lanes(g.at(p + 106), 16);
+    const __m512i sc[3] = {g.at(p + 96), g.at(p + 100), g.at(p + 104)};
+    for (int i = 0; i < 16; ++i) {
+      const __m512i b = byte_lanes(sc[(i % 8) / 4], i % 4);
+      const __m512i low = i < 8 ? _mm512_and_si512(b, _mm512_set1_epi32(0x0F)) : _mm512_srli_epi32(b, 4);
+      const __m512i high =
+          _mm512_and_si512(_mm512_srli_epi32(byte_lanes(sc[2], i % 4), 2 * (i / 4)), _mm512_set1_epi32(3));
+      const __m512i v = _mm512_sub_epi32(_mm512_or_si512(low, _mm512_slli_epi32(high, 4)), _mm512_set1_epi32(32));
+      _mm512_store_ps(s[i], _mm512_mul_ps(d, _mm512_cvtepi32_ps(v)));
+      _mm512_store_ps(o[i], _mm512_setzero_ps());
+    }
+  }
+  template <class Src>
+  static __m512i codes(const Src& g, const uint8_t* p, int c) {
+    const int h = c >> 5, t = (c >> 3) & 3, i = c & 7;
+    const __m512i low = _mm512_and_si512(_mm512_srli_epi16(g.at(p + 32 + 32 * h + 4 * i), 2 * t), _mm512_set1_epi8(3));
+    return _mm512_or_si512(low, byte_bit(g.at(p + 4 * i), 4 * h + t, 2));
+  }
+};
+
+struct Q2K {
+  static constexpr int kBias = 0;
+  static constexpr bool kOffset = true;
+  static constexpr int64_t kBlock = 256, kStride = 84;
+  template <class Src>
+  static void scales(const Src& g, const uint8_t* p, int64_t, Groups s, Groups o) {
+    const __m512i head = g.at(p + 80);
+    const __m512 d = half_lanes(head, 0), dmin = half_lanes(head, 16);
+    for (int i = 0; i < 4; ++i) {
+      const __m512i v = g.at(p + 4 * i);
+      for (int b = 0; b < 4; ++b) {
+        const __m512i sc = byte_lanes(v, b);
+        const __m512i scale = _mm512_and_si512(sc, _mm512_set1_epi32(15));
+        _mm512_store_ps(s[4 * i + b], _mm512_mul_ps(d, _mm512_cvtepi32_ps(scale)));
+        _mm512_store_ps(o[4 * i + b], _mm512_sub_ps(_mm512_setzero_ps(),
+                                                    _mm512_mul_ps(dmin, _mm512_cvtepi32_ps(_mm512_srli_epi32(sc, 4)))));
+      }
+    }
+  }
+  template <class Src>
+  static __m512i codes(const Src& g, const uint8_t* p, int c) {
+    const int h = c >> 5, t = (c >> 3) & 3, i = c & 7;
+    return _mm512_and_si512(_mm512_srli_epi16(g.at(p + 16 + 32 * h + 4 * i), 2 * t), _mm512_set1_epi8(3));
+  }
+};
+
+// Blocks of 32 with a 16-bit fifth bit mask (Q5_0: scale, qh, qs; Q5_1: scale, min, qh, qs). A tiled Q5_0 block
+// is padded to 24 bytes after its scale, so that qh and qs start on whole dwords, as Q5_1's do.
+template <bool kMin>
+struct Q5Blocks {
+  static constexpr int kBias = kMin ? 0 : 16;
+  static constexpr bool kOffset = kMin;
+  static constexpr int64_t kBlock = 32, kStride = kMin ? 24 : 22;
+  template <class Src>
+  static constexpr int64_t stride() { return Src::kTiled ? 24 : kStride; }
+  template <class Src>
+  static constexpr int64_t qh_at() { return kMin || Src::kTiled ? 4 : 2; }
+  template <class Src>
+  static void scales(const Src& g, const uint8_t* p, int64_t len, Groups s, Groups o) {
+    for (int64_t b = 0; b < len / 32; ++b) {
+      const __m512i head = g.at(p + b * stride<Src>());
+      const __m512 d = half_lanes(head, 0), m = kMin ? half_lanes(head, 16) : _mm512_setzero_ps();
+      for (int h = 0; h < 2; ++h) {
+        _mm512_store_ps(s[2 * b + h], d);
+        _mm512_store_ps(o[2 * b + h], m);
+      }
+    }
+  }
+  // The fifth bits of inputs 4i..4i+3 of block b: byte (i / 2) of qh (chunks 4.. use its upper half) broadcast
+  // to the lane's 4 bytes, tested against bits 4 * (i % 2) + 0..3.
+  template <class Src>
+  static __m512i codes(const Src& g, const uint8_t* p, int c) {
+    const int b = c >> 3, i = c & 7, byte = 2 * (i >> 2) + ((i & 3) >> 1);
+    const uint8_t* q = p + b * stride<Src>() + qh_at<Src>();
+    const __m512i lo = low_nibbles(g.at(q + 4 + 4 * (i & 3)), i >> 2);
+    const __m512i lane = _mm512_set4_epi32(0x0C0C0C0C, 0x08080808, 0x04040404, 0);
+    const __m512i qh = _mm512_shuffle_epi8(g.at(q), _mm512_add_epi8(lane, _mm512_set1_epi8(static_cast<char>(byte))));
+    const __m512i bits = _mm512_set1_epi32(static_cast<int32_t>(0x08040201u << 4 * (i & 1)));
+    const __mmask64 set = _mm512_test_epi8_mask(qh, bits);
+    return _mm512_mask_add_epi8(lo, set, lo, _mm512_set1_epi8(16));
+  }
+};
+
+// Q8_0: a scale and 32 int8 codes; a tiled block is padded to 36 bytes after its scale.
+struct Q80 {
+  static constexpr int kBias = 128;
+  static constexpr bool kOffset = false;
+  static constexpr int64_t kBlock = 32, kStride = 34;
+  template <class Src>
+  static constexpr int64_t stride() { return Src::kTiled ? 36 : kStride; }
+  template <class Src>
+  static void scales(const Src& g, const uint8_t* p, int64_t len, Groups s, Groups o) {
+    for (int64_t b = 0; b < len / 32; ++b) {
+      const __m512 d = half_lanes(g.at(p + b * stride<Src>()), 0);
+      for (int h = 0; h < 2; ++h) {
+        _mm512_store_ps(s[2 * b + h], d);
+        _mm512_store_ps(o[2 * b + h], _mm512_setzero_ps());
+      }
+    }
+  }
+  template <class Src>
+  static __m512i codes(const Src& g, const uint8_t* p, int c) {
+    const __m512i v = g.at(p + (c >> 3) * stride<Src>() + (Src::kTiled ? 4 : 2) + 4 * (c & 7));
+    return _mm512_xor_si512(v, _mm512_set1_epi8(static_cast<char>(0x80)));
+  }
+};
+
+// Bytes of one unit of a row (gathered) or of a tile's column (tiled): the unit's blocks as their decoder reads them.
+template <class D, class Src>
+constexpr int64_t unit_stride() {
+  if constexpr (D::kBlock == kUnit) return Src::kTiled ? (D::kStride + 3) / 4 * 4 : D::kStride;
+  else return 8 * D::template stride<Src>();
+}
+
+template <class D, class Src>
+void decode_unit_avx512(const Src& src, const uint8_t* p, Tile& t) {
+  D::scales(src, p, t.len, t.s, t.o);
+  const __m512i bias = _mm512_set1_epi8(static_cast<char>(128 - D::kBias));
+  for (int c = 0; c < t.len / 4; ++c) _mm512_store_si512(t.q + c * 64, _mm512_add_epi8(D::codes(src, p, c), bias));
+}
+
+// The columns' source (loads from a tile, or gathers from rows) for units starting at p, and p.
+template <class Src>
+struct Source {
+  Src src;
+  const uint8_t* p;
+};
+
+Source<TileLoads> tile_source(const uint8_t* tile) { return {TileLoads{tile}, tile}; }
+
+Source<Gather> row_source(const uint8_t* rows, int64_t row_bytes, int64_t cols) {
+  const __m512i idx = _mm512_mullo_epi32(_mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0),
+                                         _mm512_set1_epi32(static_cast<int32_t>(row_bytes)));
+  return {Gather{idx, static_cast<__mmask16>((1u << cols) - 1)}, rows};
+}
+
+// Decoded in registers and multiplied at once, for up to 8 rows a pass: per group of 16 the same integer dot
+// and the same float steps as rows_avx512 (a row's result does not depend on which of the two multiplied it).
+template <class D, class Src, int MR>
+void fused_rows(const Source<Src>& at, int64_t k, const Activations& x, int64_t r0, float* acc) {
+  alignas(64) float s[kGroups][kCols], o[kGroups][kCols];
+  __m512 out[MR];
+  for (int r = 0; r < MR; ++r) out[r] = _mm512_setzero_ps();
+  for (int64_t u = 0; u * kUnit < k; ++u) {
+    const int64_t len = std::min(kUnit, k - u * kUnit);
+    const uint8_t* p = at.p + u * unit_stride<D, Src>() * (Src::kTiled ? kCols : 1);
+    Src src = at.src;
+    if constexpr (Src::kTiled) src = TileLoads{p};
+    D::scales(src, p, len, s, o);
+    for (int64_t g = 0; g < len / kGroup; ++g) {
+      __m512i w[4];
+      for (int j = 0; j < 4; ++j) w[j] = D::codes(src, p, static_cast<int>(4 * g + j));
+      const __m512 sg = _mm512_load_ps(s[g]);
+      const int64_t ga = u * kGroups + g;
+      for (int r = 0; r < MR; ++r) {
+        const int8_t* xr = x.a.row(r0 + r) + ga * kGroup;
+        const int32_t sum = x.sum(r0 + r, ga);
+        __m512i dot = _mm512_set1_epi32(-D::kBias * sum);
+        for (int j = 0; j < 4; ++j) dot = _mm512_dpbusd_epi32(dot, w[j], _mm512_set1_epi32(load_i32(xr + 4 * j)));
+        const float ad = x.d(r0 + r, ga);
+        out[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), _mm512_mul_ps(sg, _mm512_set1_ps(ad)), out[r]);
+        if constexpr (D::kOffset)
+          out[r] = _mm512_fmadd_ps(_mm512_load_ps(o[g]), _mm512_set1_ps(ad * static_cast<float>(sum)), out[r]);
+      }
+    }
+  }
+  for (int r = 0; r < MR; ++r) _mm512_storeu_ps(acc + r * kCols, out[r]);
+}
+
+constexpr int64_t kFusedRows = 8;   // rows multiplied per pass over the weight in registers
+constexpr int64_t kFusedMost = 16;  // up to this many rows decode in registers, more decode a tile once
+
+template <class D, class Src>
+void fused_any(const Source<Src>& at, int64_t k, const Activations& x, int64_t m, float* acc) {
+  using Kernel = void (*)(const Source<Src>&, int64_t, const Activations&, int64_t, float*);
+  static constexpr Kernel by_rows[] = {fused_rows<D, Src, 1>, fused_rows<D, Src, 2>, fused_rows<D, Src, 3>,
+                                       fused_rows<D, Src, 4>, fused_rows<D, Src, 5>, fused_rows<D, Src, 6>,
+                                       fused_rows<D, Src, 7>, fused_rows<D, Src, 8>};
+  for (int64_t r = 0; r < m; r += kFusedRows) by_rows[std::min(kFusedRows, m - r) - 1](at, k, x, r, acc + r * kCols);
+}
+
+// Calls f with the type's decoder (a default-constructed tag); false for a type without one.
+template <class F>
+bool with_decoder(int64_t type, const F& f) {
+  switch (type) {
+    case kQ2_K: f(Q2K{}); return true;
+    case kQ3_K: f(Q3K{}); return true;
+    case kQ4_K: f(Q4K{}); return true;
+    case kQ5_K: f(Q5K{}); return true;
+    case kQ6_K: f(Q6K{}); return true;
+    case kQ5_0: f(Q5Blocks<false>{}); return true;
+    case kQ5_1: f(Q5Blocks<true>{}); return true;
+    case kQ8_0: f(Q80{}); return true;
+    default: return false;
   }
 }
 
-// The tile with the gather decoders where the type has one; false leaves it to decode_tile. A tiled weight's
-// `rows` is its tile's run of blocks.
+// The columns' unit u into the tile; false leaves the type to decode_tile. A tiled weight's `rows` is its
+// tile's run of blocks.
 bool decode_tile_avx512(int64_t type, bool tiled, const uint8_t* rows, int64_t row_bytes, int64_t cols, int64_t u,
                         int64_t k, Tile& t) {
-  if (type != kQ4_K && type != kQ6_K && type != kQ5_0) return false;
-  if (tiled) {
-    t.len = std::min(kUnit, k - u * kUnit);
-    const uint8_t* base = rows + u * (kUnit / layout(type).block) * padded_bytes(type) * kCols;
-    const TileLoads src{base};
-    if (type == kQ4_K) decode_q4_k_avx512(src, base, t);
-    else if (type == kQ6_K) decode_q6_k_avx512(src, base, t);
-    else decode_q5_0_avx512(src, base, t.len / 32, t);
-    return true;
-  }
-  const Gather g{_mm512_mullo_epi32(_mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0),
-                                    _mm512_set1_epi32(static_cast<int32_t>(row_bytes))),
-                 static_cast<__mmask16>((1u << cols) - 1)};
   t.len = std::min(kUnit, k - u * kUnit);
-  if (type == kQ4_K) decode_q4_k_avx512(g, rows + u * 144, t);
-  else if (type == kQ6_K) decode_q6_k_avx512(g, rows + u * 210, t);
-  else decode_q5_0_avx512(g, rows + u * 8 * 22, t.len / 32, t);
-  return true;
+  return with_decoder(type, [&](auto d) {
+    using D = decltype(d);
+    if (tiled) {
+      const uint8_t* p = rows + u * unit_stride<D, TileLoads>() * kCols;
+      decode_unit_avx512<D>(TileLoads{p}, p, t);
+    } else {
+      const Source<Gather> at = row_source(rows, row_bytes, cols);
+      decode_unit_avx512<D>(at.src, rows + u * unit_stride<D, Gather>(), t);
+    }
+  });
+}
+
+// All of the tile's units times m <= kFusedMost rows into acc; false for a type without a decoder.
+bool fused_tile(int64_t type, bool tiled, const uint8_t* rows, int64_t row_bytes, int64_t cols, int64_t k,
+                const Activations& x, int64_t m, float* acc) {
+  return with_decoder(type, [&](auto d) {
+    using D = decltype(d);
+    if (tiled) fused_any<D>(tile_source(rows), k, x, m, acc);
+    else fused_any<D>(row_source(rows, row_bytes, cols), k, x, m, acc);
+  });
 }
 #endif
 
-// The SIMD decoders built here for this type (AVX-512: Q4_K, Q6_K, Q5_0); false when there is none.
+// The SIMD decoders built here for this type (AVX-512); false when there is none.
 bool decode_tile_fast(int64_t type, bool tiled, const uint8_t* rows, int64_t row_bytes, int64_t cols, int64_t u,
                       int64_t k, Tile& t) {
 #if defined(__AVX512VNNI__) && defined(__AVX512BW__)
   return decode_tile_avx512(type, tiled, rows, row_bytes, cols, u, k, t);
+#else
+  return false;
+#endif
+}
+
+// The whole tile times the m rows decoded in registers (AVX-512, up to 16 rows); false leaves it to the tile path.
+bool fused_tile_fast(int64_t type, bool tiled, const uint8_t* rows, int64_t row_bytes, int64_t cols, int64_t k,
+                     const Activations& x, int64_t m, float* acc) {
+#if defined(__AVX512VNNI__) && defined(__AVX512BW__)
+  return m <= kFusedMost && fused_tile(type, tiled, rows, row_bytes, cols, k, x, m, acc);
 #else
   return false;
 #endif
@@ -529,7 +744,7 @@ void check_weight(const at::Tensor& w, int64_t type, int64_t k) {
   TORCH_CHECK(l.block > 0, "GGUF type id ", type, " is not one kgemm decodes");
   TORCH_CHECK(k % l.block == 0, "rows of ", k, " inputs are not whole blocks of ", l.block);
   if (w.dim() == 3) {  // tiled
-    TORCH_CHECK(type == kQ4_K || type == kQ6_K || type == kQ5_0, "only Q4_K, Q6_K and Q5_0 weights are tiled");
+    TORCH_CHECK(tiles(type), "GGUF type id ", type, " is not tiled");
     TORCH_CHECK(w.scalar_type() == at::kByte && w.is_contiguous() && w.device().is_cpu() &&
                     w.size(1) == k / l.block && w.size(2) == padded_bytes(type) * kCols,
                 "a tiled weight must be a contiguous uint8 [tiles, ", k / l.block, ", ", padded_bytes(type) * kCols,
@@ -586,7 +801,9 @@ at::Tensor kgemm(const at::Tensor& x, at::TensorList ws, at::IntArrayRef types, 
         const int64_t row_bytes = tiled ? 0 : w.size(1);
         const uint8_t* rows = w.data_ptr<uint8_t>() + (tiled ? col / kCols * w.size(1) * w.size(2) : col * row_bytes);
         std::fill(acc.begin(), acc.end(), 0.f);
-        for (int64_t u = 0; u < units; ++u) {
+        const bool fused = isa == kAvx512Vnni && fused_tile_fast(types[part], tiled, rows, row_bytes, cols, k, act, m,
+                                                                 acc.data());
+        for (int64_t u = 0; u < units && !fused; ++u) {
           if (!(isa == kAvx512Vnni && decode_tile_fast(types[part], tiled, rows, row_bytes, cols, u, k, tile)))
             decode_tile(types[part], tiled, rows, row_bytes, cols, u, k, tile);
           tile_rows(isa, tile, act, u, m, acc.data());
@@ -602,12 +819,14 @@ at::Tensor kgemm(const at::Tensor& x, at::TensorList ws, at::IntArrayRef types, 
 
 namespace {
 
-// Rows `ids` of a GGUF weight [n, row bytes] of type `type` as `dtype` values, [*ids.shape, k]: gguf's
-// dequantized values exactly (an embedding lookup reads only those rows).
-at::Tensor krows(const at::Tensor& w, int64_t type, const at::Tensor& ids, int64_t k, at::ScalarType dtype) {
-  TORCH_CHECK(w.dim() == 2, "rows are looked up in a row-major weight, not a tiled one");
+// Rows `ids` of a GGUF weight of type `type` as `dtype` values, [*ids.shape, k]: gguf's dequantized values exactly
+// (an embedding lookup reads only those rows). The weight is [n, row bytes], or tiled (3-D) with `rows` rows.
+at::Tensor krows(const at::Tensor& w, int64_t type, const at::Tensor& ids, int64_t k, at::ScalarType dtype,
+                 int64_t rows) {
   check_weight(w, type, k);
-  const int64_t n = w.size(0);
+  const bool tiled = w.dim() == 3;
+  TORCH_CHECK(!tiled || (rows >= 0 && rows <= w.size(0) * kCols), "a tiled weight's lookup needs its row count");
+  const int64_t n = tiled ? rows : w.size(0);
   const at::Tensor flat = ids.to(at::kLong).contiguous().view(-1);
   const int64_t* id = flat.data_ptr<int64_t>();
   for (int64_t i = 0; i < flat.numel(); ++i)
@@ -616,15 +835,23 @@ at::Tensor krows(const at::Tensor& w, int64_t type, const at::Tensor& ids, int64
   shape.push_back(k);
   at::Tensor out = at::empty(shape, w.options().dtype(dtype));
   const uint8_t* wp = w.data_ptr<uint8_t>();
-  const int64_t units = (k + kUnit - 1) / kUnit;
+  const int64_t units = (k + kUnit - 1) / kUnit, tile_bytes = tiled ? w.size(1) * w.size(2) : 0;
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, dtype, "krows", [&] {
     scalar_t* op = out.data_ptr<scalar_t>();
     iterserve::parallel_chunks(flat.numel(), 16, [&](int64_t begin, int64_t end) {
       int8_t q[kUnit];
       float s[kGroups], o[kGroups];
+      uint8_t block[kUnitBytes];
       for (int64_t r = begin; r < end; ++r) {
         for (int64_t u = 0; u < units; ++u) {
-          const int64_t len = decode_unit(type, wp + id[r] * w.size(1), u, k, q, s, o);
+          int64_t len;
+          if (tiled) {  // the row's blocks of this unit put back together, then decoded as a row of them
+            len = std::min(kUnit, k - u * kUnit);
+            untile_unit(type, wp + id[r] / kCols * tile_bytes, u, id[r] % kCols, len, block);
+            decode_unit(type, block, 0, len, q, s, o);
+          } else {
+            len = decode_unit(type, wp + id[r] * w.size(1), u, k, q, s, o);
+          }
           scalar_t* dst = op + r * k + u * kUnit;
           for (int64_t i = 0; i < len; ++i)
             dst[i] = static_cast<scalar_t>(s[i / kGroup] * static_cast<float>(q[i]) + o[i / kGroup]);
@@ -639,7 +866,7 @@ at::Tensor krows(const at::Tensor& w, int64_t type, const at::Tensor& ids, int64
 
 TORCH_LIBRARY_FRAGMENT(iterserve_quant, m) {
   m.def("kgemm(Tensor x, Tensor[] w, int[] types, int[] n, int isa=0) -> Tensor");
-  m.def("krows(Tensor w, int type, Tensor ids, int k, ScalarType dtype) -> Tensor");
+  m.def("krows(Tensor w, int type, Tensor ids, int k, ScalarType dtype, int rows=-1) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(iterserve_quant, CPU, m) {

@@ -29,10 +29,11 @@ from iterserve.quantization.packed import QuantizedWeight
 logger = logging.getLogger(__name__)
 
 
-NATIVE_DENSE, NATIVE_PACKED, NATIVE_QUANTIZED = 0, 1, 2  # csrc/decoder.cpp's LinearKind
-NativeLinear = tuple[int, torch.Tensor, int, int, "torch.Tensor | None"]
+NATIVE_DENSE, NATIVE_PACKED, NATIVE_QUANTIZED, NATIVE_GGUF = 0, 1, 2, 3  # csrc/decoder.cpp's LinearKind
+NativeLinear = tuple[int, "torch.Tensor | list[torch.Tensor]", int, "int | list[int]", "torch.Tensor | None"]
 """``(kind, weight, out_features, param, bias)``: one linear layer as the C++ decode loop takes it; ``param`` is
-AMX's minimum rows for the packed kernel and the bits of quantized blocks."""
+AMX's minimum rows for the packed kernel and the bits of quantized blocks. GGUF blocks as stored give lists:
+the parts' tensors, and their type ids followed by their row counts."""
 
 
 class LinearDelta(Protocol):

@@ -7,10 +7,10 @@ decodes 16 columns x 256 inputs at a time and multiplies them with the activatio
 of 32; its row lookup gives gguf-py's dequantized values to the bit. A fused layer whose parts have different
 types keeps one part per type run, all multiplied in one call.
 
-The Q4_K, Q6_K and Q5_0 parts of linear layers are then "tiled" (:meth:`GGUFWeight.tiled`): per 16 rows and
-block, the rows' dwords side by side, each block padded to whole dwords (Q6_K: 212 bytes, not 210; Q5_0: 24, not
-22), so the AVX-512 decoder loads what it would otherwise gather from 16 rows. The embedding keeps the rows,
-which its lookup reads.
+The parts of linear layers (all types but Q4_0/Q4_1) are then "tiled" (:meth:`GGUFWeight.tiled`): per 16 rows
+and block, the rows' dwords side by side, each block padded to whole dwords (Q6_K: 212 bytes, not 210; Q5_0: 24,
+not 22), so the AVX-512 decoder loads what it would otherwise gather from 16 rows. An untied embedding keeps the
+rows; a tied one is tiled with its LM head, and its lookup reads a row back out of the tile.
 """
 
 from __future__ import annotations
@@ -36,9 +36,10 @@ def _type_id(type_name: str) -> int:
 
 
 TILE = 16
-TILED_TYPES = ("Q4_K", "Q6_K", "Q5_0")  # the types with a decoder that reads tiles
-# Where a tiled block's padding goes: after Q5_0's 2-byte scale (its bits then start on a dword), else at the end.
-_PAD_AT = {"Q5_0": 2}
+TILED_TYPES = ("Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K", "Q5_0", "Q5_1", "Q8_0")  # with a decoder that reads tiles
+# Where a tiled block's padding goes: after Q5_0's and Q8_0's 2-byte scale (their codes then start on a dword),
+# else at the end.
+_PAD_AT = {"Q5_0": 2, "Q8_0": 2}
 
 
 @dataclass
@@ -144,7 +145,7 @@ class GGUFWeight:
         return GGUFWeight(parts, weights[0].k)
 
     def tiled(self) -> GGUFWeight:
-        """The Q4_K, Q6_K and Q5_0 parts tiled for the matmul (a linear layer's weight, never looked up by rows)."""
+        """The parts of :data:`TILED_TYPES` tiled for the matmul (a linear layer's weight)."""
         return GGUFWeight([p.tiled() for p in self.parts], self.k)
 
     def to(self, device: torch.device | str) -> GGUFWeight:
@@ -171,9 +172,10 @@ def from_stored(raw: np.ndarray, type_name: str, n: int, k: int) -> GGUFWeight:
 def dequantize(w: GGUFWeight, dtype: torch.dtype = torch.float32, rows: torch.Tensor | None = None) -> torch.Tensor:
     """The float weight ``[n, k]``, or its ``rows`` (``[*rows.shape, k]``): gguf-py's values exactly."""
     if rows is not None and len(w.parts) == 1:
-        p = w.parts[0].untiled()
+        p = w.parts[0]
         if kernels.ops is not None and p.raw.is_cpu:
-            return torch.ops.iterserve_quant.krows.default(p.raw, w.type_ids[0], rows, w.k, dtype)
+            return torch.ops.iterserve_quant.krows.default(p.raw, w.type_ids[0], rows, w.k, dtype, p.rows)
+        p = p.untiled()
         return _dequantize_part(p, w.k, rows.reshape(-1).to(p.raw.device)).to(dtype).view(*rows.shape, w.k)
     full = torch.cat([_dequantize_part(p, w.k) for p in w.parts]).to(dtype)
     return full if rows is None else full[rows.to(full.device)]

@@ -34,6 +34,7 @@ from iterserve.distributed.layers import (
 )
 from iterserve.models.cpu_linear import default_chooser
 from iterserve.models.linear import (
+    NATIVE_GGUF,
     NATIVE_QUANTIZED,
     LinearBase,
     LinearMethod,
@@ -201,8 +202,14 @@ class QuantizedLinear(LinearMethod):
 
     def native(self, layer: LinearBase) -> NativeLinear | None:
         w = layer.qweight
-        if not isinstance(w, PackedWeight) or kernels.ops is None or not w.data.is_cpu:
-            return None  # the decode loop knows the repacked blocks only: stored GGUF blocks run layer by layer
+        if kernels.ops is None:
+            return None
+        if isinstance(w, GGUFWeight):
+            if not all(p.raw.is_cpu for p in w.parts):
+                return None
+            return NATIVE_GGUF, [p.raw for p in w.parts], w.n, w.type_ids + [p.rows for p in w.parts], layer.bias
+        if not isinstance(w, PackedWeight) or not w.data.is_cpu:
+            return None
         return NATIVE_QUANTIZED, w.data, w.n, w.bits, layer.bias
 
 
@@ -216,6 +223,8 @@ def quantize_model(model: LlamaModel, quantization: str | None,
     embedding and LM head share one packed weight. Logs and returns what :func:`process_weights` does."""
     embed, head, tied = model.embed_tokens, model.lm_head, model.config.tie_word_embeddings
     if _pack_blocks(embed) is not None and tied:
+        if isinstance(embed.qweight, GGUFWeight):  # tiled for the LM head's matmul; the lookup reads tiles too
+            embed.qweight = embed.qweight.tiled()
         head.qweight, head.weight = embed.qweight, embed.weight
 
     other = fallback or default_chooser()

@@ -3,6 +3,8 @@ from Python: the same logits and the same K/V written, to the bit, for every lin
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -16,7 +18,9 @@ from iterserve.models.cpu_linear import MeasuredChooser, PackedLinear
 from iterserve.models.linear import DENSE, LinearMethod, process_weights
 from iterserve.models.llama import LlamaModel
 from iterserve.models.loader import _empty_model
+from iterserve.quantization.gguf_weight import from_stored
 from iterserve.quantization.model import quantize_model
+from tests.quantization.gguf_fixtures import random_blocks
 
 OPS = kernels.ops
 pytestmark = pytest.mark.skipif(OPS is None, reason="the C++ CPU kernels are not built (scripts/setup.sh builds them)")
@@ -37,6 +41,8 @@ CONFIGS = {
 
 
 def model_with(cfg: ModelConfig, method: str, dtype: torch.dtype) -> LlamaModel:
+    if method == "gguf":  # an MLP of 256 inputs: its down projection in K-quant super-blocks
+        cfg = dataclasses.replace(cfg, intermediate_size=256)
     torch.manual_seed(0)
     model = _empty_model(cfg, dtype, torch.device("cpu"))
     with torch.no_grad():
@@ -44,10 +50,26 @@ def model_with(cfg: ModelConfig, method: str, dtype: torch.dtype) -> LlamaModel:
             p.normal_(0, 0.2)
     if method == "int8":
         quantize_model(model, "int8")
+    elif method == "gguf":
+        gguf_blocks(model)
+        quantize_model(model, "gguf")
     else:
         packed = MeasuredChooser([PackedLinear(OPS)])  # one candidate: every layer takes it
         process_weights(model, (lambda layer: DENSE) if method == "dense" else packed)
     return model
+
+
+def gguf_blocks(model: LlamaModel) -> None:
+    """Every linear layer in stored GGUF blocks, as a Q4_K_M file mixes them: two parts of different types each
+    (K-quants where the inputs are whole super-blocks), as loading a fused layer from a file leaves them."""
+    for i, layer in enumerate(model.layers):
+        for proj in (layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.gate_up_proj, layer.mlp.down_proj):
+            n, k = proj.weight.shape
+            types = ["Q4_K", "Q6_K", "Q5_K", "Q3_K", "Q2_K"] if k % 256 == 0 else ["Q5_0", "Q8_0", "Q5_1"]
+            parts = [(types[(i + j) % len(types)], rows) for j, rows in enumerate((n // 2, n - n // 2))]
+            proj.__dict__["weight_blocks"] = {
+                j: from_stored(random_blocks(t, rows, k, seed=100 * i + j, scale=0.2), t, rows, k)
+                for j, (t, rows) in enumerate(parts)}
 
 
 def decode_step(model: LlamaModel, backend: CpuBackend, seed: int = 1):
@@ -72,7 +94,8 @@ def decode_step(model: LlamaModel, backend: CpuBackend, seed: int = 1):
 
 @pytest.mark.parametrize("family", CONFIGS)
 @pytest.mark.parametrize("method,dtype", [("dense", torch.float32), ("packed", torch.float32),
-                                          ("packed", torch.bfloat16), ("int8", torch.float32)])
+                                          ("packed", torch.bfloat16), ("int8", torch.float32),
+                                          ("gguf", torch.float32), ("gguf", torch.bfloat16)])
 def test_native_decode_loop_equals_the_layers_one_by_one(family, method, dtype):
     model = model_with(CONFIGS[family], method, dtype)
     native = CpuBackend(OPS)

@@ -14,6 +14,7 @@ import torch
 from iterserve import kernels
 from iterserve.attention import AttentionMetadata
 from iterserve.distributed.parallel_state import ParallelState
+from iterserve.models.linear import NATIVE_GGUF
 from iterserve.quantization.gguf_weight import GGUFWeight
 from iterserve.quantization.model import gguf_block_tensors, weight_formats
 from iterserve.quantization.packed import dequantize
@@ -107,12 +108,15 @@ def test_every_matrix_stays_in_its_file_bytes(mixed_gguf):
     assert isinstance(attn.qkv_proj.qweight, GGUFWeight) and attn.qkv_proj.qweight.fmt == "Q4_K+Q6_K"
     assert [p.type_name for p in attn.qkv_proj.qweight.parts] == ["Q4_K", "Q6_K"]
     assert [p.tiled_rows for p in attn.qkv_proj.qweight.parts] == [HIDDEN + HIDDEN // 2, HIDDEN // 2]
-    assert model.embed_tokens.qweight.parts[0].tiled_rows is None  # looked up by rows
+    assert model.embed_tokens.qweight.parts[0].tiled_rows is None  # untied: looked up by rows
     assert mlp.gate_up_proj.qweight.fmt == "Q4_K" and len(mlp.gate_up_proj.qweight.parts) == 1
     assert model.layers[1].self_attn.qkv_proj.qweight.fmt == "Q2_K+Q3_K+Q8_0"
     assert model.embed_tokens.qweight.fmt == "Q6_K" and model.embed_tokens.weight.numel() == 0
     assert model.lm_head.qweight.fmt == "Q4_K"
-    assert attn.qkv_proj.method.native(attn.qkv_proj) is None  # the layer loop runs these
+    if kernels.ops is not None:  # the decode loop runs these too
+        kind, parts, n, param, _ = attn.qkv_proj.method.native(attn.qkv_proj)
+        assert kind == NATIVE_GGUF and n == 2 * HIDDEN and len(parts) == 2
+        assert param == [*attn.qkv_proj.qweight.type_ids, HIDDEN + HIDDEN // 2, HIDDEN // 2]
 
 
 def test_greedy_tokens_equal_the_float_model(mixed_gguf, monkeypatch):

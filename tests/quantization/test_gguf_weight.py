@@ -96,7 +96,8 @@ def test_kernel_on_float_activations_is_within_int8_rounding(isa, fmt, monkeypat
         assert ((out.float() - expected).norm() / expected.norm()).item() < 1e-2
 
 
-@pytest.mark.parametrize("fmt,padded", [("Q4_K", 144), ("Q6_K", 212), ("Q5_0", 24)])
+@pytest.mark.parametrize("fmt,padded", [("Q2_K", 84), ("Q3_K", 112), ("Q4_K", 144), ("Q5_K", 176), ("Q6_K", 212),
+                                        ("Q5_0", 24), ("Q5_1", 24), ("Q8_0", 36)])
 def test_tiles_hold_the_rows_bytes(fmt, padded, monkeypatch):
     """Tiling lays the bytes out again (blocks padded to whole dwords, rows to 16) and gives them back exactly."""
     w, ref = weight(fmt, 37, 512)
@@ -108,7 +109,13 @@ def test_tiles_hold_the_rows_bytes(fmt, padded, monkeypatch):
     monkeypatch.setattr(kernels, "ops", None)
     assert torch.equal(G.dequantize(t), ref)
     assert torch.equal(G.dequantize(t, rows=torch.tensor([36, 2])), ref[[36, 2]])
-    assert weight("Q3_K", 4, 256)[0].tiled().parts[0].tiled_rows is None  # no tiled decoder: rows stay
+    assert weight("Q4_0", 4, 256)[0].tiled().parts[0].tiled_rows is None  # no tiled decoder: rows stay
+    if OPS is not None:  # the C++ lookup reads a row out of its tile
+        monkeypatch.setattr(kernels, "ops", OPS)
+        ids = torch.tensor([[36, 2], [0, 17]])
+        assert torch.equal(G.dequantize(t, torch.bfloat16, rows=ids), ref[ids].to(torch.bfloat16))
+        with pytest.raises(RuntimeError, match="row 37 is outside a weight of 37 rows"):
+            G.dequantize(t, rows=torch.tensor([37]))
 
 
 def test_without_the_kernel_linear_dequantizes(monkeypatch):
@@ -158,5 +165,22 @@ def test_kernel_refuses_a_weight_that_does_not_fit():
     tiled = G.GGUFPart(raw, "Q4_K").tiled().raw
     with pytest.raises(RuntimeError, match="weight 0 does not hold 17 rows"):
         kgemm(torch.zeros(1, 512), [tiled], [12], [17], 0)
-    with pytest.raises(RuntimeError, match="not a tiled one"):
+    with pytest.raises(RuntimeError, match="a tiled weight's lookup needs its row count"):
         torch.ops.iterserve_quant.krows(tiled, 12, torch.tensor([0]), 512, torch.float32)
+    with pytest.raises(RuntimeError, match="row 16 is outside a weight of 16 rows"):
+        torch.ops.iterserve_quant.krows(tiled, 12, torch.tensor([16]), 512, torch.float32, 16)
+
+
+@needs_build
+@pytest.mark.parametrize("isa", BUILT_ISAS, ids=lambda i: ISAS[i])
+@pytest.mark.parametrize("fmt", STORED)
+def test_a_rows_result_does_not_depend_on_the_row_count(isa, fmt, monkeypatch):
+    """Up to 16 rows decode in registers, 8 a pass, more decode a tile once (AVX-512): each row's output is the
+    same bits."""
+    monkeypatch.setattr(kernels, "ops", OPS)
+    k = 768 if block_of(fmt) == 256 else 608
+    w = weight(fmt, 40, k, seed=5)[0].tiled()
+    x = torch.randn(20, k, generator=torch.Generator().manual_seed(2)).bfloat16()
+    alone = torch.cat([P.linear(x[i:i + 1], w, isa) for i in range(20)])
+    assert torch.equal(P.linear(x, w, isa), alone)
+    assert torch.equal(P.linear(x[:11], w, isa), alone[:11])
