@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import ast
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -244,3 +245,40 @@ def test_modules_and_functions_stay_small():
                 assert length <= 80, f"{source}:{node.lineno} {node.name} has {length} lines"
     root = sorted(p.name for p in ROOT.glob("*.py"))
     assert len(root) <= 8, f"{len(root)} modules at the package root: {root}"
+
+
+def cxx_functions(text: str) -> list[tuple[int, int]]:
+    """(first line, lines) of every function body at namespace level in C++ source: braces counted after
+    comments are dropped; a brace opened by a namespace, struct, class or union does not count as a body."""
+    text = re.sub(r"//[^\n]*", "", text)
+    text = re.sub(r"/\*.*?\*/", lambda m: "\n" * m.group(0).count("\n"), text, flags=re.S)
+    stack: list[tuple[bool, int]] = []  # (is a body, line it opened on)
+    found, line, last_end = [], 1, 0
+    for i, ch in enumerate(text):
+        if ch == "\n":
+            line += 1
+        elif ch == "{":
+            head = text[last_end:i]
+            scope = re.search(r"\b(namespace|struct|class|union)\b[^()]*$|extern\s+\"C\"\s*$", head)
+            stack.append((scope is None, line))
+            last_end = i + 1
+        elif ch in ";}":
+            if ch == "}":
+                body, opened = stack.pop()
+                if body and all(not b for b, _ in stack):
+                    found.append((opened, line - opened + 1))
+            last_end = i + 1
+    return found
+
+
+def test_cxx_scanner_measures_a_function():
+    source = ("namespace a {\nstruct S { int f() {\n return 1; } };\n"
+              "int g(int x) {\n  if (x) {\n    return 2;\n  }\n  return 3;\n}\n}\n")
+    assert cxx_functions(source) == [(2, 2), (4, 6)]
+
+
+def test_cxx_functions_stay_small():
+    """The C++ kernels keep Python's limit on functions: none over 80 lines."""
+    for path in sorted((ROOT / "csrc").glob("*.[ch]*")):
+        for first, length in cxx_functions(path.read_text()):
+            assert length <= 80, f"{path}:{first} a function of {length} lines"

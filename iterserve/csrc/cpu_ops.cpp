@@ -507,199 +507,240 @@ inline void prefetch_rows(const T* const* rows, int64_t n, int64_t row_bytes) {
       __builtin_prefetch(reinterpret_cast<const char*>(rows[j]) + b, 0, Locality);
 }
 
+// A tile walk's per-thread state: the query widened, the running output, max and sum of exps of each head of
+// the GQA group, and the K/V rows of this tile, the next, the one after it and the next task's first.
+template <typename T>
+struct TileWalk {
+  float *qf, *acc, *rows, *scores, *m, *l;
+  const T* krows[2][kTile];  // this tile's keys and values, and the next tile's
+  const T* vrows[2][kTile];
+  const T* far_k[kTile];  // the tile after the next one
+  const T* far_v[kTile];
+  const T* ahead_k[kTile];  // the next task's first tile, found and asked for by the task before it
+  const T* ahead_v[kTile];
+  int64_t ahead_n = 0;
+};
+
+// The task after this one in the chunk: its sequence, head and keys, and whether its second tile is still to ask for.
+struct NextTask {
+  int64_t s = 0, h = 0, lo = 0, hi = 0;
+  bool far = false;
+};
+
+// One decode attention over paged K/V: a task per (sequence, KV head, piece of its context) reads its head's K/V
+// once for the whole GQA group. Pieces of kPiece keys also keep every thread busy at small batches (3 pairs for
+// SmolLM2 at batch 1); their partial softmaxes are merged after, empty ones (shorter contexts) weighing nothing.
+template <typename T>
+struct PagedDecode {
+  const T *q_ptr, *k_ptr, *v_ptr;
+  T* out_ptr;
+  const int64_t *tables, *ctx_lens;
+  int64_t seqs, heads, dim, kv_heads, block_size, group, sliding_window;
+  int64_t q_s0, q_s1, o_s0, o_s1, kc_s0, kc_s1, kc_s2, vc_s0, vc_s1, vc_s2, table_stride, row_bytes;
+  bool keyed;  // K in key groups
+  float fscale;
+  int64_t splits = 1, pstride = 0;
+  float* partial = nullptr;  // per (sequence, head, piece): the running max, the sum of exps, the output
+  GroupKernels<T> blocked{};
+
+  int64_t first_key(int64_t s) const {
+    return sliding_window > 0 ? std::max<int64_t>(0, ctx_lens[s] - sliding_window) : int64_t{0};
+  }
+
+  // Task -> its sequence, KV head and key range [lo, hi).
+  void span(int64_t task, int64_t& s, int64_t& h, int64_t& lo, int64_t& hi) const {
+    s = task / (kv_heads * splits);
+    h = (task / splits) % kv_heads;
+    lo = first_key(s) + (task % splits) * kPiece;
+    hi = std::min(ctx_lens[s], lo + kPiece);
+  }
+
+  // Where keys and values [from, to) of sequence s's head h lie in the caches.
+  void key_rows(int64_t s, int64_t h, int64_t from, int64_t to, const T** out) const {
+    head_rows(k_ptr, tables + s * table_stride, block_size, kc_s0, kc_s2, h * kc_s1, from, to, out);
+  }
+  void value_rows(int64_t s, int64_t h, int64_t from, int64_t to, const T** out) const {
+    head_rows(v_ptr, tables + s * table_stride, block_size, vc_s0, vc_s2, h * vc_s1, from, to, out);
+  }
+
+  // Sequence s's head h, keys [from, to) (at most a tile), asked for into L2 all at once.
+  void into_l2(TileWalk<T>& w, int64_t s, int64_t h, int64_t from, int64_t to) const {
+    if (to <= from) return;
+    key_rows(s, h, from, to, w.far_k);
+    value_rows(s, h, from, to, w.far_v);
+    prefetch_rows<T, 2>(w.far_k, to - from, row_bytes);
+    prefetch_rows<T, 2>(w.far_v, to - from, row_bytes);
+  }
+
+  // The tasks of a chunk run in order, so a task asks for the next one's first tile of K and V as it starts:
+  // a task that started cold waited on DRAM for it.
+  void run(int64_t begin, int64_t end) const {
+    thread_local std::vector<float> scratch;  // per thread, grown once: a malloc per task showed at batch 64
+    scratch.resize(2 * group * dim + kTile * dim + group * kTile + 2 * group);
+    TileWalk<T> w;
+    w.qf = scratch.data();
+    w.acc = w.qf + group * dim;
+    w.rows = w.acc + group * dim;
+    w.scores = w.rows + kTile * dim;
+    w.m = w.scores + group * kTile;
+    w.l = w.m + group;
+    for (int64_t task = begin; task < end; ++task) attend(w, task, task == begin, task + 1 < end);
+  }
+
+  void attend(TileWalk<T>& w, int64_t task, bool cold, bool has_next) const {
+    int64_t s, h, lo, hi;
+    span(task, s, h, lo, hi);
+    const int64_t first = std::max<int64_t>(0, std::min(hi, lo + kTile) - lo);
+    if (cold) {
+      key_rows(s, h, lo, lo + first, w.krows[0]);
+      value_rows(s, h, lo, lo + first, w.vrows[0]);
+      prefetch_rows(w.krows[0], first, row_bytes);
+      prefetch_rows(w.vrows[0], first, row_bytes);
+    } else {
+      std::copy(w.ahead_k, w.ahead_k + first, w.krows[0]);
+      std::copy(w.ahead_v, w.ahead_v + first, w.vrows[0]);
+    }
+    w.ahead_n = 0;
+    NextTask next;
+    if (has_next) {  // asked for during this task's last tile
+      span(task + 1, next.s, next.h, next.lo, next.hi);
+      next.far = true;
+      w.ahead_n = std::max<int64_t>(0, std::min(next.hi, next.lo + kTile) - next.lo);
+      key_rows(next.s, next.h, next.lo, next.lo + w.ahead_n, w.ahead_k);
+      value_rows(next.s, next.h, next.lo, next.lo + w.ahead_n, w.ahead_v);
+    }
+    const T* q_group = q_ptr + s * q_s0 + h * group * q_s1;
+    if (!keyed) {  // the float kernels' query: widened and scaled
+      for (int64_t g = 0; g < group; ++g) {
+        to_float(q_group + g * q_s1, w.qf + g * dim, dim);
+        scale_(w.qf + g * dim, fscale, dim);
+      }
+    }
+    std::fill(w.acc, w.acc + group * dim, 0.f);
+    std::fill(w.m, w.m + group, -std::numeric_limits<float>::infinity());
+    std::fill(w.l, w.l + group, 0.f);
+    for (int64_t t0 = lo, cur = 0; t0 < hi; t0 += kTile, cur ^= 1) tile(w, s, h, t0, hi, cur, q_group, next);
+    store(w, s, h, task);
+  }
+
+  void tile(TileWalk<T>& w, int64_t s, int64_t h, int64_t t0, int64_t hi, int64_t cur, const T* q_group,
+            NextTask& next_task) const {
+    const int64_t n = std::min(kTile, hi - t0);
+    // The next tile's K and V (the next task's first, after the last) arrive while this tile is computed.
+    const int64_t next = std::min(hi, t0 + n + kTile);
+    key_rows(s, h, t0 + n, next, w.krows[cur ^ 1]);
+    value_rows(s, h, t0 + n, next, w.vrows[cur ^ 1]);
+    RowPrefetch<T> pf = next > t0 + n ? RowPrefetch<T>{w.krows[cur ^ 1], w.vrows[cur ^ 1], next - t0 - n, row_bytes}
+                                      : RowPrefetch<T>{w.ahead_k, w.ahead_v, w.ahead_n, row_bytes};
+    // The tile after that into L2, all at once, so that the next tile's fetch finds it there rather than
+    // DRAM (docs/cpu.md, "Keeping the memory busy"); past this task's end, the next task's second tile.
+    if (next < hi) {
+      into_l2(w, s, h, next, std::min(hi, next + kTile));
+    } else if (next_task.far) {
+      next_task.far = false;
+      into_l2(w, next_task.s, next_task.h, next_task.lo + w.ahead_n,
+              std::min(next_task.hi, next_task.lo + w.ahead_n + kTile));
+    }
+    scores(w, cur, n, t0, q_group, pf);
+    for (int64_t g = 0; g < group; ++g) {
+      float* sc = w.scores + g * kTile;
+      const float new_m = std::max(w.m[g], max_of(sc, n));
+      const float correction = std::exp(w.m[g] - new_m);  // 0 on the first tile (m = -inf)
+      w.l[g] = w.l[g] * correction + exp_sum_(sc, new_m, n);
+      if (correction != 1.f) scale_(w.acc + g * dim, correction, dim);  // 1 once the tiles' max settles
+      w.m[g] = new_m;
+    }
+    if (blocked.values != nullptr) {
+      blocked.values(w.scores, w.vrows[cur], n, dim, w.acc);
+      return;
+    }
+    for (int64_t j = 0; j < n; ++j) to_float(w.vrows[cur][j], w.rows + j * dim, dim);
+    for (int64_t g = 0; g < group; ++g)
+      for (int64_t j = 0; j < n; ++j) axpy(w.acc + g * dim, w.scores[g * kTile + j], w.rows + j * dim, dim);
+  }
+
+  void scores(TileWalk<T>& w, int64_t cur, int64_t n, int64_t t0, [[maybe_unused]] const T* q_group,
+              RowPrefetch<T>& pf) const {
+    if (keyed) {
+#if defined(ITERSERVE_DPBF16) && defined(CPU_CAPABILITY_AVX512)
+      if constexpr (std::is_same_v<T, c10::BFloat16>)
+        scores_keyed(q_group, q_s1, w.krows[cur], t0 % kKeyGroup, n, dim, group, fscale, w.scores, pf);
+#endif
+    } else if (blocked.scores != nullptr) {
+      blocked.scores(w.qf, w.krows[cur], n, dim, w.scores, pf);
+    } else {
+      pf.rest();
+      for (int64_t j = 0; j < n; ++j) to_float(w.krows[cur][j], w.rows + j * dim, dim);
+      for (int64_t g = 0; g < group; ++g)
+        for (int64_t j = 0; j < n; ++j) w.scores[g * kTile + j] = dot(w.qf + g * dim, w.rows + j * dim, dim);
+    }
+  }
+
+  // A whole context normalised into out; a piece of one kept for the merge.
+  void store(const TileWalk<T>& w, int64_t s, int64_t h, int64_t task) const {
+    for (int64_t g = 0; g < group; ++g) {
+      if (splits == 1) {
+        scale_(w.acc + g * dim, 1.f / w.l[g], dim);
+        from_float(w.acc + g * dim, out_ptr + s * o_s0 + (h * group + g) * o_s1, dim);
+        continue;
+      }
+      float* p = partial + ((s * heads + h * group + g) * splits + task % splits) * pstride;
+      p[0] = w.m[g];  // -inf for an empty piece (a shorter context than the longest): it weighs nothing
+      p[1] = w.l[g];
+      std::copy(w.acc + g * dim, w.acc + (g + 1) * dim, p + 2);
+    }
+  }
+
+  // Merge the pieces of each (sequence, head): rescale each to the largest max and normalise once.
+  void merge() const {
+    iterserve::parallel_chunks(seqs * heads, 8, [&](int64_t begin, int64_t end) {
+      std::vector<float> merged(dim);
+      for (int64_t sh = begin; sh < end; ++sh) {
+        const float* p = partial + sh * splits * pstride;
+        float top = -std::numeric_limits<float>::infinity();
+        for (int64_t i = 0; i < splits; ++i) top = std::max(top, p[i * pstride]);
+        std::fill(merged.begin(), merged.end(), 0.f);
+        float total = 0.f;
+        for (int64_t i = 0; i < splits; ++i) {
+          const float* pi = p + i * pstride;
+          if (pi[1] == 0.f) continue;
+          const float w = std::exp(pi[0] - top);
+          total += w * pi[1];
+          axpy(merged.data(), w, pi + 2, dim);
+        }
+        scale_(merged.data(), 1.f / total, dim);
+        from_float(merged.data(), out_ptr + (sh / heads) * o_s0 + (sh % heads) * o_s1, dim);
+      }
+    });
+  }
+};
+
 template <typename T>
 void paged_decode_impl(at::Tensor& out, const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
                        const at::Tensor& block_tables, const at::Tensor& context_lens, double scale,
                        int64_t sliding_window) {
-  const int64_t seqs = q.size(0), heads = q.size(1), dim = q.size(2);
-  const int64_t kv_heads = v_cache.size(1), block_size = v_cache.size(2);
-  const int64_t group = heads / kv_heads;
-  const bool keyed = k_cache.dim() == 6;  // K in key groups
-  const T* q_ptr = q.data_ptr<T>();
-  const T* k_ptr = k_cache.data_ptr<T>();
-  const T* v_ptr = v_cache.data_ptr<T>();
-  T* out_ptr = out.data_ptr<T>();
-  const int64_t* tables = block_tables.data_ptr<int64_t>();
-  const int64_t* ctx_lens = context_lens.data_ptr<int64_t>();
-  const int64_t q_s0 = q.stride(0), q_s1 = q.stride(1), o_s0 = out.stride(0), o_s1 = out.stride(1);
-  // In key groups, key t of a block's head lies in the group that starts where row t would (kc_s2 = dim).
-  const int64_t kc_s0 = k_cache.stride(0), kc_s1 = k_cache.stride(1), kc_s2 = keyed ? dim : k_cache.stride(2);
-  const int64_t vc_s0 = v_cache.stride(0), vc_s1 = v_cache.stride(1), vc_s2 = v_cache.stride(2);
-  const int64_t table_stride = block_tables.stride(0);
-  const int64_t row_bytes = dim * static_cast<int64_t>(sizeof(T));
-  const float fscale = static_cast<float>(scale);
-  auto first_key = [&](int64_t s) {
-    return sliding_window > 0 ? std::max<int64_t>(0, ctx_lens[s] - sliding_window) : int64_t{0};
-  };
-
-  // One task per (sequence, KV head, piece of its context): a task reads its head's K/V once for the whole
-  // GQA group. Pieces of kPiece keys also keep every thread busy at small batches (3 pairs for SmolLM2 at
-  // batch 1); their partial softmaxes are merged after, empty ones (shorter contexts) weighing nothing.
+  const bool keyed = k_cache.dim() == 6;
+  const int64_t dim = q.size(2), kv_heads = v_cache.size(1);
+  PagedDecode<T> d{q.data_ptr<T>(), k_cache.data_ptr<T>(), v_cache.data_ptr<T>(), out.data_ptr<T>(),
+                   block_tables.data_ptr<int64_t>(), context_lens.data_ptr<int64_t>(),
+                   q.size(0), q.size(1), dim, kv_heads, v_cache.size(2), q.size(1) / kv_heads, sliding_window,
+                   q.stride(0), q.stride(1), out.stride(0), out.stride(1),
+                   // in key groups, key t of a block's head lies in the group that starts where row t would
+                   k_cache.stride(0), k_cache.stride(1), keyed ? dim : k_cache.stride(2),
+                   v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), block_tables.stride(0),
+                   dim * static_cast<int64_t>(sizeof(T)), keyed, static_cast<float>(scale)};
   int64_t longest = 0;
-  for (int64_t s = 0; s < seqs; ++s) longest = std::max(longest, ctx_lens[s] - first_key(s));
-  const int64_t want = 4 * iterserve::ChunkPool::get().threads();
-  const int64_t pairs = seqs * kv_heads;
-  const int64_t splits = std::max<int64_t>(1, (longest + kPiece - 1) / kPiece), piece = kPiece;
-  // Partials of split contexts, per (sequence, head, piece): the running max, the sum of exps, then the
-  // unnormalised output.
-  const int64_t pstride = dim + 2;
-  std::vector<float> partial(splits > 1 ? seqs * heads * splits * pstride : 0);
-  const GroupKernels<T> blocked = group_kernels<T>(group, dim);
-
-  // The tasks of a chunk run in order, so a task asks for the next one's first tile of K and V as it starts:
-  // a task that started cold waited on DRAM for it. Four chunks a thread, as for the matmuls.
-  const int64_t tasks = pairs * splits, chunk = std::max<int64_t>(1, tasks / want);
-  iterserve::parallel_chunks(tasks, chunk, [&](int64_t begin, int64_t end) {
-    // Per-thread scratch, grown once: a malloc per task showed at batch 64.
-    thread_local std::vector<float> scratch;
-    scratch.resize(2 * group * dim + kTile * dim + group * kTile + 2 * group);
-    float* qf = scratch.data();
-    float* acc = qf + group * dim;
-    float* rows = acc + group * dim;
-    float* scores = rows + kTile * dim;
-    float* m = scores + group * kTile;
-    float* l = m + group;
-    const T* krows[2][kTile];  // this tile's keys and values, and the next tile's
-    const T* vrows[2][kTile];
-    const T* far_k[kTile];  // the tile after the next one
-    const T* far_v[kTile];
-    const T* ahead_k[kTile];  // the next task's first tile, found and asked for by the task before it
-    const T* ahead_v[kTile];
-    int64_t ahead_n = 0;
-    // Task -> its sequence, KV head and key range [lo, hi).
-    auto span = [&](int64_t task, int64_t& s, int64_t& h, int64_t& lo, int64_t& hi) {
-      s = task / (kv_heads * splits);
-      h = (task / splits) % kv_heads;
-      lo = first_key(s) + (task % splits) * piece;
-      hi = std::min(ctx_lens[s], lo + piece);
-    };
-    // Where rows [from, to) of sequence s's head h lie in `cache`.
-    auto rows_of = [&](const T* cache, int64_t s0, int64_t s1, int64_t s2, int64_t s, int64_t h, int64_t from,
-                       int64_t to, const T** out) {
-      head_rows(cache, tables + s * table_stride, block_size, s0, s2, h * s1, from, to, out);
-    };
-    // Sequence s's head h, keys [from, to) (at most a tile), asked for into L2 all at once.
-    auto into_l2 = [&](int64_t s, int64_t h, int64_t from, int64_t to) {
-      if (to <= from) return;
-      rows_of(k_ptr, kc_s0, kc_s1, kc_s2, s, h, from, to, far_k);
-      rows_of(v_ptr, vc_s0, vc_s1, vc_s2, s, h, from, to, far_v);
-      prefetch_rows<T, 2>(far_k, to - from, row_bytes);
-      prefetch_rows<T, 2>(far_v, to - from, row_bytes);
-    };
-    for (int64_t task = begin; task < end; ++task) {
-      int64_t s, h, lo, hi;
-      span(task, s, h, lo, hi);
-      const int64_t first = std::max<int64_t>(0, std::min(hi, lo + kTile) - lo);
-      if (task == begin) {
-        rows_of(k_ptr, kc_s0, kc_s1, kc_s2, s, h, lo, lo + first, krows[0]);
-        rows_of(v_ptr, vc_s0, vc_s1, vc_s2, s, h, lo, lo + first, vrows[0]);
-        prefetch_rows(krows[0], first, row_bytes);
-        prefetch_rows(vrows[0], first, row_bytes);
-      } else {
-        std::copy(ahead_k, ahead_k + first, krows[0]);
-        std::copy(ahead_v, ahead_v + first, vrows[0]);
-      }
-      ahead_n = 0;
-      int64_t s2 = 0, h2 = 0, lo2 = 0, hi2 = 0;
-      bool far_next = task + 1 < end;  // the next task's second tile not yet asked for
-      if (task + 1 < end) {  // asked for during this task's last tile
-        span(task + 1, s2, h2, lo2, hi2);
-        ahead_n = std::max<int64_t>(0, std::min(hi2, lo2 + kTile) - lo2);
-        rows_of(k_ptr, kc_s0, kc_s1, kc_s2, s2, h2, lo2, lo2 + ahead_n, ahead_k);
-        rows_of(v_ptr, vc_s0, vc_s1, vc_s2, s2, h2, lo2, lo2 + ahead_n, ahead_v);
-      }
-      const T* q_group = q_ptr + s * q_s0 + h * group * q_s1;
-      if (!keyed) {  // the float kernels' query: widened and scaled
-        for (int64_t g = 0; g < group; ++g) {
-          to_float(q_group + g * q_s1, qf + g * dim, dim);
-          scale_(qf + g * dim, fscale, dim);
-        }
-      }
-      std::fill(acc, acc + group * dim, 0.f);
-      std::fill(m, m + group, -std::numeric_limits<float>::infinity());
-      std::fill(l, l + group, 0.f);
-      for (int64_t t0 = lo, cur = 0; t0 < hi; t0 += kTile, cur ^= 1) {
-        const int64_t n = std::min(kTile, hi - t0);
-        // The next tile's K and V (the next task's first, after the last) arrive while this tile is computed.
-        const int64_t next = std::min(hi, t0 + n + kTile);
-        rows_of(k_ptr, kc_s0, kc_s1, kc_s2, s, h, t0 + n, next, krows[cur ^ 1]);
-        rows_of(v_ptr, vc_s0, vc_s1, vc_s2, s, h, t0 + n, next, vrows[cur ^ 1]);
-        RowPrefetch<T> pf = next > t0 + n ? RowPrefetch<T>{krows[cur ^ 1], vrows[cur ^ 1], next - t0 - n, row_bytes}
-                                          : RowPrefetch<T>{ahead_k, ahead_v, ahead_n, row_bytes};
-        // The tile after that into L2, all at once, so that the next tile's fetch finds it there: with only the
-        // next tile asked for (into L1), K/V came from DRAM at 11-12 GB/s (SmolLM2's decode attention over 30
-        // layers, bf16, K in key groups, batch 6-64); with this too at 14-16 GB/s, the attention taking 0.75-0.87x
-        // the time (0.98x at batch 1) and the 64-request workload 0.80-0.87x (one process, alternating).
-        if (next < hi) {
-          into_l2(s, h, next, std::min(hi, next + kTile));
-        } else if (far_next) {  // past this task's end: the next task's second tile (0.93-0.97x at batch 16-64)
-          far_next = false;
-          into_l2(s2, h2, lo2 + ahead_n, std::min(hi2, lo2 + ahead_n + kTile));
-        }
-        if (keyed) {
-#if defined(ITERSERVE_DPBF16) && defined(CPU_CAPABILITY_AVX512)
-          if constexpr (std::is_same_v<T, c10::BFloat16>)
-            scores_keyed(q_group, q_s1, krows[cur], t0 % kKeyGroup, n, dim, group, fscale, scores, pf);
-#endif
-        } else if (blocked.scores != nullptr) {
-          blocked.scores(qf, krows[cur], n, dim, scores, pf);
-        } else {
-          pf.rest();
-          for (int64_t j = 0; j < n; ++j) to_float(krows[cur][j], rows + j * dim, dim);
-          for (int64_t g = 0; g < group; ++g)
-            for (int64_t j = 0; j < n; ++j) scores[g * kTile + j] = dot(qf + g * dim, rows + j * dim, dim);
-        }
-        for (int64_t g = 0; g < group; ++g) {
-          float* sc = scores + g * kTile;
-          const float tile_max = max_of(sc, n);
-          const float new_m = std::max(m[g], tile_max);
-          const float correction = std::exp(m[g] - new_m);  // 0 on the first tile (m = -inf)
-          l[g] = l[g] * correction + exp_sum_(sc, new_m, n);
-          if (correction != 1.f) scale_(acc + g * dim, correction, dim);  // 1 once the tiles' max settles
-          m[g] = new_m;
-        }
-        if (blocked.values != nullptr) {
-          blocked.values(scores, vrows[cur], n, dim, acc);
-        } else {
-          for (int64_t j = 0; j < n; ++j) to_float(vrows[cur][j], rows + j * dim, dim);
-          for (int64_t g = 0; g < group; ++g)
-            for (int64_t j = 0; j < n; ++j) axpy(acc + g * dim, scores[g * kTile + j], rows + j * dim, dim);
-        }
-      }
-      for (int64_t g = 0; g < group; ++g) {
-        if (splits == 1) {
-          scale_(acc + g * dim, 1.f / l[g], dim);
-          from_float(acc + g * dim, out_ptr + s * o_s0 + (h * group + g) * o_s1, dim);
-          continue;
-        }
-        float* p = partial.data() + ((s * heads + h * group + g) * splits + task % splits) * pstride;
-        p[0] = m[g];  // -inf for an empty piece (a shorter context than the longest): it weighs nothing
-        p[1] = l[g];
-        std::copy(acc + g * dim, acc + (g + 1) * dim, p + 2);
-      }
-    }
-  });
-  if (splits == 1) return;
-  // Merge the pieces of each (sequence, head): rescale each to the largest max and normalise once.
-  iterserve::parallel_chunks(seqs * heads, 8, [&](int64_t begin, int64_t end) {
-    std::vector<float> merged(dim);
-    for (int64_t sh = begin; sh < end; ++sh) {
-      const float* p = partial.data() + sh * splits * pstride;
-      float top = -std::numeric_limits<float>::infinity();
-      for (int64_t i = 0; i < splits; ++i) top = std::max(top, p[i * pstride]);
-      std::fill(merged.begin(), merged.end(), 0.f);
-      float total = 0.f;
-      for (int64_t i = 0; i < splits; ++i) {
-        const float* pi = p + i * pstride;
-        if (pi[1] == 0.f) continue;
-        const float w = std::exp(pi[0] - top);
-        total += w * pi[1];
-        axpy(merged.data(), w, pi + 2, dim);
-      }
-      scale_(merged.data(), 1.f / total, dim);
-      from_float(merged.data(), out_ptr + (sh / heads) * o_s0 + (sh % heads) * o_s1, dim);
-    }
-  });
+  for (int64_t s = 0; s < d.seqs; ++s) longest = std::max(longest, d.ctx_lens[s] - d.first_key(s));
+  d.splits = std::max<int64_t>(1, (longest + kPiece - 1) / kPiece);
+  d.pstride = dim + 2;
+  std::vector<float> partial(d.splits > 1 ? d.seqs * d.heads * d.splits * d.pstride : 0);
+  d.partial = partial.data();
+  d.blocked = group_kernels<T>(d.group, dim);
+  // Four chunks a thread, as for the matmuls.
+  const int64_t tasks = d.seqs * kv_heads * d.splits;
+  const int64_t chunk = std::max<int64_t>(1, tasks / (4 * iterserve::ChunkPool::get().threads()));
+  iterserve::parallel_chunks(tasks, chunk, [&](int64_t begin, int64_t end) { d.run(begin, end); });
+  if (d.splits > 1) d.merge();
 }
 
 // The K cache (rows [blocks, kv_heads, block_size, head_dim], or in key groups: keys_in_groups) and the V cache

@@ -687,6 +687,33 @@ void prefetch_first(const DecodeArgs& a, int64_t s, int64_t h, int64_t lo, int64
   prefetch(rows, n, a.dim, false);
 }
 
+// Each (sequence, head)'s pieces rescaled to the largest max, in piece order, and normalised once.
+template <typename T>
+void merge_pieces(const float* partial, int64_t seqs, int64_t heads, int64_t splits, int64_t dim, T* op,
+                  int64_t o_s0, int64_t o_s1) {
+  const int64_t pstride = dim + 2;
+  iterserve::parallel_chunks(seqs * heads, 8, [&](int64_t begin, int64_t end) {
+    std::vector<float> merged(dim);
+    for (int64_t sh = begin; sh < end; ++sh) {
+      const float* p = partial + sh * splits * pstride;
+      float top = -std::numeric_limits<float>::infinity();
+      for (int64_t i = 0; i < splits; ++i) top = std::max(top, p[i * pstride]);
+      std::fill(merged.begin(), merged.end(), 0.f);
+      float total = 0.f;
+      for (int64_t i = 0; i < splits; ++i) {
+        const float* pi = p + i * pstride;
+        if (pi[1] == 0.f) continue;
+        const float wgt = std::exp(pi[0] - top);
+        total += wgt * pi[1];
+        axpy(merged.data(), wgt, pi + 2, dim);
+      }
+      const float inv = total > 0.f ? 1.f / total : 0.f;
+      T* o = op + (sh / heads) * o_s0 + (sh % heads) * o_s1;
+      for (int64_t i = 0; i < dim; ++i) o[i] = static_cast<T>(merged[i] * inv);
+    }
+  });
+}
+
 template <typename T>
 void decode_impl(at::Tensor& out, const at::Tensor& q, DecodeArgs a) {
   a.path = a.pick_path(std::is_same_v<T, c10::BFloat16>);
@@ -758,28 +785,7 @@ void decode_impl(at::Tensor& out, const at::Tensor& q, DecodeArgs a) {
       }
     }
   });
-  if (splits == 1) return;
-  // Each (sequence, head)'s pieces rescaled to the largest max, in piece order, and normalised once.
-  iterserve::parallel_chunks(seqs * heads, 8, [&](int64_t begin, int64_t end) {
-    std::vector<float> merged(dim);
-    for (int64_t sh = begin; sh < end; ++sh) {
-      const float* p = partial.data() + sh * splits * pstride;
-      float top = -std::numeric_limits<float>::infinity();
-      for (int64_t i = 0; i < splits; ++i) top = std::max(top, p[i * pstride]);
-      std::fill(merged.begin(), merged.end(), 0.f);
-      float total = 0.f;
-      for (int64_t i = 0; i < splits; ++i) {
-        const float* pi = p + i * pstride;
-        if (pi[1] == 0.f) continue;
-        const float wgt = std::exp(pi[0] - top);
-        total += wgt * pi[1];
-        axpy(merged.data(), wgt, pi + 2, dim);
-      }
-      const float inv = total > 0.f ? 1.f / total : 0.f;
-      T* o = op + (sh / heads) * o_s0 + (sh % heads) * o_s1;
-      for (int64_t i = 0; i < dim; ++i) o[i] = static_cast<T>(merged[i] * inv);
-    }
-  });
+  if (splits > 1) merge_pieces(partial.data(), seqs, heads, splits, dim, op, o_s0, o_s1);
 }
 
 void check_pools(const at::Tensor& k_cache, const at::Tensor& v_cache, const c10::optional<at::Tensor>& k_scale,
