@@ -178,6 +178,8 @@ class Dashboard:
                               "generation_tokens": s.num_generation_tokens}
             if self.speculative:
                 frame["stats"]["spec"] = spec_stats(s)
+            if s.running_loras or s.waiting_loras:  # the adapters' names, as vllm:lora_requests_info has them
+                frame["stats"]["loras"] = {"running": s.running_loras, "waiting": s.waiting_loras}
         if self.step is not None and self.step.step != cursor.step:
             frame["step"] = self.step
             cursor.step = self.step.step

@@ -197,6 +197,14 @@ def test_the_stats_carry_speculative_decoding_only_when_it_is_on():
         "drafts": 4, "draft_tokens": 12, "accepted_tokens": 6, "acceptance_rate": 0.5, "mean_accepted_length": 2.5}
 
 
+def test_the_stats_name_the_lora_adapters_while_requests_use_them():
+    board = dashboard_module.Dashboard(_Engine(), {})  # type: ignore[arg-type]
+    board.record_step(None, None, _stats(3))
+    assert "loras" not in board.frame(dashboard_module._Cursor())["stats"]
+    board.record_step(None, None, msgspec.structs.replace(_stats(4), running_loras=["a", "b"], waiting_loras=["c"]))
+    assert board.frame(dashboard_module._Cursor())["stats"]["loras"] == {"running": ["a", "b"], "waiting": ["c"]}
+
+
 @pytest.fixture(scope="module")
 def spec_server() -> Iterator[tuple[ServerThread, dict[str, float]]]:
     """A server with n-gram speculation after one completion, and its /metrics samples then."""

@@ -132,6 +132,7 @@ function render() {
   renderSeries();
   renderLatencies();
   renderSpec();
+  renderLoras();
 }
 
 function cell(text, cls) {
@@ -353,6 +354,20 @@ function renderSpec() {
   $("spec").replaceChildren(...rows.map(([k, v]) => {
     const tr = document.createElement("tr");
     tr.append(cell(k), cell(v, "num"));
+    return tr;
+  }));
+}
+
+// The LoRA adapters the running and waiting requests name (with --enable-lora); the panel shows while there are any.
+function renderLoras() {
+  const loras = state.stats ? state.stats.loras : undefined;
+  $("lora-panel").hidden = !loras;
+  if (!loras) return;
+  const names = [...new Set([...loras.running, ...loras.waiting])].sort();
+  $("loras").replaceChildren(...names.map((name) => {
+    const tr = document.createElement("tr");
+    const where = [loras.running.includes(name) ? "running" : "", loras.waiting.includes(name) ? "waiting" : ""];
+    tr.append(cell(name), cell(where.filter(Boolean).join(", ")));
     return tr;
   }));
 }
