@@ -31,6 +31,7 @@ MODES = {
     "static": dict(batching="static", max_num_seqs=4),
     "prefix-cached": dict(enable_prefix_caching=True),
     "ngram": dict(speculative_config=NGRAM),
+    "preempted": dict(num_kv_blocks=46),  # ten prompts, one of 36 blocks: running sequences give way and come back
 }
 FAST_MODES = ("batch", "chunked")  # the rest under -m slow: the default suite stays fast
 
@@ -75,11 +76,13 @@ def differing(expected: list[Output], got: list[Output]) -> str:
 @pytest.mark.parametrize("mode", [m if m in FAST_MODES else pytest.param(m, marks=pytest.mark.slow) for m in MODES])
 def test_bf16_outputs_alone_equal_batched(smollm_bf16, prompts, alone, mode):
     assert max(map(len, prompts)) > 512 and len(prompts[len(NATURAL)]) + PARAMS.max_tokens > 128
-    llm = LLM(loaded=smollm_bf16, num_kv_blocks=256, **{"enable_prefix_caching": False, **MODES[mode]})
+    llm = LLM(loaded=smollm_bf16, **{"num_kv_blocks": 256, "enable_prefix_caching": False, **MODES[mode]})
     got = outputs(llm, prompts)
     if mode == "prefix-cached":
         got += outputs(llm, prompts)  # every full block of every prompt now hits the cache
         assert llm.engine.prefix_hit_tokens > 0
+    if mode == "preempted":
+        assert llm.engine.num_preemptions > 0
     expected = alone * (len(got) // len(alone))
     assert got == expected, differing(expected, got)
     llm.engine.block_manager.check_no_leaks()
@@ -102,3 +105,13 @@ def test_ngram_halves_the_passes_of_copying_with_the_same_tokens(smollm_bf16, pr
     assert runs["ngram"][0] == runs["plain"][0]
     for plain, ngram in zip(runs["plain"][1], runs["ngram"][1], strict=True):
         assert plain >= 2.0 * ngram, (runs["plain"][1], runs["ngram"][1])
+
+
+def test_seeded_sampling_alone_equals_batched(smollm_bf16, prompts):
+    """Each request's own generator: its sampled bf16 tokens do not depend on the requests beside it."""
+    params = [SamplingParams(temperature=0.9, top_p=0.95, max_tokens=16, seed=100 + i) for i in range(len(prompts))]
+    llm = LLM(loaded=smollm_bf16, num_kv_blocks=256, enable_prefix_caching=False)
+    alone = [llm.generate([p], [q], use_tqdm=False)[0].outputs[0].token_ids for p, q in zip(prompts, params)]
+    together = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+    assert together == alone
+    assert len({tuple(t) for t in alone}) > 1
