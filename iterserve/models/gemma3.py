@@ -20,7 +20,6 @@ from torch import nn
 
 from iterserve.attention import AttentionBackend, AttentionMetadata, KVCache
 from iterserve.config import ModelConfig
-from iterserve.distributed.layers import ParallelLMHead, VocabParallelEmbedding
 from iterserve.distributed.parallel_state import ParallelState
 from iterserve.models.linear import LinearDelta
 from iterserve.models.llama import MLP, Attention, LlamaModel, RMSNorm, rope_inv_freq
@@ -131,20 +130,13 @@ class Gemma3Rotary(nn.Module):
 class Gemma3Model(LlamaModel):
     """Decoder stack plus the tied LM head, with :class:`LlamaModel`'s interface (forward, KV cache, loading)."""
 
-    def __init__(self, config: ModelConfig, parallel: ParallelState | None = None) -> None:
-        nn.Module.__init__(self)  # Llama's layers are not built: Gemma's replace them all
-        ps = parallel or ParallelState()
-        self.config = config
-        self.parallel = ps
-        self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size, ps)
-        types = config.extra["layer_types"]
-        self.layers = nn.ModuleList(Gemma3DecoderLayer(config, ps, t == "sliding_attention", w)
-                                    for t, w in zip(types, layer_windows(config)))
-        self.norm = GemmaRMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.lm_head = ParallelLMHead(config.hidden_size, config.vocab_size, ps)
-        if config.tie_word_embeddings:
-            self.lm_head.weight = self.embed_tokens.weight
-        self.rotary = self.make_rotary()
+    def make_layers(self, ps: ParallelState) -> nn.ModuleList:
+        types = self.config.extra["layer_types"]
+        return nn.ModuleList(Gemma3DecoderLayer(self.config, ps, t == "sliding_attention", w)
+                             for t, w in zip(types, layer_windows(self.config)))
+
+    def make_norm(self) -> nn.Module:
+        return GemmaRMSNorm(self.config.hidden_size, self.config.rms_norm_eps)
 
     def make_rotary(self) -> nn.Module:
         return Gemma3Rotary(self.config)

@@ -171,12 +171,19 @@ class LlamaModel(nn.Module):
         self.config = config
         self.parallel = ps
         self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size, ps)
-        self.layers = nn.ModuleList(DecoderLayer(config, ps, i) for i in range(config.num_layers))
-        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.layers = self.make_layers(ps)
+        self.norm = self.make_norm()
         self.lm_head = ParallelLMHead(config.hidden_size, config.vocab_size, ps)
         if config.tie_word_embeddings:
             self.lm_head.weight = self.embed_tokens.weight
         self.rotary = self.make_rotary()
+
+    def make_layers(self, ps: ParallelState) -> nn.ModuleList:
+        """The decoder layers (a family with other layers builds its own)."""
+        return nn.ModuleList(DecoderLayer(self.config, ps, i) for i in range(self.config.num_layers))
+
+    def make_norm(self) -> nn.Module:
+        return RMSNorm(self.config.hidden_size, self.config.rms_norm_eps)
 
     def make_rotary(self) -> nn.Module:
         """The rotary tables (the loader computes them again on the device, after building on the meta device)."""
