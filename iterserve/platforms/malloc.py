@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import ctypes
 import ctypes.util
+import functools
 import logging
 import os
 
@@ -28,17 +29,26 @@ logger = logging.getLogger(__name__)
 MALLOC_ENV = {"MALLOC_MMAP_MAX_": (-4, 0), "MALLOC_TRIM_THRESHOLD_": (-1, 1 << 30)}
 
 
+@functools.cache
+def _libc() -> ctypes.CDLL | None:
+    """The C library, found once (``find_library`` runs a subprocess); None where it cannot be loaded."""
+    name = ctypes.util.find_library("c")
+    try:
+        return ctypes.CDLL(name) if name else None
+    except OSError:
+        return None
+
+
 def tune_allocator() -> bool:
     """Keep freed memory in this process and in the processes it starts; False where libc is not glibc."""
     for name, (_, value) in MALLOC_ENV.items():
         os.environ.setdefault(name, str(value))
-    libc_name = ctypes.util.find_library("c")
-    if not libc_name:
+    libc = _libc()
+    if libc is None:
         return False
     try:
-        libc = ctypes.CDLL(libc_name)
         return all(bool(libc.mallopt(param, int(os.environ[name]))) for name, (param, _) in MALLOC_ENV.items())
-    except (OSError, AttributeError, ValueError):  # not glibc, or a value that is not an integer
+    except (AttributeError, ValueError):  # not glibc, or a value that is not an integer
         logger.debug("mallopt unavailable; CPU steps will pay page faults on large buffers")
         return False
 
@@ -47,10 +57,8 @@ def release_free_heap() -> bool:
     """Hand the heap's free pages back to the OS (glibc's ``malloc_trim``): loading leaves freed float copies
     and per-tensor buffers behind, below the trim threshold above, which the steps would never reuse.
     False where libc is not glibc."""
-    libc_name = ctypes.util.find_library("c")
-    if not libc_name:
-        return False
+    libc = _libc()
     try:
-        return bool(ctypes.CDLL(libc_name).malloc_trim(0))
-    except (OSError, AttributeError):
+        return libc is not None and bool(libc.malloc_trim(0))
+    except AttributeError:
         return False
