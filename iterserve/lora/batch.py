@@ -19,7 +19,7 @@ class LayerStack:
     """The step's adapters' weights for one layer, side by side: ``a_t`` (A transposed) ``[in, sum of ranks]``,
     ``b`` ``[out, sum of ranks]``, and ``layout``: the place among the step's adapters of each stacked column."""
 
-    a_t: torch.Tensor  # contiguous: a bf16 matmul with a transposed view of A took about 10x as long
+    a_t: torch.Tensor  # contiguous: a bf16 matmul with a transposed view of A takes a far slower path
     b: torch.Tensor
     layout: tuple[int, ...]
 
