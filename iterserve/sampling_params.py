@@ -33,9 +33,8 @@ MIN_TOP_P = 1e-8
 
 # Stop strings are matched against the generated text after every step, and the text that could
 # still become a stop string is held back by a scan whose cost grows with the square of each
-# string's length. Measured on one CPU core, the worst case these caps allow (one string of 1024
-# characters) costs about 0.25 ms per sequence per step, against 0.01 ms for a typical handful
-# of short strings; 10,000 strings of 1 KB cost seconds per step. OpenAI allows 4 strings.
+# string's length: these caps keep the worst case within a fraction of a step, where thousands of
+# long strings would cost seconds per step (docs/benchmarks-history.md). OpenAI allows 4 strings.
 MAX_STOP_STRINGS = 64
 MAX_STOP_CHARS = 1024  # all stop strings together
 # Stop token ids are masked out of the logits on every step until min_tokens is reached.

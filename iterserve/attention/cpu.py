@@ -22,10 +22,9 @@ class CpuBackend(ReferenceBackend):
     prompts of any length as decodes, so that a row's attention never depends on the batch's make-up."""
 
     name = "cpu"
-    # paged_decode on every prompt token, over its own prefix, on the kernels' threads, against SDPA on torch's
-    # one thread: a SmolLM2-135M prefill of 128 / 512 tokens took 60.4 / 315.8 ms against 75.6 / 412.1 (bf16),
-    # tied at 1024 and lost at 1536 (2,025 against 1,789 ms): each row reads its whole prefix, where SDPA
-    # reuses a tile of K/V across rows. A whole step of decodes then runs in one native call.
+    # paged_decode on every prompt token, over its own prefix, on the kernels' threads, beats SDPA on torch's
+    # one thread for short prompts; past this length it loses, since each row reads its whole prefix where SDPA
+    # reuses a tile of K/V across rows (docs/benchmarks-history.md). A step of decodes then runs in one call.
     decode_prompts_up_to = 512
 
     def __init__(self, ops: ModuleType, native_layers: bool = True, batch_invariant: bool = False) -> None:

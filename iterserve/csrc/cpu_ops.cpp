@@ -188,9 +188,8 @@ inline __m512 sum16(const float (*v)[16]) {
 #endif
 
 // The next tile's K and V rows, asked for a few at a time while this tile's scores are computed. Asked for all
-// at once (128 lines) at the start of a tile, the fetch did not overlap the arithmetic: K/V from DRAM went at
-// 22 GB/s against 43 GB/s from cache and a 47 GB/s streaming read (batch 16, context 512, bf16); two rows
-// per pair of keys, 28-32 GB/s (the 64-request workload: 727 -> 767 output tokens/s).
+// at once at the start of a tile, the fetch does not overlap the arithmetic and K/V from DRAM arrive at about
+// half the rate they do from cache (docs/benchmarks-history.md).
 template <typename T>
 struct RowPrefetch {
   const T* const* k;
@@ -498,8 +497,8 @@ inline void head_rows(const T* cache, const int64_t* table, int64_t block_size, 
 }
 
 // Ask for n rows ahead of use. At batch 1 the step streams the weights between two layers' attention, so
-// every layer's K/V comes from DRAM; fetched on demand, decode attention took 70 us a layer at context 128
-// (SmolLM2 at batch 1: 196 KB of K/V, 6 us at the streaming read rate).
+// every layer's K/V comes from DRAM; fetched on demand, each row's latency is paid in turn, many times the
+// time its bytes take at the streaming read rate.
 template <typename T, int Locality = 3>
 inline void prefetch_rows(const T* const* rows, int64_t n, int64_t row_bytes) {
   for (int64_t j = 0; j < n; ++j)
@@ -879,8 +878,7 @@ void fused_add_rms_norm(at::Tensor x, at::Tensor residual, const at::Tensor& wei
 namespace {
 
 // o = v * cos + rotate_half(v) * sin for one head of dim = 2 * half. Written out per element, GCC kept the loop
-// scalar (it could not rule out aliasing between the four buffers): RoPE took 3% of a 2,048-token prefill,
-// 0.8-1.5 ms a call on 2,048 tokens of SmolLM2's q and k, 0.2-0.34 ms as vectors.
+// scalar (it could not rule out aliasing between the four buffers), so the vectors are written out.
 inline void rotate_half(const float* v, const float* c, const float* s, float* o, int64_t half) {
   int64_t d = 0;
   for (; d + kVecSize <= half; d += kVecSize) {
@@ -942,8 +940,7 @@ at::Tensor silu_and_mul(const at::Tensor& x) {
     const T* xp = x.data_ptr<T>();
     T* op = out.data_ptr<T>();
     const int64_t xs = x.stride(0);
-    // One pass a row, widening and rounding on the way (three passes through float buffers took 3.5% of a
-    // 2,048-token prefill).
+    // One pass a row, widening and rounding on the way, rather than three passes through float buffers.
     iterserve::parallel_chunks(tokens, 8, [&](int64_t begin, int64_t end) {
       const Vec one(1.f);
       for (int64_t i = begin; i < end; ++i) {
@@ -966,9 +963,8 @@ at::Tensor silu_and_mul(const at::Tensor& x) {
 }
 
 // Each row's index of its largest value: the first of equal ones, and the first NaN where there is one (as
-// torch.argmax). torch's CPU argmax compares one element at a time: 1.7 ms for 64 rows of SmolLM2's 49,152
-// float32 logits, where a vector max over them takes 0.08 ms. Here the vector max, then a scan for its first
-// index: 0.45 ms.
+// torch.argmax). torch's CPU argmax compares one element at a time, many times slower than a vector max over
+// the row. Here the vector max, then a scan for its first index.
 at::Tensor argmax_rows(const at::Tensor& x) {
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.stride(1) == 1 && x.size(1) > 0,
               "argmax_rows: float32 [rows, n > 0] with contiguous rows expected");

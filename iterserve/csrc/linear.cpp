@@ -38,15 +38,12 @@ using Vec = at::vec::Vectorized<float>;
 constexpr int64_t kV = Vec::size();
 constexpr int kMaxMR = 8;  // rows per register tile
 constexpr int kGroup = 12;  // blocks per chunk and per AMX column walk: a multiple of both tile widths (3 and 4)
-// k steps a tile asks for its weight ahead of use, from 4 rows up. The hardware prefetcher alone left a tile
-// of 8 rows waiting on memory: all of SmolLM2's matmuls (bf16, streamed from DRAM) took 8.88 ms at 8 rows
-// against 7.89 with it, 7.46 against 7.65 at one row (where the prefetcher keeps up on its own).
+// k steps a tile asks for its weight ahead of use, from 4 rows up: the hardware prefetcher alone leaves a tile
+// of several rows waiting on memory, while at one row it keeps up on its own.
 constexpr int64_t kAhead = 32;
 constexpr int prefetch_for(int mr) { return mr >= 4 ? kAhead : 0; }
-// Every tile also asks for its weight this many bytes ahead into L2, each block's stream on its own. All of
-// SmolLM2's matmuls (weights from DRAM, one process, with and without it alternating) took, in bf16 on k-pairs,
-// 0.88 / 0.77 / 0.79 / 0.97 / 0.92x the time at 1 / 4 / 8 / 16 / 2,048 rows (2 and 6 KiB within 5% of 4); in
-// float32 0.96 / 0.83x at 1 / 4 rows and 0.99-1.02x at 8-64.
+// Every tile also asks for its weight this many bytes ahead into L2, each block's stream on its own, so that
+// weights streamed from DRAM arrive before the arithmetic needs them (docs/benchmarks-history.md).
 constexpr int64_t kFarBytes = 4096;
 
 inline Vec load_w(const float* p) { return Vec::loadu(p); }
@@ -273,9 +270,8 @@ inline void with_rows(int64_t rows, F&& f) {
 // One thread's blocks [b0, b1) for every row. Up to 8 rows stream the weight once. More rows take it a tile
 // at a time, every row group in turn while the tile is in cache, and on k-pairs the row groups share the
 // fetch of the next tile into L2, so that the memory stays busy while the later row groups compute (see
-// tile). Row group 0 of a 12-block group streaming alone, then the others computing alone, left 16 rows at
-// 8.2 ms for all of SmolLM2's bf16 matmuls against 5.8 ms to read them and 5.1 ms to compute them; tile by
-// tile they took 0.91-0.95x that time, 24 rows 0.90-0.93x (one process, the two orders alternating).
+// tile): one row group streaming a whole group alone, then the others computing alone, serializes reading
+// and computing.
 template <typename T>
 void run_blocks(const char* x, int64_t x_row_bytes, int64_t xs, int64_t M, const T* packed, int64_t bstride,
                 int64_t K, int64_t b0, int64_t b1, const float* bias, T* y, int64_t N) {
@@ -345,10 +341,8 @@ void packed_linear_impl(const at::Tensor& x, const at::Tensor& packed, const at:
   const int64_t threads = iterserve::ChunkPool::get().threads();
   int64_t chunk = balanced_chunk(blocks, threads, 4, nb_for(static_cast<int>(std::min<int64_t>(M, kMaxMR))), kGroup);
   // More rows: whole tiles, at least two chunks a thread, split so that no thread gets more blocks than it
-  // must (a chunk's first tile is the one no earlier tile fetched ahead, so the longest such chunks). The
-  // 1-8 row chunks of an earlier rule (12, 6, 4, ... blocks), doubled, left one thread 3 of 5 chunks of the QKV
-  // projection: all of SmolLM2's bf16 matmuls at 2,048 rows took 697.7 against 630.3 ms, at 64 rows 23.6
-  // against 21.5 (one process, alternating).
+  // must (a chunk's first tile is the one no earlier tile fetched ahead, so the longest such chunks): the
+  // small-row chunk sizes, doubled, can leave one thread most of a projection's chunks.
   if (M > kMaxMR) {
     int64_t unit = nb_for(kMaxMR);
 #ifdef ITERSERVE_AMX

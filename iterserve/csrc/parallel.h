@@ -13,13 +13,12 @@
 //
 // A worker descheduled while it holds a chunk still costs the caller a wait of about one time slice. A wait
 // past kStallMicros and four times what one chunk took the caller is such a stall. Beside a busy process
-// stalls come every 4-12 ms (400 in a run of about 8 s on a 2-core EPYC); a quiet VM has a few a second, now
-// and then two close together. kStallStreak stalls each within kStallGapMillis of the last say that another
+// stalls come every few milliseconds; a quiet VM has a few a second, now and then two close together
+// (docs/benchmarks-history.md). kStallStreak stalls each within kStallGapMillis of the last say that another
 // process holds a core: the caller then runs every loop alone for ITERSERVE_POOL_SOLO_MS (default 200; 0
 // turns this off), twice as long each time the contention is back within kRetryMillis of the last stretch
 // (up to kSoloMaxMillis), before trying the workers again. Alone, the caller and the other process each keep
-// a core, where two threads of ours sharing one stalled each other: a float32 batch-1 decode step beside one
-// busy process took 2.8x its quiet time.
+// a core, where two threads of ours sharing one stall each other at every loop.
 
 #pragma once
 

@@ -247,9 +247,8 @@ at::Tensor qgemm(const at::Tensor& x, const at::Tensor& w, int64_t n, int64_t bi
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, x.scalar_type(), "qgemm", [&] {
     scalar_t* op = out.data_ptr<scalar_t>();
     // The kernels' pool (parallel.h), not torch's OpenMP team: a CPU engine gives its threads to the pool.
-    // Twelve tiles (192 columns) a chunk: a thread streams that many contiguous tiles between claims. Against
-    // four, a SmolLM2-135M Q4_1 decode step took 3.04-3.27 against 3.57-4.16 ms at batch 1 and 7.0-7.3
-    // against 7.3-8.1 ms at batch 8 (four runs each, alternating); 24 measured the same as 12.
+    // Twelve tiles (192 columns) a chunk: a thread streams that many contiguous tiles between claims, few
+    // enough claims that their cost vanishes, enough chunks that both threads finish together.
     iterserve::parallel_chunks(tiles, 12, [&](int64_t begin, int64_t end) {
       float buf[kRowGroup * kCols];
       for (int64_t t = begin; t < end; ++t) {
@@ -268,7 +267,7 @@ at::Tensor qgemm(const at::Tensor& x, const at::Tensor& w, int64_t n, int64_t bi
 namespace {
 
 // Rows `ids` of a packed [n, k] weight as `dtype` values, shaped [*ids.shape, k]: an embedding lookup
-// that reads a few hundred bytes per id (the PyTorch path gathers whole tiles and took 160 us per token).
+// that reads a few hundred bytes per id, where gathering whole tiles reads tens of kilobytes.
 at::Tensor qrows(const at::Tensor& w, const at::Tensor& ids, int64_t n, int64_t k, int64_t bits,
                  at::ScalarType dtype) {
   TORCH_CHECK(bits == 4 || bits == 8, "bits must be 4 or 8, got ", bits);

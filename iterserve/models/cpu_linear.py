@@ -40,9 +40,8 @@ logger = logging.getLogger(__name__)
 
 PROBE_ROWS = (1, 8, 64)
 
-# Rows from which bf16 runs on AMX tiles (where built) rather than vdpbf16ps. Tiles won at every row count,
-# though mostly padding below 16 rows: a SmolLM2-135M bf16 decode step took 14.3 / 16.2 / 26.8 ms at batch
-# 1 / 4 / 8 on tiles against 15.2 / 19.8 / 31.2 ms on the vector path (the two alternating step by step).
+# Rows from which bf16 runs on AMX tiles (where built) rather than vdpbf16ps: tiles won at every row count
+# measured, even below 16 rows where they are mostly padding (docs/benchmarks-history.md).
 AMX_MIN_ROWS = 1
 
 
