@@ -10,7 +10,8 @@ import torch
 
 from iterserve.config import ModelConfig
 from iterserve.formats.gguf_file import gguf_field
-from iterserve.models.moe import GGUF_EXPERT_NAMES, gguf_moe_config
+from iterserve.models.moe import GGUF_EXPERT_NAMES, ExpertBlocks, gguf_moe_config
+from iterserve.quantization.gguf_weight import from_stored
 from iterserve.quantization.model import gguf_block_tensors
 from iterserve.quantization.packed import from_gguf
 
@@ -94,7 +95,8 @@ def _gguf_name(name: str, config: ModelConfig, permute: bool) -> tuple[str, int 
 
 def gguf_tensors(reader, config: ModelConfig, keep_blocks: bool = False):
     """``(Hugging Face name, tensor)`` for every GGUF tensor: float, or with ``keep_blocks`` a
-    :class:`BlockWeight` or :class:`GGUFWeight` for the matrices :func:`gguf_block_tensors` keeps in blocks."""
+    :class:`BlockWeight` or :class:`GGUFWeight` for the matrices :func:`gguf_block_tensors` keeps in blocks (an
+    :class:`ExpertBlocks` for a MoE layer's experts)."""
     import gguf
 
     permute = reader.fields["general.architecture"].contents() in ("llama", "mistral")
@@ -102,6 +104,11 @@ def gguf_tensors(reader, config: ModelConfig, keep_blocks: bool = False):
         else {}
     for t in reader.tensors:
         hf, heads = _gguf_name(t.name, config, permute)
+        if t.name in kept and len(t.shape) == 3:  # a MoE layer's experts: [experts, n, k], expert-major
+            experts, n, k = int(t.shape[2]), int(t.shape[1]), int(t.shape[0])
+            data = np.asarray(t.data).reshape(experts, -1)
+            yield hf, ExpertBlocks([from_stored(data[e], t.tensor_type.name, n, k) for e in range(experts)])
+            continue
         if t.name in kept:
             n = int(t.shape[1])
             blocks = from_gguf(t.data, t.tensor_type.name, n, int(t.shape[0]), as_stored=kept[t.name])

@@ -15,13 +15,17 @@ Checkpoints name expert weights several ways, all read here (:class:`ExpertLoade
 3-D ``mlp.experts.gate_up_proj`` / ``down_proj``; one 2-D tensor per expert, ``mlp.experts.N.gate_proj`` /
 ``up_proj`` / ``down_proj`` (Qwen3-MoE on the Hub and what ``save_pretrained`` writes) or
 ``block_sparse_moe.experts.N.w1`` / ``w3`` / ``w2`` (Mixtral); and GGUF's 3-D ``ffn_gate_exps`` /
-``ffn_up_exps`` / ``ffn_down_exps`` with the router as ``ffn_gate_inp``.
+``ffn_up_exps`` / ``ffn_down_exps`` with the router as ``ffn_gate_inp``. With ``quantization="gguf"`` GGUF's
+quantized experts stay in their blocks (:class:`ExpertBlocks`), one weight per expert multiplied as stored by
+the kernel of every other GGUF layer, so a quantized MoE file holds about its own size in memory.
 """
 
 from __future__ import annotations
 
 import re
+import typing
 from collections.abc import Callable, Iterable, Iterator
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -30,6 +34,8 @@ from torch import nn
 
 from iterserve.attention import AttentionBackend
 from iterserve.config import ModelConfig
+from iterserve.quantization import gguf_weight
+from iterserve.quantization.gguf_weight import GGUFWeight
 
 
 class Router(nn.Module):
@@ -41,13 +47,67 @@ class Router(nn.Module):
         self.weight = nn.Parameter(torch.empty(experts, hidden))
 
 
+@dataclass
+class ExpertBlocks:
+    """A GGUF 3-D experts tensor kept in its blocks: one ``[out, in]`` weight per expert."""
+
+    weights: list[GGUFWeight]
+
+
 class Experts(nn.Module):
-    """Every expert's weights as one 3-D tensor per projection, ``[experts, out, in]``."""
+    """Every expert's weights as one 3-D tensor per projection, ``[experts, out, in]``, or a projection's
+    experts each in GGUF blocks (``gate_up_blocks``, ``down_blocks``; its 3-D tensor is then empty)."""
 
     def __init__(self, experts: int, hidden: int, width: int) -> None:
         super().__init__()
         self.gate_up_proj = nn.Parameter(torch.empty(experts, 2 * width, hidden))
         self.down_proj = nn.Parameter(torch.empty(experts, hidden, width))
+        self.gate_up_blocks: list[GGUFWeight] = []
+        self.down_blocks: list[GGUFWeight] = []
+        self._loading: dict[tuple[str, int | None], list[GGUFWeight]] = {}
+
+    @property
+    def qweights(self) -> list[GGUFWeight]:
+        """The weights kept in blocks (what the engine counts per format)."""
+        return self.gate_up_blocks + self.down_blocks
+
+    def gate_up(self, expert: int, x: torch.Tensor) -> torch.Tensor:
+        if self.gate_up_blocks:
+            return gguf_weight.linear(x, self.gate_up_blocks[expert])
+        return F.linear(x, self.gate_up_proj[expert])
+
+    def down(self, expert: int, h: torch.Tensor) -> torch.Tensor:
+        if self.down_blocks:
+            return gguf_weight.linear(h, self.down_blocks[expert])
+        return F.linear(h, self.down_proj[expert])
+
+    def keep_blocks(self, param: str, part: int | None, weights: list[GGUFWeight]) -> None:
+        """Hold every expert's ``param`` (``part`` 0 / 1: its gate / up rows) in blocks until :meth:`finish_blocks`."""
+        dest: torch.Tensor = getattr(self, param)
+        shape = (dest.shape[1] // (1 if part is None else 2), dest.shape[2])
+        if len(weights) != dest.shape[0] or any(w.shape != shape for w in weights):
+            raise ValueError(f"has {len(weights)} experts of shape {weights[0].shape if weights else ()}, expected "
+                             f"{dest.shape[0]} of {shape}")
+        self._loading[(param, part)] = weights
+
+    def finish_blocks(self) -> None:
+        """Each expert's gate and up blocks fused and tiled for the kernel; a projection held in blocks drops its
+        float tensor (its memory is what keeping the blocks saves)."""
+        loading, self._loading = self._loading, {}
+        gate, up = loading.pop(("gate_up_proj", 0), None), loading.pop(("gate_up_proj", 1), None)
+        if (gate is None) != (up is None) or loading.keys() - {("down_proj", None)}:
+            raise ValueError("an expert layer's gate and up weights load both in blocks or both as float")
+        device = self.down_proj.device
+        if gate is not None and up is not None:
+            self.gate_up_blocks = [GGUFWeight.cat([g, u]).tiled().to(device) for g, u in zip(gate, up)]
+            self.gate_up_proj = _released(self.gate_up_proj)
+        if (down := loading.get(("down_proj", None))) is not None:
+            self.down_blocks = [w.tiled().to(device) for w in down]
+            self.down_proj = _released(self.down_proj)
+
+
+def _released(p: nn.Parameter) -> nn.Parameter:
+    return nn.Parameter(torch.empty(0, dtype=p.dtype, device=p.device), requires_grad=False)
 
 
 def route(x: torch.Tensor, router: torch.Tensor, top_k: int, renormalise: bool) -> tuple[torch.Tensor, torch.Tensor]:
@@ -59,8 +119,11 @@ def route(x: torch.Tensor, router: torch.Tensor, top_k: int, renormalise: bool) 
     return weights, experts
 
 
-def mix_experts(x: torch.Tensor, weights: torch.Tensor, experts: torch.Tensor, gate_up: torch.Tensor,
-                down: torch.Tensor, backend: AttentionBackend) -> torch.Tensor:
+Matmul = Callable[[int, torch.Tensor], torch.Tensor]  # (expert, rows) -> the rows times that expert's weight
+
+
+def mix_experts(x: torch.Tensor, weights: torch.Tensor, experts: torch.Tensor, num_experts: int, gate_up: Matmul,
+                down: Matmul, backend: AttentionBackend) -> torch.Tensor:
     """``sum_k weights[:, k] * expert_{experts[:, k]}(x)``, one gathered matmul pair per expert hit.
 
     Experts run in increasing id, so each row's sum is in the same order whatever else is in the batch.
@@ -70,15 +133,15 @@ def mix_experts(x: torch.Tensor, weights: torch.Tensor, experts: torch.Tensor, g
     order = torch.argsort(flat, stable=True)  # (row, rank) pairs grouped by expert, rows ascending in each
     rows = order // top_k
     row_weights = weights.reshape(-1)[order].to(x.dtype)
-    counts = torch.bincount(flat, minlength=gate_up.shape[0]).tolist()
+    counts = torch.bincount(flat, minlength=num_experts).tolist()
     out = torch.zeros_like(x)
     start = 0
     for expert, count in enumerate(counts):
         if not count:
             continue
         picked = rows[start:start + count]
-        h = backend.silu_and_mul(F.linear(x[picked], gate_up[expert]))
-        out.index_add_(0, picked, F.linear(h, down[expert]) * row_weights[start:start + count, None])
+        h = backend.silu_and_mul(gate_up(expert, x[picked]))
+        out.index_add_(0, picked, down(expert, h) * row_weights[start:start + count, None])
         start += count
     return out
 
@@ -88,14 +151,14 @@ class SparseMoeBlock(nn.Module):
 
     def __init__(self, config: ModelConfig) -> None:
         super().__init__()
-        self.top_k = config.num_experts_per_tok
+        self.top_k, self.num_experts = config.num_experts_per_tok, config.num_experts
         self.renormalise = config.norm_topk_prob
         self.gate = Router(config.hidden_size, config.num_experts)
         self.experts = Experts(config.num_experts, config.hidden_size, config.expert_intermediate_size)
 
     def forward(self, x: torch.Tensor, backend: AttentionBackend) -> torch.Tensor:
         weights, experts = route(x, self.gate.weight, self.top_k, self.renormalise)
-        return mix_experts(x, weights, experts, self.experts.gate_up_proj, self.experts.down_proj, backend)
+        return mix_experts(x, weights, experts, self.num_experts, self.experts.gate_up, self.experts.down, backend)
 
 
 # -- loading ------------------------------------------------------------------------------------------
@@ -150,6 +213,9 @@ class ExpertLoader:
                     self._copy(f"layers.{every.group(1)}.mlp.experts.{param}", None, part, tensor)
             except ValueError as e:
                 raise ValueError(f"weight {hf_name!r}: {e}") from None
+        for module in self.model.modules():
+            if isinstance(module, Experts):
+                module.finish_blocks()
         missing = [f"{name.rpartition('.')[0]}.{e}.{'down_proj' if p is None else ('gate_proj', 'up_proj')[p]}"
                    for name, left in self._needed.items() for e, p in sorted(left, key=lambda ep: (ep[0], ep[1] or 0))]
         if missing:
@@ -164,15 +230,19 @@ class ExpertLoader:
         experts = range(dest.shape[0]) if expert is None else [expert]
         if expert is not None and not 0 <= expert < dest.shape[0]:
             raise ValueError(f"expert {expert} is out of range: the model has {dest.shape[0]} experts")
-        view = dest if expert is None else dest[expert]
-        if part is not None:
-            width = dest.shape[1] // 2
-            view = view[..., part * width:(part + 1) * width, :]
-        src = _dense(tensor)
-        if tuple(src.shape) != tuple(view.shape):
-            raise ValueError(f"has shape {tuple(src.shape)}, expected {tuple(view.shape)}")
-        with torch.no_grad():
-            view.copy_(src)
+        if isinstance(tensor, ExpertBlocks):  # GGUF's 3-D experts, every expert at once
+            module, _, param = name.rpartition(".")
+            typing.cast(Experts, self.model.get_submodule(module)).keep_blocks(param, part, tensor.weights)
+        else:
+            view = dest if expert is None else dest[expert]
+            if part is not None:
+                width = dest.shape[1] // 2
+                view = view[..., part * width:(part + 1) * width, :]
+            src = _dense(tensor)
+            if tuple(src.shape) != tuple(view.shape):
+                raise ValueError(f"has shape {tuple(src.shape)}, expected {tuple(view.shape)}")
+            with torch.no_grad():
+                view.copy_(src)
         for e in experts:
             for p in ((0, 1) if part is None and name.endswith("gate_up_proj") else (part,)):
                 self._needed[name].discard((e, p))

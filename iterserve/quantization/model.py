@@ -72,15 +72,20 @@ def check_quantization(quantization: str | None) -> str | None:
 
 # -- which GGUF tensors stay in blocks -------------------------------------------------------------
 
-# Tensors fused into one layer: they stay in blocks together or not at all.
-_FUSED = re.compile(r"^(blk\.\d+)\.(?:attn_[qkv]|ffn_gate|ffn_up)\.weight$")
+# Tensors fused into one layer: they stay in blocks together or not at all (a MoE layer's gate and up experts too).
+_FUSED = re.compile(r"^(blk\.\d+)\.(?:attn_[qkv]|ffn_gate|ffn_up)(_exps)?\.weight$")
 
 
 def _group(name: str) -> str:
     m = _FUSED.match(name)
     if not m:
         return name
-    return m.group(1) + (".attn_qkv" if ".attn_" in name else ".ffn_gate_up")
+    return m.group(1) + (".attn_qkv" if ".attn_" in name else ".ffn_gate_up") + (m.group(2) or "")
+
+
+def _is_matrix(name: str, dims: int) -> bool:
+    """A weight matrix: 2-D, or a MoE layer's 3-D experts (one matrix per expert)."""
+    return dims == 2 or (dims == 3 and name.endswith("_exps.weight"))
 
 
 GGUF_FLOAT_TYPES = ("F32", "F16", "BF16")
@@ -89,9 +94,9 @@ GGUF_FLOAT_TYPES = ("F32", "F16", "BF16")
 def gguf_block_tensors(tensors: Iterable[tuple[str, str, int]]) -> dict[str, bool]:
     """The matrices (``(name, type name, dims)``) that ``quantization="gguf"`` keeps in blocks, those whose
     fused partners are quantized too, each with whether it stays as stored (its group holds a type beyond
-    Q4_0/Q4_1/Q8_0: a fused layer's parts share one weight class). The rest are logged, once, as loaded in
-    float; a type neither quantized nor float is refused."""
-    matrices = [(name, kind) for name, kind, dims in tensors if dims == 2]
+    Q4_0/Q4_1/Q8_0: a fused layer's parts share one weight class; experts always stay as stored). The rest are
+    logged, once, as loaded in float; a type neither quantized nor float is refused."""
+    matrices = [(name, kind) for name, kind, dims in tensors if _is_matrix(name, dims)]
     for name, kind in matrices:
         if kind not in GGUF_PACKED_TYPES + GGUF_FLOAT_TYPES:
             raise ValueError(f"GGUF tensor {name} has type {kind}, which quantization=gguf does not load; supported "
@@ -99,7 +104,8 @@ def gguf_block_tensors(tensors: Iterable[tuple[str, str, int]]) -> dict[str, boo
     groups: dict[str, list[tuple[str, str]]] = {}
     for name, kind in matrices:
         groups.setdefault(_group(name), []).append((name, kind))
-    kept = {name: any(kind not in GGUF_REPACKED_TYPES for _, kind in members) for members in groups.values()
+    kept = {name: name.endswith("_exps.weight") or any(kind not in GGUF_REPACKED_TYPES for _, kind in members)
+            for members in groups.values()
             if all(kind in GGUF_PACKED_TYPES for _, kind in members) for name, _ in members}
     floats = Counter(kind for name, kind in matrices if name not in kept)
     if floats:
@@ -272,9 +278,10 @@ def weight_formats(model: nn.Module) -> list[WeightFormat]:
         q = getattr(module, "qweight", None)
         if isinstance(q, PackedWeight):
             add(q, q.fmt, q.n * q.k, q.nbytes)
-        elif isinstance(q, GGUFWeight):  # each part in its own type, a fused layer's too
-            for part in q.parts:
-                add(part.raw, part.type_name, part.rows * q.k, part.raw.numel())
+        # each part in its own type, a fused layer's too; a MoE layer's experts (``qweights``) one by one
+        for w in [q] if isinstance(q, GGUFWeight) else getattr(module, "qweights", []):
+            for part in w.parts:
+                add(part.raw, part.type_name, part.rows * w.k, part.raw.numel())
         packed = getattr(module, "packed", None)  # a float weight re-laid out for the CPU kernel (cpu_linear)
         weight = getattr(module, "weight", None)
         if isinstance(packed, torch.Tensor) and isinstance(weight, torch.Tensor):

@@ -14,7 +14,9 @@ from iterserve.formats.gguf_file import open_gguf
 from iterserve.models import gguf_model
 from iterserve.models.gguf_model import gguf_config
 from iterserve.models.loader import _empty_model, load_hf_state_dict
-from tests.models.test_llama import run_ours
+from iterserve.models.moe import mix_experts, route
+from iterserve.quantization.model import gguf_block_tensors, weight_formats
+from tests.models.test_llama import CPU, run_ours
 from tests.models.test_moe import VOCAB, hf_model
 
 Q = gguf.GGMLQuantizationType
@@ -124,3 +126,53 @@ def test_gguf_experts_in_other_types_load_dequantized(tmp_path, experts_type):
     ids = torch.randint(0, VOCAB, (12,), generator=torch.Generator().manual_seed(5))
     a, b = run_ours(exact, ids, [12]), run_ours(model, ids, [12])
     assert (a - b).abs().max().item() < 0.05
+
+
+def load_in_blocks(path: Path):
+    """The model as ``quantization="gguf"`` loads it: quantized experts kept in their blocks."""
+    reader = open_gguf(path)
+    config = gguf_config(reader, "tiny")
+    model = _empty_model(config, torch.float32, torch.device("cpu"))
+    load_hf_state_dict(model, gguf_model.gguf_tensors(reader, config, keep_blocks=True))
+    return model
+
+
+@pytest.mark.parametrize("kind,experts_type", [("qwen3moe-all-sparse", Q.Q8_0), ("mixtral", Q.Q5_0),
+                                               ("mixtral", Q.Q4_0)])
+def test_gguf_experts_stay_in_their_blocks(tmp_path, kind, experts_type):
+    path = write_gguf(tmp_path / "experts.gguf", hf_model(kind), experts_type)
+    dense, kept = load(path), load_in_blocks(path)
+    c = kept.config
+    moe_layers = [layer.mlp for layer in kept.layers if hasattr(layer.mlp, "experts")]
+    for mlp in moe_layers:
+        assert mlp.experts.gate_up_proj.numel() == 0 and mlp.experts.down_proj.numel() == 0
+        assert len(mlp.experts.gate_up_blocks) == len(mlp.experts.down_blocks) == c.num_experts
+    # the engine counts every expert's blocks in their type: the file's bytes, blocks laid out for the kernel
+    # padded to whole dwords (all but Q4_0)
+    fmt = {f.fmt: f for f in weight_formats(kept)}[experts_type.name]
+    params = len(moe_layers) * c.num_experts * 3 * c.expert_intermediate_size * c.hidden_size
+    block, nbytes = gguf.GGML_QUANT_SIZES[experts_type]
+    nbytes = nbytes if experts_type == Q.Q4_0 else -(-nbytes // 4) * 4
+    assert (fmt.tensors, fmt.parameters, fmt.bytes) == (len(moe_layers) * c.num_experts * 2, params,
+                                                       params // block * nbytes)
+    ids = torch.randint(0, VOCAB, (12,), generator=torch.Generator().manual_seed(6))
+    a, b = run_ours(dense, ids, [12]), run_ours(kept, ids, [12])
+    assert (a - b).abs().max().item() < 0.05  # the kernel multiplies activations rounded to int8 per 32
+    # a row's experts give it the same values whichever rows share them
+    x = torch.randn(9, c.hidden_size, generator=torch.Generator().manual_seed(7))
+    weights, chosen = route(x, moe_layers[0].gate.weight, c.num_experts_per_tok, True)
+    e = moe_layers[0].experts
+
+    def mix(rows: slice) -> torch.Tensor:
+        return mix_experts(x[rows], weights[rows], chosen[rows], c.num_experts, e.gate_up, e.down, CPU)
+    assert torch.equal(mix(slice(0, 9)), torch.cat([mix(slice(i, i + 1)) for i in range(9)]))
+
+
+def test_gguf_gate_and_up_experts_stay_in_blocks_together(tmp_path):
+    """A layer whose up experts are float keeps its gate experts float too (they fuse into one matmul)."""
+    hf = hf_model("qwen3moe-all-sparse")
+    tensors = gguf_tensors(hf, llama=False)
+    kept = gguf_block_tensors((name, "F16" if "ffn_up_exps" in name else "Q8_0" if "_exps" in name else "F32",
+                               x.ndim) for name, x in tensors.items())
+    assert not any("gate_exps" in name for name in kept)
+    assert all(as_stored for name, as_stored in kept.items()) and any("down_exps" in name for name in kept)
