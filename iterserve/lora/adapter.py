@@ -6,7 +6,8 @@ A PEFT folder holds ``adapter_config.json`` (``r``, ``lora_alpha``, ``use_rslora
 ``gate_up_proj``, so the adapter's parts of a fused layer are stacked: their A matrices one above the other,
 their B matrices block-diagonally (part p's rows of the fused output, part p's columns of the stacked rank),
 so that ``x @ A.T @ B.T`` is each part's product in its own slice and zero in the parts it does not target.
-The scaling (``lora_alpha / r``, or ``/ sqrt(r)`` with rsLoRA) is folded into B once, at load.
+The scaling (``lora_alpha / r``, or ``/ sqrt(r)`` with rsLoRA) is folded into B once, at load. A llama.cpp
+GGUF adapter file reads into the same names (:mod:`iterserve.lora.gguf_adapter`).
 """
 
 from __future__ import annotations
@@ -20,7 +21,9 @@ from typing import Any
 
 import torch
 
+from iterserve.config import ModelConfig
 from iterserve.distributed.layers import ColumnParallelLinear
+from iterserve.lora.gguf_adapter import is_gguf_adapter, read_gguf_adapter
 from iterserve.lora.request import LoRARequest
 from iterserve.models.linear import LinearBase
 from iterserve.models.llama import LlamaModel
@@ -104,6 +107,24 @@ def read_tensors(lora: LoRARequest) -> dict[str, torch.Tensor]:
         raise AdapterError(lora, f"cannot read {WEIGHTS_FILE}: {e}") from None
 
 
+def read_adapter(lora: LoRARequest, max_rank: int, config: ModelConfig) -> tuple[int, float, dict[str, torch.Tensor]]:
+    """The rank, scaling and PEFT-named tensors of a PEFT folder or of a llama.cpp GGUF adapter file."""
+    if not lora.lora_path:
+        raise AdapterError(lora, "no lora_path to load it from")
+    if is_gguf_adapter(lora):
+        try:
+            rank, scaling, tensors = read_gguf_adapter(lora, config)
+        except ValueError as e:
+            raise AdapterError(lora, str(e)) from None
+        if rank > max_rank:
+            raise AdapterError(lora, f"rank {rank} is above max_lora_rank={max_rank}")
+        return rank, scaling, tensors
+    if not Path(lora.lora_path).is_dir():
+        raise AdapterError(lora, "the adapter folder does not exist")
+    rank, scaling = read_config(lora, max_rank)
+    return rank, scaling, read_tensors(lora)
+
+
 def group_parts(lora: LoRARequest, tensors: dict[str, torch.Tensor],
                 num_layers: int) -> dict[tuple[int, str], dict[int | None, dict[str, torch.Tensor]]]:
     """``{(layer index, fused layer name): {part: {"A": ..., "B": ...}}}``; a tensor naming a module this model
@@ -157,12 +178,8 @@ def fuse(lora: LoRARequest, layer: LinearBase, index: int, name: str, parts: dic
 
 def load_adapter(lora: LoRARequest, model: LlamaModel, max_rank: int) -> LoRAAdapter:
     """Read and check the adapter at ``lora.lora_path`` and lay it out for ``model``'s fused layers."""
-    if not lora.lora_path:
-        raise AdapterError(lora, "no lora_path to load it from")
-    if not Path(lora.lora_path).is_dir():
-        raise AdapterError(lora, "the adapter folder does not exist")
-    rank, scaling = read_config(lora, max_rank)
-    grouped = group_parts(lora, read_tensors(lora), model.config.num_layers)
+    rank, scaling, tensors = read_adapter(lora, max_rank, model.config)
+    grouped = group_parts(lora, tensors, model.config.num_layers)
     weights: dict[LinearBase, LoRAWeights] = {}
     for (index, name), parts in sorted(grouped.items(), key=lambda kv: (kv[0][0], kv[0][1])):
         try:

@@ -4,11 +4,9 @@ problem named instead of failing the requests that name it."""
 
 from __future__ import annotations
 
-from pathlib import Path
-
 from iterserve.config import ModelConfig
 from iterserve.config.moe import is_moe_layer
-from iterserve.lora.adapter import MODULE_OF, AdapterError, group_parts, read_config, read_tensors
+from iterserve.lora.adapter import MODULE_OF, AdapterError, group_parts, read_adapter
 from iterserve.lora.request import LoRARequest
 from iterserve.models.archs import model_class
 
@@ -28,11 +26,9 @@ def check_adapter(lora: LoRARequest, config: ModelConfig, max_rank: int) -> None
     """Raise :class:`AdapterError` naming the first thing that keeps the adapter from running on this model."""
     if not model_class(config).supports_lora:
         raise AdapterError(lora, f"LoRA adapters are not supported on {model_class(config).__name__} models")
-    if not lora.lora_path or not Path(lora.lora_path).is_dir():
-        raise AdapterError(lora, "the adapter folder does not exist")
-    read_config(lora, max_rank)
+    _, _, tensors = read_adapter(lora, max_rank, config)
     shapes = module_shapes(config)
-    for (index, layer), parts in group_parts(lora, read_tensors(lora), config.num_layers).items():
+    for (index, layer), parts in group_parts(lora, tensors, config.num_layers).items():
         if layer.startswith("mlp.") and is_moe_layer(config, index):
             raise AdapterError(lora, f"layers.{index}.{layer} is not a linear layer of this model")
         for part, pair in parts.items():

@@ -61,7 +61,7 @@ def gguf_config(reader, name: str = "") -> ModelConfig:
     ), g)
 
 
-def _unpermute_rope(w: np.ndarray, n_heads: int) -> np.ndarray:
+def unpermute_rope(w: np.ndarray, n_heads: int) -> np.ndarray:
     """Undo llama.cpp's interleaving of Q/K rows so RoPE uses the rotate-half layout."""
     shape = w.shape
     return w.reshape(n_heads, shape[0] // n_heads // 2, 2, *shape[1:]).swapaxes(1, 2).reshape(shape)
@@ -76,7 +76,7 @@ _GGUF_NAMES = {
 _GGUF_NAMES.update(GGUF_EXPERT_NAMES)  # a MoE layer's router and 3-D experts (iterserve.models.moe)
 
 
-def _gguf_name(name: str, config: ModelConfig, permute: bool) -> tuple[str, int | None]:
+def gguf_to_hf_name(name: str, config: ModelConfig, permute: bool) -> tuple[str, int | None]:
     """The Hugging Face name of a GGUF tensor, and the heads whose Q/K rows llama.cpp interleaved (or None)."""
     if name == "token_embd.weight":
         return "embed_tokens.weight", None
@@ -103,7 +103,7 @@ def gguf_tensors(reader, config: ModelConfig, keep_blocks: bool = False):
     kept = gguf_block_tensors((t.name, t.tensor_type.name, len(t.shape)) for t in reader.tensors) if keep_blocks \
         else {}
     for t in reader.tensors:
-        hf, heads = _gguf_name(t.name, config, permute)
+        hf, heads = gguf_to_hf_name(t.name, config, permute)
         if t.name in kept and len(t.shape) == 3:  # a MoE layer's experts: [experts, n, k], expert-major
             experts, n, k = int(t.shape[2]), int(t.shape[1]), int(t.shape[0])
             data = np.asarray(t.data).reshape(experts, -1)
@@ -112,14 +112,14 @@ def gguf_tensors(reader, config: ModelConfig, keep_blocks: bool = False):
         if t.name in kept:
             n = int(t.shape[1])
             blocks = from_gguf(t.data, t.tensor_type.name, n, int(t.shape[0]), as_stored=kept[t.name])
-            yield hf, blocks if heads is None else blocks.rows(torch.from_numpy(_unpermute_rope(np.arange(n), heads)))
+            yield hf, blocks if heads is None else blocks.rows(torch.from_numpy(unpermute_rope(np.arange(n), heads)))
             continue
         try:
             w = gguf.quants.dequantize(t.data, t.tensor_type)
         except Exception as e:
             raise ValueError(f"cannot dequantize GGUF tensor {t.name!r} ({t.tensor_type.name}): {e}") from None
         if heads is not None:
-            w = _unpermute_rope(w, heads)
+            w = unpermute_rope(w, heads)
         yield hf, torch.from_numpy(np.array(w))  # copy: GGUF data is a read-only memmap
 
 
