@@ -1,6 +1,6 @@
 // The quantized KV cache (kv_cache_dtype fp8_e4m3, fp8_e5m2, int8; iterserve/config/kv_cache.py): the store
 // that quantizes this step's K/V into their slots, and paged decode attention that reads the one-byte blocks in
-// place, in the bf16 kernel's fixed 128-key pieces (cpu_ops.cpp's paged_decode: a row's sums run in one order
+// place, in the bf16 kernel's fixed 128-key pieces (attention.cpp's paged_decode: a row's sums run in one order
 // whatever the batch). The stored bytes match iterserve/attention/kv_quant.py's quantize exactly (same clamps,
 // same round-to-nearest-even).
 //
@@ -9,7 +9,7 @@
 // bf16 query) takes the bf16 cache's arithmetic: each 64 stored bytes become 64 exact bf16 values in registers
 // (two byte-table lookups; every float8 and int8 value is exact in bf16), dotted with the query by vdpbf16ps
 // (exact products, float32 sums) and weighed by the softmax weights rounded to bf16 two keys at a time, as
-// cpu_ops.cpp's group_values_pairs.
+// attention.cpp's group_values_pairs.
 //
 // Widening to float32: e5m2 is the top byte of a float16 (x << 8); e4m3 becomes a float16 as
 // ((x & 0x80) << 8) | ((x & 0x7F) << 7) times 2^8 (the exponent biases differ by 8), exact for every finite
@@ -170,7 +170,7 @@ inline float dot(const float* a, const float* b, int64_t n) {
   return s;
 }
 
-// The largest of p[0, n), one vector at a time and one reduction (as cpu_ops.cpp's max_of).
+// The largest of p[0, n), one vector at a time and one reduction (as attention.cpp's max_of).
 inline float max_of(const float* p, int64_t n) {
   Vec best(-std::numeric_limits<float>::infinity());
   int64_t i = 0;
@@ -195,7 +195,7 @@ inline float exp_sum(float* p, float m, int64_t n) {
 }
 
 #if defined(__AVX512F__)
-// Lane j of the result is the sum of v[j]'s sixteen lanes: a transposing add tree (as cpu_ops.cpp's sum16), far
+// Lane j of the result is the sum of v[j]'s sixteen lanes: a transposing add tree (as attention.cpp's sum16), far
 // fewer shuffles than sixteen separate reductions.
 inline __m512 sum16(const float (*v)[16]) {
   __m512 b[8], c[4], d[2];
@@ -292,7 +292,7 @@ struct Pool {
         s0(t.stride(0)), s1(t.stride(1)), s2(t.stride(2)), heads(t.size(1)), block_size(t.size(2)) {}
 
   // Where rows [from, from + n) of head h of the sequence whose block table is `table` lie, and for int8 their
-  // scales as float32; walked a block at a time (as cpu_ops.cpp's head_rows): no division per row.
+  // scales as float32; walked a block at a time (as attention.cpp's head_rows): no division per row.
   void locate(const int64_t* table, int64_t h, int64_t from, int64_t n, const uint8_t** rows, float* scales) const {
     for (int64_t j = 0, i = from / block_size, off = from % block_size; j < n; ++j) {
       const int64_t b = table[i];
@@ -303,8 +303,8 @@ struct Pool {
   }
 };
 
-constexpr int64_t kTile = 32;  // keys scored per online-softmax step (as cpu_ops.cpp's paged_decode)
-// Keys per piece of a context, as cpu_ops.cpp's kPiece: fixed, so that a row's sums run in one order whether it
+constexpr int64_t kTile = 32;  // keys scored per online-softmax step (as attention.cpp's paged_decode)
+// Keys per piece of a context, as attention.cpp's kPiece: fixed, so that a row's sums run in one order whether it
 // is decoded alone or batched (platforms/invariance.py); the pieces also keep both threads busy at batch 1.
 constexpr int64_t kPiece = 128;
 
@@ -471,7 +471,7 @@ void dp_scores(const uint16_t* qb, int64_t dim, const uint8_t* const* rows, cons
 
 // acc_g += sum_j p[g * kTile + j] v_j for G <= 4 heads (acc scrambled as widen64_bf16 scrambles) with the weights
 // rounded to bf16, two keys a vdpbf16ps: the widened rows of keys j and j + 1 interleaved word by word (as
-// cpu_ops.cpp's group_values_pairs).
+// attention.cpp's group_values_pairs).
 template <Kind K, int G>
 void dp_values(const float* p, const uint8_t* const* rows, int64_t n, int64_t dim, float* acc) {
   const Bf16Table table(K);

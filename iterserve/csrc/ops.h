@@ -9,12 +9,14 @@
 #define ITERSERVE_DPBF16 1
 #endif
 
-// cpu_ops.cpp
+// attention.cpp
 void paged_decode(at::Tensor out, const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
                   const at::Tensor& block_tables, const at::Tensor& context_lens, double scale,
                   int64_t sliding_window);
 void write_kv(const at::Tensor& k, const at::Tensor& v, at::Tensor k_cache, at::Tensor v_cache,
               const at::Tensor& slot_blocks, const at::Tensor& slot_offsets);
+
+// layer_ops.cpp
 at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps);
 void fused_add_rms_norm(at::Tensor x, at::Tensor residual, const at::Tensor& weight, double eps);
 void rope_(at::Tensor q, at::Tensor k, const at::Tensor& cos, const at::Tensor& sin);

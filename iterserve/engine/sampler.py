@@ -167,7 +167,7 @@ def _draw(probs: torch.Tensor, generator: torch.Generator) -> int:
 
 def argmax_rows(logits: torch.Tensor) -> torch.Tensor:
     """``logits.argmax(dim=-1)`` of float32 rows: on the CPU by the C++ kernel where it is built, a quarter
-    of torch's time (``csrc/cpu_ops.cpp``, ``argmax_rows``)."""
+    of torch's time (``csrc/layer_ops.cpp``, ``argmax_rows``)."""
     ops = kernels.ops
     if (ops is not None and logits.device.type == "cpu" and logits.dtype == torch.float32 and logits.dim() == 2
             and logits.shape[1] > 0 and logits.stride(1) == 1):

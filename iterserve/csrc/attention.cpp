@@ -1,11 +1,8 @@
-// CPU kernels for iterserve: paged decode attention that reads K/V blocks in place, the KV-cache
-// write, and the small per-layer ops fused into one pass each (RMSNorm with the residual add, RoPE
-// in place, SiLU(gate) * up). Built by iterserve/kernels.py; every op has a PyTorch reference path.
+// Attention on the paged KV cache: decode attention that reads K/V blocks in place, and the KV-cache write.
+// Every op has a PyTorch reference path (iterserve/attention/reference.py).
 //
 // All arithmetic is float32 with one rounding to the storage dtype at the end; bf16 decode attention on a
 // CPU with AVX512-BF16 also rounds its softmax weights to bf16 for P . V, as PyTorch's CPU attention does.
-// Vectorisation uses ATen's at::vec::Vectorized, compiled for the capability PyTorch itself detected
-// (AVX2/AVX512).
 
 #include <torch/extension.h>
 
@@ -15,6 +12,7 @@
 
 #include "ops.h"
 #include "parallel.h"
+#include "vec.h"
 
 #include <algorithm>
 #include <cmath>
@@ -27,15 +25,9 @@
 #include <immintrin.h>
 #endif
 
-// float32, bfloat16 and float16 storage; double has no use in serving.
-#define DISPATCH_FLOAT_TYPES(TYPE, NAME, ...)                                                 \
-  AT_DISPATCH_SWITCH(TYPE, NAME, AT_DISPATCH_CASE(at::kFloat, __VA_ARGS__)                     \
-                     AT_DISPATCH_CASE(at::kBFloat16, __VA_ARGS__) AT_DISPATCH_CASE(at::kHalf, __VA_ARGS__))
-
 namespace {
 
-using Vec = at::vec::Vectorized<float>;
-constexpr int64_t kVecSize = Vec::size();
+using namespace iterserve::vec;
 
 // Keys scored per online-softmax step. 32 rows of 64-128 floats stay in L1 and amortise the
 // per-tile rescale; 16 and 64 measured within noise of 32 on the decode benchmark.
@@ -44,10 +36,8 @@ constexpr int64_t kTile = 32;
 // K in key groups: where the CPU has AVX512-BF16, a bf16 K cache with a head dim that is a multiple of 32 and
 // blocks of a multiple of 16 keys is [blocks, kv_heads, block_size / 16, head_dim / 2, 16, 2]: each 16 keys of
 // a block's head keep their dimension pairs side by side, so that one vdpbf16ps scores sixteen keys on one
-// pair of the query (group_scores_keyed) and no sum crosses lanes. V keeps rows. Against K in rows, scored a
-// key at a time with sixteen keys' lanes summed by shuffles after (SmolLM2's shapes, 30 layers of K/V from DRAM,
-// one process, the layouts alternating): decode attention at batch 1 / 6 / 16 / 32 / 64 took 0.92 / 0.91 /
-// 0.94 / 0.95 / 0.97x the time, the attention of 14 prompts of 146 tokens 0.87x.
+// pair of the query (group_scores_keyed) and no sum crosses lanes. V keeps rows. K in rows is scored a key at a
+// time, with sixteen keys' lanes summed by shuffles after, which costs more (docs/benchmarks-history.md).
 constexpr int64_t kKeyGroup = 16;
 
 bool keys_in_groups(at::ScalarType dtype, int64_t head_dim, int64_t block_size) {
@@ -56,55 +46,6 @@ bool keys_in_groups(at::ScalarType dtype, int64_t head_dim, int64_t block_size) 
 #else
   return false;
 #endif
-}
-
-inline Vec load_f(const float* p) { return Vec::loadu(p); }
-inline Vec load_f(const c10::BFloat16* p) {
-  Vec out;
-  at::vec::load_to_float(p, out);
-  return out;
-}
-inline Vec load_f(const c10::Half* p) {
-  Vec out;
-  at::vec::load_to_float(p, out);
-  return out;
-}
-
-// Convert n values of a row to float32.
-template <typename T>
-inline void to_float(const T* src, float* dst, int64_t n) {
-  int64_t i = 0;
-  for (; i + kVecSize <= n; i += kVecSize) load_f(src + i).store(dst + i);
-  for (; i < n; ++i) dst[i] = static_cast<float>(src[i]);
-}
-
-// Round one vector of float32 values to the storage dtype.
-inline void store_f(const Vec& v, float* dst) { v.store(dst); }
-template <typename T>
-inline void store_f(const Vec& v, T* dst) {
-  at::vec::convert_from_float<T>(v, v).store(dst, kVecSize);
-}
-
-// Round n float32 values to the storage dtype.
-template <typename T>
-inline void from_float(const float* src, T* dst, int64_t n) {
-  int64_t i = 0;
-  if constexpr (std::is_same_v<T, float>) {
-    std::copy(src, src + n, dst);
-    return;
-  } else {
-    for (; i + kVecSize <= n; i += kVecSize) store_f(Vec::loadu(src + i), dst + i);
-    for (; i < n; ++i) dst[i] = static_cast<T>(src[i]);
-  }
-}
-
-inline float dot(const float* a, const float* b, int64_t n) {
-  Vec acc(0.f);
-  int64_t i = 0;
-  for (; i + kVecSize <= n; i += kVecSize) acc = at::vec::fmadd(Vec::loadu(a + i), Vec::loadu(b + i), acc);
-  float s = acc.reduce_add();
-  for (; i < n; ++i) s += a[i] * b[i];
-  return s;
 }
 
 // y += a * x
@@ -122,10 +63,8 @@ inline void scale_(float* y, float a, int64_t n) {
   for (; i < n; ++i) y[i] *= a;
 }
 
-// The largest of p[0, n), one vector at a time and one reduction. Against at::vec::reduce_all's max, and
-// with paged_decode's rescale skipped while the running max holds (both equal to the bit), SmolLM2 bf16
-// decode steps at batch 6 / 16 / 32 took 0.97-0.99x the time, a 2,044-token prefill 0.98x (one process,
-// the two alternating).
+// The largest of p[0, n), one vector at a time and one reduction: one reduction instead of one per vector as
+// at::vec::reduce_all's max does (equal to the bit).
 inline float max_of(const float* p, int64_t n) {
   Vec best(-std::numeric_limits<float>::infinity());
   int64_t i = 0;
@@ -817,199 +756,10 @@ void write_kv(const at::Tensor& k, const at::Tensor& v, at::Tensor k_cache, at::
   });
 }
 
-namespace {
-
-// Offset of row r of a tensor whose last dim is contiguous, for 2-D and 3-D tensors.
-inline int64_t row_offset(const at::Tensor& t, int64_t r) {
-  return t.dim() == 2 ? r * t.stride(0) : (r / t.size(1)) * t.stride(0) + (r % t.size(1)) * t.stride(1);
-}
-
-template <typename T>
-void rms_norm_impl(at::Tensor& out, const at::Tensor& x, at::Tensor* residual, const at::Tensor& weight, double eps) {
-  const int64_t dim = x.size(-1), rows = x.numel() / dim;
-  const T* w = weight.data_ptr<T>();
-  iterserve::parallel_chunks(rows, 16, [&](int64_t begin, int64_t end) {
-    std::vector<float> buf(dim), wf(dim), res(dim);
-    to_float(w, wf.data(), dim);
-    for (int64_t r = begin; r < end; ++r) {
-      T* xr = x.data_ptr<T>() + row_offset(x, r);
-      to_float(xr, buf.data(), dim);
-      if (residual != nullptr) {
-        // The residual stream is kept in the storage dtype, as the reference's x + residual is.
-        T* rr = residual->data_ptr<T>() + row_offset(*residual, r);
-        to_float(rr, res.data(), dim);
-        for (int64_t i = 0; i < dim; ++i) buf[i] += res[i];
-        from_float(buf.data(), rr, dim);
-        to_float(rr, buf.data(), dim);
-      }
-      const float inv = 1.f / std::sqrt(dot(buf.data(), buf.data(), dim) / dim + static_cast<float>(eps));
-      for (int64_t i = 0; i < dim; ++i) buf[i] = buf[i] * inv * wf[i];
-      from_float(buf.data(), out.data_ptr<T>() + row_offset(out, r), dim);
-    }
-  });
-}
-
-void check_rows(const at::Tensor& t) {
-  TORCH_CHECK((t.dim() == 2 || t.dim() == 3) && t.stride(-1) == 1, "expected a 2-D/3-D tensor, last dim contiguous");
-}
-
-}  // namespace
-
-// weight * x / rms(x), in a new tensor.
-at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps) {
-  check_rows(x);
-  at::Tensor out = at::empty(x.sizes(), x.options());
-  DISPATCH_FLOAT_TYPES(x.scalar_type(), "rms_norm", [&] {
-    rms_norm_impl<scalar_t>(out, x, nullptr, weight.contiguous(), eps);
-  });
-  return out;
-}
-
-// In place: residual += x, then x = weight * residual / rms(residual).
-void fused_add_rms_norm(at::Tensor x, at::Tensor residual, const at::Tensor& weight, double eps) {
-  check_rows(x);
-  check_rows(residual);
-  TORCH_CHECK(x.sizes() == residual.sizes() && x.scalar_type() == residual.scalar_type(), "x/residual mismatch");
-  DISPATCH_FLOAT_TYPES(x.scalar_type(), "fused_add_rms_norm", [&] {
-    rms_norm_impl<scalar_t>(x, x, &residual, weight.contiguous(), eps);
-  });
-}
-
-namespace {
-
-// o = v * cos + rotate_half(v) * sin for one head of dim = 2 * half. Written out per element, GCC kept the loop
-// scalar (it could not rule out aliasing between the four buffers), so the vectors are written out.
-inline void rotate_half(const float* v, const float* c, const float* s, float* o, int64_t half) {
-  int64_t d = 0;
-  for (; d + kVecSize <= half; d += kVecSize) {
-    const Vec lo = Vec::loadu(v + d), hi = Vec::loadu(v + d + half);
-    (lo * Vec::loadu(c + d) - hi * Vec::loadu(s + d)).store(o + d);
-    (hi * Vec::loadu(c + d + half) + lo * Vec::loadu(s + d + half)).store(o + d + half);
-  }
-  for (; d < half; ++d) {
-    o[d] = v[d] * c[d] - v[d + half] * s[d];
-    o[d + half] = v[d + half] * c[d + half] + v[d] * s[d + half];
-  }
-}
-
-template <typename T>
-void rope_impl(at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin) {
-  const int64_t tokens = x.size(0), heads = x.size(1), dim = x.size(2), half = dim / 2;
-  T* xp = x.data_ptr<T>();
-  const T* cp = cos.data_ptr<T>();
-  const T* sp = sin.data_ptr<T>();
-  const int64_t xs0 = x.stride(0), xs1 = x.stride(1), cs0 = cos.stride(0), ss0 = sin.stride(0);
-  iterserve::parallel_chunks(tokens, 16, [&](int64_t begin, int64_t end) {
-    std::vector<float> c(dim), s(dim), v(dim), o(dim);
-    for (int64_t i = begin; i < end; ++i) {
-      to_float(cp + i * cs0, c.data(), dim);
-      to_float(sp + i * ss0, s.data(), dim);
-      for (int64_t h = 0; h < heads; ++h) {
-        T* row = xp + i * xs0 + h * xs1;
-        to_float(row, v.data(), dim);
-        rotate_half(v.data(), c.data(), s.data(), o.data(), half);
-        from_float(o.data(), row, dim);
-      }
-    }
-  });
-}
-
-}  // namespace
-
-// Rotate-half RoPE on q [tokens, heads, D] and k [tokens, kv_heads, D] in place; cos/sin are the
-// per-token tables [tokens, D] (any leading view whose rows are contiguous).
-void rope_(at::Tensor q, at::Tensor k, const at::Tensor& cos, const at::Tensor& sin) {
-  for (const at::Tensor* t : {&q, &k}) {
-    TORCH_CHECK(t->dim() == 3 && t->stride(2) == 1 && t->size(2) % 2 == 0, "q/k must be [tokens, heads, even D]");
-    TORCH_CHECK(t->scalar_type() == cos.scalar_type(), "cos/sin must share the dtype of q/k");
-  }
-  TORCH_CHECK(cos.size(0) == q.size(0) && cos.stride(-1) == 1 && sin.stride(-1) == 1, "cos/sin must be [tokens, D]");
-  DISPATCH_FLOAT_TYPES(q.scalar_type(), "rope_", [&] {
-    rope_impl<scalar_t>(q, cos, sin);
-    rope_impl<scalar_t>(k, cos, sin);
-  });
-}
-
-// silu(x[:, :I]) * x[:, I:] for x = [tokens, 2I].
-at::Tensor silu_and_mul(const at::Tensor& x) {
-  TORCH_CHECK(x.dim() == 2 && x.stride(1) == 1 && x.size(1) % 2 == 0, "x must be [tokens, 2 * intermediate]");
-  const int64_t tokens = x.size(0), inter = x.size(1) / 2;
-  at::Tensor out = at::empty({tokens, inter}, x.options());
-  DISPATCH_FLOAT_TYPES(x.scalar_type(), "silu_and_mul", [&] {
-    using T = scalar_t;
-    const T* xp = x.data_ptr<T>();
-    T* op = out.data_ptr<T>();
-    const int64_t xs = x.stride(0);
-    // One pass a row, widening and rounding on the way, rather than three passes through float buffers.
-    iterserve::parallel_chunks(tokens, 8, [&](int64_t begin, int64_t end) {
-      const Vec one(1.f);
-      for (int64_t i = begin; i < end; ++i) {
-        const T* g = xp + i * xs;
-        const T* u = g + inter;
-        T* o = op + i * inter;
-        int64_t d = 0;
-        for (; d + kVecSize <= inter; d += kVecSize) {
-          const Vec gv = load_f(g + d);
-          store_f(gv / (one + gv.neg().exp_u20()) * load_f(u + d), o + d);
-        }
-        for (; d < inter; ++d) {
-          const float gf = static_cast<float>(g[d]);
-          o[d] = static_cast<T>(gf / (1.f + std::exp(-gf)) * static_cast<float>(u[d]));
-        }
-      }
-    });
-  });
-  return out;
-}
-
-// Each row's index of its largest value: the first of equal ones, and the first NaN where there is one (as
-// torch.argmax). torch's CPU argmax compares one element at a time, many times slower than a vector max over
-// the row. Here the vector max, then a scan for its first index.
-at::Tensor argmax_rows(const at::Tensor& x) {
-  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.stride(1) == 1 && x.size(1) > 0,
-              "argmax_rows: float32 [rows, n > 0] with contiguous rows expected");
-  const int64_t n = x.size(1), xs = x.stride(0);
-  at::Tensor out = at::empty({x.size(0)}, x.options().dtype(at::kLong));
-  const float* xp = x.data_ptr<float>();
-  int64_t* op = out.data_ptr<int64_t>();
-  iterserve::parallel_chunks(x.size(0), 1, [&](int64_t begin, int64_t end) {
-    for (int64_t r = begin; r < end; ++r) {
-      const float* row = xp + r * xs;
-      // at::vec::maximum propagates NaN, so `top` is NaN exactly when the row holds one.
-      const float top = at::vec::reduce_all<float>([](Vec& a, Vec& b) { return at::vec::maximum(a, b); }, row, n);
-      int64_t i = 0;
-      if (std::isnan(top)) {
-        while (!std::isnan(row[i])) ++i;
-      } else {
-        while (row[i] != top) ++i;
-      }
-      op[r] = i;
-    }
-  });
-  return out;
-}
-
-void register_linear(pybind11::module& m);  // linear.cpp
-void register_decoder(pybind11::module& m);  // decoder.cpp
-void register_kv_quant(pybind11::module& m);  // kv_quant.cpp
-
-PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+void register_attention(pybind11::module& m) {
   m.def("paged_decode", &paged_decode, "Paged decode attention reading K/V blocks in place");
   m.def("write_kv", &write_kv, "Store this step's K/V rows into their cache slots");
   m.def("keys_in_groups", [](at::ScalarType dtype, int64_t head_dim, int64_t block_size) {
         return keys_in_groups(dtype, head_dim, block_size); },
         "Whether paged_decode and write_kv take a K cache of this kind in key groups, and score it faster so");
-  m.def("rms_norm", &rms_norm, "RMSNorm");
-  m.def("fused_add_rms_norm", &fused_add_rms_norm, "residual += x; x = RMSNorm(residual), in place");
-  m.def("rope_", &rope_, "Rotate-half RoPE on q and k in place");
-  m.def("silu_and_mul", &silu_and_mul, "SiLU(gate) * up");
-  m.def("argmax_rows", &argmax_rows, "Each row's first index of its maximum, as torch.argmax(dim=-1)");
-  register_linear(m);
-  register_decoder(m);
-  register_kv_quant(m);
-  m.def("set_threads", [](int64_t n) { iterserve::ChunkPool::get().resize(static_cast<int>(n)); },
-        "Run the kernels' parallel loops on n threads (the caller included)");
-  m.def("threads", [] { return iterserve::ChunkPool::get().threads(); }, "Threads of the kernels' pool");
-  m.def("pool_solos", [] { return iterserve::ChunkPool::get().solos(); },
-        "Times the pool's caller, stalled by descheduled workers, went on alone for a while");
 }
