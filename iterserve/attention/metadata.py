@@ -188,8 +188,8 @@ class AttentionMetadata:
         Sequences with cached context and at most ``max_decode_query`` new tokens (speculative
         decoding's verifications, placed right after the decodes) are attended as one decode per
         token, each over its own prefix: all of the step's K/V is written before attention reads it,
-        so the batched decode path serves them, where a masked attention call per sequence cost
-        about 1 ms per layer (SmolLM2-sized heads, 256 verifying sequences). Prompt chunks of sequences
+        so the batched decode path serves them, where a masked attention call per sequence would cost a
+        call per sequence per layer. Prompt chunks of sequences
         that hold at most ``decode_prompts_up_to`` tokens after the step are attended the same way (a
         backend whose decode kernel beats its prefill path on short contexts asks for it), as long as
         only such sequences come before them.

@@ -2,8 +2,8 @@
 
 :class:`PackedLinear` runs the C++ kernel of ``csrc/linear.cpp`` on a weight re-laid out once: it streams
 the weight once per call however few rows a decode step has (the BLAS behind ``F.linear`` re-reads or
-re-packs it per call: a float32 576x960 layer took 2.2x as long at 8 rows as at 1, the kernel 1.2x), and on
-a CPU with AMX it multiplies bf16 on the tiles (2x oneDNN's bf16 ``F.linear`` at 64 rows). ``F.linear``
+re-packs it per call, so its time grows with the rows), and on a CPU with AMX it multiplies bf16 on the tiles
+(docs/benchmarks-history.md has the figures). ``F.linear``
 keeps the large-row float32 shapes where the BLAS's cache blocking wins.
 
 :class:`MeasuredChooser` times every candidate on each distinct layer shape at 1, 8 and 64 rows (a

@@ -3,9 +3,8 @@
 A decode step reads every weight once and each sequence's K/V blocks once. On 4 KiB pages each of those
 reads walks the page tables every 4 KiB; on 2 MiB pages the TLB covers them. Linux backs anonymous memory
 with transparent huge pages where a program asks (``madvise``, the common setting; ``always`` needs no
-asking and ``never`` ignores it), so these tensors live in a mapping of their own that asks. Measured on
-SmolLM2-135M in bf16, the same data alternating in one process: its matmuls 6.04 -> 5.68 ms a step at one
-row, 9.74 -> 9.20 at eight; decode attention over 30 layers of K/V at batch 8, 1.81 -> 1.63 ms.
+asking and ``never`` ignores it), so these tensors live in a mapping of their own that asks
+(docs/benchmarks-history.md has what it saves).
 """
 
 from __future__ import annotations
