@@ -1,6 +1,6 @@
-"""The CPU backend: the C++ kernels of :mod:`iterserve.kernels` (``csrc/attention.cpp``, ``csrc/layer_ops.cpp``) where they exist, the
-reference PyTorch path for the rest (prefill attention), and a decode step's whole layer stack in one call
-(``csrc/decoder.cpp``)."""
+"""The CPU backend: the C++ kernels of :mod:`iterserve.kernels` (``csrc/attention.cpp``, ``csrc/layer_ops.cpp``)
+where they exist, the reference PyTorch path for the rest (prefill attention), and a decode step's whole layer
+stack in one call (``csrc/decoder.cpp``)."""
 
 from __future__ import annotations
 
