@@ -102,7 +102,7 @@ def main() -> None:
         for f, t in times.items():
             s = statistics.median(t)
             fmt, tag = f.split("/")[0], f[len(f.split("/")[0]):]
-            floor = streamed_weight_bytes(models[fmt]) / (read * 1e9)
+            floor = streamed_weight_bytes(models[fmt], b) / (read * 1e9)
             ratio = f"{base[tag] / s:6.2f}x" if tag in base else "-"
             print(f"{f:<9} {b:>5} {s * 1e3:8.2f} {b / s:9.1f} {ratio:>7} {floor * 1e3:9.2f} {floor / s:9.2f}")
     if kernels.ops is not None:

@@ -43,6 +43,7 @@ from iterserve.models.linear import (
     process_weights,
 )
 from iterserve.models.llama import LlamaModel
+from iterserve.models.moe import SparseMoeBlock
 from iterserve.quantization.gguf_weight import GGUFWeight
 from iterserve.quantization.packed import (
     GGUF_PACKED_TYPES,
@@ -303,11 +304,12 @@ def describe(formats: list[WeightFormat]) -> list[str]:
             f"{total / 1e6:.1f} MB" for f in formats]
 
 
-def streamed_weight_bytes(model: nn.Module) -> int:
-    """Bytes of the matmul weights (every linear layer and the LM head, shared ones once): what one forward
-    step reads at least, the memory floor of a decode step."""
+def streamed_weight_bytes(model: nn.Module, rows: int = 1) -> int:
+    """Bytes of the matmul weights (every linear layer and the LM head, shared ones once) that a forward step of
+    ``rows`` tokens reads at least, the memory floor of a decode step: of a MoE layer's experts, the share that
+    ``rows`` tokens are expected to run, routing taken as uniform (as the planner takes it)."""
     seen: set[int] = set()
-    total = 0
+    total = 0.0
     for module in model.modules():
         if isinstance(module, LinearBase):
             packed = getattr(module, "packed", None)
@@ -315,4 +317,8 @@ def streamed_weight_bytes(model: nn.Module) -> int:
             if id(w) not in seen:
                 seen.add(id(w))
                 total += w.nbytes
-    return total
+        elif isinstance(module, SparseMoeBlock):
+            e = module.experts
+            held = sum(w.nbytes for w in e.qweights) + e.gate_up_proj.nbytes + e.down_proj.nbytes
+            total += held * (1 - (1 - module.top_k / module.num_experts) ** rows)
+    return round(total)

@@ -15,7 +15,7 @@ from iterserve.models import gguf_model
 from iterserve.models.gguf_model import gguf_config
 from iterserve.models.loader import _empty_model, load_hf_state_dict
 from iterserve.models.moe import mix_experts, route
-from iterserve.quantization.model import gguf_block_tensors, weight_formats
+from iterserve.quantization.model import gguf_block_tensors, streamed_weight_bytes, weight_formats
 from tests.models.test_llama import CPU, run_ours
 from tests.models.test_moe import VOCAB, hf_model
 
@@ -155,6 +155,12 @@ def test_gguf_experts_stay_in_their_blocks(tmp_path, kind, experts_type):
     nbytes = nbytes if experts_type == Q.Q4_0 else -(-nbytes // 4) * 4
     assert (fmt.tensors, fmt.parameters, fmt.bytes) == (len(moe_layers) * c.num_experts * 2, params,
                                                        params // block * nbytes)
+    # a decode step's memory floor counts the share of the experts its tokens run
+    held = sum(w.nbytes for mlp in moe_layers for w in mlp.experts.qweights)
+    assert held == fmt.bytes
+    assert streamed_weight_bytes(kept, 1) - streamed_weight_bytes(kept, 0) == pytest.approx(
+        held * c.num_experts_per_tok / c.num_experts, abs=1)
+    assert streamed_weight_bytes(kept, 10_000) - streamed_weight_bytes(kept, 0) == pytest.approx(held, abs=1)
     ids = torch.randint(0, VOCAB, (12,), generator=torch.Generator().manual_seed(6))
     a, b = run_ours(dense, ids, [12]), run_ours(kept, ids, [12])
     assert (a - b).abs().max().item() < 0.05  # the kernel multiplies activations rounded to int8 per 32
