@@ -203,9 +203,8 @@ void group_scores(const float* qf, const T* const* rows, int64_t n, int64_t dim,
 #if defined(ITERSERVE_DPBF16) && defined(CPU_CAPABILITY_AVX512)
 // group_values for bf16 V on AVX512-BF16: acc_g += sum_j p[g][j] v_j with the weights rounded to bf16 (as
 // PyTorch's CPU flash attention rounds them before its P @ V), two keys a vdpbf16ps: the rows of keys j and
-// j + 1 are interleaved element by element, so each 32-bit lane holds one dimension's pair of values. SmolLM2
-// in bf16, one process, the two kernels alternating (scores on pairs in both): decode steps at batch 6 / 16 /
-// 32 / 64 took 0.95-0.97 / 0.94-0.98 / 0.97-0.99 / 0.98-0.99x the time; a 2,044-token prefill 1.00x.
+// j + 1 are interleaved element by element, so each 32-bit lane holds one dimension's pair of values: half the
+// multiply instructions of widening each key to float32.
 template <int G, int D>
 void group_values_pairs(const float* scores, const c10::BFloat16* const* rows, int64_t n, int64_t dim, float* acc) {
   alignas(64) uint16_t pb[G][kTile + 2];  // each head's weights in bf16, a zero after the last
