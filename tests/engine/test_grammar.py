@@ -206,7 +206,7 @@ def test_masks_slower_than_the_model_several_steps_running_end_the_request():
         budget.charge_mask(0.5)
         budget.end_step(model_s=0.1)
     assert not budget.exhausted
-    budget.charge_mask(0.05)  # one step within the model's time starts the count again
+    budget.charge_mask(0.01)  # one step well within the model's time starts the count again
     budget.end_step(model_s=0.1)
     for _ in range(GRAMMAR_STEP_STRIKES - 1):
         budget.charge_mask(0.5)
@@ -214,7 +214,7 @@ def test_masks_slower_than_the_model_several_steps_running_end_the_request():
     assert not budget.exhausted
     budget.charge_mask(0.5)
     budget.end_step(model_s=0.1)
-    assert budget.exhausted and "longer than the model's work" in budget.describe()
+    assert budget.exhausted and "the model's time in" in budget.describe()
 
 
 def test_many_quick_masks_are_not_held_to_a_fast_model_step():
@@ -237,5 +237,5 @@ def test_an_ambiguous_grammar_stops_at_the_item_limit_with_a_mask_that_can_still
             break
         assert matcher.accept(a)
     failure = matcher.failure
-    assert failure is not None and "limits" in failure and str(GRAMMAR_STEP_MAX_ITEMS) in failure, failure
+    assert failure is not None and f"limit {GRAMMAR_STEP_MAX_ITEMS}" in failure, failure
     assert bool((bitmask == -1).all())  # every token allowed: the row samples, the scheduler ends the sequence
