@@ -2,7 +2,9 @@
 
 1. Building the grammar engine's tokenizer (once per engine core), checking a spec where the request
    is made, and compiling a matcher in the core (per request).
-2. Per generated token: filling the packed bitmask row and applying it to the logits.
+2. Per generated token: filling the packed bitmask row and applying it to the logits; and the masks of
+   random walks (random allowed tokens) through realistic grammars and an ambiguous one, under the
+   engine's grammar limits (which of them a limit ends).
 3. What one constrained request costs the others in its batch: decode steps of a batch of greedy
    requests, with and without one JSON-constrained request among them, interleaved A/B round by
    round so that load from other processes hits both alike.
@@ -38,6 +40,18 @@ SCHEMA = {
     },
     "required": ["name", "age", "email", "tags", "address"],
     "additionalProperties": False,
+}
+WALKS = {
+    "any JSON object": StructuredOutputsParams(json_object=True),
+    "200-property schema": StructuredOutputsParams(json={"type": "object", "properties": {
+        f"field_{i}": {"type": ["string", "integer", "array", "null"], "items": {"type": "string"}}
+        for i in range(200)}}),
+    "the schema above": StructuredOutputsParams(json=SCHEMA),
+    "regex": StructuredOutputsParams(regex=r"(\d{3}-){3}[a-z]+ (yes|no)"),
+    "Lark arithmetic": StructuredOutputsParams(grammar='start: expr\nexpr: term (("+"|"-") term)*\n'
+                                               'term: factor (("*"|"/") factor)*\nfactor: NUMBER | "(" expr ")"\n'
+                                               'NUMBER: /[0-9]+/\n'),
+    "ambiguous (issue 49)": StructuredOutputsParams(grammar='root ::= x\nx ::= x x | "a" | "b" | x "a" | "a" x\n'),
 }
 INSTANCE = {"name": "Ada Lovelace", "age": 36, "email": "ada@example.com", "tags": ["a", "c"],
             "address": {"street": "12 St James's Square", "zip": "SW1Y 4JH"}}
@@ -117,14 +131,39 @@ def batch_cost(rounds: int, batch: int, tokens: int) -> None:
           f"({(mb / ma - 1) * 100:+.1f}%)")
 
 
+def random_walks(steps: int) -> None:
+    """Masks along a walk of random allowed tokens through each of WALKS, until it ends or fails."""
+    config, tokenizer = load_model_info("smollm2-135m")
+    assert tokenizer is not None
+    compiler = GrammarCompiler(tokenizer, config.vocab_size)
+    eos = tokenizer.eos_token_id or 0
+    rng = torch.Generator().manual_seed(0)
+    bitmask = torch.zeros(1, bitmask_words(config.vocab_size), dtype=torch.int32)
+    for name, spec in WALKS.items():
+        matcher = compiler.matcher(spec)
+        fills: list[float] = []
+        while len(fills) < steps and matcher.failure is None and not matcher.is_terminated:
+            start = time.perf_counter()
+            matcher.fill_bitmask(bitmask, 0, set())
+            fills.append(time.perf_counter() - start)
+            bits = ((bitmask[0].unsqueeze(-1) >> torch.arange(32, dtype=torch.int32)) & 1).flatten()
+            allowed = [t for t in bits.nonzero().flatten().tolist() if t != eos and t < config.vocab_size]
+            if matcher.failure is None and allowed:
+                matcher.accept(allowed[int(torch.randint(len(allowed), (1,), generator=rng))])
+        print(f"{name}: {len(fills)} masks, median {ms(statistics.median(fills))}, max {ms(max(fills))}; "
+              f"{matcher.failure or 'no limit reached'}")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--repeats", type=int, default=20, help="compilations to time (default: 20)")
     parser.add_argument("--rounds", type=int, default=5, help="interleaved A/B rounds (default: 5)")
     parser.add_argument("--batch", type=int, default=8, help="requests per batch (default: 8)")
+    parser.add_argument("--walk", type=int, default=150, help="tokens per random walk (default: 150)")
     parser.add_argument("--tokens", type=int, default=32, help="tokens per request (default: 32)")
     args = parser.parse_args()
     grammar_costs(args.repeats)
+    random_walks(args.walk)
     batch_cost(args.rounds, args.batch, args.tokens)
 
 

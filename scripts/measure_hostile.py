@@ -9,7 +9,7 @@ test suite; figures in docs/compatibility.md, "Hostile input"):
    the bar is <= 1 s. The API process's resident memory before and after is printed too.
 
     PYTHONPATH=. .venv/bin/python scripts/measure_hostile.py [--rounds 5] [--port 8420] [--parts grammar,health]
-        [-- SERVE FLAGS...]
+        [--server-log FILE] [-- SERVE FLAGS...]
 """
 
 from __future__ import annotations
@@ -32,9 +32,10 @@ MAX_N = 128
 TOP_LOGPROBS = 20
 
 
-def start_server(port: int, flags: list[str]) -> subprocess.Popen[bytes]:
+def start_server(port: int, flags: list[str], log: Path | None) -> subprocess.Popen[bytes]:
     cmd = [sys.executable, "-m", "iterserve.cli.main", "serve", "--port", str(port), *flags]
-    server = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    out = log.open("wb") if log is not None else subprocess.DEVNULL
+    server = subprocess.Popen(cmd, cwd=ROOT, stdout=out, stderr=subprocess.STDOUT)
     deadline = time.monotonic() + 600
     while time.monotonic() < deadline:
         if server.poll() is not None:
@@ -157,9 +158,10 @@ def main() -> int:
     p.add_argument("--rounds", type=int, default=5)
     p.add_argument("--port", type=int, default=8420)
     p.add_argument("--parts", default="grammar,health", help="which measurements to run (comma-separated)")
+    p.add_argument("--server-log", type=Path, help="write the server's output here (it is dropped otherwise)")
     p.add_argument("serve_flags", nargs="*", help="flags for iterserve serve (after --)")
     args = p.parse_args()
-    server = start_server(args.port, args.serve_flags)
+    server = start_server(args.port, args.serve_flags, args.server_log)
     url = f"http://127.0.0.1:{args.port}"
     try:
         if "grammar" in args.parts:

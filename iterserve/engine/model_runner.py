@@ -9,6 +9,7 @@ some (a verification is a short prompt-like chunk over the sequence's cached con
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass, field
 
 import torch
@@ -70,6 +71,7 @@ class ModelRunner:
         self.draft = (DraftModel(draft, num_blocks, block_size, self.attn_backend, kv_cache_dtype)
                       if draft is not None else None)
         self.lora = lora  # the loaded LoRA adapters (None: LoRA is off)
+        self._forward_start = 0.0  # when the last forward pass began: a grammar's step budget is relative to it
 
     @torch.inference_mode()
     def execute(self, scheduled: list[ScheduledSeq],
@@ -140,6 +142,10 @@ class ModelRunner:
         verifying = any(prepared.drafts)
         result = (self.sampler(logits[:num_sampling], rows, prepared.drafts if verifying else None) if rows
                   else SampleResult([], []))
+        if bitmask is not None:  # the tokens are on the host now, so the model's work is done, on any device
+            model_s = time.perf_counter() - self._forward_start
+            for budget in {id(s.grammar.budget): s.grammar.budget for s in prepared.seqs if s.grammar}.values():
+                budget.end_step(model_s)
         offset = num_sampling
         for k, _, first_token, count in prepared.prompt_spans:
             seq = prepared.scheduled[k].seq
@@ -153,6 +159,7 @@ class ModelRunner:
     def forward(self, inputs: StepInputs) -> torch.Tensor:
         """Copy-on-write blocks, then one forward pass; the logits of ``inputs.logits_rows`` (empty on a
         tensor-parallel worker)."""
+        self._forward_start = time.perf_counter()
         self.copy_blocks(inputs.block_copies)
         meta = AttentionMetadata.build(
             block_size=self.block_size, block_tables=inputs.block_tables, num_cached=inputs.num_cached,

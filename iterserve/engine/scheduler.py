@@ -318,9 +318,12 @@ class Scheduler:
         parent.forks = []
 
     def _stop_reason(self, seq: Sequence, token: int) -> str | None:
-        """Token-level stops: a stop or EOS token (once min_tokens are out), the end of the request's
-        grammar, max_tokens, max_model_len. A grammar advances here with each token it is given."""
+        """Token-level stops: a grammar over its limits (first: its last mask may have allowed any token),
+        a stop or EOS token (once min_tokens are out), the end of the request's grammar, max_tokens,
+        max_model_len. A grammar advances here with each token it is given."""
         n_out = len(seq.output_token_ids)
+        if seq.grammar is not None and (failure := seq.grammar.failure) is not None:
+            return self._grammar_failed(seq, failure)
         if token in seq.stop_ids and n_out >= seq.params.min_tokens:
             seq.stop_reason = token if token in seq.params.stop_token_ids else None
             return "stop"
@@ -328,19 +331,20 @@ class Scheduler:
             if not seq.grammar.accept(token):
                 logger.error("request %s: its grammar refused token %d: %s", seq.request_id, token, seq.grammar.error)
                 return "error"
-            if seq.grammar.over_budget:
-                budget = seq.grammar.budget
-                seq.error = (f"the request's grammar took {budget.spent_s:.2f} s for {budget.tokens} tokens, over its "
-                             f"budget of {budget.start_s:g} s + {budget.per_token_s * 1000:g} ms a token; an "
-                             "ambiguous grammar slows with every token: make it unambiguous")
-                logger.warning("request %s: %s", seq.request_id, seq.error)
-                return "error"
+            if (failure := seq.grammar.failure) is not None:
+                return self._grammar_failed(seq, failure)
             if seq.grammar.is_terminated:
                 return "stop"
         max_len = self.config.max_model_len
         if n_out >= seq.max_tokens or (max_len is not None and seq.num_tokens >= max_len):
             return "length"
         return None
+
+    @staticmethod
+    def _grammar_failed(seq: Sequence, failure: str) -> str:
+        seq.error = f"{failure}; an ambiguous grammar slows with every token: make it unambiguous"
+        logger.warning("request %s: %s", seq.request_id, seq.error)
+        return "error"
 
     def finish(self, seq: Sequence, reason: str = "abort") -> None:
         """End a sequence wherever it is (``reason``: stop, length, abort or error) and free its blocks."""

@@ -38,22 +38,54 @@ GRAMMAR_CACHE_SIZE = 64  # compiled grammars kept per compiler
 # A request's grammar work (masks and token checks, all its sequences together) may take this long at first
 # (the first masks build lexer states) plus this long per token generated: an ambiguous grammar's steps grow
 # with the text, and past its budget it ends with an error instead of slowing the whole batch.
-GRAMMAR_BUDGET_START_S = 0.5
-GRAMMAR_BUDGET_PER_TOKEN_S = 0.005
+GRAMMAR_BUDGET_START_S = 0.25
+GRAMMAR_BUDGET_PER_TOKEN_S = 0.001
+# Within a step a request's masks may take this share of the step's model work, or this long per mask if more
+# (a realistic mask takes well under a millisecond); over that this many steps running, the request ends.
+GRAMMAR_STEP_FACTOR = 0.5
+GRAMMAR_STEP_FLOOR_PER_MASK_S = 0.002
+GRAMMAR_STEP_STRIKES = 4
+# Earley items one mask may build: an ambiguous grammar's items grow with every token, so a mask that needs
+# more fails at once (llguidance's default is 50,000; the realistic grammars in scripts/bench_structured_output.py
+# never reach 10,000).
+GRAMMAR_STEP_MAX_ITEMS = 10_000
 
 
 @dataclass
 class GrammarBudget:
-    """The grammar time a request has left, shared by its sequences."""
+    """The grammar time a request has left, shared by its sequences: in all, and within each step."""
 
     start_s: float = GRAMMAR_BUDGET_START_S
     per_token_s: float = GRAMMAR_BUDGET_PER_TOKEN_S
     spent_s: float = 0.0
     tokens: int = 0
+    step_s: float = 0.0  # this step's mask time so far
+    step_masks: int = 0
+    strikes: int = 0  # steps running whose masks took longer than the step allowed
+
+    def charge_mask(self, seconds: float) -> None:
+        self.spent_s += seconds
+        self.step_s += seconds
+        self.step_masks += 1
+
+    def end_step(self, model_s: float) -> None:
+        """Close a step whose model work (forward pass and sampling) took ``model_s``."""
+        allowed = max(GRAMMAR_STEP_FACTOR * model_s, GRAMMAR_STEP_FLOOR_PER_MASK_S * self.step_masks)
+        self.strikes = self.strikes + 1 if self.step_s > allowed else 0
+        self.step_s, self.step_masks = 0.0, 0
 
     @property
     def exhausted(self) -> bool:
-        return self.spent_s > self.start_s + self.per_token_s * self.tokens
+        return (self.spent_s > self.start_s + self.per_token_s * self.tokens
+                or self.strikes >= GRAMMAR_STEP_STRIKES)
+
+    def describe(self) -> str:
+        """Why the request was ended, for its error message."""
+        if self.strikes >= GRAMMAR_STEP_STRIKES:
+            return (f"the request's grammar took over {GRAMMAR_STEP_FACTOR:g}x the model's time in {self.strikes} "
+                    f"steps running ({self.spent_s:.2f} s for {self.tokens} tokens)")
+        return (f"the request's grammar took {self.spent_s:.2f} s for {self.tokens} tokens, over its budget of "
+                f"{self.start_s:g} s + {self.per_token_s * 1000:g} ms a token")
 
 
 class GrammarMatcher:
@@ -73,8 +105,11 @@ class GrammarMatcher:
         view = bitmask[row]
         start = time.perf_counter()
         self._matcher.unsafe_compute_mask_ptr(view.data_ptr(), view.numel() * view.element_size())
-        self.budget.spent_s += time.perf_counter() - start
+        self.budget.charge_mask(time.perf_counter() - start)
         words = view.numpy().view(np.uint32)
+        if self._matcher.is_error():  # a limit hit: any token, so the row samples; the scheduler ends the sequence
+            words[:] = np.uint32(0xFFFFFFFF)
+            return
         accepting = self._matcher.is_accepting()
         stops = set(stop_ids)
         for token in stops | {self._grammar_eos}:
@@ -98,9 +133,15 @@ class GrammarMatcher:
         return accepted
 
     @property
-    def over_budget(self) -> bool:
-        """The request's grammar has taken more time than its budget allows (:class:`GrammarBudget`)."""
-        return self.budget.exhausted
+    def failure(self) -> str | None:
+        """Why this sequence must end with an error: its request's grammar is over its time budget
+        (:class:`GrammarBudget`) or a mask failed (past llguidance's limits); None while it may go on."""
+        if self._matcher.is_error():
+            reason = self._matcher.get_error().splitlines()[0]
+            return f"the grammar engine stopped the request's grammar ({reason})"
+        if self.budget.exhausted:
+            return self.budget.describe()
+        return None
 
     @property
     def is_terminated(self) -> bool:
@@ -125,6 +166,7 @@ class GrammarCompiler:
         self.num_compiled = 0
         self._cache: OrderedDict[tuple[str, str], llguidance.LLMatcher] = OrderedDict()
         self._lock = threading.Lock()
+        self._limits = llguidance.LLParserLimits(step_max_items=GRAMMAR_STEP_MAX_ITEMS)
 
     def matcher(self, spec: StructuredOutputsParams) -> GrammarMatcher:
         """A fresh matcher at the start of ``spec``'s grammar, copied from the cache or compiled; raises
@@ -152,7 +194,7 @@ class GrammarCompiler:
         itself, a literal repeated a million times) only when it computes a mask or takes a token, so the
         first mask is computed (which also builds the lexer states every copy then shares) and one allowed
         token is taken, on a copy."""
-        matcher = llguidance.LLMatcher(self._ll_tokenizer, grammar, log_level=0)
+        matcher = llguidance.LLMatcher(self._ll_tokenizer, grammar, log_level=0, limits=self._limits)
         error = matcher.get_error() if matcher.is_error() else ""
         if not error:
             mask = np.zeros((self.vocab_size + 31) // 32, dtype=np.int32)

@@ -10,7 +10,13 @@ import pytest
 import torch
 
 from iterserve.engine.sampler import Sampler, SamplingRow, apply_token_bitmask, bitmask_words
-from iterserve.engine.structured_output import GrammarCompiler
+from iterserve.engine.structured_output import (
+    GRAMMAR_STEP_FLOOR_PER_MASK_S,
+    GRAMMAR_STEP_MAX_ITEMS,
+    GRAMMAR_STEP_STRIKES,
+    GrammarBudget,
+    GrammarCompiler,
+)
 from iterserve.models.loader import load_model_info
 from iterserve.sampling_params import SamplingParams, SamplingParamsError, StructuredOutputsParams
 from iterserve.tokenizer import Tokenizer
@@ -189,3 +195,47 @@ def test_gbnf_grammars_compile_like_lark_ones(compiler, tokenizer):
     assert accepts(compiler, tokenizer, lark, "no") and not accepts(compiler, tokenizer, lark, "maybe")
     with pytest.raises(SamplingParamsError, match="grammar"):
         StructuredOutputsParams(grammar="root ::= undefined_rule")
+
+
+AMBIGUOUS = StructuredOutputsParams(grammar='root ::= x\nx ::= x x | "a" | "b" | x "a" | "a" x\n')
+
+
+def test_masks_slower_than_the_model_several_steps_running_end_the_request():
+    budget = GrammarBudget(start_s=100.0)  # only the per-step cap is tested here
+    for _ in range(GRAMMAR_STEP_STRIKES - 1):
+        budget.charge_mask(0.5)
+        budget.end_step(model_s=0.1)
+    assert not budget.exhausted
+    budget.charge_mask(0.01)  # one step well within the model's time starts the count again
+    budget.end_step(model_s=0.1)
+    for _ in range(GRAMMAR_STEP_STRIKES - 1):
+        budget.charge_mask(0.5)
+        budget.end_step(model_s=0.1)
+    assert not budget.exhausted
+    budget.charge_mask(0.5)
+    budget.end_step(model_s=0.1)
+    assert budget.exhausted and "the model's time in" in budget.describe()
+
+
+def test_many_quick_masks_are_not_held_to_a_fast_model_step():
+    budget = GrammarBudget()
+    for _ in range(2 * GRAMMAR_STEP_STRIKES):
+        for _ in range(64):  # n=64, each mask well under the floor per mask
+            budget.charge_mask(GRAMMAR_STEP_FLOOR_PER_MASK_S / 2)
+        budget.end_step(model_s=0.001)
+    assert budget.strikes == 0
+
+
+def test_an_ambiguous_grammar_stops_at_the_item_limit_with_a_mask_that_can_still_be_sampled(compiler, tokenizer):
+    matcher = compiler.matcher(AMBIGUOUS)
+    matcher.budget = GrammarBudget(start_s=1000.0)  # the item limit alone ends it
+    bitmask = torch.zeros(1, bitmask_words(compiler.vocab_size), dtype=torch.int32)
+    a = tokenizer.encode("a", add_special_tokens=False)[0]
+    for _ in range(500):
+        matcher.fill_bitmask(bitmask, 0, {2})
+        if matcher.failure is not None:
+            break
+        assert matcher.accept(a)
+    failure = matcher.failure
+    assert failure is not None and f"limit {GRAMMAR_STEP_MAX_ITEMS}" in failure, failure
+    assert bool((bitmask == -1).all())  # every token allowed: the row samples, the scheduler ends the sequence

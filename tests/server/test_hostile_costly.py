@@ -126,6 +126,16 @@ def test_grammars_that_validate_but_cannot_run_get_400_before_admission(tiny, fi
     assert prompt_tokens(tiny) == before + 3  # the probe's prompt only: the refused one was never computed
 
 
+def test_an_ambiguous_grammar_is_cut_off_with_a_400_naming_the_cause_while_others_are_served(tiny):
+    """Its masks grow with every token; a grammar limit ends it long before its 600 tokens."""
+    body = {"messages": CHAT, "n": 4, "max_tokens": 600, "ignore_eos": True,
+            "structured_outputs": {"grammar": 'root ::= x\nx ::= x x | "a" | "b" | x "a" | "a" x\n'}}
+    with others_served(tiny.url, AUTH):
+        error = assert_error(post(tiny, "/v1/chat/completions", body), 400)
+    assert "grammar" in error["message"] and "make it unambiguous" in error["message"], error
+    wait_until_idle(tiny)
+
+
 # -- 4. dashboard viewers ----------------------------------------------------------------------------
 
 VIEWERS = 200
