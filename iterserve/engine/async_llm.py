@@ -125,6 +125,10 @@ class AsyncLLM:
             del self._streams[stream.request_id]
             stream.close()
 
+    async def reset_prefix_cache(self) -> None:
+        """Empty every replica's prefix cache (vLLM's method); requests sent afterwards find nothing cached."""
+        self.engine_core.reset_prefix_cache()
+
     async def abort(self, request_id: str | Iterable[str]) -> None:
         """Stop requests wherever they are (their generate() loops end); unknown or finished ids are ignored."""
         for rid in [request_id] if isinstance(request_id, str) else request_id:

@@ -279,6 +279,18 @@ class BlockManager:
             if parent.num_computed_tokens % self.block_size:
                 self.pending_copies.append((parent.block_table[full], share[0]))
 
+    def reset_prefix_cache(self) -> None:
+        """Empty the prefix cache (vLLM's ``reset_prefix_cache``) and record AllBlocksCleared: free blocks lose
+        their content; blocks running sequences hold stay theirs, but no later request finds them."""
+        for block in self.cached.values():
+            block.hash, block.parent_hash, block.token_ids = None, None, ()
+            if block.ref_count == 0:  # empty now: handed out before any block that still caches something
+                self.free_queue.move_to_end(block.block_id, last=False)
+        self.cached.clear()
+        self.announced.clear()  # the clear covers them; their commit announces them again
+        if self.events is not None:
+            self.events.append(AllBlocksCleared())
+
     def take_copies(self) -> list[tuple[int, int]]:
         """The copy-on-write pairs queued since the last call, for the next forward pass."""
         copies, self.pending_copies = self.pending_copies, []

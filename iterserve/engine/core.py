@@ -236,6 +236,12 @@ class EngineCore:
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished() or bool(self._compiling)
 
+    def reset_prefix_cache(self) -> None:
+        """Empty the prefix cache between steps (running requests keep their blocks) and publish
+        AllBlocksCleared now: an idle engine takes no step that would send it."""
+        self.block_manager.reset_prefix_cache()
+        self._publish_kv_events()
+
     def _publish_kv_events(self) -> None:
         if self.kv_events is not None and (events := self.block_manager.take_events()):
             self.kv_events.publish(events)

@@ -42,6 +42,7 @@ from iterserve.engine.messages import (
     EngineReady,
     KVSnapshot,
     LoadedWeights,
+    ResetPrefixCache,
     SchedulerStats,
     Shutdown,
     StepStats,
@@ -314,6 +315,12 @@ class EngineCoreClient:
         if index is not None:
             self._cores[index].num_open -= 1
         return index
+
+    def reset_prefix_cache(self) -> None:
+        """Empty every replica's prefix cache; a request sent after this call finds nothing cached (each core
+        reads its messages in order)."""
+        for core in self._live():
+            core.send(self._encoder, ResetPrefixCache())
 
     def watch_kv(self, on: bool) -> None:
         """Ask the core the dashboard shows (replica 0) for KV block snapshots, or to stop taking them."""

@@ -24,6 +24,7 @@ from iterserve.engine.messages import (
     EngineFailed,
     EngineReady,
     LoadedWeights,
+    ResetPrefixCache,
     Shutdown,
     WatchKV,
 )
@@ -119,6 +120,9 @@ def _busy_loop(core: EngineCore, inputs: zmq.Socket, outputs: zmq.Socket, encode
                 continue
             if isinstance(msg, WatchKV):
                 core.watch_kv = msg.on
+                continue
+            if isinstance(msg, ResetPrefixCache):
+                core.reset_prefix_cache()
                 continue
             try:
                 core.add_request(msg)

@@ -158,6 +158,8 @@ def add_discovery_routes(app: FastAPI, discovery: DiscoveryServing) -> None:
     app.post("/v1/chat/completions/render", response_model=None)(discovery.render_chat)
     app.post("/v1/completions/render", response_model=None)(discovery.render_completion)
     app.get("/health_generate", response_model=None)(discovery.health_generate)
+    for path in ("/reset_prefix_cache", "/flush_cache"):
+        app.post(path, response_model=None)(discovery.reset_prefix_cache)
 
 
 def _url(host: str, port: int) -> str:

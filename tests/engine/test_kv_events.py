@@ -21,6 +21,7 @@ from iterserve.engine.kv_events import (
     start_publisher,
 )
 from iterserve.engine.messages import EngineCoreRequest
+from iterserve.llm import LLM
 from iterserve.models.loader import load_model
 from iterserve.sampling_params import SamplingParams
 from tests.engine import kv_event_schema as vllm
@@ -366,3 +367,51 @@ def test_a_prefix_is_not_hit_in_the_step_that_computes_it(tiny_loaded, monkeypat
     assert core.prefix_hit_tokens == 12
     core.close()
 
+
+# -- reset_prefix_cache: AllBlocksCleared ----------------------------------------------------------------
+
+
+def test_a_reset_empties_the_cache_keeps_held_blocks_and_records_all_blocks_cleared():
+    bm = BlockManager(8, BS)
+    bm.record_events()
+    done, running = seq(range(9)), seq(range(100, 109), rid="running")
+    admit(bm, done)
+    admit(bm, running)
+    bm.free(done)
+    bm.take_events()
+    held = list(running.block_table)
+    bm.reset_prefix_cache()
+    assert [type(e).__name__ for e in bm.take_events()] == ["AllBlocksCleared"]
+    assert not bm.cached and all(b.hash is None for b in bm.blocks)
+    assert running.block_table == held and all(bm.blocks[i].ref_count == 1 for i in held)
+    assert bm.find_cached_prefix(seq(range(9), rid="again")) == []
+    bm.free(running)
+    bm.check_no_leaks()
+    assert admit(bm, seq(range(100, 109), rid="after")) == 0  # the running one's blocks were not cached again
+
+
+def test_a_reset_between_steps_reaches_subscribers_and_the_next_identical_request_hits_nothing(tiny_loaded,
+                                                                                              monkeypatch):
+    core, recorder = recording_core(tiny_loaded, monkeypatch)
+    prompt = list(range(1, 14))
+    run(core, "a", prompt)
+    run(core, "b", prompt)
+    assert core.prefix_hit_tokens == 12 and recorder.index
+    core.reset_prefix_cache()  # idle: published at once, no step needed
+    assert recorder.index == set() and not core.block_manager.cached
+    run(core, "c", prompt)
+    assert core.prefix_hit_tokens == 12  # c computed its prompt in full
+    assert recorder.index == cached_hashes(core) and len(recorder.index) == 3
+    core.block_manager.check_no_leaks()
+    core.close()
+
+
+def test_llm_reset_prefix_cache_makes_the_next_identical_prompt_compute_in_full(tiny_loaded):
+    llm = LLM(loaded=tiny_loaded, num_kv_blocks=12, block_size=BS, max_model_len=48)
+    prompt = {"prompt_token_ids": list(range(1, 14))}
+    params = SamplingParams(max_tokens=2, ignore_eos=True)
+    llm.generate(prompt, params, use_tqdm=False)
+    assert llm.generate(prompt, params, use_tqdm=False)[0].num_cached_tokens == 12
+    assert llm.reset_prefix_cache() is True
+    assert llm.generate(prompt, params, use_tqdm=False)[0].num_cached_tokens == 0
+    llm.llm_engine.block_manager.check_no_leaks()
