@@ -69,7 +69,7 @@ def build_app(config: EngineConfig, server: ServerConfig | None = None) -> FastA
     served_model_name, api_key = server.model_name(config), server.api_key
     llm = AsyncLLM(config, max_waiting=server.max_waiting, log_level=server.log_level,
                    data_parallel_size=server.data_parallel_size, stall_timeout=server.engine_stall_timeout,
-                   max_restarts=server.max_engine_restarts)
+                   max_restarts=server.max_engine_restarts, data_parallel_backend=server.data_parallel_backend)
     engine = llm.engine_core
     spec = config.speculative_config
     events = config.kv_events_config
