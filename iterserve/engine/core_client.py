@@ -19,6 +19,7 @@ open stream it held gets :class:`EngineDeadError`, the client takes no new reque
 from __future__ import annotations
 
 import asyncio
+import importlib.util
 import logging
 import shutil
 import tempfile
@@ -131,6 +132,8 @@ class EngineCoreClient:
         on_cpu = not (self._cores[0].config.device or "cpu").startswith("cuda")
         if data_parallel_backend == "ray" and not on_cpu:
             raise ValueError("data_parallel_backend 'ray' places CPU engine cores only; on GPUs use 'mp'")
+        if data_parallel_backend == "ray" and importlib.util.find_spec("ray") is None:
+            raise ValueError("data_parallel_backend 'ray' needs Ray, which is not installed: pip install ray")
         # a Ray actor computes on the CPU it reserves (Ray sets its thread count)
         self._threads = max(1, torch.get_num_threads() // n) if n > 1 and on_cpu and data_parallel_backend == "mp" \
             else None

@@ -4,6 +4,7 @@ engine cores placed as Ray actors on the two nodes of a local cluster, one of th
 from __future__ import annotations
 
 import asyncio
+import importlib.util
 import time
 
 import pytest
@@ -21,6 +22,13 @@ def test_an_unknown_backend_is_refused_naming_the_known_ones():
         ServerConfig(data_parallel_backend="k8s")  # type: ignore[arg-type]
     with pytest.raises(ValueError, match="data_parallel_backend must be 'mp' or 'ray'"):
         EngineCoreClient(TINY, max_waiting=8, data_parallel_backend="k8s")  # type: ignore[arg-type]
+
+
+def test_the_ray_backend_without_ray_installed_says_how_to_get_it():
+    if importlib.util.find_spec("ray") is not None:
+        pytest.skip("ray is installed here")
+    with pytest.raises(ValueError, match="needs Ray, which is not installed: pip install ray"):
+        EngineCoreClient(TINY, max_waiting=8, data_parallel_size=2, data_parallel_backend="ray")
 
 
 async def _complete(llm: AsyncLLM, prompt: list[int]) -> list[int]:
