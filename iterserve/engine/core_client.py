@@ -19,11 +19,12 @@ open stream it held gets :class:`EngineDeadError`, the client takes no new reque
 from __future__ import annotations
 
 import asyncio
+import importlib.util
 import logging
 import shutil
 import tempfile
 from collections.abc import Callable
-from typing import Protocol
+from typing import Protocol, get_args
 
 import msgspec
 import torch
@@ -31,6 +32,7 @@ import zmq
 import zmq.asyncio
 
 from iterserve.config import EngineConfig, ModelConfig
+from iterserve.config.runtime import DataParallelBackend
 from iterserve.engine.capacity import Capacity
 from iterserve.engine.core_process import CoreProcess, replica_configs
 from iterserve.engine.messages import (
@@ -42,6 +44,7 @@ from iterserve.engine.messages import (
     EngineReady,
     KVSnapshot,
     LoadedWeights,
+    ResetPrefixCache,
     SchedulerStats,
     Shutdown,
     StepStats,
@@ -97,11 +100,13 @@ class EngineCoreClient:
 
     def __init__(self, config: EngineConfig, *, max_waiting: int, observer: EngineObserver | None = None,
                  log_level: str = "INFO", data_parallel_size: int = 1, stall_timeout: float = 60.0,
-                 max_restarts: int = DEFAULT_MAX_RESTARTS) -> None:
+                 max_restarts: int = DEFAULT_MAX_RESTARTS, data_parallel_backend: DataParallelBackend = "mp") -> None:
         if max_waiting < 1:
             raise ValueError(f"max_waiting must be >= 1, got {max_waiting}")
         if data_parallel_size < 1:
             raise ValueError(f"data_parallel_size must be >= 1, got {data_parallel_size}")
+        if data_parallel_backend not in get_args(DataParallelBackend):
+            raise ValueError(f"data_parallel_backend must be 'mp' or 'ray', got {data_parallel_backend!r}")
         self.config = config
         self.max_waiting = max_waiting
         self.stall_timeout = stall_timeout
@@ -121,11 +126,17 @@ class EngineCoreClient:
         n = data_parallel_size
         self.max_restarts = max_restarts
         self.num_restarts = 0
-        self._cores = [CoreProcess(i, c, f"replica {i}: " if n > 1 else "")
+        self._cores = [CoreProcess(i, c, f"replica {i}: " if n > 1 else "", data_parallel_backend)
                        for i, c in enumerate(replica_configs(config, n))]
         # replicas that share the CPU share its cores too, rather than each running one thread per core
         on_cpu = not (self._cores[0].config.device or "cpu").startswith("cuda")
-        self._threads = max(1, torch.get_num_threads() // n) if n > 1 and on_cpu else None
+        if data_parallel_backend == "ray" and not on_cpu:
+            raise ValueError("data_parallel_backend 'ray' places CPU engine cores only; on GPUs use 'mp'")
+        if data_parallel_backend == "ray" and importlib.util.find_spec("ray") is None:
+            raise ValueError("data_parallel_backend 'ray' needs Ray, which is not installed: pip install ray")
+        # a Ray actor computes on the CPU it reserves (Ray sets its thread count)
+        self._threads = max(1, torch.get_num_threads() // n) if n > 1 and on_cpu and data_parallel_backend == "mp" \
+            else None
         self.router = Router(n, config.block_size, self.capacity.num_blocks, config.enable_prefix_caching)
         self._output_processor = OutputProcessor(self.tokenizer)
         self._streams: dict[str, RequestStream] = {}
@@ -199,7 +210,7 @@ class EngineCoreClient:
         await asyncio.gather(*(asyncio.to_thread(proc.join, timeout) for proc in procs))
         for proc in procs:
             if proc.is_alive():
-                logger.warning("the engine core %d did not stop within %.0f s; killing it", proc.pid, timeout)
+                logger.warning("the engine core %s did not stop within %.0f s; killing it", proc.pid, timeout)
                 proc.kill()
                 await asyncio.to_thread(proc.join, 5)
         self._fail_all(EngineDeadError("the server is shutting down"))
@@ -314,6 +325,12 @@ class EngineCoreClient:
         if index is not None:
             self._cores[index].num_open -= 1
         return index
+
+    def reset_prefix_cache(self) -> None:
+        """Empty every replica's prefix cache; a request sent after this call finds nothing cached (each core
+        reads its messages in order)."""
+        for core in self._live():
+            core.send(self._encoder, ResetPrefixCache())
 
     def watch_kv(self, on: bool) -> None:
         """Ask the core the dashboard shows (replica 0) for KV block snapshots, or to stop taking them."""

@@ -8,6 +8,7 @@ import logging
 import math
 import os
 import signal
+import threading
 
 import msgspec
 import torch
@@ -24,6 +25,7 @@ from iterserve.engine.messages import (
     EngineFailed,
     EngineReady,
     LoadedWeights,
+    ResetPrefixCache,
     Shutdown,
     WatchKV,
 )
@@ -44,8 +46,9 @@ def run_engine_core(config: EngineConfig, input_addr: str, output_addr: str, log
     Signals are ignored here: the API process decides when the core stops (it sends Shutdown), and
     an orphaned core notices its parent is gone and exits.
     """
-    signal.signal(signal.SIGINT, signal.SIG_IGN)
-    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    if threading.current_thread() is threading.main_thread():  # a Ray actor may run it on another thread
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
     if num_threads is not None:
         torch.set_num_threads(num_threads)
     logging.basicConfig(level=log_level.upper(), format="%(levelname)s %(name)s: %(message)s")
@@ -119,6 +122,9 @@ def _busy_loop(core: EngineCore, inputs: zmq.Socket, outputs: zmq.Socket, encode
                 continue
             if isinstance(msg, WatchKV):
                 core.watch_kv = msg.on
+                continue
+            if isinstance(msg, ResetPrefixCache):
+                core.reset_prefix_cache()
                 continue
             try:
                 core.add_request(msg)

@@ -10,6 +10,7 @@ import dataclasses
 import multiprocessing
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Protocol
 
 import msgspec
 import torch
@@ -17,8 +18,28 @@ import zmq
 import zmq.asyncio
 
 from iterserve.config import EngineConfig
+from iterserve.config.runtime import DataParallelBackend
 from iterserve.engine.core_proc import run_engine_core
 from iterserve.engine.messages import EngineCoreInput, EngineFailed, EngineReady, SchedulerStats
+
+
+class CoreHandle(Protocol):
+    """What the client watches of a core: a local process, or a Ray actor (:class:`~.ray_core.RayCore`)."""
+
+    @property
+    def sentinel(self) -> int: ...
+
+    @property
+    def pid(self) -> int | None: ...
+
+    @property
+    def exitcode(self) -> int | None: ...
+
+    def is_alive(self) -> bool: ...
+
+    def join(self, timeout: float | None = None) -> None: ...
+
+    def kill(self) -> None: ...
 
 
 @dataclass
@@ -28,6 +49,7 @@ class CoreProcess:
     index: int
     config: EngineConfig
     label: str  # "" with one core, else "replica N: ", put before what the log and errors say about it
+    backend: DataParallelBackend = "mp"
     pid: int | None = None
     stats: SchedulerStats | None = None
     num_sent: int = 0
@@ -36,7 +58,7 @@ class CoreProcess:
     dead: bool = False
     generation: int = 0
     restarts: list[float] = dataclasses.field(default_factory=list)  # (loop time) when each restart began
-    proc: multiprocessing.process.BaseProcess | None = None
+    proc: CoreHandle | None = None
     task: asyncio.Task[None] | None = None
     input: zmq.Socket | None = None
     output: zmq.asyncio.Socket | None = None
@@ -63,17 +85,26 @@ class CoreProcess:
         self.close_sockets()
         self.generation += 1
         self.stats, self.num_sent, self.num_open, self.pid = None, 0, 0, None
-        in_addr, out_addr = (f"ipc://{tmp}/{kind}{self.index}.{self.generation}" for kind in ("in", "out"))
         self.input = ctx.socket(zmq.PUSH)
         self.input.setsockopt(zmq.SNDHWM, 0)  # never block the event loop on a send
-        self.input.bind(in_addr)
         self.output = actx.socket(zmq.PULL)
         self.output.setsockopt(zmq.RCVHWM, 0)
+        if self.backend == "ray":  # the actor may run on another node: TCP on this node's cluster address
+            from iterserve.engine.ray_core import RayCore, node_address
+
+            host = node_address()
+            in_addr, out_addr = (f"tcp://{host}:{sock.bind_to_random_port(f'tcp://{host}')}"
+                                 for sock in (self.input, self.output))
+            self.proc = RayCore(self.index, self.config, in_addr, out_addr, log_level, threads)
+            return
+        in_addr, out_addr = (f"ipc://{tmp}/{kind}{self.index}.{self.generation}" for kind in ("in", "out"))
+        self.input.bind(in_addr)
         self.output.bind(out_addr)
         spawn = multiprocessing.get_context("spawn")
-        self.proc = spawn.Process(target=run_engine_core, args=(self.config, in_addr, out_addr, log_level, threads),
-                                  name=f"iterserve-engine-core-{self.index}", daemon=True)
-        self.proc.start()
+        process = spawn.Process(target=run_engine_core, args=(self.config, in_addr, out_addr, log_level, threads),
+                                name=f"iterserve-engine-core-{self.index}", daemon=True)
+        process.start()
+        self.proc = process
 
     async def handshake(self, decoder: msgspec.msgpack.Decoder) -> EngineReady:
         """Wait until the core has loaded the model; raises RuntimeError with its reason if it cannot."""

@@ -1,9 +1,11 @@
 """KV-cache events, published as vLLM publishes them (``vllm/distributed/kv_events.py``), so that a KV-aware
 router (vllm-router's ``kv_aware`` policy, llm-d's indexer) can follow which prompt prefixes each engine holds.
 
-The block manager records a :class:`BlockStored` when full blocks enter the prefix cache (their chained
-hashes, the parent's hash, their tokens) and a :class:`BlockRemoved` when cached blocks are evicted. After
-each step the core hands the step's events, as one :class:`KVEventBatch`, to the publisher. The wire format
+The block manager records a :class:`BlockStored` for the full blocks a step will fill when the step is
+scheduled (their chained hashes, the parent's hash, their tokens), a :class:`BlockRemoved` when cached blocks
+are evicted or an announced block never gets computed, and :class:`AllBlocksCleared` when the prefix cache is
+reset. The core hands the events to the publisher, as one :class:`KVEventBatch`, right after scheduling (before
+the forward pass, so a router learns a prefix's home while its prefill runs) and again after the step. The wire format
 is vLLM's since vllm-project/vllm#42892: msgpack of a batch array ``[ts, events, data_parallel_rank]`` whose
 events are maps of their fields with the class name under ``"type"`` (vllm-router 0.1.17 rejects the older
 array-shaped events), sent on a ZeroMQ PUB socket as ``[topic, sequence number (8 bytes, big-endian),

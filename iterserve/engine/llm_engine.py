@@ -78,6 +78,10 @@ class LLMEngine:
     def has_unfinished_requests(self) -> bool:
         return self.core.has_unfinished_requests()
 
+    def reset_prefix_cache(self) -> None:
+        """Empty the prefix cache; running requests keep the blocks they hold."""
+        self.core.reset_prefix_cache()
+
     # -- the step -------------------------------------------------------------------------------
 
     def step(self) -> list[RequestOutput]:

@@ -41,7 +41,11 @@ class WatchKV(msgspec.Struct, tag="watch_kv"):
     on: bool
 
 
-EngineCoreInput = EngineCoreRequest | AbortRequests | Shutdown | WatchKV
+class ResetPrefixCache(msgspec.Struct, tag="reset_prefix_cache"):
+    """Empty the prefix cache before the next step (requests sent after it find nothing cached)."""
+
+
+EngineCoreInput = EngineCoreRequest | AbortRequests | Shutdown | WatchKV | ResetPrefixCache
 
 
 class EngineCoreOutput(msgspec.Struct, array_like=True, omit_defaults=True):

@@ -7,7 +7,8 @@ the next step and leaves the moment it finishes. When the KV pool runs dry, the 
 admitted running sequence is preempted: its blocks are freed and it is recomputed later.
 
 After the forward pass, :meth:`Scheduler.update_from_output` is the one place a sequence's progress
-moves: computed tokens advance, full blocks are published to the prefix cache, the sampled token is
+moves: computed tokens advance, full blocks enter the prefix cache (KV-cache events announced them when
+they were scheduled), the sampled token is
 appended, token-level stops are applied and finished sequences leave the batch.
 
 With speculative decoding a decoding sequence may carry draft tokens: it is scheduled for 1 + k
@@ -221,6 +222,8 @@ class Scheduler:
 
         out.scheduled = decodes + verifies + prefills
         out.block_copies = bm.take_copies()
+        for s in out.scheduled:  # drafts are announced once accepted, when committed
+            bm.announce(s.seq, s.num_tokens - len(s.spec_token_ids))
         return out
 
     def _lora_fits(self, seq: Sequence) -> bool:

@@ -69,7 +69,7 @@ def build_app(config: EngineConfig, server: ServerConfig | None = None) -> FastA
     served_model_name, api_key = server.model_name(config), server.api_key
     llm = AsyncLLM(config, max_waiting=server.max_waiting, log_level=server.log_level,
                    data_parallel_size=server.data_parallel_size, stall_timeout=server.engine_stall_timeout,
-                   max_restarts=server.max_engine_restarts)
+                   max_restarts=server.max_engine_restarts, data_parallel_backend=server.data_parallel_backend)
     engine = llm.engine_core
     spec = config.speculative_config
     events = config.kv_events_config
@@ -158,6 +158,8 @@ def add_discovery_routes(app: FastAPI, discovery: DiscoveryServing) -> None:
     app.post("/v1/chat/completions/render", response_model=None)(discovery.render_chat)
     app.post("/v1/completions/render", response_model=None)(discovery.render_completion)
     app.get("/health_generate", response_model=None)(discovery.health_generate)
+    for path in ("/reset_prefix_cache", "/flush_cache"):
+        app.post(path, response_model=None)(discovery.reset_prefix_cache)
 
 
 def _url(host: str, port: int) -> str:

@@ -54,6 +54,10 @@ class HTTP2PrefaceMiddleware:
         await self.app(scope, receive, send)
 
 
+# routes that read no body (clients POST them bare, as to vLLM and SGLang); none of them generates anything
+NO_BODY_POSTS = frozenset({"/ping", "/reset_prefix_cache", "/flush_cache"})
+
+
 class JSONBodyMiddleware:
     """POST bodies must be declared ``application/json`` (415 otherwise).
 
@@ -67,7 +71,7 @@ class JSONBodyMiddleware:
         self.app = app
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] == "http" and scope["method"] == "POST" and scope["path"] != "/ping":  # reads no body
+        if scope["type"] == "http" and scope["method"] == "POST" and scope["path"] not in NO_BODY_POSTS:
             content_type = Headers(scope=scope).get("content-type")
             if content_type is None or content_type.partition(";")[0].strip().lower() != "application/json":
                 got = "no Content-Type" if content_type is None else f"Content-Type {content_type!r}"

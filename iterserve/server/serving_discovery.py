@@ -84,6 +84,15 @@ class DiscoveryServing(ChatServing, CompletionServing):
         sources = kv_event_sources(self.engine, request.url.hostname)
         return JSONResponse({str(s["data_parallel_rank"]): {**s, **settings} for s in sources})
 
+    async def reset_prefix_cache(self) -> Response:
+        """Empty every replica's prefix cache (vLLM's ``POST /reset_prefix_cache``, SGLang's ``/flush_cache``):
+        running requests keep their blocks, later ones find nothing cached, and KV-event subscribers get
+        AllBlocksCleared."""
+        if (problem := self.engine.health_problem()) is not None:
+            return error_response(APIError(503, problem, type="server_error"))
+        self.engine.reset_prefix_cache()
+        return Response(status_code=200)
+
     async def render_chat(self, body: Annotated[ChatCompletionRequest, validated(ChatCompletionRequest)],
                           ) -> JSONResponse:
         """The chat request as the engine would get it, without generating (vLLM's render route): its template

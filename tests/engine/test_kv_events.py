@@ -11,15 +11,24 @@ import zmq
 
 from iterserve.config import EngineConfig, KVEventsConfig
 from iterserve.engine.block_manager import BlockManager, chain_hash
-from iterserve.engine.core import EngineCore
-from iterserve.engine.kv_events import BlockRemoved, BlockStored, ZmqEventPublisher, external_hash, start_publisher
+from iterserve.engine.core import FAULT_TOKEN_ENV, EngineCore
+from iterserve.engine.kv_events import (
+    BlockRemoved,
+    BlockStored,
+    KVEventBatch,
+    ZmqEventPublisher,
+    external_hash,
+    start_publisher,
+)
 from iterserve.engine.messages import EngineCoreRequest
+from iterserve.llm import LLM
 from iterserve.models.loader import load_model
 from iterserve.sampling_params import SamplingParams
 from tests.engine import kv_event_schema as vllm
 from tests.engine.test_block_manager import admit, seq
 
 BS = 4
+FAULT_TOKEN = 4242
 
 
 @pytest.fixture
@@ -220,3 +229,189 @@ def test_an_engines_events_match_its_prefix_cache(tiny_loaded, ctx):
         assert core.stats().kv_events_dropped == 0
     finally:
         core.close()
+
+
+# -- announced when scheduled: a router learns a prefix while its prefill runs ------------------------------
+
+
+def test_blocks_are_announced_before_they_are_computed_and_hit_only_once_committed():
+    bm = BlockManager(8, BS)
+    bm.record_events()
+    a, twin = seq(range(10)), seq(range(10), rid="twin")
+    assert bm.allocate(a, 10)
+    bm.announce(a, 10)  # scheduled: its two full blocks are announced now
+    (stored,) = bm.take_events()
+    h0 = chain_hash(None, (0, 1, 2, 3))
+    assert isinstance(stored, BlockStored)
+    assert stored.block_hashes == [external_hash(h0), external_hash(chain_hash(h0, (4, 5, 6, 7)))]
+    assert bm.find_cached_prefix(twin) == []  # not computed yet: nobody may read it
+    a.num_computed_tokens = 10
+    bm.commit(a)
+    assert bm.take_events() == [] and not bm.announced  # committing announces nothing twice
+    assert len(bm.find_cached_prefix(twin)) == 2
+
+
+def test_an_announced_block_never_computed_is_withdrawn_when_its_sequence_leaves():
+    bm = BlockManager(8, BS)
+    bm.record_events()
+    a = seq(range(10))
+    assert bm.allocate(a, 10)
+    bm.announce(a, 10)
+    (stored,) = bm.take_events()
+    bm.free(a)  # aborted, preempted or failed before its step committed
+    (removed,) = bm.take_events()
+    assert isinstance(removed, BlockRemoved) and removed.block_hashes == stored.block_hashes
+    assert not bm.announced and not bm.cached
+    bm.check_no_leaks()
+
+
+def test_a_block_two_sequences_fill_in_one_step_is_announced_once_and_survives_either_leaving():
+    bm = BlockManager(8, BS)
+    bm.record_events()
+    a, b = seq(range(6)), seq([*range(4), 9, 9], rid="b")  # the same first block
+    for s in (a, b):
+        assert bm.allocate(s, 6)
+        bm.announce(s, 6)
+    (stored,) = bm.take_events()
+    assert len(stored.block_hashes) == 1
+    b.num_computed_tokens = 6
+    bm.commit(b)  # b caches the block a announced
+    bm.free(a)  # a leaves without computing: the block is cached all the same, so nothing is withdrawn
+    assert bm.take_events() == [] and list(bm.cached) == [chain_hash(None, (0, 1, 2, 3))]
+
+
+class Recorder:
+    """A publisher that keeps each batch as a vLLM consumer decodes it, and what the pool held when it came."""
+
+    dropped = 0
+
+    def __init__(self, bm: BlockManager) -> None:
+        self.bm = bm
+        self.index: set[int] = set()  # a router's view: the block hashes this engine holds
+        self.ever_announced: set[int] = set()
+
+    def publish(self, events: list) -> None:
+        batch = vllm.DECODER.decode(msgspec.msgpack.encode(KVEventBatch(ts=0.0, events=events)))
+        for event in batch.events:
+            if isinstance(event, vllm.BlockStored):
+                self.index.update(event.block_hashes)
+                self.ever_announced.update(event.block_hashes)
+            elif isinstance(event, vllm.BlockRemoved):
+                self.index.difference_update(event.block_hashes)
+            else:
+                self.index.clear()
+        held = {external_hash(h) for h in [*self.bm.cached, *self.bm.announced]}
+        assert self.index == held  # the router's view is the cache plus the blocks being computed
+
+    def shutdown(self) -> None:
+        pass
+
+
+def recording_core(tiny_loaded, monkeypatch, num_blocks: int = 12) -> tuple[EngineCore, Recorder]:
+    monkeypatch.setenv(FAULT_TOKEN_ENV, str(FAULT_TOKEN))
+    core = EngineCore(EngineConfig(num_kv_blocks=num_blocks, block_size=BS, max_model_len=48, max_num_seqs=4),
+                      tiny_loaded)
+    core.block_manager.record_events()
+    recorder = Recorder(core.block_manager)
+    core.kv_events = recorder  # type: ignore[assignment]
+    return core, recorder
+
+
+def cached_hashes(core: EngineCore) -> set[int]:
+    return {external_hash(h) for h in core.block_manager.cached}
+
+
+def test_the_event_stream_matches_the_cache_through_preemption_aborts_and_a_failed_step(tiny_loaded, monkeypatch):
+    core, recorder = recording_core(tiny_loaded, monkeypatch)
+    forward = core.executor.execute_model
+    seen_in_forward: list[set[int]] = []
+
+    def execute_model(scheduled, copies):
+        seen_in_forward.append(set(recorder.index))  # published before the forward pass
+        assert {external_hash(h) for h in core.block_manager.announced} <= recorder.index
+        return forward(scheduled, copies)
+
+    core.executor.execute_model = execute_model  # type: ignore[method-assign]
+    params = SamplingParams(max_tokens=10, ignore_eos=True)
+    for i in range(4):  # 4 x (18 + 10) tokens need 28 blocks of 12: sequences are preempted
+        core.add_request(EngineCoreRequest(f"r{i}", [1, 2, 3, 4, 5, 6, 7, 8, *range(20 + 10 * i, 30 + 10 * i)],
+                                           params, 0.0))
+    steps = 0
+    while core.has_unfinished_requests():
+        core.step()
+        steps += 1
+        assert recorder.index == cached_hashes(core) and not core.block_manager.announced
+        if steps == 3:
+            core.abort_request("r1")
+    assert core.num_preemptions > 0 and any(seen_in_forward)
+    core.add_request(EngineCoreRequest("poisoned", [*range(60, 68), FAULT_TOKEN], params, 0.0))
+    core.step()  # announced two blocks, then failed: they are withdrawn
+    assert {external_hash(chain_hash(None, (60, 61, 62, 63)))} <= recorder.ever_announced
+    assert recorder.index == cached_hashes(core) and not core.has_unfinished_requests()
+    assert external_hash(chain_hash(None, (60, 61, 62, 63))) not in recorder.index
+    core.block_manager.check_no_leaks()
+    core.close()
+
+
+def test_a_prefix_is_not_hit_in_the_step_that_computes_it(tiny_loaded, monkeypatch):
+    core, recorder = recording_core(tiny_loaded, monkeypatch)
+    params = SamplingParams(max_tokens=2, ignore_eos=True)
+    for rid in ("a", "b"):  # the same prompt, scheduled in one step
+        core.add_request(EngineCoreRequest(rid, list(range(1, 14)), params, 0.0))
+    core.step()
+    assert core.prefix_hit_tokens == 0 and len(recorder.index) == 3  # announced once, computed twice
+    while core.has_unfinished_requests():
+        core.step()
+    core.add_request(EngineCoreRequest("c", list(range(1, 14)), params, 0.0))
+    core.step()
+    assert core.prefix_hit_tokens == 12
+    core.close()
+
+
+# -- reset_prefix_cache: AllBlocksCleared ----------------------------------------------------------------
+
+
+def test_a_reset_empties_the_cache_keeps_held_blocks_and_records_all_blocks_cleared():
+    bm = BlockManager(8, BS)
+    bm.record_events()
+    done, running = seq(range(9)), seq(range(100, 109), rid="running")
+    admit(bm, done)
+    admit(bm, running)
+    bm.free(done)
+    bm.take_events()
+    held = list(running.block_table)
+    bm.reset_prefix_cache()
+    assert [type(e).__name__ for e in bm.take_events()] == ["AllBlocksCleared"]
+    assert not bm.cached and all(b.hash is None for b in bm.blocks)
+    assert running.block_table == held and all(bm.blocks[i].ref_count == 1 for i in held)
+    assert bm.find_cached_prefix(seq(range(9), rid="again")) == []
+    bm.free(running)
+    bm.check_no_leaks()
+    assert admit(bm, seq(range(100, 109), rid="after")) == 0  # the running one's blocks were not cached again
+
+
+def test_a_reset_between_steps_reaches_subscribers_and_the_next_identical_request_hits_nothing(tiny_loaded,
+                                                                                              monkeypatch):
+    core, recorder = recording_core(tiny_loaded, monkeypatch)
+    prompt = list(range(1, 14))
+    run(core, "a", prompt)
+    run(core, "b", prompt)
+    assert core.prefix_hit_tokens == 12 and recorder.index
+    core.reset_prefix_cache()  # idle: published at once, no step needed
+    assert recorder.index == set() and not core.block_manager.cached
+    run(core, "c", prompt)
+    assert core.prefix_hit_tokens == 12  # c computed its prompt in full
+    assert recorder.index == cached_hashes(core) and len(recorder.index) == 3
+    core.block_manager.check_no_leaks()
+    core.close()
+
+
+def test_llm_reset_prefix_cache_makes_the_next_identical_prompt_compute_in_full(tiny_loaded):
+    llm = LLM(loaded=tiny_loaded, num_kv_blocks=12, block_size=BS, max_model_len=48)
+    prompt = {"prompt_token_ids": list(range(1, 14))}
+    params = SamplingParams(max_tokens=2, ignore_eos=True)
+    llm.generate(prompt, params, use_tqdm=False)
+    assert llm.generate(prompt, params, use_tqdm=False)[0].num_cached_tokens == 12
+    assert llm.reset_prefix_cache() is True
+    assert llm.generate(prompt, params, use_tqdm=False)[0].num_cached_tokens == 0
+    llm.llm_engine.block_manager.check_no_leaks()

@@ -12,7 +12,7 @@ from iterserve.engine.kv_events import external_hash
 from iterserve.server import build_app
 from iterserve.server.serving_discovery import _reachable
 from tests.engine import kv_event_schema as vllm
-from tests.server.conftest import MODEL, TINY_MODEL, ServerThread, metric_samples
+from tests.server.conftest import MODEL, TINY_MODEL, ServerThread, metric_samples, wait_until_idle
 
 
 def test_the_core_process_publishes_and_the_server_lists_the_publisher():
@@ -45,8 +45,29 @@ def test_the_core_process_publishes_and_the_server_lists_the_publisher():
             assert stored[0].block_hashes == [external_hash(first), external_hash(chain_hash(first,
                                                                                               tuple(prompt[16:32])))]
             assert metric_samples(s)[("iterserve:kv_events_dropped_total", ())] == 0
+            assert_reset_clears_the_cache(s, sub, prompt)
     finally:
         ctx.destroy(linger=0)
+
+
+def completion(s: ServerThread, prompt: list[int]) -> dict:
+    r = httpx.post(f"{s.url}/v1/completions", timeout=60, json={"model": MODEL, "prompt": prompt, "max_tokens": 1})
+    assert r.status_code == 200, r.text
+    return r.json()["usage"]
+
+
+def assert_reset_clears_the_cache(s: ServerThread, sub: zmq.Socket, prompt: list[int]) -> None:
+    """POST /reset_prefix_cache: 200, AllBlocksCleared published, and the same prompt again hits nothing."""
+    assert completion(s, prompt)["prompt_tokens_details"]["cached_tokens"] == 32  # cached before the reset
+    r = httpx.post(f"{s.url}/reset_prefix_cache", timeout=10)
+    assert r.status_code == 200, r.text
+    cleared = []
+    while not cleared and (message := vllm.receive(sub, 5000)) is not None:
+        cleared += [e for e in message[2].events if isinstance(e, vllm.AllBlocksCleared)]
+    assert cleared
+    assert completion(s, prompt)["prompt_tokens_details"]["cached_tokens"] == 0
+    assert httpx.post(f"{s.url}/flush_cache", timeout=10).status_code == 200  # SGLang's name, no body either
+    wait_until_idle(s)  # no request and no block held: nothing leaked
 
 
 def test_a_wildcard_bind_is_listed_as_the_host_the_client_used():
