@@ -12,8 +12,8 @@ namespace iterserve_kquant {
 // offset o[0] (Q4_K, Q5_K, the 32-blocks), one float step for both; else s[0], s[1] (and o) are summed, then
 // scaled by the row's a_d once.
 template <bool Shared, int Bias, bool Offset>
-inline __m512 row_step(const __m512i* w, const Activations& x, int64_t r, int64_t ga, const __m512* s,
-                       const __m512* o, __m512 out) {
+[[gnu::always_inline]] inline __m512 row_step(const __m512i* w, const Activations& x, int64_t r, int64_t ga,
+                                              const __m512* s, const __m512* o, __m512 out) {
   const int8_t* xr = x.a.row(r) + ga * kGroup;
   const float ad = x.d(r, ga);
   if constexpr (Shared) {
@@ -111,6 +111,7 @@ struct Q4K {
     const __m512i head = g.at(p), s0 = g.at(p + 4), s1 = g.at(p + 8), s2 = g.at(p + 12);
     const __m512 d = half_lanes(head, 0), dmin = half_lanes(head, 16);
     const __m512i m6 = _mm512_set1_epi32(63), m4 = _mm512_set1_epi32(0x0F);
+#pragma GCC unroll 16
     for (int j = 0; j < 8; ++j) {
       __m512i sc, mn;
       if (j < 4) {
@@ -130,7 +131,7 @@ struct Q4K {
     }
   }
   template <class Src>
-  static __m512i codes(const Src& g, const uint8_t* p, int c) {
+  [[gnu::always_inline]] static __m512i codes(const Src& g, const uint8_t* p, int c) {
     return low_nibbles(g.at(p + 16 + 32 * (c >> 4) + 4 * (c & 7)), c & 8);
   }
 };
@@ -139,7 +140,7 @@ struct Q4K {
 struct Q5K : Q4K {
   static constexpr int64_t kStride = 176;
   template <class Src>
-  static __m512i codes(const Src& g, const uint8_t* p, int c) {
+  [[gnu::always_inline]] static __m512i codes(const Src& g, const uint8_t* p, int c) {
     const int j = c >> 4, hi = (c >> 3) & 1, i = c & 7;
     const __m512i v = low_nibbles(g.at(p + 48 + 32 * j + 4 * i), hi);
     return _mm512_or_si512(v, byte_bit(g.at(p + 16 + 4 * i), 2 * j + hi, 4));
@@ -154,8 +155,10 @@ struct Q6K {
   static void scales(const Src& g, const uint8_t* p, int64_t, Groups s, Groups o) {
     // bytes 208..209, the last of the block: a gather reads the dword that ends there, a tile has it padded
     const __m512 d = Src::kTiled ? half_lanes(g.at(p + 208), 0) : half_lanes(g.at(p + 206), 16);
+#pragma GCC unroll 16
     for (int i = 0; i < 4; ++i) {
       const __m512i v = g.at(p + 192 + 4 * i);
+#pragma GCC unroll 4
       for (int b = 0; b < 4; ++b) {
         const __m512i sc = _mm512_srai_epi32(_mm512_slli_epi32(v, 24 - 8 * b), 24);
         _mm512_store_ps(s[4 * i + b], _mm512_mul_ps(d, _mm512_cvtepi32_ps(sc)));
@@ -164,7 +167,7 @@ struct Q6K {
     }
   }
   template <class Src>
-  static __m512i codes(const Src& g, const uint8_t* p, int c) {
+  [[gnu::always_inline]] static __m512i codes(const Src& g, const uint8_t* p, int c) {
     const int h = c >> 5, hi = (c >> 4) & 1, l = c & 15;
     const __m512i lo = low_nibbles(g.at(p + 64 * h + 4 * l), hi);
     // the two high bits at bits [shift, shift + 2) of each byte, moved to bits 4-5 (what crosses bytes is masked off)
@@ -183,6 +186,7 @@ struct Q3K {
   static void scales(const Src& g, const uint8_t* p, int64_t, Groups s, Groups o) {
     const __m512 d = Src::kTiled ? half_lanes(g.at(p + 108), 0) : half_lanes(g.at(p + 106), 16);
     const __m512i sc[3] = {g.at(p + 96), g.at(p + 100), g.at(p + 104)};
+#pragma GCC unroll 16
     for (int i = 0; i < 16; ++i) {
       const __m512i b = byte_lanes(sc[(i % 8) / 4], i % 4);
       const __m512i low = i < 8 ? _mm512_and_si512(b, _mm512_set1_epi32(0x0F)) : _mm512_srli_epi32(b, 4);
@@ -194,7 +198,7 @@ struct Q3K {
     }
   }
   template <class Src>
-  static __m512i codes(const Src& g, const uint8_t* p, int c) {
+  [[gnu::always_inline]] static __m512i codes(const Src& g, const uint8_t* p, int c) {
     const int h = c >> 5, t = (c >> 3) & 3, i = c & 7;
     const __m512i low = _mm512_and_si512(_mm512_srli_epi16(g.at(p + 32 + 32 * h + 4 * i), 2 * t), _mm512_set1_epi8(3));
     return _mm512_or_si512(low, byte_bit(g.at(p + 4 * i), 4 * h + t, 2));
@@ -209,8 +213,10 @@ struct Q2K {
   static void scales(const Src& g, const uint8_t* p, int64_t, Groups s, Groups o) {
     const __m512i head = g.at(p + 80);
     const __m512 d = half_lanes(head, 0), dmin = half_lanes(head, 16);
+#pragma GCC unroll 16
     for (int i = 0; i < 4; ++i) {
       const __m512i v = g.at(p + 4 * i);
+#pragma GCC unroll 4
       for (int b = 0; b < 4; ++b) {
         const __m512i sc = byte_lanes(v, b);
         const __m512i scale = _mm512_and_si512(sc, _mm512_set1_epi32(15));
@@ -221,7 +227,7 @@ struct Q2K {
     }
   }
   template <class Src>
-  static __m512i codes(const Src& g, const uint8_t* p, int c) {
+  [[gnu::always_inline]] static __m512i codes(const Src& g, const uint8_t* p, int c) {
     const int h = c >> 5, t = (c >> 3) & 3, i = c & 7;
     return _mm512_and_si512(_mm512_srli_epi16(g.at(p + 16 + 32 * h + 4 * i), 2 * t), _mm512_set1_epi8(3));
   }
@@ -252,7 +258,7 @@ struct Q5Blocks {
   // The fifth bits of inputs 4i..4i+3 of block b: byte (i / 2) of qh (chunks 4.. use its upper half) broadcast
   // to the lane's 4 bytes, tested against bits 4 * (i % 2) + 0..3.
   template <class Src>
-  static __m512i codes(const Src& g, const uint8_t* p, int c) {
+  [[gnu::always_inline]] static __m512i codes(const Src& g, const uint8_t* p, int c) {
     const int b = c >> 3, i = c & 7, byte = 2 * (i >> 2) + ((i & 3) >> 1);
     const uint8_t* q = p + b * stride<Src>() + qh_at<Src>();
     const __m512i lo = low_nibbles(g.at(q + 4 + 4 * (i & 3)), i >> 2);
@@ -282,7 +288,7 @@ struct Q80 {
     }
   }
   template <class Src>
-  static __m512i codes(const Src& g, const uint8_t* p, int c) {
+  [[gnu::always_inline]] static __m512i codes(const Src& g, const uint8_t* p, int c) {
     const __m512i v = g.at(p + (c >> 3) * stride<Src>() + (Src::kTiled ? 4 : 2) + 4 * (c & 7));
     return _mm512_xor_si512(v, _mm512_set1_epi8(static_cast<char>(0x80)));
   }
@@ -299,7 +305,14 @@ template <class D, class Src>
 void decode_unit_avx512(const Src& src, const uint8_t* p, Tile& t) {
   D::scales(src, p, t.len, t.s, t.o);
   const __m512i bias = _mm512_set1_epi8(static_cast<char>(128 - D::kBias));
-  for (int c = 0; c < t.len / 4; ++c) _mm512_store_si512(t.q + c * 64, _mm512_add_epi8(D::codes(src, p, c), bias));
+  if constexpr (D::kBlock == kUnit) {  // unrolled: each code's bit positions become constants
+#pragma GCC unroll 64
+    for (int c = 0; c < kUnit / 4; ++c) _mm512_store_si512(t.q + c * 64, _mm512_add_epi8(D::codes(src, p, c), bias));
+  } else {
+    for (int b = 0; b < t.len / 32; ++b)
+      for (int j = 0; j < 8; ++j)
+        _mm512_store_si512(t.q + (8 * b + j) * 64, _mm512_add_epi8(D::codes(src, p, 8 * b + j), bias));
+  }
 }
 
 // The columns' source (loads from a tile, or gathers from rows) for units starting at p, and p.
@@ -317,6 +330,19 @@ inline Source<Gather> row_source(const uint8_t* rows, int64_t row_bytes, int64_t
   return {Gather{idx, static_cast<__mmask16>((1u << cols) - 1)}, rows};
 }
 
+// 32-block b of the unit at p decoded in registers and multiplied with MR rows into out (ga: the block's first
+// group of 16 in the rows). Inlined into a loop that a K-quant unrolls, so that each code's bit positions are
+// constants (variable shifts and offsets took Q6_K about twice the time).
+template <class D, class Src, int MR>
+[[gnu::always_inline]] inline void fused_block(const Src& src, const uint8_t* p, int b, Groups s, Groups o,
+                                               const Activations& x, int64_t r0, int64_t ga, __m512* out) {
+  __m512i w[8];
+  for (int j = 0; j < 8; ++j) w[j] = D::codes(src, p, 8 * b + j);
+  const __m512 sg[2] = {_mm512_load_ps(s[2 * b]), _mm512_load_ps(s[2 * b + 1])};
+  const __m512 og[2] = {_mm512_load_ps(o[2 * b]), _mm512_load_ps(o[2 * b + 1])};
+  for (int r = 0; r < MR; ++r) out[r] = row_step<D::kPairs, D::kBias, D::kOffset>(w, x, r0 + r, ga, sg, og, out[r]);
+}
+
 // Decoded in registers and multiplied at once, for up to 8 rows a pass: per 32-block the same integer dots
 // and the same float steps as rows_avx512 (a row's result does not depend on which of the two multiplied it).
 template <class D, class Src, int MR>
@@ -330,13 +356,11 @@ void fused_rows(const Source<Src>& at, int64_t k, const Activations& x, int64_t 
     Src src = at.src;
     if constexpr (Src::kTiled) src = TileLoads{p};
     D::scales(src, p, len, s, o);
-    for (int64_t g = 0; g < len / kGroup; g += 2) {
-      __m512i w[8];
-      for (int j = 0; j < 8; ++j) w[j] = D::codes(src, p, static_cast<int>(4 * g + j));
-      const __m512 sg[2] = {_mm512_load_ps(s[g]), _mm512_load_ps(s[g + 1])};
-      const __m512 og[2] = {_mm512_load_ps(o[g]), _mm512_load_ps(o[g + 1])};
-      for (int r = 0; r < MR; ++r)
-        out[r] = row_step<D::kPairs, D::kBias, D::kOffset>(w, x, r0 + r, u * kGroups + g, sg, og, out[r]);
+    if constexpr (D::kBlock == kUnit) {
+#pragma GCC unroll 8
+      for (int b = 0; b < 8; ++b) fused_block<D, Src, MR>(src, p, b, s, o, x, r0, u * kGroups + 2 * b, out);
+    } else {
+      for (int b = 0; b < len / 32; ++b) fused_block<D, Src, MR>(src, p, b, s, o, x, r0, u * kGroups + 2 * b, out);
     }
   }
   for (int r = 0; r < MR; ++r) _mm512_storeu_ps(acc + r * kCols, out[r]);
