@@ -17,7 +17,7 @@
 //
 // Weights of linear layers (all these types but Q4_0/Q4_1) are re-laid out at load ("tiled", gguf_weight.py):
 // per tile of 16 rows and block, dword i of the 16 rows' blocks side by side (64 bytes), the block padded to
-// whole dwords. The AVX-512 decoders then read with plain loads what they otherwise gather from 16 rows.
+// whole dwords. The AVX-512 decoders (kquant_avx512.h) then read with plain loads what they otherwise gather.
 
 #include "kquant_avx512.h"
 #include "ops.h"
