@@ -17,26 +17,17 @@
 //
 // Weights of linear layers (all these types but Q4_0/Q4_1) are re-laid out at load ("tiled", gguf_weight.py):
 // per tile of 16 rows and block, dword i of the 16 rows' blocks side by side (64 bytes), the block padded to
-// whole dwords. The AVX-512 decoders then read with plain loads what they otherwise gather from 16 rows.
+// whole dwords. The AVX-512 decoders (kquant_avx512.h) then read with plain loads what they otherwise gather.
 
+#include "kquant_avx512.h"
 #include "ops.h"
 #include "parallel.h"
-#include "quant_rows.h"
 
 using namespace iterserve_quant;
+using namespace iterserve_kquant;
 
 namespace {
 
-constexpr int64_t kCols = 16;   // output columns per tile
-constexpr int64_t kUnit = 256;  // inputs decoded at once: one K-quant super-block, or 8 blocks of 32
-constexpr int64_t kGroup = 16;  // inputs sharing one scale and offset once decoded
-constexpr int64_t kGroups = kUnit / kGroup;
-constexpr int64_t kUnitBytes = 8 * 34;  // the most bytes of one row's unit: 8 Q8_0 blocks
-
-// ggml's type ids (gguf.GGMLQuantizationType), which Python passes.
-enum Type : int64_t {
-  kQ4_0 = 2, kQ4_1 = 3, kQ5_0 = 6, kQ5_1 = 7, kQ8_0 = 8, kQ2_K = 10, kQ3_K = 11, kQ4_K = 12, kQ5_K = 13, kQ6_K = 14
-};
 
 // Inputs per block and bytes per block of a type; {0, 0} for a type this file does not decode.
 struct Layout {
@@ -68,6 +59,9 @@ inline int64_t pad_at(int64_t type) { return type == kQ5_0 || type == kQ8_0 ? 2 
 
 // Types whose weights a linear layer tiles (gguf_weight.py's TILED_TYPES): those with an AVX-512 decoder.
 inline bool tiles(int64_t type) { return type != kQ4_0 && type != kQ4_1 && layout(type).block > 0; }
+
+// Types whose groups of 16 inputs share scale and offset in pairs (a 32-block): AVX-512 takes one float step a pair.
+inline bool pairs(int64_t type) { return type != kQ2_K && type != kQ3_K && type != kQ6_K; }
 
 // -- one block to codes, scales and offsets (scalar; the formulas and bit layouts of ggml's block_*) --------
 
@@ -215,12 +209,6 @@ int64_t decode_unit(int64_t type, const uint8_t* row, int64_t u, int64_t k, int8
 
 // -- a tile of 16 columns x 256 inputs, decoded for the integer dot products -------------------------------
 
-struct Tile {
-  alignas(64) uint8_t q[kUnit * kCols];  // code + 128, [input / 4][column][input % 4]
-  alignas(64) float s[kGroups][kCols];
-  alignas(64) float o[kGroups][kCols];
-  int64_t len;
-};
 
 // Column c's blocks of unit u (t.len inputs) from a tiled weight's tile, as the file stores them.
 void untile_unit(int64_t type, const uint8_t* tile, int64_t u, int64_t c, int64_t len, uint8_t* out) {
@@ -268,14 +256,6 @@ void decode_tile(int64_t type, bool tiled, const uint8_t* rows, int64_t row_byte
   }
 }
 
-// Activations quantized per block of 32, with each row's sums of its int8 values per group of 16.
-struct Activations {
-  const QuantizedRows& a;
-  std::vector<int32_t> sum16;  // [row][k / 16]
-  int64_t groups;
-  float d(int64_t r, int64_t g) const { return a.d[r * a.blocks + g / 2]; }
-  int32_t sum(int64_t r, int64_t g) const { return sum16[r * groups + g]; }
-};
 
 // acc[r][c] for rows [r0, r0 + mr) += the tile (unit u) times the rows, portable C++.
 void rows_scalar(const Tile& t, const Activations& x, int64_t u, int64_t r0, int64_t mr, float* acc) {
@@ -324,377 +304,6 @@ void rows_avx2(const Tile& t, const Activations& x, int64_t u, int64_t r0, int64
 }
 #endif
 
-#if defined(__AVX512VNNI__) && defined(__AVX512BW__)
-// AVX-512 VNNI: one vpdpbusd is 16 columns x 4 inputs of (q + 128) * a; 128 * sum(a) is taken back off.
-template <int MR>
-void rows_avx512(const Tile& t, const Activations& x, int64_t u, int64_t r0, float* acc) {
-  __m512 out[MR];
-  for (int r = 0; r < MR; ++r) out[r] = _mm512_loadu_ps(acc + r * kCols);
-  for (int64_t g = 0; g < t.len / kGroup; ++g) {
-    const int64_t ga = u * kGroups + g;
-    __m512i w[4];
-    for (int j = 0; j < 4; ++j) w[j] = _mm512_load_si512(t.q + (g * 4 + j) * 64);
-    const __m512 s = _mm512_load_ps(t.s[g]), o = _mm512_load_ps(t.o[g]);
-    for (int r = 0; r < MR; ++r) {
-      const int8_t* xr = x.a.row(r0 + r) + u * kUnit + g * kGroup;
-      const int32_t sum = x.sum(r0 + r, ga);
-      __m512i dot = _mm512_set1_epi32(-128 * sum);
-      for (int j = 0; j < 4; ++j) dot = _mm512_dpbusd_epi32(dot, w[j], _mm512_set1_epi32(load_i32(xr + 4 * j)));
-      const float ad = x.d(r0 + r, ga);
-      out[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), _mm512_mul_ps(s, _mm512_set1_ps(ad)), out[r]);
-      out[r] = _mm512_fmadd_ps(o, _mm512_set1_ps(ad * static_cast<float>(sum)), out[r]);
-    }
-  }
-  for (int r = 0; r < MR; ++r) _mm512_storeu_ps(acc + r * kCols, out[r]);
-}
-
-void rows_avx512_any(const Tile& t, const Activations& x, int64_t u, int64_t r0, int64_t mr, float* acc) {
-  using Kernel = void (*)(const Tile&, const Activations&, int64_t, int64_t, float*);
-  static constexpr Kernel by_rows[] = {rows_avx512<1>, rows_avx512<2>, rows_avx512<3>, rows_avx512<4>};
-  constexpr int64_t most = sizeof(by_rows) / sizeof(by_rows[0]);
-  for (int64_t r = 0; r < mr; r += most) by_rows[std::min(most, mr - r) - 1](t, x, u, r0 + r, acc + r * kCols);
-}
-
-// Decoding with lanes = columns: a dword gathered from each of the 16 rows is 4 inputs x 16 columns, one
-// chunk of the tile as it stands, so no transpose follows. `idx` holds each column's row offset, `mask`
-// the columns that exist (the others read as zero: zero scales).
-struct Gather {
-  __m512i idx;
-  __mmask16 mask;
-  static constexpr bool kTiled = false;
-  __m512i at(const uint8_t* p) const { return _mm512_mask_i32gather_epi32(_mm512_setzero_si512(), mask, idx, p, 1); }
-};
-
-// A tiled block: the dword at byte offset p - base of the 16 rows is one 64-byte load.
-struct TileLoads {
-  const uint8_t* base;
-  static constexpr bool kTiled = true;
-  __m512i at(const uint8_t* p) const { return _mm512_loadu_si512(base + (p - base) * 16); }
-};
-
-// The float16 in bits [shift, shift + 16) of each lane, as float.
-inline __m512 half_lanes(__m512i v, int shift) {
-  return _mm512_cvtph_ps(_mm512_cvtepi32_epi16(_mm512_srli_epi32(v, shift)));
-}
-
-inline __m512i byte_lanes(__m512i v, int byte) {
-  return _mm512_and_si512(_mm512_srli_epi32(v, 8 * byte), _mm512_set1_epi32(0xFF));
-}
-
-inline __m512i low_nibbles(__m512i v, bool high) {
-  return _mm512_and_si512(high ? _mm512_srli_epi16(v, 4) : v, _mm512_set1_epi8(0x0F));
-}
-
-// Bit `bit` of each byte, in place of bit `to`.
-inline __m512i byte_bit(__m512i v, int bit, int to) {
-  return _mm512_slli_epi16(_mm512_and_si512(_mm512_srli_epi16(v, bit), _mm512_set1_epi8(1)), to);
-}
-
-using Groups = float (*)[kCols];
-
-// Each type's decoder, one super-block or 8 blocks of 32 ("unit", from p) at a time: `scales` writes the
-// float scale and offset of every group of 16 inputs, `codes(c)` gives inputs 4c..4c+3 of the 16 columns as
-// unsigned bytes, the code plus kBias (kOffset: whether the type has offsets at all).
-struct Q4K {
-  static constexpr int kBias = 0;
-  static constexpr bool kOffset = true;
-  static constexpr int64_t kBlock = 256, kStride = 144;
-  template <class Src>
-  static void scales(const Src& g, const uint8_t* p, int64_t, Groups s, Groups o) {
-    const __m512i head = g.at(p), s0 = g.at(p + 4), s1 = g.at(p + 8), s2 = g.at(p + 12);
-    const __m512 d = half_lanes(head, 0), dmin = half_lanes(head, 16);
-    const __m512i m6 = _mm512_set1_epi32(63), m4 = _mm512_set1_epi32(0x0F);
-    for (int j = 0; j < 8; ++j) {
-      __m512i sc, mn;
-      if (j < 4) {
-        sc = _mm512_and_si512(byte_lanes(s0, j), m6);
-        mn = _mm512_and_si512(byte_lanes(s1, j), m6);
-      } else {
-        const __m512i hi = byte_lanes(s2, j - 4);
-        sc = _mm512_or_si512(_mm512_and_si512(hi, m4), _mm512_slli_epi32(_mm512_srli_epi32(byte_lanes(s0, j - 4), 6), 4));
-        mn = _mm512_or_si512(_mm512_srli_epi32(hi, 4), _mm512_slli_epi32(_mm512_srli_epi32(byte_lanes(s1, j - 4), 6), 4));
-      }
-      const __m512 sv = _mm512_mul_ps(d, _mm512_cvtepi32_ps(sc));
-      const __m512 ov = _mm512_sub_ps(_mm512_setzero_ps(), _mm512_mul_ps(dmin, _mm512_cvtepi32_ps(mn)));
-      _mm512_store_ps(s[2 * j], sv);
-      _mm512_store_ps(s[2 * j + 1], sv);
-      _mm512_store_ps(o[2 * j], ov);
-      _mm512_store_ps(o[2 * j + 1], ov);
-    }
-  }
-  template <class Src>
-  static __m512i codes(const Src& g, const uint8_t* p, int c) {
-    return low_nibbles(g.at(p + 16 + 32 * (c >> 4) + 4 * (c & 7)), c & 8);
-  }
-};
-
-// Q5_K: Q4_K's scales, a fifth bit per input from qh.
-struct Q5K : Q4K {
-  static constexpr int64_t kStride = 176;
-  template <class Src>
-  static __m512i codes(const Src& g, const uint8_t* p, int c) {
-    const int j = c >> 4, hi = (c >> 3) & 1, i = c & 7;
-    const __m512i v = low_nibbles(g.at(p + 48 + 32 * j + 4 * i), hi);
-    return _mm512_or_si512(v, byte_bit(g.at(p + 16 + 4 * i), 2 * j + hi, 4));
-  }
-};
-
-struct Q6K {
-  static constexpr int kBias = 32;
-  static constexpr bool kOffset = false;
-  static constexpr int64_t kBlock = 256, kStride = 210;
-  template <class Src>
-  static void scales(const Src& g, const uint8_t* p, int64_t, Groups s, Groups o) {
-    // bytes 208..209, the last of the block: a gather reads the dword that ends there, a tile has it padded
-    const __m512 d = Src::kTiled ? half_lanes(g.at(p + 208), 0) : half_lanes(g.at(p + 206), 16);
-    for (int i = 0; i < 4; ++i) {
-      const __m512i v = g.at(p + 192 + 4 * i);
-      for (int b = 0; b < 4; ++b) {
-        const __m512i sc = _mm512_srai_epi32(_mm512_slli_epi32(v, 24 - 8 * b), 24);
-        _mm512_store_ps(s[4 * i + b], _mm512_mul_ps(d, _mm512_cvtepi32_ps(sc)));
-        _mm512_store_ps(o[4 * i + b], _mm512_setzero_ps());
-      }
-    }
-  }
-  template <class Src>
-  static __m512i codes(const Src& g, const uint8_t* p, int c) {
-    const int h = c >> 5, hi = (c >> 4) & 1, l = c & 15;
-    const __m512i lo = low_nibbles(g.at(p + 64 * h + 4 * l), hi);
-    const __m512i qh = _mm512_srli_epi16(g.at(p + 128 + 32 * h + 4 * (l & 7)), 2 * (l >> 3) + 4 * hi);
-    return _mm512_or_si512(lo, _mm512_slli_epi16(_mm512_and_si512(qh, _mm512_set1_epi8(3)), 4));
-  }
-};
-
-struct Q3K {
-  static constexpr int kBias = 4;
-  static constexpr bool kOffset = false;
-  static constexpr int64_t kBlock = 256, kStride = 110;
-  template <class Src>
-  static void scales(const Src& g, const uint8_t* p, int64_t, Groups s, Groups o) {
-    const __m512 d = Src::kTiled ? half_lanes(g.at(p + 108), 0) : half_lanes(g.at(p + 106), 16);
-    const __m512i sc[3] = {g.at(p + 96), g.at(p + 100), g.at(p + 104)};
-    for (int i = 0; i < 16; ++i) {
-      const __m512i b = byte_lanes(sc[(i % 8) / 4], i % 4);
-      const __m512i low = i < 8 ? _mm512_and_si512(b, _mm512_set1_epi32(0x0F)) : _mm512_srli_epi32(b, 4);
-      const __m512i high =
-          _mm512_and_si512(_mm512_srli_epi32(byte_lanes(sc[2], i % 4), 2 * (i / 4)), _mm512_set1_epi32(3));
-      const __m512i v = _mm512_sub_epi32(_mm512_or_si512(low, _mm512_slli_epi32(high, 4)), _mm512_set1_epi32(32));
-      _mm512_store_ps(s[i], _mm512_mul_ps(d, _mm512_cvtepi32_ps(v)));
-      _mm512_store_ps(o[i], _mm512_setzero_ps());
-    }
-  }
-  template <class Src>
-  static __m512i codes(const Src& g, const uint8_t* p, int c) {
-    const int h = c >> 5, t = (c >> 3) & 3, i = c & 7;
-    const __m512i low = _mm512_and_si512(_mm512_srli_epi16(g.at(p + 32 + 32 * h + 4 * i), 2 * t), _mm512_set1_epi8(3));
-    return _mm512_or_si512(low, byte_bit(g.at(p + 4 * i), 4 * h + t, 2));
-  }
-};
-
-struct Q2K {
-  static constexpr int kBias = 0;
-  static constexpr bool kOffset = true;
-  static constexpr int64_t kBlock = 256, kStride = 84;
-  template <class Src>
-  static void scales(const Src& g, const uint8_t* p, int64_t, Groups s, Groups o) {
-    const __m512i head = g.at(p + 80);
-    const __m512 d = half_lanes(head, 0), dmin = half_lanes(head, 16);
-    for (int i = 0; i < 4; ++i) {
-      const __m512i v = g.at(p + 4 * i);
-      for (int b = 0; b < 4; ++b) {
-        const __m512i sc = byte_lanes(v, b);
-        const __m512i scale = _mm512_and_si512(sc, _mm512_set1_epi32(15));
-        _mm512_store_ps(s[4 * i + b], _mm512_mul_ps(d, _mm512_cvtepi32_ps(scale)));
-        _mm512_store_ps(o[4 * i + b], _mm512_sub_ps(_mm512_setzero_ps(),
-                                                    _mm512_mul_ps(dmin, _mm512_cvtepi32_ps(_mm512_srli_epi32(sc, 4)))));
-      }
-    }
-  }
-  template <class Src>
-  static __m512i codes(const Src& g, const uint8_t* p, int c) {
-    const int h = c >> 5, t = (c >> 3) & 3, i = c & 7;
-    return _mm512_and_si512(_mm512_srli_epi16(g.at(p + 16 + 32 * h + 4 * i), 2 * t), _mm512_set1_epi8(3));
-  }
-};
-
-// Blocks of 32 with a 16-bit fifth bit mask (Q5_0: scale, qh, qs; Q5_1: scale, min, qh, qs). A tiled Q5_0 block
-// is padded to 24 bytes after its scale, so that qh and qs start on whole dwords, as Q5_1's do.
-template <bool kMin>
-struct Q5Blocks {
-  static constexpr int kBias = kMin ? 0 : 16;
-  static constexpr bool kOffset = kMin;
-  static constexpr int64_t kBlock = 32, kStride = kMin ? 24 : 22;
-  template <class Src>
-  static constexpr int64_t stride() { return Src::kTiled ? 24 : kStride; }
-  template <class Src>
-  static constexpr int64_t qh_at() { return kMin || Src::kTiled ? 4 : 2; }
-  template <class Src>
-  static void scales(const Src& g, const uint8_t* p, int64_t len, Groups s, Groups o) {
-    for (int64_t b = 0; b < len / 32; ++b) {
-      const __m512i head = g.at(p + b * stride<Src>());
-      const __m512 d = half_lanes(head, 0), m = kMin ? half_lanes(head, 16) : _mm512_setzero_ps();
-      for (int h = 0; h < 2; ++h) {
-        _mm512_store_ps(s[2 * b + h], d);
-        _mm512_store_ps(o[2 * b + h], m);
-      }
-    }
-  }
-  // The fifth bits of inputs 4i..4i+3 of block b: byte (i / 2) of qh (chunks 4.. use its upper half) broadcast
-  // to the lane's 4 bytes, tested against bits 4 * (i % 2) + 0..3.
-  template <class Src>
-  static __m512i codes(const Src& g, const uint8_t* p, int c) {
-    const int b = c >> 3, i = c & 7, byte = 2 * (i >> 2) + ((i & 3) >> 1);
-    const uint8_t* q = p + b * stride<Src>() + qh_at<Src>();
-    const __m512i lo = low_nibbles(g.at(q + 4 + 4 * (i & 3)), i >> 2);
-    const __m512i lane = _mm512_set4_epi32(0x0C0C0C0C, 0x08080808, 0x04040404, 0);
-    const __m512i qh = _mm512_shuffle_epi8(g.at(q), _mm512_add_epi8(lane, _mm512_set1_epi8(static_cast<char>(byte))));
-    const __m512i bits = _mm512_set1_epi32(static_cast<int32_t>(0x08040201u << 4 * (i & 1)));
-    const __mmask64 set = _mm512_test_epi8_mask(qh, bits);
-    return _mm512_mask_add_epi8(lo, set, lo, _mm512_set1_epi8(16));
-  }
-};
-
-// Q8_0: a scale and 32 int8 codes; a tiled block is padded to 36 bytes after its scale.
-struct Q80 {
-  static constexpr int kBias = 128;
-  static constexpr bool kOffset = false;
-  static constexpr int64_t kBlock = 32, kStride = 34;
-  template <class Src>
-  static constexpr int64_t stride() { return Src::kTiled ? 36 : kStride; }
-  template <class Src>
-  static void scales(const Src& g, const uint8_t* p, int64_t len, Groups s, Groups o) {
-    for (int64_t b = 0; b < len / 32; ++b) {
-      const __m512 d = half_lanes(g.at(p + b * stride<Src>()), 0);
-      for (int h = 0; h < 2; ++h) {
-        _mm512_store_ps(s[2 * b + h], d);
-        _mm512_store_ps(o[2 * b + h], _mm512_setzero_ps());
-      }
-    }
-  }
-  template <class Src>
-  static __m512i codes(const Src& g, const uint8_t* p, int c) {
-    const __m512i v = g.at(p + (c >> 3) * stride<Src>() + (Src::kTiled ? 4 : 2) + 4 * (c & 7));
-    return _mm512_xor_si512(v, _mm512_set1_epi8(static_cast<char>(0x80)));
-  }
-};
-
-// Bytes of one unit of a row (gathered) or of a tile's column (tiled): the unit's blocks as their decoder reads them.
-template <class D, class Src>
-constexpr int64_t unit_stride() {
-  if constexpr (D::kBlock == kUnit) return Src::kTiled ? (D::kStride + 3) / 4 * 4 : D::kStride;
-  else return 8 * D::template stride<Src>();
-}
-
-template <class D, class Src>
-void decode_unit_avx512(const Src& src, const uint8_t* p, Tile& t) {
-  D::scales(src, p, t.len, t.s, t.o);
-  const __m512i bias = _mm512_set1_epi8(static_cast<char>(128 - D::kBias));
-  for (int c = 0; c < t.len / 4; ++c) _mm512_store_si512(t.q + c * 64, _mm512_add_epi8(D::codes(src, p, c), bias));
-}
-
-// The columns' source (loads from a tile, or gathers from rows) for units starting at p, and p.
-template <class Src>
-struct Source {
-  Src src;
-  const uint8_t* p;
-};
-
-Source<TileLoads> tile_source(const uint8_t* tile) { return {TileLoads{tile}, tile}; }
-
-Source<Gather> row_source(const uint8_t* rows, int64_t row_bytes, int64_t cols) {
-  const __m512i idx = _mm512_mullo_epi32(_mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0),
-                                         _mm512_set1_epi32(static_cast<int32_t>(row_bytes)));
-  return {Gather{idx, static_cast<__mmask16>((1u << cols) - 1)}, rows};
-}
-
-// Decoded in registers and multiplied at once, for up to 8 rows a pass: per group of 16 the same integer dot
-// and the same float steps as rows_avx512 (a row's result does not depend on which of the two multiplied it).
-template <class D, class Src, int MR>
-void fused_rows(const Source<Src>& at, int64_t k, const Activations& x, int64_t r0, float* acc) {
-  alignas(64) float s[kGroups][kCols], o[kGroups][kCols];
-  __m512 out[MR];
-  for (int r = 0; r < MR; ++r) out[r] = _mm512_setzero_ps();
-  for (int64_t u = 0; u * kUnit < k; ++u) {
-    const int64_t len = std::min(kUnit, k - u * kUnit);
-    const uint8_t* p = at.p + u * unit_stride<D, Src>() * (Src::kTiled ? kCols : 1);
-    Src src = at.src;
-    if constexpr (Src::kTiled) src = TileLoads{p};
-    D::scales(src, p, len, s, o);
-    for (int64_t g = 0; g < len / kGroup; ++g) {
-      __m512i w[4];
-      for (int j = 0; j < 4; ++j) w[j] = D::codes(src, p, static_cast<int>(4 * g + j));
-      const __m512 sg = _mm512_load_ps(s[g]);
-      const int64_t ga = u * kGroups + g;
-      for (int r = 0; r < MR; ++r) {
-        const int8_t* xr = x.a.row(r0 + r) + ga * kGroup;
-        const int32_t sum = x.sum(r0 + r, ga);
-        __m512i dot = _mm512_set1_epi32(-D::kBias * sum);
-        for (int j = 0; j < 4; ++j) dot = _mm512_dpbusd_epi32(dot, w[j], _mm512_set1_epi32(load_i32(xr + 4 * j)));
-        const float ad = x.d(r0 + r, ga);
-        out[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), _mm512_mul_ps(sg, _mm512_set1_ps(ad)), out[r]);
-        if constexpr (D::kOffset)
-          out[r] = _mm512_fmadd_ps(_mm512_load_ps(o[g]), _mm512_set1_ps(ad * static_cast<float>(sum)), out[r]);
-      }
-    }
-  }
-  for (int r = 0; r < MR; ++r) _mm512_storeu_ps(acc + r * kCols, out[r]);
-}
-
-constexpr int64_t kFusedRows = 8;   // rows multiplied per pass over the weight in registers
-constexpr int64_t kFusedMost = 16;  // up to this many rows decode in registers, more decode a tile once
-
-template <class D, class Src>
-void fused_any(const Source<Src>& at, int64_t k, const Activations& x, int64_t m, float* acc) {
-  using Kernel = void (*)(const Source<Src>&, int64_t, const Activations&, int64_t, float*);
-  static constexpr Kernel by_rows[] = {fused_rows<D, Src, 1>, fused_rows<D, Src, 2>, fused_rows<D, Src, 3>,
-                                       fused_rows<D, Src, 4>, fused_rows<D, Src, 5>, fused_rows<D, Src, 6>,
-                                       fused_rows<D, Src, 7>, fused_rows<D, Src, 8>};
-  for (int64_t r = 0; r < m; r += kFusedRows) by_rows[std::min(kFusedRows, m - r) - 1](at, k, x, r, acc + r * kCols);
-}
-
-// Calls f with the type's decoder (a default-constructed tag); false for a type without one.
-template <class F>
-bool with_decoder(int64_t type, const F& f) {
-  switch (type) {
-    case kQ2_K: f(Q2K{}); return true;
-    case kQ3_K: f(Q3K{}); return true;
-    case kQ4_K: f(Q4K{}); return true;
-    case kQ5_K: f(Q5K{}); return true;
-    case kQ6_K: f(Q6K{}); return true;
-    case kQ5_0: f(Q5Blocks<false>{}); return true;
-    case kQ5_1: f(Q5Blocks<true>{}); return true;
-    case kQ8_0: f(Q80{}); return true;
-    default: return false;
-  }
-}
-
-// The columns' unit u into the tile; false leaves the type to decode_tile. A tiled weight's `rows` is its
-// tile's run of blocks.
-bool decode_tile_avx512(int64_t type, bool tiled, const uint8_t* rows, int64_t row_bytes, int64_t cols, int64_t u,
-                        int64_t k, Tile& t) {
-  t.len = std::min(kUnit, k - u * kUnit);
-  return with_decoder(type, [&](auto d) {
-    using D = decltype(d);
-    if (tiled) {
-      const uint8_t* p = rows + u * unit_stride<D, TileLoads>() * kCols;
-      decode_unit_avx512<D>(TileLoads{p}, p, t);
-    } else {
-      const Source<Gather> at = row_source(rows, row_bytes, cols);
-      decode_unit_avx512<D>(at.src, rows + u * unit_stride<D, Gather>(), t);
-    }
-  });
-}
-
-// All of the tile's units times m <= kFusedMost rows into acc; false for a type without a decoder.
-bool fused_tile(int64_t type, bool tiled, const uint8_t* rows, int64_t row_bytes, int64_t cols, int64_t k,
-                const Activations& x, int64_t m, float* acc) {
-  return with_decoder(type, [&](auto d) {
-    using D = decltype(d);
-    if (tiled) fused_any<D>(tile_source(rows), k, x, m, acc);
-    else fused_any<D>(row_source(rows, row_bytes, cols), k, x, m, acc);
-  });
-}
-#endif
 
 // The SIMD decoders built here for this type (AVX-512); false when there is none.
 bool decode_tile_fast(int64_t type, bool tiled, const uint8_t* rows, int64_t row_bytes, int64_t cols, int64_t u,
@@ -716,9 +325,10 @@ bool fused_tile_fast(int64_t type, bool tiled, const uint8_t* rows, int64_t row_
 #endif
 }
 
-void tile_rows(int64_t isa, const Tile& t, const Activations& x, int64_t u, int64_t m, float* acc) {
+void tile_rows(int64_t isa, int64_t type, const Tile& t, const Activations& x, int64_t u, int64_t m, float* acc) {
 #if defined(__AVX512VNNI__) && defined(__AVX512BW__)
-  if (isa == kAvx512Vnni) return rows_avx512_any(t, x, u, 0, m, acc);
+  if (isa == kAvx512Vnni)
+    return pairs(type) ? rows_avx512_any<true>(t, x, u, m, acc) : rows_avx512_any<false>(t, x, u, m, acc);
 #endif
 #if defined(__AVX2__) && defined(__F16C__) && defined(__FMA__)
   if (isa == kAvx2) return rows_avx2(t, x, u, 0, m, acc);
@@ -806,7 +416,7 @@ at::Tensor kgemm(const at::Tensor& x, at::TensorList ws, at::IntArrayRef types, 
         for (int64_t u = 0; u < units && !fused; ++u) {
           if (!(isa == kAvx512Vnni && decode_tile_fast(types[part], tiled, rows, row_bytes, cols, u, k, tile)))
             decode_tile(types[part], tiled, rows, row_bytes, cols, u, k, tile);
-          tile_rows(isa, tile, act, u, m, acc.data());
+          tile_rows(isa, types[part], tile, act, u, m, acc.data());
         }
         for (int64_t r = 0; r < m; ++r)
           for (int64_t c = 0; c < cols; ++c)

@@ -1,0 +1,38 @@
+// What the GGUF matmul's kernels share (kquant_ops.cpp, kquant_avx512.h): the tile shape, ggml's type ids, a
+// decoded tile and the quantized activations.
+#pragma once
+
+#include "quant_rows.h"
+
+namespace iterserve_kquant {
+
+using namespace iterserve_quant;
+
+constexpr int64_t kCols = 16;   // output columns per tile
+constexpr int64_t kUnit = 256;  // inputs decoded at once: one K-quant super-block, or 8 blocks of 32
+constexpr int64_t kGroup = 16;  // inputs sharing one scale and offset once decoded
+constexpr int64_t kGroups = kUnit / kGroup;
+constexpr int64_t kUnitBytes = 8 * 34;  // the most bytes of one row's unit: 8 Q8_0 blocks
+
+// ggml's type ids (gguf.GGMLQuantizationType), which Python passes.
+enum Type : int64_t {
+  kQ4_0 = 2, kQ4_1 = 3, kQ5_0 = 6, kQ5_1 = 7, kQ8_0 = 8, kQ2_K = 10, kQ3_K = 11, kQ4_K = 12, kQ5_K = 13, kQ6_K = 14
+};
+
+struct Tile {
+  alignas(64) uint8_t q[kUnit * kCols];  // code + 128, [input / 4][column][input % 4]
+  alignas(64) float s[kGroups][kCols];
+  alignas(64) float o[kGroups][kCols];
+  int64_t len;
+};
+
+// Activations quantized per block of 32, with each row's sums of its int8 values per group of 16.
+struct Activations {
+  const QuantizedRows& a;
+  std::vector<int32_t> sum16;  // [row][k / 16]
+  int64_t groups;
+  float d(int64_t r, int64_t g) const { return a.d[r * a.blocks + g / 2]; }
+  int32_t sum(int64_t r, int64_t g) const { return sum16[r * groups + g]; }
+};
+
+}  // namespace iterserve_kquant
