@@ -1,8 +1,7 @@
 """LoRA adapters behind the server: ``--lora-modules name=path`` listed in /v1/models under the base model, a
-request's ``model`` choosing its adapter (the offline engine's tokens) and naming it in the response, unknown names
-a 404, vLLM's
-``vllm:lora_requests_info`` gauge, and the runtime /v1/load_lora_adapter and /v1/unload_lora_adapter behind
-their opt-in, refusing bad adapters by name while the other requests carry on."""
+request's ``model`` choosing its adapter (the offline engine's tokens) and naming it in the response, unknown
+names a 404, vLLM's ``vllm:lora_requests_info`` gauge, and the runtime /v1/load_lora_adapter and
+/v1/unload_lora_adapter behind their opt-in, refusing bad adapters by name while the other requests carry on."""
 
 from __future__ import annotations
 
