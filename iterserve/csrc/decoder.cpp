@@ -6,8 +6,8 @@
 // was large: SmolLM2-135M in Q4_1 spent about 1.5 of its 5.9 ms a step (batch 1) in 30 layers of module
 // calls and op dispatch. Every token of such a step is attended as a decode (short prompts included, see
 // CpuBackend.decode_prompts_up_to); a step with a longer prompt chunk takes the Python path (SDPA's).
-// A step's LoRA adapters come as each linear layer's stacked tensors (iterserve.lora.batch.LoRABatch.native)
-// and are added with the ops LoRABatch.add uses, so a row gets the same values on either path.
+// A step's LoRA adapters come as each linear layer's packed weights per adapter (iterserve.lora.batch.LoRABatch.native)
+// and are added by the kernel LoRABatch.add calls (lora_add_), so a row gets the same values on either path.
 
 #include "ops.h"
 
@@ -48,16 +48,16 @@ using LinearArgs = std::tuple<int64_t, std::variant<at::Tensor, std::vector<at::
                               std::variant<int64_t, std::vector<int64_t>>, c10::optional<at::Tensor>>;
 using OptionalTensors = std::vector<c10::optional<at::Tensor>>;
 
-// The step's LoRA tensors of every linear layer (4 a layer: qkv, o, gate_up, down), each list empty when no
-// row has an adapter: out + ((x @ a.T) * mask) @ b.T, the mask zeroing the columns of other rows' adapters.
+// The step's LoRA weights of every linear layer (4 a layer: qkv, o, gate_up, down), each packed A and B per slot
+// (a[i][s], none where that adapter leaves the layer alone), all empty when no row has an adapter, and each
+// row's slot (none: every row is under slot 0): out + each row's (x @ A_s.T) @ B_s.T, by lora_add_ (linear.cpp).
 struct LoRARows {
-  const OptionalTensors &a, &b, &mask;
+  const std::vector<OptionalTensors>&a, &b;
+  const c10::optional<at::Tensor>& row_slots;
 
   at::Tensor add(const at::Tensor& out, const at::Tensor& x, size_t i) const {
-    if (a.empty() || !a[i].has_value()) return out;
-    at::Tensor shrunk = at::matmul(x, a[i]->t());
-    if (mask[i].has_value()) shrunk = shrunk * *mask[i];
-    return out + at::matmul(shrunk, b[i]->t());
+    if (a.empty() || a[i].empty()) return out;
+    return lora_add_(out, x, a[i], b[i], row_slots);
   }
 };
 
@@ -109,14 +109,14 @@ class DecoderStack {
                                              const at::Tensor& context_lens, int64_t sliding_window,
                                              const std::vector<at::Tensor>& k_scales,
                                              const std::vector<at::Tensor>& v_scales,
-                                             const OptionalTensors& lora_a, const OptionalTensors& lora_b,
-                                             const OptionalTensors& lora_mask) const {
+                                             const std::vector<OptionalTensors>& lora_a,
+                                             const std::vector<OptionalTensors>& lora_b,
+                                             const c10::optional<at::Tensor>& lora_slots) const {
     TORCH_CHECK(k_caches.size() == layers_.size() && v_caches.size() == layers_.size(),
                 "one K and one V cache per layer expected");
-    TORCH_CHECK(lora_a.empty() || (lora_a.size() == 4 * layers_.size() && lora_b.size() == lora_a.size() &&
-                                   lora_mask.size() == lora_a.size()),
-                "LoRA tensors for 4 linear layers per decoder layer expected");
-    const LoRARows lora{lora_a, lora_b, lora_mask};
+    TORCH_CHECK(lora_a.empty() || (lora_a.size() == 4 * layers_.size() && lora_b.size() == lora_a.size()),
+                "LoRA weights for 4 linear layers per decoder layer expected");
+    const LoRARows lora{lora_a, lora_b, lora_slots};
     TORCH_CHECK(block_tables.size(0) == x.size(0), "every token of a decode-only step is a decode");
     const int64_t n = x.size(0), q_size = heads_ * dim_, kv_size = kv_heads_ * dim_;
     at::Tensor residual;

@@ -1,14 +1,17 @@
 """One step's adapters and the rows each serves: the base matmul runs once for every row, then each row gets its
-own adapter's low-rank product: the step's adapters' A stacked for one shrink ``x @ A.T``, each row's columns of
-other adapters zeroed, and their B side by side for one expand (vLLM's punica shrink/expand, in three torch ops
-per layer whatever the number of adapters)."""
+own adapter's low-rank product. With the C++ kernels, ``lora_add_`` (csrc/linear.cpp) groups the rows by adapter
+and multiplies each group by its own adapter's A and B only, packed once as the dense linear layers' weights are,
+on the kernels' thread pool (vLLM's punica SGMV). Without them, torch ops: the step's adapters' A stacked for one
+shrink ``x @ A.T``, each row's columns of other adapters zeroed, and their B side by side for one expand."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from types import ModuleType
 
 import torch
 
+from iterserve import kernels
 from iterserve.attention.backend import NativeLoRA
 from iterserve.lora.adapter import LoRAAdapter
 from iterserve.models.linear import LinearBase
@@ -24,11 +27,25 @@ class LayerStack:
     layout: tuple[int, ...]
 
 
-def stack_layer(adapters: list[LoRAAdapter], layer: LinearBase) -> LayerStack | None:
-    """``layer``'s stack of the adapters that target it (None: none does)."""
+@dataclass
+class PackedStack:
+    """The step's adapters' weights for one layer as ``lora_add_`` takes them: per slot (the adapter's place among
+    the step's) its A and B laid out by ``pack_linear_weight``, None where that adapter leaves the layer alone."""
+
+    a: list[torch.Tensor | None]
+    b: list[torch.Tensor | None]
+
+
+def stack_layer(adapters: list[LoRAAdapter], layer: LinearBase,
+                ops: ModuleType | None = None) -> LayerStack | PackedStack | None:
+    """``layer``'s stack of the adapters that target it (None: none does), packed for ``ops`` if given."""
     parts = [(slot, w) for slot, adapter in enumerate(adapters) if (w := adapter.weights.get(layer)) is not None]
     if not parts:
         return None
+    if ops is not None:
+        weights = [adapter.weights.get(layer) for adapter in adapters]
+        return PackedStack([None if w is None else ops.pack_linear_weight(w.a) for w in weights],
+                           [None if w is None else ops.pack_linear_weight(w.b) for w in weights])
     layout = tuple(slot for slot, w in parts for _ in range(w.a.shape[0]))
     return LayerStack(torch.cat([w.a for _, w in parts]).T.contiguous(), torch.cat([w.b for _, w in parts], dim=1),
                       layout)
@@ -40,29 +57,36 @@ class LoRABatch:
 
     adapters: list[LoRAAdapter]  # the step's, by their place (a slot)
     row_slots: torch.Tensor | None  # each row's slot, -1 for the base model; None: every row is under slot 0
-    stacks: dict[LinearBase, LayerStack | None]  # per layer, built on first use (kept while the adapters are)
+    stacks: dict[LinearBase, LayerStack | PackedStack | None]  # per layer, built on first use (kept while the
+    # adapters are)
+    ops: ModuleType | None = None  # the C++ kernels that add the products (None: torch ops)
     masks: dict[tuple[int, ...], torch.Tensor] = field(default_factory=dict)  # per layout: 1 where row meets column
 
     def add(self, layer: LinearBase, x: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
         stack = self._stack(layer)
         if stack is None:  # no adapter of the step targets this layer
             return out
+        if isinstance(stack, PackedStack):
+            assert self.ops is not None
+            return self.ops.lora_add_(out, x, stack.a, stack.b, self.row_slots)
         shrunk = x @ stack.a_t
         mask = self._mask(stack)
         if mask is not None:
             shrunk = shrunk * mask
         return out + shrunk @ stack.b.T
 
-    def native(self, layers: list[LinearBase]) -> NativeLoRA:
-        """What csrc/decoder.cpp adds with the same ops as :meth:`add`: per layer its A (a view of ``a_t``, which
-        the loop transposes back), B and mask."""
+    def native(self, layers: list[LinearBase]) -> NativeLoRA | None:
+        """What csrc/decoder.cpp adds with the kernel :meth:`add` calls: per layer each slot's packed A and B
+        (empty lists for a layer no adapter targets), and each row's slot; None without the kernels."""
+        if self.ops is None:
+            return None
         stacks = [self._stack(layer) for layer in layers]
-        return ([s.a_t.T if s else None for s in stacks], [s.b if s else None for s in stacks],
-                [self._mask(s) if s else None for s in stacks])
+        packed = [s if isinstance(s, PackedStack) else PackedStack([], []) for s in stacks]
+        return [s.a for s in packed], [s.b for s in packed], self.row_slots
 
-    def _stack(self, layer: LinearBase) -> LayerStack | None:
+    def _stack(self, layer: LinearBase) -> LayerStack | PackedStack | None:
         if layer not in self.stacks:
-            self.stacks[layer] = stack_layer(self.adapters, layer)
+            self.stacks[layer] = stack_layer(self.adapters, layer, self.ops)
         return self.stacks[layer]
 
     def _mask(self, stack: LayerStack) -> torch.Tensor | None:
@@ -77,7 +101,7 @@ class LoRABatch:
 
     @classmethod
     def build(cls, adapters: list[LoRAAdapter | None], query_lens: list[int], device: torch.device,
-              stacks: dict[LinearBase, LayerStack | None] | None = None) -> LoRABatch | None:
+              stacks: dict[LinearBase, LayerStack | PackedStack | None] | None = None) -> LoRABatch | None:
         """The batch of a step whose scheduled sequence i runs ``query_lens[i]`` rows under ``adapters[i]``;
         None when no row has an adapter (the step then runs the base model alone). ``stacks``: the layers'
         stacks of these same adapters in id order, kept from an earlier step."""
@@ -87,4 +111,5 @@ class LoRABatch:
         slot_of = {lora_id: slot for slot, (lora_id, _) in enumerate(present)}
         slots = [slot_of[a.id] if a is not None else -1 for a, n in zip(adapters, query_lens) for _ in range(n)]
         row_slots = None if len(present) == 1 and -1 not in slots else torch.tensor(slots, device=device)
-        return cls([a for _, a in present], row_slots, {} if stacks is None else stacks)
+        ops = kernels.ops if device.type == "cpu" else None
+        return cls([a for _, a in present], row_slots, {} if stacks is None else stacks, ops)

@@ -8,7 +8,7 @@ from collections import OrderedDict
 import torch
 
 from iterserve.lora.adapter import LoRAAdapter, load_adapter
-from iterserve.lora.batch import LayerStack, LoRABatch
+from iterserve.lora.batch import LayerStack, LoRABatch, PackedStack
 from iterserve.lora.request import LoRARequest
 from iterserve.models.linear import LinearBase
 from iterserve.models.llama import LlamaModel
@@ -28,7 +28,7 @@ class LoRAManager:
         self.loaded: OrderedDict[int, LoRAAdapter] = OrderedDict()  # LRU order: evict from the front
         self.active: set[int] = set()  # the last step's adapters: evicted last
         # per set of a step's adapters (ids in order), its layers' stacked weights: steps reuse them
-        self.stacks: dict[tuple[int, ...], dict[LinearBase, LayerStack | None]] = {}
+        self.stacks: dict[tuple[int, ...], dict[LinearBase, LayerStack | PackedStack | None]] = {}
 
     def add(self, lora: LoRARequest) -> LoRAAdapter:
         """The adapter, loaded (and checked) if it is not yet; raises ValueError naming what is wrong with it."""

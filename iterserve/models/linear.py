@@ -44,8 +44,9 @@ class LinearDelta(Protocol):
         """``out`` (``layer``'s product of ``x``) with the step's additions to its rows."""
         ...
 
-    def native(self, layers: list[LinearBase]) -> NativeLoRA:
-        """The tensors with which a native decode loop makes the same additions to ``layers``, in order."""
+    def native(self, layers: list[LinearBase]) -> NativeLoRA | None:
+        """The tensors with which a native decode loop makes the same additions to ``layers``, in order; None
+        where it cannot (the layers then run in Python)."""
         ...
 
 

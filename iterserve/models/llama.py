@@ -235,7 +235,8 @@ class LlamaModel(nn.Module):
 
     def native_lora(self, lora: LinearDelta) -> NativeLoRA | None:
         """The step's LoRA tensors for the native decode loop's linear layers (qkv, o, gate/up, down of each
-        layer); None where it has no such layers (a mixture-of-experts MLP): the layers then run in Python."""
+        layer); None where it has no such layers (a mixture-of-experts MLP) or no kernel adds them: the layers
+        then run in Python."""
         layers = typing.cast(list[DecoderLayer], self.layers)
         if any(not isinstance(layer.mlp, MLP) for layer in layers):
             return None

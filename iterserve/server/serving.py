@@ -136,6 +136,10 @@ class OpenAIServing:
         raise APIError(404, f"The model `{model}` does not exist. This server serves {self.model_name!r}{adapters}.",
                        param="model", code="model_not_found")
 
+    def _response_model(self, lora: LoRARequest | None) -> str:
+        """The ``model`` a response names: the adapter the request asked for (as vLLM answers), else the base."""
+        return self.model_name if lora is None else lora.lora_name
+
     def _tokenizer(self) -> Tokenizer:
         if self.engine.tokenizer is None:
             raise bad_request(f"model {self.model_name!r} has no tokenizer; send the prompt as token ids")

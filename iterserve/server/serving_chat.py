@@ -78,21 +78,21 @@ class ChatServing(OpenAIServing):
                                 request: Request) -> Response:
         constraint = self._accept(body)
         tool_plan, params, prompt_ids = await self._prepare(body, constraint, body.structured_outputs_field)
-        request_id = f"chatcmpl-{uuid.uuid4().hex}"
+        request_id, lora = f"chatcmpl-{uuid.uuid4().hex}", self._check_model(body.model)
         stream = await self._submit(request_id, prompt_ids, params, bool(body.stream), prompt_param="messages",
-                                    logprobs_param="top_logprobs" if body.top_logprobs else "logprobs",
-                                    lora=self._check_model(body.model))
+                                    logprobs_param="top_logprobs" if body.top_logprobs else "logprobs", lora=lora)
+        model = self._response_model(lora)
         if body.stream:
-            return self._streaming(self._chat_events(stream, body, tool_plan), [stream])
+            return self._streaming(self._chat_events(stream, model, body, tool_plan), [stream])
         finals = await self._final_outputs([stream], request)
         if finals is None:
             return Response(status_code=499)
         # built and serialized off the event loop: a response of many logprobs takes seconds
-        return Response(await asyncio.to_thread(self._chat_body, finals[0], body, tool_plan, request_id),
+        return Response(await asyncio.to_thread(self._chat_body, finals[0], body, tool_plan, request_id, model),
                         media_type="application/json")
 
     def _chat_body(self, final: RequestOutput, body: ChatCompletionRequest, tool_plan: ToolCallPlan,
-                   request_id: str) -> bytes:
+                   request_id: str, model: str) -> bytes:
         choices = []
         for c in final.outputs:
             logprobs = None
@@ -104,16 +104,16 @@ class ChatServing(OpenAIServing):
             finish_reason = "tool_calls" if tool_calls and c.finish_reason == "stop" else c.finish_reason
             choices.append(ChatChoice(index=c.index, message=AssistantMessage(content=content, tool_calls=tool_calls),
                                       logprobs=logprobs, finish_reason=finish_reason, stop_reason=c.stop_reason))
-        return ChatCompletionResponse(id=request_id, model=self.model_name, choices=choices,
+        return ChatCompletionResponse(id=request_id, model=model, choices=choices,
                                       usage=usage_of(final)).model_dump_json().encode()
 
-    async def _chat_events(self, stream: RequestStream, body: ChatCompletionRequest,
+    async def _chat_events(self, stream: RequestStream, model: str, body: ChatCompletionRequest,
                            plan: ToolCallPlan) -> AsyncIterator[str]:
         created = int(time.time())
         parsers: dict[int, ToolCallStream] = {}  # one tool-call parser per choice
 
         def chunk(choices: list[ChatStreamChoice], usage: Usage | None = None) -> str:
-            return sse(ChatCompletionChunk(id=stream.request_id, created=created, model=self.model_name,
+            return sse(ChatCompletionChunk(id=stream.request_id, created=created, model=model,
                                             choices=choices, usage=usage))
 
         final = None

@@ -98,21 +98,21 @@ class CompletionServing(OpenAIServing):
         params = body.completion_params(constraint)
         await self._check_grammar(constraint, body.structured_outputs_field or "structured_outputs")
         prompts = await self._completion_prompts(body.prompt, body.echo)
-        request_id = f"cmpl-{uuid.uuid4().hex}"
-        streams = await self._submit_all(request_id, [ids for ids, _ in prompts], params, bool(body.stream),
-                                         self._check_model(body.model))
+        request_id, lora = f"cmpl-{uuid.uuid4().hex}", self._check_model(body.model)
+        streams = await self._submit_all(request_id, [ids for ids, _ in prompts], params, bool(body.stream), lora)
         echoes = [text if body.echo else "" for _, text in prompts]
+        model = self._response_model(lora)
         if body.stream:
-            return self._streaming(self._completion_events(request_id, streams, body, echoes), streams)
+            return self._streaming(self._completion_events(request_id, model, streams, body, echoes), streams)
         finals = await self._final_outputs(streams, request)
         if finals is None:
             return Response(status_code=499)
         # built and serialized off the event loop: a response of many logprobs takes seconds
-        return Response(await asyncio.to_thread(self._completion_body, finals, echoes, body, request_id),
+        return Response(await asyncio.to_thread(self._completion_body, finals, echoes, body, request_id, model),
                         media_type="application/json")
 
     def _completion_body(self, finals: list[RequestOutput], echoes: list[str], body: CompletionRequest,
-                         request_id: str) -> bytes:
+                         request_id: str, model: str) -> bytes:
         choices = []
         for i, (final, echo) in enumerate(zip(finals, echoes)):
             for c in final.outputs:
@@ -123,7 +123,7 @@ class CompletionServing(OpenAIServing):
                 choices.append(CompletionChoice(index=i * body.n + c.index, text=echo + c.text, logprobs=logprobs,
                                                 finish_reason=c.finish_reason, stop_reason=c.stop_reason,
                                                 prompt_logprobs=_prompt_logprobs(final, body.prompt_logprobs)))
-        return CompletionResponse(id=request_id, model=self.model_name, choices=choices,
+        return CompletionResponse(id=request_id, model=model, choices=choices,
                                   usage=total_usage_of(finals)).model_dump_json().encode()
 
     @staticmethod
@@ -133,7 +133,7 @@ class CompletionServing(OpenAIServing):
             return []
         return list(zip(out.prompt_token_ids, out.prompt_logprobs))
 
-    async def _completion_events(self, request_id: str, streams: list[Outputs], body: CompletionRequest,
+    async def _completion_events(self, request_id: str, model: str, streams: list[Outputs], body: CompletionRequest,
                                  echoes: list[str]) -> AsyncIterator[str]:
         created = int(time.time())
         offsets: dict[int, int] = {}  # choice index -> text offset of its next token
@@ -155,10 +155,9 @@ class CompletionServing(OpenAIServing):
                         continue
                     choice = CompletionChoice(index=index, text=text, logprobs=logprobs,
                                               finish_reason=c.finish_reason, stop_reason=c.stop_reason)
-                    yield sse(CompletionResponse(id=request_id, created=created, model=self.model_name,
-                                                  choices=[choice]))
+                    yield sse(CompletionResponse(id=request_id, created=created, model=model, choices=[choice]))
             if body.include_usage and all(f is not None for f in finals):
-                yield sse(CompletionResponse(id=request_id, created=created, model=self.model_name,
+                yield sse(CompletionResponse(id=request_id, created=created, model=model,
                                               choices=[], usage=total_usage_of(finals)))  # type: ignore[arg-type]
         except (EngineDeadError, RequestFailedError) as e:
             yield sse(engine_error(e).body())

@@ -163,7 +163,7 @@ class ResponsesServing(ChatServing):
 
     async def responses(self, body: Annotated[ResponsesRequest, validated(ResponsesRequest)],
                         request: Request) -> Response:
-        self._check_model(body.model)
+        lora = self._check_model(body.model)
         body.check_supported()
         chat = body.chat_request()
         chat.check_supported()
@@ -173,13 +173,13 @@ class ResponsesServing(ChatServing):
         plan, params, prompt_ids = await self._prepare(chat, constraint, "text" if constraint else None,
                                                        prompt_param="input")
         head = ResponseObject(
-            id=f"resp_{uuid.uuid4().hex}", created_at=int(time.time()), status="in_progress", model=self.model_name,
+            id=f"resp_{uuid.uuid4().hex}", created_at=int(time.time()), status="in_progress",
+            model=self._response_model(lora),
             instructions=body.instructions, max_output_tokens=body.max_output_tokens, metadata=body.metadata or {},
             parallel_tool_calls=body.parallel_tool_calls, temperature=body.temperature, top_p=body.top_p,
             text={"format": body.text_format}, tool_choice=body.tool_choice or "auto", tools=body.tools or [],
             user=body.user)
-        stream = await self._submit(head.id, prompt_ids, params, body.stream, prompt_param="input",
-                                    lora=self._check_model(body.model))
+        stream = await self._submit(head.id, prompt_ids, params, body.stream, prompt_param="input", lora=lora)
         if body.stream:
             return self._streaming(self._response_events(stream, plan, head), [stream])
         finals = await self._final_outputs([stream], request)

@@ -1,13 +1,26 @@
-"""The stacked LoRA product: each adapter's ``x @ A.T @ B.T`` lands on its own rows only."""
+"""The step's LoRA products, by the C++ kernel (csrc/linear.cpp's lora_add_) and by torch ops: each adapter's
+``x @ A.T @ B.T`` lands on its own rows only."""
 
 from __future__ import annotations
 
+import pytest
 import torch
 
+from iterserve import kernels
 from iterserve.lora import LoRARequest
 from iterserve.lora.adapter import LoRAAdapter, LoRAWeights
-from iterserve.lora.batch import LoRABatch
+from iterserve.lora.batch import LayerStack, LoRABatch, PackedStack
 from iterserve.models.linear import LinearBase
+
+
+@pytest.fixture(params=["kernels", "torch"], autouse=True)
+def path(request, monkeypatch) -> str:
+    """Each test on both paths: the kernels' (where built) and torch's."""
+    if request.param == "kernels" and kernels.ops is None:
+        pytest.skip("the C++ CPU kernels are not built (scripts/setup.sh builds them)")
+    if request.param == "torch":
+        monkeypatch.setattr(kernels, "ops", None)
+    return request.param
 
 
 def adapter(layer: LinearBase, lora_id: int, rank: int) -> LoRAAdapter:
@@ -41,7 +54,7 @@ def test_one_adapter_for_every_row_and_none():
     assert LoRABatch.build([None, None], [2, 2], torch.device("cpu")) is None
 
 
-def test_stacks_are_kept_for_the_same_adapters():
+def test_stacks_are_kept_for_the_same_adapters(path):
     layer = LinearBase(4, 3, bias=False)
     a, b = adapter(layer, 1, 2), adapter(layer, 2, 3)
     x, stacks = torch.randn(3, 4), {}
@@ -49,7 +62,11 @@ def test_stacks_are_kept_for_the_same_adapters():
     assert first is not None
     first.add(layer, x, layer(x))
     stack = stacks[layer]
-    assert stack is not None and stack.layout == (0, 0, 1, 1, 1)  # by id: a's two columns, then b's three
+    if path == "torch":
+        assert isinstance(stack, LayerStack) and stack.layout == (0, 0, 1, 1, 1)  # by id: a's 2 columns, b's 3
+    else:
+        assert isinstance(stack, PackedStack) and len(stack.a) == 2  # by id: a's, then b's
+        assert torch.equal(stack.a[0], kernels.ops.pack_linear_weight(a.weights[layer].a))
     second = LoRABatch.build([a, None, b], [1, 1, 1], torch.device("cpu"), stacks)
     assert second is not None
     out = second.add(layer, x, layer(x))

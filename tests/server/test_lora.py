@@ -1,10 +1,12 @@
 """LoRA adapters behind the server: ``--lora-modules name=path`` listed in /v1/models under the base model, a
-request's ``model`` choosing its adapter (the offline engine's tokens), unknown names a 404, vLLM's
-``vllm:lora_requests_info`` gauge, and the runtime /v1/load_lora_adapter and /v1/unload_lora_adapter behind
-their opt-in, refusing bad adapters by name while the other requests carry on."""
+request's ``model`` choosing its adapter (the offline engine's tokens) and naming it in the response, unknown
+names a 404, vLLM's ``vllm:lora_requests_info`` gauge, and the runtime /v1/load_lora_adapter and
+/v1/unload_lora_adapter behind their opt-in, refusing bad adapters by name while the other requests carry on."""
 
 from __future__ import annotations
 
+import itertools
+import json
 import shutil
 from concurrent.futures import ThreadPoolExecutor
 
@@ -200,3 +202,21 @@ def test_bench_serve_mixes_the_adapters(texting_server):
     result = run_serve(cfg, make_workload(spec, tokenizer=None, vocab_size=VOCAB), None, [LoadPoint()],
                        workload=spec, use_tqdm=False)
     assert (result["completed"], result["failed"], result["lora_modules"]) == (6, 0, ["all", "some"])
+
+
+def test_the_response_names_the_adapter_asked_for(texting_server):
+    template = "{% for m in messages %}{{ m['content'] }} {% endfor %}"
+    for route, stream, model in itertools.product(("completions", "chat/completions"), (False, True), (BASE, "some")):
+        body = {"model": model, "max_tokens": 3, "temperature": 0, "ignore_eos": True, "stream": stream}
+        if route == "completions":
+            body["prompt"] = "w5 w6"
+        else:
+            body |= {"messages": [{"role": "user", "content": "w5 w6"}], "chat_template": template}
+        r = httpx.post(f"{texting_server.url}/v1/{route}", json=body, timeout=120)
+        assert r.status_code == 200, r.text
+        if stream:
+            chunks = [json.loads(line.removeprefix("data: ")) for line in r.text.splitlines()
+                      if line.startswith("data: {")]
+            assert chunks and {c["model"] for c in chunks} == {model}, (route, chunks)
+        else:
+            assert r.json()["model"] == model, (route, r.json())
