@@ -34,6 +34,16 @@ def _post(url: str, body: dict, timeout: float = 300.0) -> dict:
         return json.loads(response.read())
 
 
+def _stream(url: str, body: dict, timeout: float = 300.0) -> None:
+    """POST a streamed request and read its server-sent events to the end."""
+    request = urllib.request.Request(url, json.dumps({**body, "stream": True}).encode(),
+                                     {"Content-Type": "application/json"})
+    with urllib.request.urlopen(request, timeout=timeout) as response:
+        for line in response:
+            if line.strip() == b"data: [DONE]":
+                return
+
+
 def _counters(worker: str) -> dict[str, float]:
     with urllib.request.urlopen(f"{worker}/metrics", timeout=30) as response:
         text = response.read().decode()
@@ -88,13 +98,18 @@ def main() -> None:
     parser.add_argument("--words", type=int, default=300, help="words in each system prompt")
     parser.add_argument("--concurrency", type=int, default=2)
     parser.add_argument("--block-size", type=int, default=16)
+    parser.add_argument("--stream", action="store_true",
+                        help="stream the answers, as chat clients do (a router then sees when a prefill ends)")
     args = parser.parse_args()
     requests = _messages(args.label, args.prefixes, args.per_prefix, args.words)
     before = [_counters(w) for w in args.workers]
 
     def send(item: tuple[int, list[dict]]) -> None:
-        _post(f"{args.router}/v1/chat/completions",
-              {"model": args.model, "messages": item[1], "max_tokens": 4, "temperature": 0.0})
+        body = {"model": args.model, "messages": item[1], "max_tokens": 4, "temperature": 0.0}
+        if args.stream:
+            _stream(f"{args.router}/v1/chat/completions", body)
+        else:
+            _post(f"{args.router}/v1/chat/completions", body)
 
     with ThreadPoolExecutor(args.concurrency) as pool:
         list(pool.map(send, requests))
@@ -103,7 +118,7 @@ def main() -> None:
                   for a, b in zip(after, before)]
     queries = [int(a[COUNTERS[0]] - b[COUNTERS[0]]) for a, b in zip(after, before)]
     total, ideal = _ideal_misses(args.workers[0], args.model, requests, args.block_size)
-    result = {"label": args.label, "requests": len(requests), "prompt_tokens": total,
+    result = {"label": args.label, "stream": args.stream, "requests": len(requests), "prompt_tokens": total,
               "prompt_tokens_per_worker": queries, "miss_tokens_per_worker": per_worker,
               "miss_tokens": sum(per_worker), "ideal_miss_tokens": ideal,
               "ratio_to_ideal": round(sum(per_worker) / ideal, 3)}

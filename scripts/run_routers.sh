@@ -8,7 +8,8 @@
 # Environment: PYTHON (iterserve's Python, default .venv/bin/python), ROUTER_VENV (the routers' venv, made if
 # missing; default /tmp/iterserve-router-venv), MODEL (default smollm2-135m), KV_CACHE_MEMORY (default
 # 256MiB), PORT_BASE (default 8100: servers on PORT_BASE and +1, events on PORT_BASE-2530 and +1, routers on
-# PORT_BASE-5099 and -5098), OUT (logs and results, default a new temporary folder).
+# PORT_BASE-5099 and -5098), OUT (logs and results, default a new temporary folder), PHASES (a regular expression
+# choosing phases by name, default all), WORKLOAD_ARGS (more options for router_workload.py, e.g. --stream).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PYTHON=${PYTHON:-.venv/bin/python}
@@ -17,6 +18,9 @@ MODEL=${MODEL:-smollm2-135m}
 KV_CACHE_MEMORY=${KV_CACHE_MEMORY:-256MiB}
 PORT_BASE=${PORT_BASE:-8100}
 OUT=${OUT:-$(mktemp -d)}
+mkdir -p "$OUT"
+PHASES=${PHASES:-.}
+WORKLOAD_ARGS=${WORKLOAD_ARGS:-}
 VLLM_ROUTER_VERSION=0.1.17
 SGLANG_ROUTER_VERSION=0.3.2
 source scripts/wait_ready.sh
@@ -60,6 +64,7 @@ wait_router() {
 # phase NAME ROUTER_URL COMMAND...: start a router, run the workload through it, stop it, count 404s
 phase() {
   local name=$1 url=$2; shift 2
+  [[ $name =~ $PHASES ]] || return 0
   local before0 before1
   before0=$(wc -l <"$OUT/server0.log"); before1=$(wc -l <"$OUT/server1.log")
   "$@" >"$OUT/$name.log" 2>&1 &
@@ -71,7 +76,7 @@ phase() {
     echo "$name lists models: $(curl -s "$url/v1/models")"
   fi
   "$PYTHON" scripts/router_workload.py --router "$url" --workers "${WORKERS[@]}" --label "$name" \
-    | tee "$OUT/$name.json"
+    $WORKLOAD_ARGS | tee "$OUT/$name.json"
   kill "$pid"; wait "$pid" 2>/dev/null || true
   local served404
   served404=$( (tail -n "+$((before0 + 1))" "$OUT/server0.log"; tail -n "+$((before1 + 1))" "$OUT/server1.log") \
@@ -95,14 +100,16 @@ phase vllm-router-kv_aware "$R1" "$VR" --host 127.0.0.1 --port $((PORT_BASE - 50
   --kv-event-source "${WORKERS[0]}=tcp://127.0.0.1:$((PORT_BASE - 2530))" \
   --kv-event-source "${WORKERS[1]}=tcp://127.0.0.1:$((PORT_BASE - 2529))" \
   --kv-event-model smollm2 --kv-event-block-size 16
-KVLOG=$OUT/vllm-router-kv_aware.plain.log  # its log without the colour codes that split "field=value"
-sed 's/\x1b\[[0-9;]*m//g' "$OUT/vllm-router-kv_aware.log" >"$KVLOG"
-echo "vllm-router-kv_aware: decisions that credited a cached prefix:" \
-  "$(grep -c -E 'credited_prefix_tokens=[1-9]' "$KVLOG" || true)" \
-  "of $(grep -c 'KV prefix decision' "$KVLOG" || true);" \
-  "subscribers: $(grep -c 'kv_index subscriber for' "$KVLOG" || true);" \
-  "batches applied: $(grep -c 'kv_index live sequence advanced' "$KVLOG" || true);" \
-  "batches it could not decode: $(grep -c 'kv_index decode batch' "$KVLOG" || true)"
+if [ -f "$OUT/vllm-router-kv_aware.log" ]; then
+  KVLOG=$OUT/vllm-router-kv_aware.plain.log  # its log without the colour codes that split "field=value"
+  sed 's/\x1b\[[0-9;]*m//g' "$OUT/vllm-router-kv_aware.log" >"$KVLOG"
+  echo "vllm-router-kv_aware: decisions that credited a cached prefix:" \
+    "$(grep -c -E 'credited_prefix_tokens=[1-9]' "$KVLOG" || true)" \
+    "of $(grep -c 'KV prefix decision' "$KVLOG" || true);" \
+    "subscribers: $(grep -c 'kv_index subscriber for' "$KVLOG" || true);" \
+    "batches applied: $(grep -c 'kv_index live sequence advanced' "$KVLOG" || true);" \
+    "batches it could not decode: $(grep -c 'kv_index decode batch' "$KVLOG" || true)"
+fi
 phase sglang-router-cache_aware "$R2" "$ROUTER_VENV/bin/python" -m sglang_router.launch_router \
   --host 127.0.0.1 --port $((PORT_BASE - 5098)) --worker-urls "${WORKERS[@]}" --policy cache_aware
 echo "results and logs: $OUT"
