@@ -28,9 +28,9 @@ import torch
 from iterserve.config import DEFAULT_MODEL, PRESETS, ModelConfig, find_preset, get_preset, parse_dtype
 from iterserve.distributed.layers import ShardedLayer
 from iterserve.distributed.parallel_state import ParallelState
-from iterserve.formats.gguf_file import open_gguf
+from iterserve.formats.gguf.reader import gguf_config, open_gguf
+from iterserve.formats.gguf.tensors import gguf_tensors
 from iterserve.models.archs import hf_param_name, model_class, parts_of
-from iterserve.models.gguf_model import gguf_config, gguf_tensors
 from iterserve.models.linear import MethodChooser
 from iterserve.models.llama import LlamaModel
 from iterserve.models.load_progress import tensor_progress

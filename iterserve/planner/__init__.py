@@ -14,7 +14,7 @@ import os
 from typing import Any
 
 from iterserve.config import ModelConfig, find_preset
-from iterserve.formats.gguf_file import open_gguf
+from iterserve.formats.gguf.reader import open_gguf
 from iterserve.models.loader import load_model_config, resolve_model
 from iterserve.planner.hardware import ACCELERATORS, Accelerator, custom_accelerator, get_accelerator
 from iterserve.planner.roofline import (

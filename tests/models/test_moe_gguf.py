@@ -10,12 +10,12 @@ import numpy as np
 import pytest
 import torch
 
-from iterserve.formats.gguf_file import open_gguf
-from iterserve.models import gguf_model
-from iterserve.models.gguf_model import gguf_config
+from iterserve.formats.gguf.reader import gguf_config, open_gguf
+from iterserve.formats.gguf.tensors import gguf_block_tensors
+from iterserve.formats.gguf.tensors import gguf_tensors as read_gguf_tensors
 from iterserve.models.loader import _empty_model, load_hf_state_dict
 from iterserve.models.moe import mix_experts, route
-from iterserve.quantization.model import gguf_block_tensors, streamed_weight_bytes, weight_formats
+from iterserve.quantization.model import streamed_weight_bytes, weight_formats
 from tests.models.test_llama import CPU, run_ours
 from tests.models.test_moe import VOCAB, hf_model
 
@@ -96,7 +96,7 @@ def load(path: Path):
     reader = open_gguf(path)
     config = gguf_config(reader, "tiny")
     model = _empty_model(config, torch.float32, torch.device("cpu"))
-    load_hf_state_dict(model, gguf_model.gguf_tensors(reader, config))
+    load_hf_state_dict(model, read_gguf_tensors(reader, config))
     return model
 
 
@@ -133,7 +133,7 @@ def load_in_blocks(path: Path):
     reader = open_gguf(path)
     config = gguf_config(reader, "tiny")
     model = _empty_model(config, torch.float32, torch.device("cpu"))
-    load_hf_state_dict(model, gguf_model.gguf_tensors(reader, config, keep_blocks=True))
+    load_hf_state_dict(model, read_gguf_tensors(reader, config, keep_blocks=True))
     return model
 
 

@@ -7,7 +7,7 @@ from fractions import Fraction
 import pytest
 
 from iterserve import planner
-from iterserve.formats.gguf_file import open_gguf
+from iterserve.formats.gguf.reader import open_gguf
 from iterserve.models.loader import embedded_model_path
 from iterserve.planner.weights import FORMATS, as_quantization, gguf_quantization
 

@@ -13,8 +13,8 @@ import torch
 
 from iterserve import kernels
 from iterserve.distributed.parallel_state import ParallelState
-from iterserve.formats.gguf_file import open_gguf
-from iterserve.models.gguf_model import gguf_config, gguf_tensors
+from iterserve.formats.gguf.reader import gguf_config, open_gguf
+from iterserve.formats.gguf.tensors import gguf_tensors
 from iterserve.models.llama import LlamaModel
 from iterserve.models.loader import _empty_model, load_hf_state_dict, load_model
 from iterserve.quantization import packed as P
