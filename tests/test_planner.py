@@ -16,7 +16,7 @@ from iterserve.bench.validate import validate
 from iterserve.cli.plan import main
 from iterserve.config import get_preset
 from iterserve.config.units import parse_bandwidth, parse_flops, parse_size
-from iterserve.models.loader import embedded_model_path
+from iterserve.models.sources import embedded_model_path
 from iterserve.planner.hardware import ACCELERATORS, Accelerator, GiB, get_accelerator, get_interconnect
 
 

@@ -41,7 +41,8 @@ from iterserve.bench.workloads import Request, is_token_ids
 from iterserve.config import EngineConfig
 from iterserve.engine.llm_engine import LLMEngine
 from iterserve.engine.spec_decode import stats as spec_stats
-from iterserve.models.loader import LoadedModel, resolve_model
+from iterserve.models.loader import LoadedModel
+from iterserve.models.sources import GGUFFile, HFFolder, resolve_model
 from iterserve.outputs import RequestOutput
 from iterserve.sampling_params import SamplingParams
 from iterserve.tokenizer import Tokenizer
@@ -296,10 +297,10 @@ def _load_hf_model(name: str, dtype: torch.dtype, device: torch.device) -> Any:
     """transformers' model for ``name`` (its class depends on the checkpoint, hence Any)."""
     source = resolve_model(name)
     model: Any
-    if source.kind == "gguf" and source.path is not None:
+    if isinstance(source, GGUFFile):
         model = transformers.AutoModelForCausalLM.from_pretrained(source.path.parent, gguf_file=source.path.name,
                                                                   dtype=dtype)
-    elif source.kind == "folder" and source.path is not None:
+    elif isinstance(source, HFFolder):
         model = transformers.AutoModelForCausalLM.from_pretrained(source.path, dtype=dtype)
     else:
         raise ValueError(
