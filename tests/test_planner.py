@@ -365,8 +365,8 @@ def test_validate_with_injected_timer(tmp_path):
     # same curve shape, same detected bend; the detector needs one doubling past the knee
     assert v.measured_knee == v.predicted_knee_on_sweep == 64
 
-    from iterserve.cli.plan import print_validation
     from iterserve.planner.charts import chart_validation
+    from iterserve.planner.report import print_validation
 
     chart = tmp_path / "validate.png"
     chart_validation(v, str(chart))
