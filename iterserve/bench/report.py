@@ -184,7 +184,7 @@ def load_report(result: dict[str, Any]) -> str:
 
 def timeline_counts(traces: dict[str, str], max_num_seqs: int | None) -> str:
     """The counts of each step trace: the same on any machine where the trace's steps were counted, not timed."""
-    from iterserve.bench.throughput import trace_counts
+    from iterserve.bench.step_counts import trace_counts
     from iterserve.bench.timeline import read_trace
 
     rows = []
