@@ -19,6 +19,7 @@ import gguf
 import torch
 import torch.nn.functional as F
 
+from iterserve.formats.gguf.tensors import from_gguf
 from iterserve.quantization import packed as P
 
 SHAPES = [(576, 960), (576, 576), (576, 3072), (1536, 576), (576, 49152), (4096, 4096)]
@@ -55,7 +56,7 @@ def main() -> None:
     print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, kernel isa {P.best_isa()}")
     for k, n in SHAPES:
         w = torch.randn(n, k) * 0.02
-        q41 = P.pack(P.from_gguf(gguf.quants.quantize(w.numpy(), gguf.GGMLQuantizationType.Q4_1), "Q4_1", n, k))
+        q41 = P.pack(from_gguf(gguf.quants.quantize(w.numpy(), gguf.GGMLQuantizationType.Q4_1), "Q4_1", n, k))
         q8 = P.pack(P.quantize_int8(w))
         wb = w.to(torch.bfloat16)
         fns: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {

@@ -9,7 +9,7 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 llama_server=$1 out=$2 rounds=${3:-1}
-gguf=${4:-$(.venv/bin/python -c "from iterserve.models.loader import resolve_model; print(resolve_model('smollm2-135m').path)")}
+gguf=${4:-$(.venv/bin/python -c "from iterserve.models.sources import embedded_model_path; print(embedded_model_path())")}
 threads=$(nproc)
 mkdir -p "$out"
 source scripts/wait_ready.sh

@@ -12,7 +12,7 @@ from pathlib import Path
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from iterserve.models.loader import embedded_model_path
+from iterserve.models.sources import embedded_model_path
 
 
 def main() -> None:

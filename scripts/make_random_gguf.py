@@ -18,7 +18,7 @@ import argparse
 import gguf
 import numpy as np
 
-from iterserve.models.loader import resolve_model
+from iterserve.models.sources import embedded_model_path
 
 
 def copy_tokenizer(reader: gguf.GGUFReader, writer: gguf.GGUFWriter) -> int:
@@ -44,7 +44,7 @@ def main() -> None:
     ap.add_argument("--experts-used", type=int, default=2, help="experts each token runs")
     ap.add_argument("--seed", type=int, default=0)
     args = ap.parse_args()
-    reader = gguf.GGUFReader(resolve_model("smollm2-135m").path)
+    reader = gguf.GGUFReader(embedded_model_path())
     w = gguf.GGUFWriter(args.out, "llama")
     vocab = copy_tokenizer(reader, w)
     w.add_name(f"random llama {args.hidden}x{args.layers} (seed {args.seed})")

@@ -51,7 +51,7 @@ def hf_smollm():
     """transformers' own reading of the same GGUF: the reference model and tokenizer."""
     import transformers
 
-    from iterserve.models.loader import embedded_model_path
+    from iterserve.models.sources import embedded_model_path
 
     path = embedded_model_path()
     tok = transformers.AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)

@@ -16,7 +16,7 @@ from iterserve.bench.validate import validate
 from iterserve.cli.plan import main
 from iterserve.config import get_preset
 from iterserve.config.units import parse_bandwidth, parse_flops, parse_size
-from iterserve.models.loader import embedded_model_path
+from iterserve.models.sources import embedded_model_path
 from iterserve.planner.hardware import ACCELERATORS, Accelerator, GiB, get_accelerator, get_interconnect
 
 
@@ -365,8 +365,8 @@ def test_validate_with_injected_timer(tmp_path):
     # same curve shape, same detected bend; the detector needs one doubling past the knee
     assert v.measured_knee == v.predicted_knee_on_sweep == 64
 
-    from iterserve.cli.plan import print_validation
     from iterserve.planner.charts import chart_validation
+    from iterserve.planner.report import print_validation
 
     chart = tmp_path / "validate.png"
     chart_validation(v, str(chart))

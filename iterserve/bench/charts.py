@@ -11,7 +11,7 @@ import math
 import re
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.figure import Figure
@@ -19,6 +19,9 @@ from matplotlib.patches import Patch
 
 from iterserve.bench.knee import read_knee
 from iterserve.bench.machine import stamp_figure
+
+if TYPE_CHECKING:
+    from iterserve.bench.batch import BatchSweep
 
 logger = logging.getLogger(__name__)
 
@@ -66,6 +69,18 @@ def throughput_latency_chart(series: list[Series], path: str | Path, *, xlabel: 
     ax.grid(alpha=0.3)
     ax.legend(fontsize=8)
     save_figure(fig, path, dpi=120, stamp=stamp)
+
+
+def batch_sweep_chart(sweep: BatchSweep, path: str | Path, *, stamp: str | None = None) -> None:
+    """``bench batch``'s sweep: decode tokens/s against step time, one point per batch size, the knee circled."""
+    sizes = [p.batch_size for p in sweep.points]
+    throughput_latency_chart(
+        [Series(f"{sweep.model} ({sweep.dtype})", [p.decode_tokens_per_s for p in sweep.points],
+                [p.decode_s * 1000 for p in sweep.points], [f"B={b}" for b in sizes],
+                sizes.index(sweep.knee_batch_size) if sweep.knee_batch_size is not None else None)],
+        path, xlabel="decode throughput (tokens/s)", ylabel="decode step = time per output token (ms)",
+        title=f"decode batch sweep at context {sweep.context} ({sweep.device})", stamp=stamp,
+    )
 
 
 # -- serve results --------------------------------------------------------------------------------

@@ -22,7 +22,8 @@ from typing import Any
 
 from iterserve.bench.machine import MachineMonitor
 from iterserve.bench.serve import arrival_offsets
-from iterserve.bench.throughput import ENGINE_MODES, StepCounts, Timed, run_engine_mode, warm_up
+from iterserve.bench.step_counts import StepCounts
+from iterserve.bench.throughput import ENGINE_MODES, Timed, run_engine_mode, warm_up
 from iterserve.bench.workloads import Request
 from iterserve.config import EngineConfig
 from iterserve.models.loader import LoadedModel

@@ -1,5 +1,6 @@
-"""What ``iterserve bench`` prints: the throughput and serve tables and the batch-1 bandwidth line, built
-here so that the command line only parses and calls."""
+"""What ``iterserve bench`` prints: every subcommand's tables and headings (throughput, serve, batch, ttft,
+perplexity, load, the counts of step traces) and the batch-1 bandwidth line, built here so that the command
+line only parses and calls."""
 
 from __future__ import annotations
 
@@ -96,6 +97,11 @@ def serve_table(result: dict[str, Any]) -> str:
     return render_table(headers, rows) + "\n(latencies in ms)"
 
 
+def serve_report(result: dict[str, Any], url: str) -> str:
+    """``bench serve``'s heading (the server measured) and its table."""
+    return f"{result['label']}: model {result['model_id']} at {url}\n{serve_table(result)}"
+
+
 def decode_bandwidth_line(loaded: Any, context: int, decode_s: float, device: str) -> str:
     """Batch-1 decode as a memory stream: the bytes one step must read (every matmul weight and the
     sequence's KV cache) over its time, beside this machine's measured bandwidth."""
@@ -132,10 +138,10 @@ def batch_report(sweep: BatchSweep) -> str:
     return "\n".join(lines)
 
 
-def ttft_report(points: Sequence[PromptPoint]) -> str:
+def ttft_report(name: str, points: Sequence[PromptPoint], output_len: int, repeats: int) -> str:
     """The ``bench ttft`` table: one request at a time, TTFT and TPOT against the prompt's length."""
     first, last = points[0], points[-1]
-    return "\n".join([render_table(
+    return "\n".join([f"{name}: one request at a time, {output_len} output tokens, median of {repeats}", render_table(
         ["prompt tokens", "steps per request", "tokens in first step", "TTFT ms", "min-max", "TPOT ms", "min-max"],
         [[p.prompt_len, p.steps_per_request, p.first_step_tokens, p.ttft_ms, _spread(p.ttft_ms_runs), p.tpot_ms,
           _spread(p.tpot_ms_runs)] for p in points],
@@ -147,3 +153,49 @@ def first_step_line(point: PromptPoint) -> str:
     """One request's passes: its whole prompt in the first, then a token a pass."""
     return (f"steps of one {point.prompt_len}-token request: {point.step_tokens[0]} tokens in its first pass "
             f"({point.step_ms[0]:.1f} ms), then 1 token a pass (median {statistics.median(point.step_ms[1:]):.1f} ms)")
+
+
+def perplexity_report(model: str, scored: int, window: int, headers: Sequence[str],
+                      rows: Sequence[Sequence[Any]]) -> str:
+    """The ``bench perplexity`` table: each weight format and KV cache dtype's perplexity of one text."""
+    return f"{model}: {scored} tokens scored in windows of {window}\n{render_table(headers, rows)}"
+
+
+def load_report(result: dict[str, Any]) -> str:
+    """The ``bench load`` tables: what every point shares (counts), then each policy at each load."""
+    e = result["engine"]
+    rows = [[p["mode"], f"{p['load']:g}", p["request_rate"], p["num_steps"], p["mean_running"], p["output_throughput"],
+             p["request_throughput"], p["p50_ttft_ms"], p["p99_ttft_ms"], p["median_tpot_ms"]]
+            for p in result["points"]]
+    lines = [
+        f"{result['num_requests']} requests ({result['total_output_tokens']} output tokens) at every point, "
+        f"max_num_seqs {e['max_num_seqs']}, dynamic batches wait up to {e['max_batch_wait']:g} s to fill",
+        f"capacity: continuous batching, all {result['num_requests']} at once: {result['capacity_steps']} steps, "
+        f"{result['capacity_request_rate']:.3g} req/s, {result['capacity_output_throughput']:.4g} output tokens/s "
+        f"(median of {result['repeats']})",
+        render_table(["mode", "load", "offered req/s", "steps", "mean running", "out tok/s", "req/s", "p50 TTFT ms",
+                      "p99 TTFT ms", "median TPOT ms"], rows),
+        "(load: offered requests/s over the capacity; arrivals Poisson, the same at every load for every mode)",
+    ]
+    if result.get("busy_warning"):
+        lines.append(result["busy_warning"])
+    return "\n".join(lines)
+
+
+def timeline_counts(traces: dict[str, str], max_num_seqs: int | None) -> str:
+    """The counts of each step trace: the same on any machine where the trace's steps were counted, not timed."""
+    from iterserve.bench.step_counts import trace_counts
+    from iterserve.bench.timeline import read_trace
+
+    rows = []
+    for label, path in traces.items():
+        _, requests = read_trace(path)
+        n_out = sum(r["num_output_tokens"] for r in requests)
+        c = trace_counts(path, max_num_seqs or 1, n_out)
+        queued = sorted(r["first_scheduled_time"] - r["arrival_time"] for r in requests
+                        if r["first_scheduled_time"] is not None)
+        rows.append([label, len(requests), n_out, c.num_steps, c.output_tokens_per_step, c.peak_running,
+                     c.mean_running, f"{c.slot_occupancy:.0%}" if max_num_seqs else "-", c.joined_running_batch,
+                     1000 * queued[len(queued) // 2] if queued else None])
+    return render_table(["trace", "requests", "out tokens", "steps", "out tok/step", "peak running", "mean running",
+                         "slot occupancy", "joined running batch", "median queue ms"], rows)

@@ -170,3 +170,25 @@ def joins_chart(trace: str | Path, path: str | Path, *, max_num_seqs: int | None
     bars.legend(fontsize=8, loc="upper left", ncols=3)
     save_figure(fig, path)
     return joined
+
+
+# bench throughput's panel titles, in panel order: the batching and how KV blocks are allocated
+MODE_LABELS = {"static": "static, paged KV", "continuous": "continuous, paged KV",
+               "reserved": "continuous, reserved KV", "no-spec": "continuous, no speculation"}
+
+
+def modes_timeline_chart(traces: dict[str, str | Path], path: str | Path, *, x: str = "steps",
+                         max_num_seqs: int | None = None, stamp: str | None = None) -> None:
+    """:func:`timeline_chart` of a ``bench throughput`` run's step traces (by mode), one panel per mode in
+    :data:`MODE_LABELS`'s order."""
+    if not traces:
+        raise ValueError("--timeline draws the engine's modes; include continuous, static or reserved")
+    order = sorted(traces, key=list(MODE_LABELS).index)
+    timeline_chart({MODE_LABELS[m]: traces[m] for m in order}, path, x=x, max_num_seqs=max_num_seqs, stamp=stamp)
+
+
+def continuous_joins_chart(traces: dict[str, str | Path], path: str | Path, *, max_num_seqs: int | None = None) -> None:
+    """:func:`joins_chart` of a ``bench throughput`` run's continuous mode."""
+    if "continuous" not in traces:
+        raise ValueError("--joins draws the continuous run's step trace; include continuous in --modes")
+    joins_chart(traces["continuous"], path, max_num_seqs=max_num_seqs)

@@ -17,7 +17,8 @@ from iterserve.bench.knee import measured_knee
 from iterserve.bench.microbench import measure_local
 from iterserve.config import ModelConfig
 from iterserve.config.dtypes import canonical_dtype
-from iterserve.models.loader import load_model, load_model_config, resolve_model
+from iterserve.models.loader import load_model, load_model_config
+from iterserve.models.sources import Preset, resolve_model
 from iterserve.planner.hardware import Accelerator
 from iterserve.planner.roofline import check_context, check_positive, decode_cost, decode_knee, model_label, roofline
 
@@ -104,5 +105,5 @@ def default_decode_timer(model_name: str, dtype: str, *, device: str = "cpu") ->
     (:func:`iterserve.bench.batch.decode_step_timer`).
     """
     source = resolve_model(model_name)
-    name = f"random:{source.name}" if source.kind == "preset" else model_name
+    name = f"random:{source.name}" if isinstance(source, Preset) else model_name
     return decode_step_timer(load_model(name, dtype, device))

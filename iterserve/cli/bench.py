@@ -14,13 +14,12 @@ from iterserve.bench.report import (
     batch_report,
     decode_bandwidth_line,
     first_step_line,
-    serve_table,
+    perplexity_report,
+    serve_report,
     throughput_report,
     ttft_report,
 )
-from iterserve.bench.tables import render_table
-from iterserve.cli.flags import add_config_args, config_from_args
-from iterserve.cli.results import add_allow_busy_arg, write_json
+from iterserve.cli.flags import add_allow_busy_arg, add_config_args, config_from_args, sibling_path, write_json
 from iterserve.cli.workload import add_workload_args, float_list, load_points, workload_spec_from_args
 from iterserve.config import DEFAULT_MODEL, EngineConfig
 
@@ -29,24 +28,14 @@ from iterserve.config import DEFAULT_MODEL, EngineConfig
 BENCH_MAX_NUM_SEQS = 16
 
 
-def sibling_path(json_path: str, suffix: str) -> Path:
-    p = Path(json_path)
-    return p.with_name(f"{p.stem}{suffix}")
-
-
 # -- throughput -----------------------------------------------------------------------------------
-
-
-# timeline panel titles, in panel order: the batching and how KV blocks are allocated
-TIMELINE_LABELS = {"static": "static, paged KV", "continuous": "continuous, paged KV",
-                   "reserved": "continuous, reserved KV", "no-spec": "continuous, no speculation"}
 
 
 def _cmd_throughput(args: argparse.Namespace) -> int:
     from iterserve.bench.machine import machine_stamp, may_draw_timing_figure
     from iterserve.bench.progress import load_model_with_status
     from iterserve.bench.throughput import ENGINE_MODES, HF_MODE, run_throughput
-    from iterserve.bench.timeline import joins_chart, timeline_chart
+    from iterserve.bench.timeline import continuous_joins_chart, modes_timeline_chart
     from iterserve.bench.workloads import make_workload
 
     if args.step_trace:
@@ -66,17 +55,11 @@ def _cmd_throughput(args: argparse.Namespace) -> int:
         result["workload"] = asdict(spec)
         traces = {r["mode"]: r["step_trace"] for r in result["runs"] if r["mode"] in ENGINE_MODES}
         if args.timeline:
-            if not traces:
-                raise ValueError("--timeline draws the engine's modes; include continuous, static or reserved")
-            order = sorted(traces, key=list(TIMELINE_LABELS).index)
-            timeline_chart({TIMELINE_LABELS[m]: traces[m] for m in order}, args.timeline, x=args.timeline_x,
-                           max_num_seqs=config.max_num_seqs,
-                           stamp=machine_stamp(result["machine"]) if args.timeline_x == "time" else None)
+            modes_timeline_chart(traces, args.timeline, x=args.timeline_x, max_num_seqs=config.max_num_seqs,
+                                 stamp=machine_stamp(result["machine"]) if args.timeline_x == "time" else None)
             print(f"timeline written to {args.timeline}")
         if args.joins:
-            if "continuous" not in traces:
-                raise ValueError("--joins draws the continuous run's step trace; include continuous in --modes")
-            joins_chart(traces["continuous"], args.joins, max_num_seqs=config.max_num_seqs)
+            continuous_joins_chart(traces, args.joins, max_num_seqs=config.max_num_seqs)
             print(f"joins chart written to {args.joins}")
         if not args.trace_dir:
             for run in result["runs"]:
@@ -115,8 +98,7 @@ def _cmd_serve(args: argparse.Namespace) -> int:
     result = run_serve(cfg, requests, tokenizer, points, burstiness=args.burstiness, workload=spec,
                        tokenizer_id=None if tokenizer is None else args.tokenizer, label=args.label,
                        percentiles=percentiles, goodput=goodput, use_tqdm=not args.disable_tqdm)
-    print(f"{result['label']}: model {result['model_id']} at {cfg.base_url}{cfg.endpoint}")
-    print(serve_table(result))
+    print(serve_report(result, f"{cfg.base_url}{cfg.endpoint}"))
     if args.output_json:
         write_json(args.output_json, result)
         for chart in serve_charts([result], sibling_path(args.output_json, "")):
@@ -129,7 +111,7 @@ def _cmd_serve(args: argparse.Namespace) -> int:
 
 def _cmd_batch(args: argparse.Namespace) -> int:
     from iterserve.bench.batch import default_batch_sizes, sweep_batches
-    from iterserve.bench.charts import Series, throughput_latency_chart
+    from iterserve.bench.charts import batch_sweep_chart
     from iterserve.bench.machine import MachineMonitor, machine_stamp, may_draw_timing_figure
     from iterserve.bench.progress import load_model_with_status
 
@@ -156,15 +138,7 @@ def _cmd_batch(args: argparse.Namespace) -> int:
         print(warning)
     chart = args.chart or (str(sibling_path(args.output_json, ".png")) if args.output_json else None)
     if chart and may_draw_timing_figure(monitor.check.to_dict(), "the batch sweep (its knee)", args.allow_busy):
-        sizes = [p.batch_size for p in sweep.points]
-        throughput_latency_chart(
-            [Series(f"{sweep.model} ({sweep.dtype})", [p.decode_tokens_per_s for p in sweep.points],
-                    [p.decode_s * 1000 for p in sweep.points], [f"B={b}" for b in sizes],
-                    sizes.index(sweep.knee_batch_size) if sweep.knee_batch_size is not None else None)],
-            chart, xlabel="decode throughput (tokens/s)", ylabel="decode step = time per output token (ms)",
-            title=f"decode batch sweep at context {sweep.context} ({sweep.device})",
-            stamp=machine_stamp(monitor.check.to_dict()),
-        )
+        batch_sweep_chart(sweep, chart, stamp=machine_stamp(monitor.check.to_dict()))
         print(f"chart written to {chart}")
     if args.output_json:
         result = {"benchmark": "batch", **asdict(sweep), "max_gain_at_knee": sweep.max_gain_at_knee,
@@ -190,8 +164,7 @@ def _cmd_ttft(args: argparse.Namespace) -> int:
     points = sweep_prompt_lengths(loaded, config, [int(v) for v in values], args.output_len, args.repeats)
     monitor.sample()
     warning = monitor.check.warning()
-    print(f"{loaded.name}: one request at a time, {args.output_len} output tokens, median of {args.repeats}")
-    print(ttft_report(points))
+    print(ttft_report(loaded.name, points, args.output_len, args.repeats))
     if warning:
         print(warning)
     if args.chart:
@@ -365,8 +338,7 @@ def _cmd_perplexity(args: argparse.Namespace) -> int:
     text = Path(args.text or SHIPPED_TEXT).read_text(encoding="utf-8")
     scored, headers, rows = compare(args.model, args.dtype, args.device, args.seed, args.formats.split(","),
                                     args.kv_cache_dtypes.split(","), text, args.window)
-    print(f"{args.model}: {scored} tokens scored in windows of {args.window}")
-    print(render_table(headers, rows))
+    print(perplexity_report(args.model, scored, args.window, headers, rows))
     return 0
 
 

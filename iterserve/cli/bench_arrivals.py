@@ -6,37 +6,14 @@ from __future__ import annotations
 import argparse
 from dataclasses import asdict
 from pathlib import Path
-from typing import Any
 
-from iterserve.bench.tables import render_table
-from iterserve.cli.flags import add_config_args, config_from_args
-from iterserve.cli.results import add_allow_busy_arg
+from iterserve.bench.report import load_report, timeline_counts
+from iterserve.cli.flags import add_allow_busy_arg, add_config_args, config_from_args
 from iterserve.cli.workload import add_workload_args, float_list, workload_spec_from_args
 from iterserve.config import EngineConfig
 
 # what bench throughput uses, for the same reason: the workload spans several batches
 LOAD_MAX_NUM_SEQS = 16
-
-
-def load_report(result: dict[str, Any]) -> str:
-    """The ``bench load`` tables: what every point shares (counts), then each policy at each load."""
-    e = result["engine"]
-    rows = [[p["mode"], f"{p['load']:g}", p["request_rate"], p["num_steps"], p["mean_running"], p["output_throughput"],
-             p["request_throughput"], p["p50_ttft_ms"], p["p99_ttft_ms"], p["median_tpot_ms"]]
-            for p in result["points"]]
-    lines = [
-        f"{result['num_requests']} requests ({result['total_output_tokens']} output tokens) at every point, "
-        f"max_num_seqs {e['max_num_seqs']}, dynamic batches wait up to {e['max_batch_wait']:g} s to fill",
-        f"capacity: continuous batching, all {result['num_requests']} at once: {result['capacity_steps']} steps, "
-        f"{result['capacity_request_rate']:.3g} req/s, {result['capacity_output_throughput']:.4g} output tokens/s "
-        f"(median of {result['repeats']})",
-        render_table(["mode", "load", "offered req/s", "steps", "mean running", "out tok/s", "req/s", "p50 TTFT ms",
-                      "p99 TTFT ms", "median TPOT ms"], rows),
-        "(load: offered requests/s over the capacity; arrivals Poisson, the same at every load for every mode)",
-    ]
-    if result.get("busy_warning"):
-        lines.append(result["busy_warning"])
-    return "\n".join(lines)
 
 
 def _cmd_load(args: argparse.Namespace) -> int:
@@ -45,7 +22,7 @@ def _cmd_load(args: argparse.Namespace) -> int:
     from iterserve.bench.offered_load import sweep_offered_load
     from iterserve.bench.progress import load_model_with_status
     from iterserve.bench.workloads import make_workload
-    from iterserve.cli.results import write_json
+    from iterserve.cli.flags import write_json
 
     spec = workload_spec_from_args(args)
     config = config_from_args(EngineConfig, args)
@@ -63,25 +40,6 @@ def _cmd_load(args: argparse.Namespace) -> int:
     if args.output_json:
         write_json(args.output_json, result)
     return 0
-
-
-def timeline_counts(traces: dict[str, str], max_num_seqs: int | None) -> str:
-    """The counts of each step trace: the same on any machine where the trace's steps were counted, not timed."""
-    from iterserve.bench.throughput import trace_counts
-    from iterserve.bench.timeline import read_trace
-
-    rows = []
-    for label, path in traces.items():
-        _, requests = read_trace(path)
-        n_out = sum(r["num_output_tokens"] for r in requests)
-        c = trace_counts(path, max_num_seqs or 1, n_out)
-        queued = sorted(r["first_scheduled_time"] - r["arrival_time"] for r in requests
-                        if r["first_scheduled_time"] is not None)
-        rows.append([label, len(requests), n_out, c.num_steps, c.output_tokens_per_step, c.peak_running,
-                     c.mean_running, f"{c.slot_occupancy:.0%}" if max_num_seqs else "-", c.joined_running_batch,
-                     1000 * queued[len(queued) // 2] if queued else None])
-    return render_table(["trace", "requests", "out tokens", "steps", "out tok/step", "peak running", "mean running",
-                         "slot occupancy", "joined running batch", "median queue ms"], rows)
 
 
 def _cmd_timeline(args: argparse.Namespace) -> int:

@@ -1,12 +1,15 @@
-"""Command-line flags from the settings' dataclass fields: one flag per field, with its default and help."""
+"""Command-line flags from the settings' dataclass fields: one flag per field, with its default and help; and what
+the bench, plan and simulate commands share: the ``--allow-busy`` flag and where a run's result JSON goes."""
 
 from __future__ import annotations
 
 import argparse
 import dataclasses
+import json
 import os
 import types
 import typing
+from pathlib import Path
 from typing import Any, Literal
 
 
@@ -59,3 +62,22 @@ def config_from_args(cls: type, args: argparse.Namespace, **overrides: Any) -> A
     their defaults unless given in ``overrides``)."""
     given = {f.name: getattr(args, f.name) for f in dataclasses.fields(cls) if hasattr(args, f.name)}
     return cls(**{**given, **overrides})
+
+
+def add_allow_busy_arg(p: argparse.ArgumentParser | argparse._ArgumentGroup) -> None:
+    p.add_argument("--allow-busy", action="store_true",
+                   help="draw timing figures even when other processes kept the machine busy during the run "
+                        "(refused by default; the figure's stamp says busy)")
+
+
+def write_json(path: str, result: dict[str, Any]) -> None:
+    """One run's result as a JSON file, its folder made."""
+    Path(path).parent.mkdir(parents=True, exist_ok=True)
+    Path(path).write_text(json.dumps(result, indent=2) + "\n")
+    print(f"results written to {path}")
+
+
+def sibling_path(json_path: str, suffix: str) -> Path:
+    """Where a chart goes beside a result JSON: its stem with ``suffix``."""
+    p = Path(json_path)
+    return p.with_name(f"{p.stem}{suffix}")

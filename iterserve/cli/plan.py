@@ -7,23 +7,20 @@ runs it on its own. Bad input prints one line to stderr and exits with status 2.
 from __future__ import annotations
 
 import argparse
-import json
 import re
 import sys
 from collections.abc import Sequence
-from typing import TYPE_CHECKING, Any, TextIO
+from typing import Any, TextIO
 
 from iterserve import planner
-from iterserve.cli.results import add_allow_busy_arg
+from iterserve.cli.flags import add_allow_busy_arg
 from iterserve.config.dtypes import canonical_dtype
 from iterserve.config.units import parse_bandwidth, parse_flops, parse_size
 from iterserve.planner.hardware import ACCELERATORS, INTERCONNECTS, Accelerator, get_accelerator, get_interconnect
-from iterserve.planner.report import print_accelerators, print_plans, print_speculation, print_validation
-
-if TYPE_CHECKING:
-    pass
+from iterserve.planner.report import print_accelerators, print_plan_report, print_validation
 
 PROG = "iterserve plan"
+
 
 def _parse_batches(text: str | None) -> list[int] | None:
     if text is None:
@@ -163,13 +160,6 @@ def _hardware_from_args(args: argparse.Namespace, dtype: str) -> tuple[list[Acce
     return [planner.custom_accelerator(dtype=dtype, flops=flops, bandwidth=bandwidth, memory_bytes=memory)], None
 
 
-def _list_gpus(out: TextIO, as_json: bool) -> None:
-    if as_json:
-        print(json.dumps({name: hw.to_dict() for name, hw in ACCELERATORS.items()}, indent=2), file=out)
-        return
-    print_accelerators(out)
-
-
 def _run_validate(args: argparse.Namespace, out: TextIO) -> int:
     if args.gpu or args.flops or args.bandwidth or args.memory:
         raise ValueError("--validate measures this machine; drop --gpu/--flops/--bandwidth/--memory")
@@ -204,12 +194,7 @@ def _run_validate(args: argparse.Namespace, out: TextIO) -> int:
         from iterserve.planner.charts import chart_validation
 
         chart_validation(v, args.chart, stamp=machine_stamp())
-    if args.json:
-        print(json.dumps({"validation": v.to_dict()}, indent=2, default=str), file=out)
-    else:
-        print_validation(v, out)
-        if args.chart:
-            print(f"chart written to {args.chart}", file=out)
+    print_validation(v, out, as_json=args.json, chart=args.chart)
     return 0
 
 
@@ -229,7 +214,7 @@ def run_plan(args: argparse.Namespace, out: TextIO | None = None, err: TextIO | 
 
 def _run(args: argparse.Namespace, out: TextIO, err: TextIO) -> int:
     if args.list_gpus:
-        _list_gpus(out, args.json)
+        print_accelerators(out, as_json=args.json)
         return 0
     if not args.model:
         raise ValueError("name a model: a preset (e.g. llama-3-8b), a config.json, a folder or a .gguf file")
@@ -269,17 +254,14 @@ def _run(args: argparse.Namespace, out: TextIO, err: TextIO) -> int:
             skipped.append(f"{hw.name}: {e}")
     if not plans:
         raise ValueError(f"no GPU can run this: {'; '.join(skipped)}")
-    written = _charts(args, plans, cfg, hws, dtype, kv_dtype, quantization, machine)
-    if args.json:
-        print(json.dumps({"plans": [p.to_dict() for p in plans], "skipped": skipped}, indent=2), file=out)
-    else:
-        print_plans(plans, out)
-        if args.num_speculative_tokens:
-            print_speculation(plans, shard, args.num_speculative_tokens, args.spec_acceptance, out, quantization)
-        for line in skipped:
-            print(f"skipped {line}", file=err)
-        for chart in written:
-            print(f"chart written to {chart}", file=out)
+    from iterserve.planner.charts import PlanCharts, draw_plan_charts
+
+    written = draw_plan_charts(plans, shard, hws, dtype, kv_dtype, quantization, args.gpu_memory_utilization,
+                               PlanCharts(args.chart, args.roofline_chart, args.capacity_chart), machine,
+                               args.allow_busy)
+    speculation = (shard, args.num_speculative_tokens, args.spec_acceptance, quantization) \
+        if args.num_speculative_tokens else None
+    print_plan_report(plans, skipped, written, out, err, as_json=args.json, speculation=speculation)
     return 0
 
 
@@ -292,30 +274,6 @@ def _plan_dtype(name: str | None, on_this_cpu: bool) -> str:
 
         return canonical_dtype(parse_dtype("auto"))
     return "bf16"
-
-
-def _charts(args: argparse.Namespace, plans: list[planner.Plan], cfg: Any, hws: list[Accelerator], dtype: str,
-            kv_dtype: str | None, quantization: planner.Quantization, machine: dict[str, Any] | None) -> list[str]:
-    """Draw the asked-for charts; returns the paths written. A measured machine's timing charts carry its
-    stamp, and are refused when the machine was busy while it was measured."""
-    from iterserve.planner import charts
-
-    stamp, timed = None, True
-    if machine is not None:
-        from iterserve.bench.machine import machine_stamp, may_draw_timing_figure
-
-        stamp = machine_stamp(machine)
-        timed = may_draw_timing_figure(machine, "this machine's roofline and plan (its ops:byte)",
-                                       args.allow_busy)
-    if args.chart and timed:
-        charts.chart_plans(plans, args.chart, stamp=stamp)
-    if args.roofline_chart and timed:
-        charts.chart_roofline(plans[-1] if args.measure else plans[0], args.roofline_chart, stamp=stamp)
-    if args.capacity_chart:
-        charts.chart_capacity(cfg.tensor_parallel_shard(args.tp), hws, dtype, kv_dtype, args.capacity_chart,
-                                   args.gpu_memory_utilization, quantization)
-    return [c for c in (args.chart if timed else None, args.roofline_chart if timed else None, args.capacity_chart)
-            if c]
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -181,8 +181,7 @@ def _cmd_run(args: argparse.Namespace) -> int:
     from iterserve.bench.metrics import parse_goodput, parse_percentiles
     from iterserve.bench.report import serve_table
     from iterserve.bench.workloads import make_workload
-    from iterserve.cli.bench import sibling_path
-    from iterserve.cli.results import write_json
+    from iterserve.cli.flags import sibling_path, write_json
     from iterserve.cli.workload import load_points, workload_spec_from_args
     from iterserve.models.loader import load_model_config, load_tokenizer
     from iterserve.simulate.planning import planner_terms

@@ -24,7 +24,7 @@ from iterserve.config.moe import (
     moe_hf_fields,
 )
 
-# The embedded model every command and ``LLM()`` runs when given none (resolved by models/loader.py).
+# The embedded model every command and ``LLM()`` runs when given none (resolved by models/sources.py).
 DEFAULT_MODEL = "smollm2-135m"
 
 SUPPORTED_ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3", *MOE_ARCHITECTURES,

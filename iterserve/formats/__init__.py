@@ -1,1 +1,1 @@
-"""Checkpoint file formats, read below both the model loader and the tokenizer (GGUF: :mod:`.gguf_file`)."""
+"""Checkpoint file formats, read below both the model loader and the tokenizer (GGUF: :mod:`.gguf`)."""

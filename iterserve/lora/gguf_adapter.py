@@ -11,14 +11,13 @@ from __future__ import annotations
 
 from pathlib import Path
 
-import gguf
 import numpy as np
 import torch
 
 from iterserve.config import ModelConfig
-from iterserve.formats.gguf_file import gguf_field, open_gguf
+from iterserve.formats.gguf.reader import gguf_field, interleaves_rope, open_gguf
+from iterserve.formats.gguf.tensors import dequantized, gguf_to_hf_name, unpermute_rope
 from iterserve.lora.request import LoRARequest
-from iterserve.models.gguf_model import gguf_to_hf_name, unpermute_rope
 
 
 def is_gguf_adapter(lora: LoRARequest) -> bool:
@@ -35,7 +34,7 @@ def read_gguf_adapter(lora: LoRARequest, config: ModelConfig) -> tuple[int, floa
     kind = (gguf_field(reader, "general.type"), gguf_field(reader, "adapter.type"))
     if kind != ("adapter", "lora"):
         raise ValueError(f"the GGUF file is not a LoRA adapter (general.type {kind[0]!r}, adapter.type {kind[1]!r})")
-    permute = gguf_field(reader, "general.architecture") in ("llama", "mistral")
+    permute = interleaves_rope(reader)
     tensors: dict[str, torch.Tensor] = {}
     for t in reader.tensors:
         base, _, side = t.name.rpartition(".")
@@ -43,9 +42,9 @@ def read_gguf_adapter(lora: LoRARequest, config: ModelConfig) -> tuple[int, floa
             raise ValueError(f"tensor {t.name!r} is neither a lora_a nor a lora_b")
         try:
             name, heads = gguf_to_hf_name(base, config, permute)
-            w = np.asarray(gguf.quants.dequantize(t.data, t.tensor_type), dtype=np.float32)
-        except (ValueError, NotImplementedError) as e:
+        except ValueError as e:
             raise ValueError(f"tensor {t.name!r}: {e}") from None
+        w = np.asarray(dequantized(t), dtype=np.float32)  # a ValueError that names the tensor
         if side == "lora_b" and heads is not None:
             w = unpermute_rope(w, heads)
         module = name.removesuffix(".weight")

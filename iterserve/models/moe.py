@@ -15,9 +15,10 @@ Checkpoints name expert weights several ways, all read here (:class:`ExpertLoade
 3-D ``mlp.experts.gate_up_proj`` / ``down_proj``; one 2-D tensor per expert, ``mlp.experts.N.gate_proj`` /
 ``up_proj`` / ``down_proj`` (Qwen3-MoE on the Hub and what ``save_pretrained`` writes) or
 ``block_sparse_moe.experts.N.w1`` / ``w3`` / ``w2`` (Mixtral); and GGUF's 3-D ``ffn_gate_exps`` /
-``ffn_up_exps`` / ``ffn_down_exps`` with the router as ``ffn_gate_inp``. With ``quantization="gguf"`` GGUF's
-quantized experts stay in their blocks (:class:`ExpertBlocks`), one weight per expert multiplied as stored by
-the kernel of every other GGUF layer, so a quantized MoE file holds about its own size in memory.
+``ffn_up_exps`` / ``ffn_down_exps`` with the router as ``ffn_gate_inp`` (read by :mod:`iterserve.formats.gguf`).
+With ``quantization="gguf"`` GGUF's quantized experts stay in their blocks (``ExpertBlocks``), one weight per
+expert multiplied as stored by the kernel of every other GGUF layer, so a quantized MoE file holds about its
+own size in memory.
 """
 
 from __future__ import annotations
@@ -25,7 +26,6 @@ from __future__ import annotations
 import re
 import typing
 from collections.abc import Callable, Iterable, Iterator
-from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -34,6 +34,7 @@ from torch import nn
 
 from iterserve.attention import AttentionBackend
 from iterserve.config import ModelConfig
+from iterserve.formats.gguf.tensors import ExpertBlocks
 from iterserve.quantization import gguf_weight
 from iterserve.quantization.gguf_weight import GGUFWeight
 
@@ -45,13 +46,6 @@ class Router(nn.Module):
     def __init__(self, hidden: int, experts: int) -> None:
         super().__init__()
         self.weight = nn.Parameter(torch.empty(experts, hidden))
-
-
-@dataclass
-class ExpertBlocks:
-    """A GGUF 3-D experts tensor kept in its blocks: one ``[out, in]`` weight per expert."""
-
-    weights: list[GGUFWeight]
 
 
 class Experts(nn.Module):
@@ -165,7 +159,7 @@ class SparseMoeBlock(nn.Module):
 
 # One expert's 2-D weight: Qwen3-MoE's names and Mixtral's w1 (gate), w3 (up), w2 (down).
 _PER_EXPERT = re.compile(r"^layers\.(\d+)\.mlp\.experts\.(\d+)\.(gate_proj|up_proj|down_proj|w1|w3|w2)\.weight$")
-# Every expert's weight in one 3-D tensor: transformers 5's fused names, and GGUF's (mapped by GGUF_EXPERT_NAMES).
+# Every expert's weight in one 3-D tensor: transformers 5's fused names, and GGUF's (named so by formats.gguf).
 _ALL_EXPERTS = re.compile(r"^layers\.(\d+)\.mlp\.experts\.(gate_up_proj|gate_proj|up_proj|down_proj)(?:\.weight)?$")
 # (parameter, part): part 0 / 1 are the gate / up rows of gate_up_proj, None the whole of down_proj.
 _TARGET: dict[str, tuple[str, int | None]] = {
@@ -173,11 +167,6 @@ _TARGET: dict[str, tuple[str, int | None]] = {
     "w3": ("gate_up_proj", 1), "down_proj": ("down_proj", None), "w2": ("down_proj", None),
     "gate_up_proj": ("gate_up_proj", None),
 }
-
-# GGUF tensor kinds of a MoE layer, as the Hugging Face-style names the loader maps them to.
-GGUF_EXPERT_NAMES = {"ffn_gate_inp": "mlp.gate", "ffn_gate_exps": "mlp.experts.gate_proj",
-                     "ffn_up_exps": "mlp.experts.up_proj", "ffn_down_exps": "mlp.experts.down_proj"}
-
 
 class ExpertLoader:
     """Copies expert tensors, in any of the namings above, into a model's 3-D expert weights.
@@ -256,23 +245,3 @@ def _dense(tensor: Any) -> torch.Tensor:
     if dense is None:
         raise ValueError(f"expert and router weights load as float, not as {type(tensor).__name__}")
     return dense()
-
-
-def gguf_moe_config(config: ModelConfig, field: Callable[..., Any]) -> ModelConfig:
-    """``config`` (read from a GGUF's metadata) with its experts: ``<arch>.expert_count``,
-    ``expert_used_count`` and ``expert_feed_forward_length`` (``field`` reads ``<arch>.<key>``).
-
-    llama.cpp writes Mixtral as a ``llama`` with experts, and Qwen3-MoE as ``qwen3moe`` (read as qwen3);
-    it renormalises Mixtral's top-k weights always, Qwen3-MoE's unless ``expert_weights_norm`` is false.
-    """
-    experts = int(field("expert_count", 0) or 0)
-    if not experts:
-        return config
-    arch = {"llama": "mixtral", "mistral": "mixtral", "qwen3": "qwen3_moe"}.get(config.architecture)
-    if arch is None:
-        raise ValueError(f"GGUF {config.architecture} models with experts are not supported; iterserve runs "
-                         "Mixtral (llama with experts) and qwen3moe")
-    return config.replace(
-        architecture=arch, num_experts=experts, num_experts_per_tok=int(field("expert_used_count", 2)),
-        moe_intermediate_size=int(field("expert_feed_forward_length", 0) or 0),
-        norm_topk_prob=arch == "mixtral" or bool(field("expert_weights_norm", True)))

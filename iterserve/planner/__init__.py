@@ -14,8 +14,8 @@ import os
 from typing import Any
 
 from iterserve.config import ModelConfig, find_preset
-from iterserve.formats.gguf_file import open_gguf
-from iterserve.models.loader import load_model_config, resolve_model
+from iterserve.models.loader import load_model_config
+from iterserve.models.sources import GGUFFile, resolve_model
 from iterserve.planner.hardware import ACCELERATORS, Accelerator, custom_accelerator, get_accelerator
 from iterserve.planner.roofline import (
     DEFAULT_BLOCK_SIZE,
@@ -73,7 +73,6 @@ def quantization_for(model: str | os.PathLike[str] | ModelConfig, quantization: 
     if quantization is None or quantization.lower() != "gguf" or isinstance(model, ModelConfig):
         return as_quantization(quantization)
     source = resolve_model(os.fspath(model))
-    if source.kind != "gguf" or source.path is None:
+    if not isinstance(source, GGUFFile):
         return as_quantization(quantization)
-    reader = open_gguf(source.path)
-    return gguf_quantization((t.name, t.tensor_type.name, int(t.n_elements)) for t in reader.tensors)
+    return gguf_quantization((t.name, t.tensor_type.name, int(t.n_elements)) for t in source.reader.tensors)

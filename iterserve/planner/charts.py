@@ -4,9 +4,11 @@ the steps' arithmetic intensity on it, and how many sequences the KV cache holds
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from iterserve.bench.charts import save_figure, subplots
+from iterserve.config import ModelConfig
 from iterserve.planner.hardware import Accelerator
 from iterserve.planner.roofline import (
     DEFAULT_GPU_MEMORY_UTILIZATION,
@@ -19,6 +21,15 @@ from iterserve.planner.weights import Quantization
 
 if TYPE_CHECKING:
     from iterserve.bench.validate import Validation
+
+
+@dataclass(frozen=True)
+class PlanCharts:
+    """Where ``iterserve plan`` draws each chart (None: not drawn)."""
+
+    plans: str | None = None  # tokens/s and latency against batch
+    roofline: str | None = None
+    capacity: str | None = None  # sequences that fit against context length
 
 
 def chart_plans(plans: list[Plan], path: str, stamp: str | None = None) -> None:
@@ -139,3 +150,25 @@ def chart_capacity(cfg: Any, hws: Sequence[Accelerator], dtype: str, kv_dtype: s
                  f"{gpu_memory_utilization:g} of memory used", fontsize=9)
     ax.legend(fontsize=8)
     save_figure(fig, path, dpi=120)
+
+
+def draw_plan_charts(plans: list[Plan], shard: ModelConfig, hws: Sequence[Accelerator], dtype: str,
+                     kv_dtype: str | None, quantization: Quantization, gpu_memory_utilization: float,
+                     paths: PlanCharts, machine: dict[str, Any] | None = None, allow_busy: bool = False) -> list[str]:
+    """Draw the asked-for charts of ``iterserve plan``; returns the paths written. Where this machine was measured
+    (``machine``: its readings), the timing charts carry its stamp and are refused if it was busy meanwhile, and
+    the roofline is the measured machine's (the last plan)."""
+    stamp, timed = None, True
+    if machine is not None:
+        from iterserve.bench.machine import machine_stamp, may_draw_timing_figure
+
+        stamp = machine_stamp(machine)
+        timed = may_draw_timing_figure(machine, "this machine's roofline and plan (its ops:byte)", allow_busy)
+    if paths.plans and timed:
+        chart_plans(plans, paths.plans, stamp=stamp)
+    if paths.roofline and timed:
+        chart_roofline(plans[-1] if machine is not None else plans[0], paths.roofline, stamp=stamp)
+    if paths.capacity:
+        chart_capacity(shard, hws, dtype, kv_dtype, paths.capacity, gpu_memory_utilization, quantization)
+    return [c for c in (paths.plans if timed else None, paths.roofline if timed else None, paths.capacity) if c]
+

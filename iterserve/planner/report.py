@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import json
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any, TextIO
 
@@ -153,7 +154,30 @@ def print_speculation(plans: list[Plan], shard: ModelConfig, k: int, acceptance:
               "speculation pays at every batch of the sweep", file=out)
 
 
-def print_validation(v: Validation, out: TextIO) -> None:
+def print_plan_report(plans: list[Plan], skipped: list[str], charts: list[str], out: TextIO, err: TextIO, *,
+                      as_json: bool = False, speculation: tuple[ModelConfig, int, float, Quantization] | None = None
+                      ) -> None:
+    """What ``iterserve plan`` prints: the plans as JSON, or their tables (with ``speculation``'s, a shard and
+    its drafts, acceptance and quantization, when given), the GPUs ``skipped`` (on ``err``) and the charts
+    written."""
+    if as_json:
+        print(json.dumps({"plans": [p.to_dict() for p in plans], "skipped": skipped}, indent=2), file=out)
+        return
+    print_plans(plans, out)
+    if speculation is not None:
+        shard, k, acceptance, quantization = speculation
+        print_speculation(plans, shard, k, acceptance, out, quantization)
+    for line in skipped:
+        print(f"skipped {line}", file=err)
+    for chart in charts:
+        print(f"chart written to {chart}", file=out)
+
+
+def print_validation(v: Validation, out: TextIO, as_json: bool = False, chart: str | None = None) -> None:
+    """A prediction against measured decode steps: as JSON, or its table, the hardware and both knees."""
+    if as_json:
+        print(json.dumps({"validation": v.to_dict()}, indent=2, default=str), file=out)
+        return
     hw = v.hardware
     _print_table(
         f"validation: {v.model}, {v.dtype}, decode at {v.context} ctx on {hw.name}",
@@ -170,10 +194,15 @@ def print_validation(v: Validation, out: TextIO) -> None:
     print(f"predicted knee: {v.predicted_knee if v.predicted_knee is not None else 'none'} "
           f"(on the swept batches: {v.predicted_knee_on_sweep or 'none'}); "
           f"measured knee: {v.measured_knee or 'none'}", file=out)
+    if chart:
+        print(f"chart written to {chart}", file=out)
 
 
-def print_accelerators(out: TextIO) -> None:
-    """The table of known accelerators, each with where its figures come from."""
+def print_accelerators(out: TextIO, as_json: bool = False) -> None:
+    """The table of known accelerators (or all their figures as JSON), each with where its figures come from."""
+    if as_json:
+        print(json.dumps({name: hw.to_dict() for name, hw in ACCELERATORS.items()}, indent=2), file=out)
+        return
     keys = ["fp32", "tf32", "fp16", "bf16", "fp8", "int8"]
     _print_table(
         "accelerators (dense peak TFLOP/s; int8 in TOP/s)",

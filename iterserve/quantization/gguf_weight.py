@@ -23,17 +23,7 @@ import torch
 import torch.nn.functional as F
 
 from iterserve import kernels
-
-# The types decoded from their stored blocks, with (inputs, bytes) per block.
-STORED_TYPES: dict[str, tuple[int, int]] = {
-    name: gguf.GGML_QUANT_SIZES[gguf.GGMLQuantizationType[name]]
-    for name in ("Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K")
-}
-
-
-def _type_id(type_name: str) -> int:
-    return int(gguf.GGMLQuantizationType[type_name].value)
-
+from iterserve.formats.gguf.types import STORED_TYPES, type_id
 
 TILE = 16
 TILED_TYPES = ("Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K", "Q5_0", "Q5_1", "Q8_0")  # with a decoder that reads tiles
@@ -89,7 +79,7 @@ class GGUFWeight:
     type_ids: list[int] = field(init=False)
 
     def __post_init__(self) -> None:
-        self.type_ids = [_type_id(p.type_name) for p in self.parts]
+        self.type_ids = [type_id(p.type_name) for p in self.parts]
 
     @property
     def n(self) -> int:

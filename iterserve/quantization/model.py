@@ -1,5 +1,6 @@
-"""A model's layers served from quantized blocks: which tensors stay in blocks, how a sharded or fused layer
-keeps its part of them, and the linear method that multiplies with them.
+"""A model's layers served from quantized blocks: how a sharded or fused layer keeps its part of them, and the
+linear method that multiplies with them (which of a GGUF's tensors stay in blocks:
+:func:`iterserve.formats.gguf.tensors.gguf_block_tensors`).
 
 ``quantization``:
 
@@ -14,11 +15,7 @@ keeps its part of them, and the linear method that multiplies with them.
 
 from __future__ import annotations
 
-import logging
-import re
 import typing
-from collections import Counter
-from collections.abc import Iterable
 from dataclasses import dataclass
 
 import torch
@@ -46,8 +43,6 @@ from iterserve.models.llama import LlamaModel
 from iterserve.models.moe import SparseMoeBlock
 from iterserve.quantization.gguf_weight import GGUFWeight
 from iterserve.quantization.packed import (
-    GGUF_PACKED_TYPES,
-    GGUF_REPACKED_TYPES,
     BlockWeight,
     PackedWeight,
     QuantizedWeight,
@@ -56,8 +51,6 @@ from iterserve.quantization.packed import (
     pack,
     quantize_int8,
 )
-
-logger = logging.getLogger(__name__)
 
 QUANTIZATIONS: tuple[str, ...] = typing.get_args(Quantization)
 
@@ -69,51 +62,6 @@ def check_quantization(quantization: str | None) -> str | None:
     if quantization.lower() not in QUANTIZATIONS:
         raise ValueError(f"unknown quantization {quantization!r}; choose one of: none, {', '.join(QUANTIZATIONS)}")
     return quantization.lower()
-
-
-# -- which GGUF tensors stay in blocks -------------------------------------------------------------
-
-# Tensors fused into one layer: they stay in blocks together or not at all (a MoE layer's gate and up experts too).
-_FUSED = re.compile(r"^(blk\.\d+)\.(?:attn_[qkv]|ffn_gate|ffn_up)(_exps)?\.weight$")
-
-
-def _group(name: str) -> str:
-    m = _FUSED.match(name)
-    if not m:
-        return name
-    return m.group(1) + (".attn_qkv" if ".attn_" in name else ".ffn_gate_up") + (m.group(2) or "")
-
-
-def _is_matrix(name: str, dims: int) -> bool:
-    """A weight matrix: 2-D, or a MoE layer's 3-D experts (one matrix per expert)."""
-    return dims == 2 or (dims == 3 and name.endswith("_exps.weight"))
-
-
-GGUF_FLOAT_TYPES = ("F32", "F16", "BF16")
-
-
-def gguf_block_tensors(tensors: Iterable[tuple[str, str, int]]) -> dict[str, bool]:
-    """The matrices (``(name, type name, dims)``) that ``quantization="gguf"`` keeps in blocks, those whose
-    fused partners are quantized too, each with whether it stays as stored (its group holds a type beyond
-    Q4_0/Q4_1/Q8_0: a fused layer's parts share one weight class; experts always stay as stored). The rest are
-    logged, once, as loaded in float; a type neither quantized nor float is refused."""
-    matrices = [(name, kind) for name, kind, dims in tensors if _is_matrix(name, dims)]
-    for name, kind in matrices:
-        if kind not in GGUF_PACKED_TYPES + GGUF_FLOAT_TYPES:
-            raise ValueError(f"GGUF tensor {name} has type {kind}, which quantization=gguf does not load; supported "
-                             f"types: {', '.join(GGUF_FLOAT_TYPES + GGUF_PACKED_TYPES)}")
-    groups: dict[str, list[tuple[str, str]]] = {}
-    for name, kind in matrices:
-        groups.setdefault(_group(name), []).append((name, kind))
-    kept = {name: name.endswith("_exps.weight") or any(kind not in GGUF_REPACKED_TYPES for _, kind in members)
-            for members in groups.values()
-            if all(kind in GGUF_PACKED_TYPES for _, kind in members) for name, _ in members}
-    floats = Counter(kind for name, kind in matrices if name not in kept)
-    if floats:
-        logger.warning("quantization=gguf keeps %s in blocks; %d matrices load as float (%s)",
-                       "/".join(GGUF_PACKED_TYPES), sum(floats.values()),
-                       ", ".join(f"{kind} x{n}" for kind, n in sorted(floats.items())))
-    return kept
 
 
 # -- loading blocks into a (sharded, fused) layer ----------------------------------------------------

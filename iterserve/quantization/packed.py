@@ -5,7 +5,8 @@ Every supported format is one formula per output column and block of 32 inputs: 
 GGUF's Q4_1 stores exactly ``d`` and ``c`` (its ``m``); Q4_0 is ``c = -8 d`` and the 8-bit formats
 ``c = -128 d``, all exact in float16. So one kernel (``csrc/quant_ops.cpp``) serves all of them.
 Other GGUF types (Q5_0, Q5_1, the K-quants) stay in the file's own blocks: :mod:`gguf_weight`, which
-:func:`linear` and :func:`dequantize` hand a :class:`GGUFWeight` to.
+:func:`linear` and :func:`dequantize` hand a :class:`GGUFWeight` to. A GGUF tensor's bytes become blocks in
+:func:`iterserve.formats.gguf.tensors.from_gguf`.
 
 Layout of :attr:`PackedWeight.data`, ``uint8 [tiles, blocks, bytes]``: output columns in tiles of 16; for
 each tile and block, the 16 columns' quants in 64-byte chunks of 16 columns x 4 consecutive inputs (4-bit:
@@ -17,13 +18,12 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-import numpy as np
 import torch
 import torch.nn.functional as F
 
 from iterserve import kernels
 from iterserve.quantization import gguf_weight
-from iterserve.quantization.gguf_weight import STORED_TYPES, GGUFWeight
+from iterserve.quantization.gguf_weight import GGUFWeight
 
 BLOCK = 32
 TILE = 16
@@ -174,41 +174,6 @@ def dequantize(w: QuantizedWeight, dtype: torch.dtype = torch.float32,
         return torch.ops.iterserve_quant.qrows.default(w.data, rows, w.n, w.k, w.bits, dtype)
     out = unpack(w, rows).dequantize(dtype)
     return out if rows is None else out.view(*rows.shape, w.k)
-
-
-# -- from GGUF blocks --------------------------------------------------------------------------------
-
-# Bytes of one GGUF block of 32 weights and where its parts lie (see ggml's block_q4_0/q4_1/q8_0).
-_GGUF_BLOCK_BYTES = {"Q4_0": 18, "Q4_1": 20, "Q8_0": 34}
-GGUF_REPACKED_TYPES = tuple(_GGUF_BLOCK_BYTES)  # repacked into PackedWeight's tiles
-GGUF_PACKED_TYPES = tuple(STORED_TYPES)  # every type quantization="gguf" keeps quantized
-
-
-def from_gguf(raw: np.ndarray, type_name: str, n: int, k: int, as_stored: bool = False) -> BlockWeight | GGUFWeight:
-    """A GGUF tensor's blocks (``raw``: its uint8 data, ``n`` rows of ``k`` weights), without loss: Q4_0, Q4_1
-    and Q8_0 as a :class:`BlockWeight` to repack, other types (and any with ``as_stored``) as stored."""
-    if type_name not in GGUF_PACKED_TYPES:
-        raise ValueError(f"GGUF type {type_name} is not kept in blocks; kept types: {', '.join(GGUF_PACKED_TYPES)}")
-    if as_stored or type_name not in _GGUF_BLOCK_BYTES:
-        return gguf_weight.from_stored(raw, type_name, n, k)
-    if k % BLOCK:
-        raise ValueError(f"a {type_name} row of {k} weights is not a whole number of blocks of {BLOCK}")
-    blocks = k // BLOCK
-    data = np.asarray(raw).reshape(-1).view(np.uint8)
-    if data.size != n * blocks * _GGUF_BLOCK_BYTES[type_name]:
-        raise ValueError(f"a [{n}, {k}] {type_name} tensor takes {n * blocks * _GGUF_BLOCK_BYTES[type_name]} bytes, "
-                         f"the file holds {data.size}")
-    b = torch.from_numpy(data.reshape(n, blocks, _GGUF_BLOCK_BYTES[type_name]).copy())
-    d = b[..., 0:2].contiguous().view(torch.float16).squeeze(-1)
-    if type_name == "Q8_0":
-        q = (b[..., 2:].contiguous().view(torch.int8).to(torch.int16) + 128).to(torch.uint8)
-        return BlockWeight(q.reshape(n, k), d, d * -128, 8, type_name)
-    if type_name == "Q4_1":
-        c, qs = b[..., 2:4].contiguous().view(torch.float16).squeeze(-1), b[..., 4:]
-    else:
-        c, qs = d * -8, b[..., 2:]
-    q = torch.cat([qs & 0x0F, qs >> 4], dim=-1)  # element i < 16 in the low nibble of byte i, i >= 16 high
-    return BlockWeight(q.reshape(n, k), d, c, 4, type_name)
 
 
 def quantize_int8(w: torch.Tensor) -> BlockWeight:

@@ -1,7 +1,7 @@
 """Tokenizers for the models we serve, built from a GGUF file or a Hugging Face folder.
 
 The backend is always a Hugging Face ``tokenizers.Tokenizer``. A GGUF's vocabulary becomes that pipeline in
-:mod:`iterserve.tokenizer.gguf_vocab`. Chat templates are checked and rendered (by transformers' renderer) in
+:mod:`iterserve.formats.gguf.vocab`. Chat templates are checked and rendered (by transformers' renderer) in
 :mod:`iterserve.tokenizer.chat_template`, :mod:`iterserve.tokenizer.hf` wraps the pipeline in the transformers
 object ``LLM.get_tokenizer()`` returns, and `IncrementalDetokenizer` turns a stream of generated ids into text
 deltas for streaming responses.
@@ -21,9 +21,9 @@ from tokenizers import AddedToken
 from tokenizers import Tokenizer as BackendTokenizer
 from tokenizers.decoders import DecodeStream
 
-from iterserve.formats.gguf_file import open_gguf
+from iterserve.formats.gguf.reader import open_gguf
+from iterserve.formats.gguf.vocab import gguf_vocabulary
 from iterserve.tokenizer.chat_template import normalize_messages, render_chat_template
-from iterserve.tokenizer.gguf_vocab import gguf_vocabulary
 
 _NAMED_SPECIAL_TOKENS = ("bos_token", "eos_token", "unk_token", "pad_token")
 

@@ -14,10 +14,10 @@ from iterserve.attention.cpu import CpuBackend
 from iterserve.attention.reference import gather_rows
 from iterserve.config import ModelConfig
 from iterserve.distributed.parallel_state import ParallelState
+from iterserve.models.checkpoint import empty_model
 from iterserve.models.cpu_linear import MeasuredChooser, PackedLinear
 from iterserve.models.linear import DENSE, LinearMethod, process_weights
 from iterserve.models.llama import LlamaModel
-from iterserve.models.loader import _empty_model
 from iterserve.quantization.gguf_weight import from_stored
 from iterserve.quantization.model import quantize_model
 from tests.quantization.gguf_fixtures import random_blocks
@@ -44,7 +44,7 @@ def model_with(cfg: ModelConfig, method: str, dtype: torch.dtype) -> LlamaModel:
     if method == "gguf":  # an MLP of 256 inputs: its down projection in K-quant super-blocks
         cfg = dataclasses.replace(cfg, intermediate_size=256)
     torch.manual_seed(0)
-    model = _empty_model(cfg, dtype, torch.device("cpu"))
+    model = empty_model(cfg, dtype, torch.device("cpu"))
     with torch.no_grad():
         for p in model.parameters():
             p.normal_(0, 0.2)

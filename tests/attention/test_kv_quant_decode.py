@@ -13,7 +13,7 @@ from iterserve.attention import AttentionMetadata, KVCache, kv_quant
 from iterserve.attention.cpu import CpuBackend
 from iterserve.attention.reference import decode_attention_reference
 from iterserve.config import ModelConfig
-from iterserve.models.loader import _empty_model
+from iterserve.models.checkpoint import empty_model
 
 OPS = kernels.ops
 pytestmark = pytest.mark.skipif(OPS is None, reason="the C++ CPU kernels are not built (scripts/setup.sh builds them)")
@@ -113,7 +113,7 @@ def test_the_native_decode_loop_over_a_quantized_cache_equals_the_layers_one_by_
     cfg = ModelConfig(architecture="llama", vocab_size=300, hidden_size=192, intermediate_size=96, num_layers=2,
                       num_heads=6, num_kv_heads=2, head_dim=64, max_position_embeddings=512)
     torch.manual_seed(0)
-    model = _empty_model(cfg, dtype, torch.device("cpu"))
+    model = empty_model(cfg, dtype, torch.device("cpu"))
     with torch.no_grad():
         for p in model.parameters():
             p.normal_(0, 0.2)

@@ -135,14 +135,14 @@ def test_phi3_partial_rotary_default_rope(tmp_path):
 def test_phi3_fused_checkpoint_tensors_split_before_tensor_parallel_shards(phi3_folder):
     """Each rank of two keeps its q, k and v heads (its gate and up rows) of the whole fused tensor."""
     from iterserve.distributed.parallel_state import ParallelState
-    from iterserve.models.loader import _load_hf_folder
+    from iterserve.models.sources import HFFolder
 
     folder, hf = phi3_folder
     full = hf.model.layers[0].self_attn.qkv_proj.weight
     q, k, v = full.split([64, 32, 32])
     for rank in (0, 1):
         ps = ParallelState(rank=rank, world_size=2)
-        model = _load_hf_folder(folder, torch.float32, torch.device("cpu"), ps).model
+        model = HFFolder(str(folder), folder).load(torch.float32, torch.device("cpu"), ps, 0, False, False).model
         got = model.layers[0].self_attn.qkv_proj.weight
         rows = slice(rank * 32, rank * 32 + 32), slice(rank * 16, rank * 16 + 16)
         assert torch.equal(got, torch.cat([q[rows[0]], k[rows[1]], v[rows[1]]]))

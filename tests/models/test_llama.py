@@ -8,7 +8,7 @@ import transformers
 
 from iterserve.attention import AttentionMetadata, select_backend
 from iterserve.config import ModelConfig
-from iterserve.models.loader import _empty_model, load_hf_state_dict
+from iterserve.models.checkpoint import empty_model, load_hf_state_dict
 
 CPU = select_backend("cpu")  # what the engine runs on the CPU: the C++ kernels when built
 LLAMA3_SCALING = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
@@ -40,7 +40,7 @@ def hf_pair(cfg: ModelConfig):
     hf = transformers.AutoModelForCausalLM.from_config(
         transformers.AutoConfig.for_model(cfg.architecture, **hf_cfg), dtype=torch.float32
     ).eval()
-    ours = _empty_model(cfg, torch.float32, torch.device("cpu"))
+    ours = empty_model(cfg, torch.float32, torch.device("cpu"))
     load_hf_state_dict(ours, hf.state_dict().items())
     return hf, ours
 
@@ -94,7 +94,7 @@ def test_logits_only_for_requested_rows():
 
 def test_bfloat16_stays_close_to_float32():
     hf, ours32 = hf_pair(FAMILIES["qwen3-qk-norm"])
-    ours16 = _empty_model(ours32.config, torch.bfloat16, torch.device("cpu"))
+    ours16 = empty_model(ours32.config, torch.bfloat16, torch.device("cpu"))
     load_hf_state_dict(ours16, hf.state_dict().items())
     ids = torch.randint(0, 320, (12,), generator=torch.Generator().manual_seed(3))
     a, b = run_ours(ours32, ids, [12]), run_ours(ours16, ids, [12])
@@ -103,5 +103,5 @@ def test_bfloat16_stays_close_to_float32():
 
 def test_unsupported_rope_scaling_is_named():
     with pytest.raises(ValueError, match="rope scaling type 'yarn'"):
-        _empty_model(tiny("llama", rope_scaling={"rope_type": "yarn", "factor": 4.0}), torch.float32,
+        empty_model(tiny("llama", rope_scaling={"rope_type": "yarn", "factor": 4.0}), torch.float32,
                      torch.device("cpu"))

@@ -11,9 +11,10 @@ import pytest
 from iterserve.cli.flags import config_from_args
 from iterserve.cli.main import build_parser
 from iterserve.config import EngineConfig
+from iterserve.models.checkpoint import tensor_progress
 from iterserve.models.linear import dense_chooser
-from iterserve.models.load_progress import tensor_progress
-from iterserve.models.loader import embedded_model_path, load_model
+from iterserve.models.loader import load_model
+from iterserve.models.sources import embedded_model_path
 
 
 class Terminal(io.StringIO):

@@ -10,13 +10,14 @@ import transformers
 
 from iterserve.attention import AttentionMetadata, select_backend
 from iterserve.config import PRESETS, ModelConfig, parse_dtype
-from iterserve.models.loader import (
-    ModelSource,
+from iterserve.models.loader import load_model, load_model_config, load_model_info, load_tokenizer
+from iterserve.models.sources import (
+    ConfigFile,
+    GGUFFile,
+    HFFolder,
+    Preset,
+    RandomWeights,
     embedded_model_path,
-    load_model,
-    load_model_config,
-    load_model_info,
-    load_tokenizer,
     parse_random_name,
     resolve_model,
 )
@@ -128,9 +129,10 @@ def test_unknown_model_name():
 
 def test_one_resolver_for_weights_config_and_tokenizer(tmp_path):
     embedded = embedded_model_path()
-    assert resolve_model("SmolLM2-135M") == ModelSource("smollm2-135m", "gguf", embedded)
-    assert resolve_model(str(embedded)).kind == "gguf" and resolve_model("random:qwen3-0.6b").kind == "random"
-    assert resolve_model(str(tmp_path)) == ModelSource(str(tmp_path), "folder", tmp_path)
+    assert resolve_model("SmolLM2-135M") == GGUFFile("smollm2-135m", embedded)
+    assert isinstance(resolve_model(str(embedded)), GGUFFile)
+    assert resolve_model("random:qwen3-0.6b") == RandomWeights("random:qwen3-0.6b")
+    assert resolve_model(str(tmp_path)) == HFFolder(str(tmp_path), tmp_path)
     for load in (load_model, load_model_info, load_tokenizer):
         with pytest.raises(ValueError, match="unknown model 'no-such-model'"):
             load("no-such-model")
@@ -196,7 +198,7 @@ def test_missing_model_wheel_says_how_to_install(monkeypatch):
 def test_planner_names_share_the_resolver(tmp_path):
     """Presets (any spelling), config.json files and a folder holding one GGUF are read by the same
     resolver as runnable models; the ones without weights are refused by the weight loaders, clearly."""
-    assert resolve_model("meta-llama/Llama-2-7b-hf") == ModelSource("llama-2-7b", "preset")
+    assert resolve_model("meta-llama/Llama-2-7b-hf") == Preset("llama-2-7b")
     assert load_model_config("Meta-Llama-3-8B-Instruct").num_parameters() == PRESETS["llama-3-8b"].num_parameters()
     for load in (load_model, load_model_info):
         with pytest.raises(ValueError, match="'random:llama-2-7b'"):
@@ -206,7 +208,7 @@ def test_planner_names_share_the_resolver(tmp_path):
     config_file = tmp_path / "cfg" / "config.json"
     config_file.parent.mkdir()
     config_file.write_text(json.dumps(PRESETS["qwen3-0.6b"].to_hf_config()))
-    assert resolve_model(str(config_file)) == ModelSource(str(config_file), "config", config_file)
+    assert resolve_model(str(config_file)) == ConfigFile(str(config_file), config_file)
     assert load_model_config(str(config_file)).num_parameters() == PRESETS["qwen3-0.6b"].num_parameters()
     with pytest.raises(ValueError, match="without weights"):
         load_model(str(config_file))
@@ -214,5 +216,5 @@ def test_planner_names_share_the_resolver(tmp_path):
     gguf_dir.mkdir()
     (gguf_dir / "model.gguf").symlink_to(embedded_model_path())
     source = resolve_model(str(gguf_dir))
-    assert source.kind == "gguf" and source.path == gguf_dir / "model.gguf"
+    assert source == GGUFFile(str(gguf_dir / "model.gguf"), gguf_dir / "model.gguf")
     assert load_model_config(str(gguf_dir)).num_layers == 30

@@ -12,7 +12,8 @@ import transformers
 from iterserve import LLM, SamplingParams
 from iterserve.attention import select_backend
 from iterserve.config import ModelConfig
-from iterserve.models.loader import _empty_model, load_hf_state_dict, load_model
+from iterserve.models.checkpoint import empty_model, load_hf_state_dict
+from iterserve.models.loader import load_model
 from iterserve.models.moe import SparseMoeBlock, mix_experts, route
 from tests.models.test_llama import run_ours
 
@@ -81,7 +82,7 @@ def test_logits_match_transformers_from_the_in_memory_state_dict(saved):
     """transformers 5's fused 3-D expert tensors, prompt whole and in chunks."""
     kind, hf, _ = saved
     cfg = ours_config(hf.config)
-    ours = _empty_model(cfg, torch.float32, torch.device("cpu"))
+    ours = empty_model(cfg, torch.float32, torch.device("cpu"))
     load_hf_state_dict(ours, hf.state_dict().items())
     ids = torch.randint(0, VOCAB, (20,), generator=torch.Generator().manual_seed(1))
     with torch.no_grad():

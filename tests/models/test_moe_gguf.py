@@ -10,12 +10,12 @@ import numpy as np
 import pytest
 import torch
 
-from iterserve.formats.gguf_file import open_gguf
-from iterserve.models import gguf_model
-from iterserve.models.gguf_model import gguf_config
-from iterserve.models.loader import _empty_model, load_hf_state_dict
+from iterserve.formats.gguf.reader import gguf_config, open_gguf
+from iterserve.formats.gguf.tensors import gguf_block_tensors
+from iterserve.formats.gguf.tensors import gguf_tensors as read_gguf_tensors
+from iterserve.models.checkpoint import empty_model, load_hf_state_dict
 from iterserve.models.moe import mix_experts, route
-from iterserve.quantization.model import gguf_block_tensors, streamed_weight_bytes, weight_formats
+from iterserve.quantization.model import streamed_weight_bytes, weight_formats
 from tests.models.test_llama import CPU, run_ours
 from tests.models.test_moe import VOCAB, hf_model
 
@@ -95,8 +95,8 @@ def load(path: Path):
     """What load_model does with a GGUF file, without the tokenizer these files lack."""
     reader = open_gguf(path)
     config = gguf_config(reader, "tiny")
-    model = _empty_model(config, torch.float32, torch.device("cpu"))
-    load_hf_state_dict(model, gguf_model.gguf_tensors(reader, config))
+    model = empty_model(config, torch.float32, torch.device("cpu"))
+    load_hf_state_dict(model, read_gguf_tensors(reader, config))
     return model
 
 
@@ -132,8 +132,8 @@ def load_in_blocks(path: Path):
     """The model as ``quantization="gguf"`` loads it: quantized experts kept in their blocks."""
     reader = open_gguf(path)
     config = gguf_config(reader, "tiny")
-    model = _empty_model(config, torch.float32, torch.device("cpu"))
-    load_hf_state_dict(model, gguf_model.gguf_tensors(reader, config, keep_blocks=True))
+    model = empty_model(config, torch.float32, torch.device("cpu"))
+    load_hf_state_dict(model, read_gguf_tensors(reader, config, keep_blocks=True))
     return model
 
 

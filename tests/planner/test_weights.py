@@ -7,8 +7,8 @@ from fractions import Fraction
 import pytest
 
 from iterserve import planner
-from iterserve.formats.gguf_file import open_gguf
-from iterserve.models.loader import embedded_model_path
+from iterserve.formats.gguf.reader import open_gguf
+from iterserve.models.sources import embedded_model_path
 from iterserve.planner.weights import FORMATS, as_quantization, gguf_quantization
 
 # llama-3-8b: per layer q 4096x4096, k and v 1024x4096, o 4096x4096, gate/up 14336x4096, down 4096x14336

@@ -14,9 +14,10 @@ import torch
 from iterserve import kernels
 from iterserve.attention import AttentionMetadata
 from iterserve.distributed.parallel_state import ParallelState
+from iterserve.formats.gguf.tensors import gguf_block_tensors
 from iterserve.models.linear import NATIVE_GGUF
 from iterserve.quantization.gguf_weight import GGUFWeight
-from iterserve.quantization.model import gguf_block_tensors, weight_formats
+from iterserve.quantization.model import weight_formats
 from iterserve.quantization.packed import dequantize
 from tests.models.test_llama import CPU
 from tests.quantization.gguf_fixtures import random_blocks

@@ -9,6 +9,8 @@ import torch
 import torch.nn.functional as F
 
 from iterserve import kernels
+from iterserve.formats.gguf.tensors import from_gguf
+from iterserve.formats.gguf.types import STORED_TYPES
 from iterserve.quantization import gguf_weight as G
 from iterserve.quantization import packed as P
 from tests.quantization.gguf_fixtures import STORED, random_blocks, reference
@@ -16,7 +18,7 @@ from tests.quantization.test_packed import BUILT_ISAS, ISAS, OPS, integer_activa
 
 
 def block_of(type_name: str) -> int:
-    return G.STORED_TYPES[type_name][0]
+    return STORED_TYPES[type_name][0]
 
 
 def weight(type_name: str, n: int, k: int, seed: int = 0) -> tuple[G.GGUFWeight, torch.Tensor]:
@@ -141,13 +143,13 @@ def test_slices_match_the_float_weight():
 def test_bad_data_is_refused_at_load():
     raw = random_blocks("Q4_K", 4, 512)
     with pytest.raises(ValueError, match="a \\[4, 512\\] Q4_K tensor takes 1152 bytes, the file holds 1000"):
-        P.from_gguf(raw.reshape(-1)[:1000], "Q4_K", 4, 512)
+        from_gguf(raw.reshape(-1)[:1000], "Q4_K", 4, 512)
     with pytest.raises(ValueError, match="a \\[4, 512\\] Q4_0 tensor takes 1152 bytes, the file holds 1000"):
-        P.from_gguf(np.zeros(1000, np.uint8), "Q4_0", 4, 512)
+        from_gguf(np.zeros(1000, np.uint8), "Q4_0", 4, 512)
     with pytest.raises(ValueError, match="a Q6_K row of 320 weights is not a whole number of blocks of 256"):
-        P.from_gguf(raw, "Q6_K", 4, 320)
+        from_gguf(raw, "Q6_K", 4, 320)
     with pytest.raises(ValueError, match="GGUF type IQ4_XS is not kept in blocks; kept types: Q4_0, Q4_1, Q5_0"):
-        P.from_gguf(raw, "IQ4_XS", 4, 512)
+        from_gguf(raw, "IQ4_XS", 4, 512)
 
 
 @needs_build

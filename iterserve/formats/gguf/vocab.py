@@ -14,7 +14,7 @@ import gguf
 from tokenizers import AddedToken, Regex, decoders, models, pre_tokenizers, processors
 from tokenizers import Tokenizer as BackendTokenizer
 
-from iterserve.formats.gguf_file import gguf_field
+from iterserve.formats.gguf.reader import gguf_field
 
 # llama.cpp token_type values (gguf.TokenType).
 _CONTROL = 3

@@ -1,0 +1,102 @@
+"""The one place a GGUF file is opened (the loader, the tokenizer, the planner and the LoRA adapters all read
+through here), and its metadata read as a model's config."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable
+from typing import Any
+
+import gguf
+
+from iterserve.config import ModelConfig
+
+_GGUF_ARCHS = {"llama": "llama", "mistral": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "qwen3moe": "qwen3"}
+
+
+def open_gguf(path: str | os.PathLike[str]) -> gguf.GGUFReader:
+    """A memory-mapped reader (tensor data stays unread until used).
+
+    A missing file raises :class:`OSError` as usual; gguf's assorted parse errors on a damaged file
+    (ValueError, numpy reshape or struct errors) become one ValueError that names the file.
+    """
+    try:
+        return gguf.GGUFReader(path)
+    except OSError:
+        raise
+    except Exception as exc:
+        raise ValueError(f"cannot read GGUF file {os.fspath(path)!r}: it is corrupt or truncated ({exc})") from None
+
+
+def gguf_field(reader: gguf.GGUFReader, key: str, default: Any = None) -> Any:
+    """The value of one metadata key, or ``default`` when the file lacks it."""
+    f = reader.fields.get(key)
+    return default if f is None else f.contents()
+
+
+def interleaves_rope(reader: gguf.GGUFReader) -> bool:
+    """Whether llama.cpp interleaved the rotary halves of Q and K's rows (it does for llama and mistral)."""
+    return gguf_field(reader, "general.architecture") in ("llama", "mistral")
+
+
+def gguf_config(reader: gguf.GGUFReader, name: str = "") -> ModelConfig:
+    """A ModelConfig from GGUF metadata (llama, qwen2, qwen3 architectures)."""
+    arch = gguf_field(reader, "general.architecture")
+    if arch not in _GGUF_ARCHS:
+        raise ValueError(
+            f"unsupported architecture {arch!r} in GGUF file; iterserve runs {', '.join(sorted(_GGUF_ARCHS))}"
+        )
+    if any(t.name == "rope_freqs.weight" for t in reader.tensors):
+        raise ValueError("GGUF files with per-frequency RoPE factors (rope_freqs.weight) are not supported yet")
+
+    def g(key: str, default: Any = None) -> Any:
+        return gguf_field(reader, f"{arch}.{key}", default)
+
+    hidden, heads = g("embedding_length"), g("attention.head_count")
+    vocab = g("vocab_size") or len(reader.fields["tokenizer.ggml.tokens"].data)
+    has_output = any(t.name == "output.weight" for t in reader.tensors)
+    rope_scaling = None
+    if g("rope.scaling.type") == "linear":
+        rope_scaling = {"rope_type": "linear", "factor": g("rope.scaling.factor")}
+    elif g("rope.scaling.type") not in (None, "none"):
+        raise ValueError(f"unsupported RoPE scaling {g('rope.scaling.type')!r} in GGUF file")
+    return gguf_moe_config(ModelConfig(
+        architecture=_GGUF_ARCHS[arch],
+        vocab_size=int(vocab),
+        hidden_size=int(hidden),
+        intermediate_size=int(g("feed_forward_length")),
+        num_layers=int(g("block_count")),
+        num_heads=int(heads),
+        num_kv_heads=int(g("attention.head_count_kv", heads)),
+        head_dim=int(g("attention.key_length", hidden // heads)),
+        max_position_embeddings=int(g("context_length", 2048)),
+        rms_norm_eps=float(g("attention.layer_norm_rms_epsilon", 1e-5)),
+        rope_theta=float(g("rope.freq_base", 10000.0)),
+        rope_scaling=rope_scaling,
+        tie_word_embeddings=not has_output,
+        attention_bias=_GGUF_ARCHS[arch] == "qwen2",
+        qk_norm=_GGUF_ARCHS[arch] == "qwen3",
+        bos_token_id=gguf_field(reader, "tokenizer.ggml.bos_token_id"),
+        eos_token_id=gguf_field(reader, "tokenizer.ggml.eos_token_id"),
+        name=name or gguf_field(reader, "general.name", ""),
+    ), g)
+
+
+def gguf_moe_config(config: ModelConfig, field: Callable[..., Any]) -> ModelConfig:
+    """``config`` (read from a GGUF's metadata) with its experts: ``<arch>.expert_count``,
+    ``expert_used_count`` and ``expert_feed_forward_length`` (``field`` reads ``<arch>.<key>``).
+
+    llama.cpp writes Mixtral as a ``llama`` with experts, and Qwen3-MoE as ``qwen3moe`` (read as qwen3);
+    it renormalises Mixtral's top-k weights always, Qwen3-MoE's unless ``expert_weights_norm`` is false.
+    """
+    experts = int(field("expert_count", 0) or 0)
+    if not experts:
+        return config
+    arch = {"llama": "mixtral", "mistral": "mixtral", "qwen3": "qwen3_moe"}.get(config.architecture)
+    if arch is None:
+        raise ValueError(f"GGUF {config.architecture} models with experts are not supported; iterserve runs "
+                         "Mixtral (llama with experts) and qwen3moe")
+    return config.replace(
+        architecture=arch, num_experts=experts, num_experts_per_tok=int(field("expert_used_count", 2)),
+        moe_intermediate_size=int(field("expert_feed_forward_length", 0) or 0),
+        norm_topk_prob=arch == "mixtral" or bool(field("expert_weights_norm", True)))
