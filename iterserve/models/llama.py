@@ -253,7 +253,7 @@ class LlamaModel(nn.Module):
         positions: torch.Tensor,  # [num_tokens]
         kv_caches: list[KVCache],
         meta: AttentionMetadata,
-        backend: AttentionBackend,  # how attention and the fused operations are computed (chosen once, per device)
+        backend: AttentionBackend,  # attention, and the op set of the fused operations (chosen once, per device)
         logits_indices: torch.Tensor | None = None,  # rows whose next token is sampled
         lora: LinearDelta | None = None,  # the step's LoRA adapters and the rows each serves
         decoder: NativeDecoder | None = None,  # runs a step of decodes in one C++ call, where it can

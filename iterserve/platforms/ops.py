@@ -145,9 +145,10 @@ class CpuOps(ReferenceOps):
         out: torch.Tensor = torch.ops.iterserve_quant.krows.default(raw, type_id, rows, k, dtype, part_rows)
         return out
 
-    def decoder_stack(self, *args: Any) -> Any:
-        """An empty ``csrc/decoder.cpp`` ``DecoderStack`` (see :mod:`iterserve.models.native_decoder`)."""
-        return self.extension.DecoderStack(*args)
+    def decoder_stack(self, num_heads: int, num_kv_heads: int, head_dim: int, eps: float, scale: float) -> Any:
+        """An empty ``csrc/decoder.cpp`` ``DecoderStack`` (:func:`iterserve.models.native_decoder.build_stack`
+        adds the layers)."""
+        return self.extension.DecoderStack(num_heads, num_kv_heads, head_dim, eps, scale)
 
 
 def _rotate_half(x: torch.Tensor) -> torch.Tensor:
