@@ -5,7 +5,8 @@
 loads that build, never compiles: the build's name carries a hash of the source, the compiler flags
 and the torch version, so an edited source or another torch finds no build and falls back instead
 of loading a stale one. Without a build, or with ``ITERSERVE_CPU_KERNELS=0``, ``ops`` is None and the
-CPU runs the PyTorch reference backend (:mod:`iterserve.attention.selector` chooses).
+CPU runs the PyTorch reference. Only :mod:`iterserve.platforms.ops` reads ``ops``: it makes the one choice of op
+set, which every other module looks its kernels up on.
 """
 
 from __future__ import annotations

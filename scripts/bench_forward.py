@@ -44,8 +44,10 @@ from iterserve.config.dtypes import canonical_dtype
 from iterserve.models import cpu_linear
 from iterserve.models.linear import dense_chooser
 from iterserve.models.loader import load_model
+from iterserve.models.native_decoder import NativeDecoder
 from iterserve.planner import decode_cost, prefill_cost
 from iterserve.platforms.malloc import tune_allocator
+from iterserve.platforms.ops import CpuOps, cpu_kernels
 
 Key = TypeVar("Key", bound=Hashable)
 
@@ -123,8 +125,9 @@ def main() -> None:
     chunks = [int(c) for c in args.prefill.split(",") if c]
     wanted = args.paths.split(",")
     paths: dict[str, AttentionBackend] = {}
-    if "fused" in wanted and kernels.ops is not None:
-        paths["fused"] = CpuBackend(kernels.ops)
+    ops = cpu_kernels()
+    if "fused" in wanted and ops is not None:
+        paths["fused"] = CpuBackend(ops)
     if "reference" in wanted or not paths:
         paths["reference"] = ReferenceBackend()
     read_gbs = streaming_read_gbs()
@@ -165,6 +168,7 @@ def run_dtype(args, dtype: str, loaded: dict, paths: dict[str, AttentionBackend]
     num_blocks = max(max(batches) * blocks_per_seq, -(-max(chunks, default=1) // block))
     caches = {path: m.model.allocate_kv_cache(num_blocks, block, paths[path]) for path, m in loaded.items()}
     pdt = canonical_dtype(dtype)
+    decoders = {path: NativeDecoder(b.ops) if isinstance(b.ops, CpuOps) else None for path, b in paths.items()}
 
     batch1: dict[str, float] = {}  # each path's batch-1 decode step
 
@@ -182,8 +186,8 @@ def run_dtype(args, dtype: str, loaded: dict, paths: dict[str, AttentionBackend]
             print(f"{'':<9} {label:<14} {'speed-up':<10} {medians['reference'] / medians['fused']:8.2f}x")
 
     def passes(ids, pos, meta, rows) -> dict[str, Callable[[], object]]:
-        return {path: functools.partial(m.model, ids, pos, caches[path], meta, paths[path], logits_indices=rows)
-                for path, m in loaded.items()}
+        return {path: functools.partial(m.model, ids, pos, caches[path], meta, paths[path], logits_indices=rows,
+                                        decoder=decoders[path]) for path, m in loaded.items()}
 
     # Every decode batch and path alternate pass by pass, so the xB=1 ratios compare steps taken under
     # the same load and bandwidth (the VM's streaming read moves within minutes).

@@ -18,6 +18,8 @@ from iterserve import kernels
 from iterserve.attention import AttentionMetadata
 from iterserve.attention.cpu import CpuBackend
 from iterserve.models.loader import load_model
+from iterserve.models.native_decoder import NativeDecoder
+from iterserve.platforms.ops import cpu_kernels
 
 
 def main() -> None:
@@ -29,7 +31,8 @@ def main() -> None:
     ap.add_argument("--kinds", default="auto,fp8,fp8_e5m2,int8")
     ap.add_argument("--repeats", type=int, default=10)
     args = ap.parse_args()
-    assert kernels.ops is not None, "build the kernels first (iterserve build-kernels)"
+    ops = cpu_kernels()
+    assert ops is not None, "build the kernels first (iterserve build-kernels)"
     kernels.run_on_pool()
     loaded = load_model(args.model, args.dtype, "cpu")
     model, bs, b, ctx = loaded.model, 16, args.batch, args.context
@@ -42,23 +45,24 @@ def main() -> None:
     runs = {}
     for kind in args.kinds.split(","):
         for native in ([True, False] if kind == "auto" else [True]):
-            backend = CpuBackend(kernels.ops, native_layers=native)
+            backend = CpuBackend(ops)
             caches = model.allocate_kv_cache(b * per_seq, bs, backend, kind)
             for c in caches:  # random K/V stored as this kind stores them
                 fill = AttentionMetadata.build(block_size=bs, block_tables=[list(range(b * per_seq))],
                                                num_cached=[0], query_lens=[b * per_seq * bs])
                 kv = torch.randn(b * per_seq * bs, c.v.shape[1], c.v.shape[3]).to(model.dtype)
                 backend.write_kv(kv, kv, c, fill)
-            runs[f"{kind}{'' if native else ' (layers one by one)'}"] = (backend, caches, [])
+            decoder = NativeDecoder(ops) if native else None
+            runs[f"{kind}{'' if native else ' (layers one by one)'}"] = (backend, decoder, caches, [])
     with torch.inference_mode():
         for _ in range(args.repeats + 2):
-            for backend, caches, times in runs.values():
+            for backend, decoder, caches, times in runs.values():
                 start = time.perf_counter()
-                model(ids, positions, caches, meta, backend, rows)
+                model(ids, positions, caches, meta, backend, rows, decoder=decoder)
                 times.append(time.perf_counter() - start)
-    base = statistics.median(next(iter(runs.values()))[2][2:])
-    print(f"{args.model} {args.dtype}, batch {b}, context {ctx}, {kernels.ops.threads()} threads")
-    for name, (_, caches, times) in runs.items():
+    base = statistics.median(next(iter(runs.values()))[3][2:])
+    print(f"{args.model} {args.dtype}, batch {b}, context {ctx}, {ops.extension.threads()} threads")
+    for name, (_, _, caches, times) in runs.items():
         med = statistics.median(times[2:])
         kv_bytes = sum(t.numel() * t.element_size() for c in caches for t in (c.k, c.v, c.k_scale, c.v_scale)
                        if t is not None)

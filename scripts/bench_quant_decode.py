@@ -20,10 +20,10 @@ import torch
 
 from iterserve import kernels
 from iterserve.attention import AttentionMetadata
-from iterserve.attention.cpu import CpuBackend
 from iterserve.attention.selector import select_backend
 from iterserve.engine.worker import prepare_cpu
 from iterserve.models.loader import load_model
+from iterserve.models.native_decoder import NativeDecoder
 from iterserve.quantization.model import describe, streamed_weight_bytes, weight_formats
 
 
@@ -72,18 +72,19 @@ def main() -> None:
               f"{streamed_weight_bytes(loaded.model) / 1e6:.1f} MB")
     cfg = next(iter(models.values())).config
     blocks_per_seq = -(-(args.context + 1) // block)
-    backends = {"": select_backend("cpu")}
-    caches = {f: m.allocate_kv_cache(max(batches) * blocks_per_seq, block, backends[""]) for f, m in models.items()}
+    backend = select_backend("cpu")
+    caches = {f: m.allocate_kv_cache(max(batches) * blocks_per_seq, block, backend) for f, m in models.items()}
+    decoders = {"": NativeDecoder.for_device("cpu")}  # as the engine runs a step of decodes
     if args.layer_by_layer:
-        backends["/py"] = CpuBackend(kernels.ops, native_layers=False)
+        decoders["/py"] = None
     print(f"{'format':<9} {'batch':>5} {'ms':>8} {'tokens/s':>9} {'vs f32':>7} {'floor ms':>9} {'of floor':>9}")
     for b in batches:
         tables = [list(range(i * blocks_per_seq, (i + 1) * blocks_per_seq)) for i in range(b)]
         meta = AttentionMetadata.build(block_size=block, block_tables=tables, num_cached=[args.context] * b,
                                        query_lens=[1] * b, sliding_window=cfg.sliding_window)
         ids, pos = torch.randint(100, cfg.vocab_size, (b,)), torch.full((b,), args.context)
-        steps = {f + tag: functools.partial(m, ids, pos, caches[f], meta, backend)
-                 for tag, backend in backends.items() for f, m in models.items()}
+        steps = {f + tag: functools.partial(m, ids, pos, caches[f], meta, backend, decoder=decoder)
+                 for tag, decoder in decoders.items() for f, m in models.items()}
         times: dict[str, list[float]] = {f: [] for f in steps}
         reads = []
         for i in range(args.rounds + 1):  # the first round warms up
@@ -98,7 +99,7 @@ def main() -> None:
         read = statistics.median(reads)
         print(f"batch {b}: streaming read {read:.1f} GB/s (median of the rounds' probes, "
               f"{min(reads):.1f}-{max(reads):.1f})")
-        base = {tag: statistics.median(times["none" + tag]) for tag in backends if "none" + tag in times}
+        base = {tag: statistics.median(times["none" + tag]) for tag in decoders if "none" + tag in times}
         for f, t in times.items():
             s = statistics.median(t)
             fmt, tag = f.split("/")[0], f[len(f.split("/")[0]):]

@@ -247,6 +247,51 @@ def test_modules_and_functions_stay_small():
     assert len(root) <= 8, f"{len(root)} modules at the package root: {root}"
 
 
+KERNEL_CHOICE = "iterserve.platforms.ops"  # the one module that decides between the C++ kernels and the reference
+
+
+def reads_kernel_ops(source: str) -> bool:
+    """Whether ``source`` reads the loaded extension (``iterserve.kernels.ops``): as an attribute of the
+    ``kernels`` module under any name it is imported as, or imported by name."""
+    tree = ast.parse(source)
+    names = {"kernels"}
+    for node in ast.walk(tree):
+        if isinstance(node, ast.ImportFrom) and node.module in ("iterserve", "iterserve.kernels"):
+            names |= {a.asname or a.name for a in node.names if node.module == "iterserve" and a.name == "kernels"}
+            if node.module == "iterserve.kernels" and any(a.name == "ops" for a in node.names):
+                return True
+        elif isinstance(node, ast.Import):
+            names |= {a.asname for a in node.names if a.name == "iterserve.kernels" and a.asname}
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Attribute) and node.attr == "ops":
+            target = node.value
+            if isinstance(target, ast.Name) and target.id in names:
+                return True
+            if isinstance(target, ast.Attribute) and target.attr == "kernels":  # iterserve.kernels.ops
+                return True
+    return False
+
+
+@pytest.mark.parametrize("source,reads", [
+    ("from iterserve import kernels\nx = kernels.ops is None", True),
+    ("from iterserve import kernels as k\nx = k.ops", True),
+    ("import iterserve.kernels as kx\nx = kx.ops", True),
+    ("import iterserve.kernels\nx = iterserve.kernels.ops", True),
+    ("from iterserve.kernels import ops", True),
+    ("from iterserve import kernels\nkernels.run_on_pool()", False),
+    ("x = backend.ops.rms_norm", False),
+])
+def test_the_scanner_sees_a_read_of_the_kernels(source, reads):
+    assert reads_kernel_ops(source) is reads
+
+
+def test_one_module_decides_between_the_kernels_and_the_reference():
+    """Every other module looks its kernels up on the op set that module chose (``ops_for``, ``cpu_kernels``),
+    instead of asking again whether the extension loaded."""
+    readers = {m for m in package_modules() if reads_kernel_ops(_source(m).read_text())}
+    assert readers == {KERNEL_CHOICE}
+
+
 def cxx_functions(text: str) -> list[tuple[int, int]]:
     """(first line, lines) of every function body at namespace level in C++ source: braces counted after
     comments are dropped; a brace opened by a namespace, struct, class or union does not count as a body."""

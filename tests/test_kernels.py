@@ -12,9 +12,10 @@ import torch.nn.functional as F
 
 from iterserve import kernels
 from iterserve.attention import AttentionMetadata, KVCache
-from iterserve.attention.reference import ReferenceBackend, apply_rope, decode_attention_reference
+from iterserve.attention.reference import ReferenceBackend, decode_attention_reference
 from iterserve.config import ModelConfig
 from iterserve.models.llama import RMSNorm, RotaryEmbedding
+from iterserve.platforms.ops import REFERENCE, CpuOps, apply_rope
 
 OPS = kernels.ops or kernels.load_build()
 needs_build = pytest.mark.skipif(
@@ -291,3 +292,28 @@ def test_argmax_rows_is_torch_argmax():
         assert torch.equal(OPS.argmax_rows(t), t.argmax(dim=-1))
     with pytest.raises(RuntimeError, match="float32"):
         OPS.argmax_rows(x.to(torch.bfloat16))
+
+
+@needs_build
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_kernels_op_set_computes_the_reference_op_sets_values(dtype):
+    """What a layer gets from the op set, kernels or reference: the same norms, rotation and activation, and the
+    argmax of rows the kernel does not take (bf16, strided) left to torch."""
+    g = torch.Generator().manual_seed(4)
+    cpu = CpuOps(OPS)
+    x, residual = (torch.randn(5, 64, generator=g).to(dtype) for _ in range(2))
+    weight = torch.randn(64, generator=g).to(dtype)
+    torch.testing.assert_close(cpu.rms_norm(x, weight, 1e-5), REFERENCE.rms_norm(x, weight, 1e-5), **TOL[dtype])
+    want_normed, want_residual = REFERENCE.fused_add_rms_norm(x.clone(), residual.clone(), weight, 1e-5)
+    got_normed, got_residual = cpu.fused_add_rms_norm(x.clone(), residual.clone(), weight, 1e-5)
+    assert torch.equal(got_residual, want_residual)
+    torch.testing.assert_close(got_normed, want_normed, **TOL[dtype])
+    q, k = torch.randn(5, 4, 16, generator=g).to(dtype), torch.randn(5, 2, 16, generator=g).to(dtype)
+    cos, sin = torch.randn(5, 1, 16, generator=g).to(dtype), torch.randn(5, 1, 16, generator=g).to(dtype)
+    for got, want in zip(cpu.rotary(q.clone(), k.clone(), cos, sin), REFERENCE.rotary(q, k, cos, sin), strict=True):
+        torch.testing.assert_close(got, want, **TOL[dtype])
+    torch.testing.assert_close(cpu.silu_and_mul(x), REFERENCE.silu_and_mul(x), **TOL[dtype])
+    logits = torch.randn(6, 40, generator=g)
+    for t in (logits.to(dtype), logits[:, ::2]):
+        assert torch.equal(cpu.argmax_rows(t), t.argmax(dim=-1))
+    assert REFERENCE.keys_in_groups(torch.bfloat16, 32, 16) is False and REFERENCE.best_isa() == 0

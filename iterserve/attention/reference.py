@@ -9,6 +9,7 @@ import torch.nn.functional as F
 from iterserve.attention import kv_quant
 from iterserve.attention.backend import AttentionBackend
 from iterserve.attention.metadata import AttentionMetadata, KVCache, PrefillSpan
+from iterserve.platforms.ops import REFERENCE, ReferenceOps
 
 
 class ReferenceBackend(AttentionBackend):
@@ -16,6 +17,7 @@ class ReferenceBackend(AttentionBackend):
     backends inherit what they do not replace."""
 
     name = "reference"
+    ops: ReferenceOps = REFERENCE
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache: KVCache, meta: AttentionMetadata,
                 scale: float) -> torch.Tensor:
@@ -64,35 +66,6 @@ class ReferenceBackend(AttentionBackend):
             o = F.scaled_dot_product_attention(qs, ks, vs, attn_mask=span.mask, is_causal=causal, scale=scale,
                                                enable_gqa=True)
         return o.squeeze(0).transpose(0, 1)
-
-    def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-        # Normalise in float32 and cast back before the weight, as the reference implementation does.
-        dtype = x.dtype
-        x32 = x.float()
-        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
-        return weight * x32.to(dtype)
-
-    def fused_add_rms_norm(self, x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
-                           eps: float) -> tuple[torch.Tensor, torch.Tensor]:
-        residual = x + residual
-        return self.rms_norm(residual, weight, eps), residual
-
-    def rotary(self, q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor,
-               sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        return apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-
-    def silu_and_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
-        gate, up = gate_up.split(gate_up.shape[-1] // 2, dim=-1)
-        return F.silu(gate) * up
-
-
-def _rotate_half(x: torch.Tensor) -> torch.Tensor:
-    x1, x2 = x.chunk(2, dim=-1)
-    return torch.cat((-x2, x1), dim=-1)
-
-
-def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    return x * cos + _rotate_half(x) * sin
 
 
 def decode_attention_reference(q: torch.Tensor, cache: KVCache, meta: AttentionMetadata, scale: float) -> torch.Tensor:

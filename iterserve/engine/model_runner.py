@@ -22,6 +22,7 @@ from iterserve.engine.spec_decode.draft import DraftModel, copy_kv_blocks
 from iterserve.lora.manager import LoRAManager
 from iterserve.lora.request import LoRARequest
 from iterserve.models.llama import LlamaModel
+from iterserve.models.native_decoder import NativeDecoder
 
 
 @dataclass
@@ -65,10 +66,11 @@ class ModelRunner:
         self.device = model.device
         self.block_size = block_size
         self.attn_backend = select_backend(self.device, model.dtype)  # chosen once; passed to the model each step
+        self.decoder = NativeDecoder.for_device(self.device)  # a step of decodes in one C++ call, where it can
         self.kv_caches: list[KVCache] = model.allocate_kv_cache(num_blocks, block_size, self.attn_backend,
                                                                 kv_cache_dtype)
         self.sampler = Sampler(torch.Generator(device=self.device).manual_seed(seed))
-        self.draft = (DraftModel(draft, num_blocks, block_size, self.attn_backend, kv_cache_dtype)
+        self.draft = (DraftModel(draft, num_blocks, block_size, self.attn_backend, kv_cache_dtype, self.decoder)
                       if draft is not None else None)
         self.lora = lora  # the loaded LoRA adapters (None: LoRA is off)
         self._forward_start = 0.0  # when the last forward pass began: a grammar's step budget is relative to it
@@ -179,6 +181,7 @@ class ModelRunner:
             self.attn_backend,
             torch.tensor(inputs.logits_rows, dtype=torch.long, device=dev),
             lora,
+            self.decoder,
         )
         if self.draft is not None:
             self.draft.mirror(input_ids, positions, inputs.block_tables, inputs.num_cached, inputs.query_lens,

@@ -15,9 +15,9 @@ from dataclasses import dataclass, field
 
 import torch
 
-from iterserve import kernels
 from iterserve.engine.spec_decode.rejection_sampler import accept_drafts
 from iterserve.outputs import TokenLogprobs
+from iterserve.platforms.ops import ops_of
 from iterserve.sampling_params import SamplingParams
 
 
@@ -168,12 +168,7 @@ def _draw(probs: torch.Tensor, generator: torch.Generator) -> int:
 def argmax_rows(logits: torch.Tensor) -> torch.Tensor:
     """``logits.argmax(dim=-1)`` of float32 rows: on the CPU by the C++ kernel where it is built, a quarter
     of torch's time (``csrc/layer_ops.cpp``, ``argmax_rows``)."""
-    ops = kernels.ops
-    if (ops is not None and logits.device.type == "cpu" and logits.dtype == torch.float32 and logits.dim() == 2
-            and logits.shape[1] > 0 and logits.stride(1) == 1):
-        result: torch.Tensor = ops.argmax_rows(logits)
-        return result
-    return logits.argmax(dim=-1)
+    return ops_of(logits).argmax_rows(logits)
 
 
 class Sampler:

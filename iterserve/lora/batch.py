@@ -7,14 +7,13 @@ shrink ``x @ A.T``, each row's columns of other adapters zeroed, and their B sid
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from types import ModuleType
 
 import torch
 
-from iterserve import kernels
-from iterserve.attention.backend import NativeLoRA
 from iterserve.lora.adapter import LoRAAdapter
 from iterserve.models.linear import LinearBase
+from iterserve.models.native_decoder import NativeLoRA
+from iterserve.platforms.ops import CpuOps, ops_for
 
 
 @dataclass
@@ -37,7 +36,7 @@ class PackedStack:
 
 
 def stack_layer(adapters: list[LoRAAdapter], layer: LinearBase,
-                ops: ModuleType | None = None) -> LayerStack | PackedStack | None:
+                ops: CpuOps | None = None) -> LayerStack | PackedStack | None:
     """``layer``'s stack of the adapters that target it (None: none does), packed for ``ops`` if given."""
     parts = [(slot, w) for slot, adapter in enumerate(adapters) if (w := adapter.weights.get(layer)) is not None]
     if not parts:
@@ -59,7 +58,7 @@ class LoRABatch:
     row_slots: torch.Tensor | None  # each row's slot, -1 for the base model; None: every row is under slot 0
     stacks: dict[LinearBase, LayerStack | PackedStack | None]  # per layer, built on first use (kept while the
     # adapters are)
-    ops: ModuleType | None = None  # the C++ kernels that add the products (None: torch ops)
+    ops: CpuOps | None = None  # the C++ kernels that add the products (None: torch ops)
     masks: dict[tuple[int, ...], torch.Tensor] = field(default_factory=dict)  # per layout: 1 where row meets column
 
     def add(self, layer: LinearBase, x: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
@@ -111,5 +110,6 @@ class LoRABatch:
         slot_of = {lora_id: slot for slot, (lora_id, _) in enumerate(present)}
         slots = [slot_of[a.id] if a is not None else -1 for a, n in zip(adapters, query_lens) for _ in range(n)]
         row_slots = None if len(present) == 1 and -1 not in slots else torch.tensor(slots, device=device)
-        ops = kernels.ops if device.type == "cpu" else None
-        return cls([a for _, a in present], row_slots, {} if stacks is None else stacks, ops)
+        ops = ops_for(device)
+        return cls([a for _, a in present], row_slots, {} if stacks is None else stacks,
+                   ops if isinstance(ops, CpuOps) else None)

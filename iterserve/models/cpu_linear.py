@@ -18,23 +18,16 @@ from __future__ import annotations
 import logging
 import statistics
 import time
-from types import ModuleType
+import typing
 
 import torch
 from torch import nn
 
-from iterserve import kernels
-from iterserve.models.linear import (
-    DENSE,
-    NATIVE_PACKED,
-    LinearBase,
-    LinearMethod,
-    MethodChooser,
-    NativeLinear,
-    dense_chooser,
-)
+from iterserve.models.linear import DENSE, LinearBase, LinearMethod, MethodChooser, dense_chooser
+from iterserve.models.native_decoder import LinearKind, NativeLinear
 from iterserve.platforms import huge_pages
 from iterserve.platforms.invariance import batch_invariant
+from iterserve.platforms.ops import CpuOps, cpu_kernels
 
 logger = logging.getLogger(__name__)
 
@@ -51,7 +44,7 @@ class PackedLinear(LinearMethod):
     name = "packed"
     keeps_weight = False
 
-    def __init__(self, ops: ModuleType) -> None:
+    def __init__(self, ops: CpuOps) -> None:
         self.ops = ops
 
     def supports(self, layer: LinearBase) -> bool:
@@ -65,10 +58,12 @@ class PackedLinear(LinearMethod):
         layer.register_buffer("packed", packed, persistent=False)
 
     def apply(self, layer: LinearBase, x: torch.Tensor) -> torch.Tensor:
-        return self.ops.packed_linear(x, layer.packed, layer.out_features, layer.bias, AMX_MIN_ROWS)
+        packed = typing.cast(torch.Tensor, layer.packed)  # a buffer: get_buffer's lookup would cost every call
+        return self.ops.packed_linear(x, packed, layer.out_features, layer.bias, AMX_MIN_ROWS)
 
     def native(self, layer: LinearBase) -> NativeLinear:
-        return NATIVE_PACKED, layer.get_buffer("packed"), layer.out_features, AMX_MIN_ROWS, layer.bias
+        return NativeLinear(LinearKind.COLUMN_BLOCKED, [layer.get_buffer("packed")], layer.out_features, layer.bias,
+                            amx_min_rows=AMX_MIN_ROWS)
 
     def dense_weight(self, layer: LinearBase) -> torch.Tensor:
         p = layer.get_buffer("packed")
@@ -142,10 +137,11 @@ _CHOOSER: MeasuredChooser | None = None
 def chooser() -> MethodChooser | None:
     """The process's measured chooser over ``F.linear`` and the packed kernel; None without the kernels."""
     global _CHOOSER
-    if kernels.ops is None:
+    ops = cpu_kernels()
+    if ops is None:
         return None
     if _CHOOSER is None:
-        _CHOOSER = MeasuredChooser([PackedLinear(kernels.ops), DENSE])
+        _CHOOSER = MeasuredChooser([PackedLinear(ops), DENSE])
     return _CHOOSER
 
 

@@ -12,7 +12,6 @@ The layers run in Python (no native decode loop: ``csrc/decoder.cpp`` has Llama'
 from __future__ import annotations
 
 import typing
-from types import ModuleType
 
 import torch
 import torch.nn.functional as F
@@ -23,6 +22,7 @@ from iterserve.config import ModelConfig
 from iterserve.distributed.parallel_state import ParallelState
 from iterserve.models.linear import LinearDelta
 from iterserve.models.llama import MLP, Attention, LlamaModel, RMSNorm, rope_inv_freq
+from iterserve.models.native_decoder import NativeDecoder, NativeStack
 
 
 def layer_windows(config: ModelConfig) -> list[int | None]:
@@ -70,7 +70,7 @@ class Gemma3Attention(Attention):
         q = q_norm.normed(q.reshape(n, self.num_heads, self.head_dim))
         k = k_norm.normed(k.reshape(n, self.num_kv_heads, self.head_dim))
         v = v.view(n, self.num_kv_heads, self.head_dim)
-        q, k = backend.rotary(q, k, cos, sin)
+        q, k = backend.ops.rotary(q, k, cos, sin)
         out = backend.forward(q, k, v, cache, meta.with_window(self.window), self.scale)
         return self.o_proj(out.reshape(n, self.q_size))
 
@@ -143,7 +143,7 @@ class Gemma3Model(LlamaModel):
 
     supports_lora = False  # its layers take no LoRA rows (adapters are refused when they load)
 
-    def native_decoder(self, ops: ModuleType) -> typing.Any:
+    def native_stack(self) -> NativeStack | None:
         return None  # csrc/decoder.cpp runs Llama's layer order only
 
     @torch.inference_mode()
@@ -156,6 +156,7 @@ class Gemma3Model(LlamaModel):
         backend: AttentionBackend,
         logits_indices: torch.Tensor | None = None,  # rows whose next token is sampled
         lora: LinearDelta | None = None,  # never given: supports_lora is False
+        decoder: NativeDecoder | None = None,  # unused: no native loop runs Gemma 3's layers
     ) -> torch.Tensor:
         """Float32 logits ``[len(logits_indices), vocab]`` (all rows when None), as :meth:`LlamaModel.forward`."""
         x = self.embed_tokens(input_ids)

@@ -23,17 +23,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from iterserve.attention.backend import NativeLoRA
+from iterserve.models.native_decoder import LinearKind, NativeLinear, NativeLoRA
 from iterserve.quantization.packed import QuantizedWeight
 
 logger = logging.getLogger(__name__)
-
-
-NATIVE_DENSE, NATIVE_PACKED, NATIVE_QUANTIZED, NATIVE_GGUF = 0, 1, 2, 3  # csrc/decoder.cpp's LinearKind
-NativeLinear = tuple[int, "torch.Tensor | list[torch.Tensor]", int, "int | list[int]", "torch.Tensor | None"]
-"""``(kind, weight, out_features, param, bias)``: one linear layer as the C++ decode loop takes it; ``param`` is
-AMX's minimum rows for the packed kernel and the bits of quantized blocks. GGUF blocks as stored give lists:
-the parts' tensors, and their type ids followed by their row counts."""
 
 
 class LinearDelta(Protocol):
@@ -75,8 +68,8 @@ class LinearMethod:
         return layer.weight
 
     def native(self, layer: LinearBase) -> NativeLinear | None:
-        """How ``csrc/decoder.cpp``'s decode loop multiplies this layer in C++, or None where it cannot
-        (a method with no C++ kernel: the step then runs the layers in Python)."""
+        """How the native decode loop (:mod:`iterserve.models.native_decoder`) multiplies this layer in C++, or
+        None where it cannot (a method with no C++ kernel: the step then runs the layers in Python)."""
         return None
 
 
@@ -89,7 +82,9 @@ class DenseLinear(LinearMethod):
         return F.linear(x, layer.weight, layer.bias)
 
     def native(self, layer: LinearBase) -> NativeLinear | None:
-        return (NATIVE_DENSE, layer.weight, layer.out_features, 0, layer.bias) if layer.weight.is_cpu else None
+        if not layer.weight.is_cpu:
+            return None
+        return NativeLinear(LinearKind.DENSE, [layer.weight], layer.out_features, layer.bias)
 
 
 DENSE = DenseLinear()

@@ -11,13 +11,11 @@ from __future__ import annotations
 
 import math
 import typing
-from types import ModuleType
 
 import torch
 from torch import nn
 
 from iterserve.attention import AttentionBackend, AttentionMetadata, KVCache
-from iterserve.attention.backend import NativeLoRA
 from iterserve.config import ModelConfig
 from iterserve.distributed.layers import (
     ColumnParallelLinear,
@@ -30,12 +28,14 @@ from iterserve.distributed.layers import (
 from iterserve.distributed.parallel_state import ParallelState
 from iterserve.models.linear import LinearDelta
 from iterserve.models.moe import SparseMoeBlock
+from iterserve.models.native_decoder import NativeDecoder, NativeLayer, NativeLoRA, NativeStack
 
 
 class RMSNorm(nn.Module):
     """RMSNorm; given a residual it first adds ``x`` into it and returns ``(normed, new_residual)``.
 
-    Taking the residual add lets the CPU kernel do add + norm in one pass over the activations.
+    Taking the residual add lets the CPU kernel do add + norm in one pass over the activations. The backend's
+    op set (:mod:`iterserve.platforms.ops`) computes it.
     """
 
     def __init__(self, dim: int, eps: float) -> None:
@@ -47,8 +47,8 @@ class RMSNorm(nn.Module):
         self, x: torch.Tensor, backend: AttentionBackend, residual: torch.Tensor | None = None
     ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         if residual is None:
-            return backend.rms_norm(x, self.weight, self.eps)
-        return backend.fused_add_rms_norm(x, residual, self.weight, self.eps)
+            return backend.ops.rms_norm(x, self.weight, self.eps)
+        return backend.ops.fused_add_rms_norm(x, residual, self.weight, self.eps)
 
 
 def rope_inv_freq(config: ModelConfig) -> torch.Tensor:
@@ -119,7 +119,7 @@ class Attention(nn.Module):
         v = v.view(n, self.num_kv_heads, self.head_dim)
         if self.q_norm is not None and self.k_norm is not None:
             q, k = self.q_norm(q, backend), self.k_norm(k, backend)
-        q, k = backend.rotary(q, k, cos, sin)
+        q, k = backend.ops.rotary(q, k, cos, sin)
         out = backend.forward(q, k, v, cache, meta, self.scale)
         return self.o_proj(out.reshape(n, self.q_size), lora)
 
@@ -132,7 +132,7 @@ class MLP(nn.Module):
         self.down_proj = RowParallelLinear(config.intermediate_size, config.hidden_size, ps)
 
     def forward(self, x: torch.Tensor, backend: AttentionBackend, lora: LinearDelta | None = None) -> torch.Tensor:
-        return self.down_proj(backend.silu_and_mul(self.gate_up_proj(x, lora)), lora)
+        return self.down_proj(backend.ops.silu_and_mul(self.gate_up_proj(x, lora)), lora)
 
 
 class DecoderLayer(nn.Module):
@@ -208,30 +208,32 @@ class LlamaModel(nn.Module):
         """One K and V pool per layer, holding this rank's KV heads only, K laid out as ``backend`` reads it
         fastest (rows, which every backend reads, without one), stored in ``kv_cache_dtype``."""
         c = self.config.tensor_parallel_shard(self.parallel.world_size)
-        grouped = backend is not None and backend.keys_in_groups(self.dtype, c.head_dim, block_size)
+        grouped = backend is not None and backend.ops.keys_in_groups(self.dtype, c.head_dim, block_size)
         return [
             KVCache.allocate(num_blocks, block_size, c.num_kv_heads, c.head_dim, self.dtype, self.device, grouped,
                              kv_cache_dtype)
             for _ in range(c.num_layers)
         ]
 
-    def native_decoder(self, ops: ModuleType) -> typing.Any:
-        """The layers as ``csrc/decoder.cpp``'s ``DecoderStack`` (a decode step in one call, the kernels of
-        ``ops``), or None where it cannot run them: a sharded model (its all-reduces are Python's), a
-        mixture-of-experts layer (its routing is Python's), or a linear layer whose method has no C++ kernel."""
+    def native_stack(self) -> NativeStack | None:
+        """The layers as :mod:`iterserve.models.native_decoder` runs them (a decode step in one C++ call), or None
+        where it cannot: a sharded model (its all-reduces are Python's), a mixture-of-experts layer (its routing
+        is Python's), or a linear layer whose method has no C++ kernel."""
         layers = typing.cast(list[DecoderLayer], self.layers)
         if self.parallel.world_size > 1 or any(not isinstance(layer.mlp, MLP) for layer in layers):
             return None
-        c = self.config
-        stack = ops.DecoderStack(c.num_heads, c.num_kv_heads, c.head_dim, c.rms_norm_eps, c.head_dim**-0.5)
+        described = []
         for layer in layers:
             attn, mlp = layer.self_attn, typing.cast(MLP, layer.mlp)
-            linears = [p.method.native(p) for p in (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)]
-            if any(lin is None for lin in linears):
+            qkv, o, gate_up, down = (p.method.native(p) for p in (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj,
+                                                                   mlp.down_proj))
+            if qkv is None or o is None or gate_up is None or down is None:
                 return None
-            qk_norms = (attn.q_norm.weight, attn.k_norm.weight) if attn.q_norm and attn.k_norm else (None, None)
-            stack.add_layer(layer.input_layernorm.weight, layer.post_attention_layernorm.weight, *qk_norms, *linears)
-        return stack
+            q_norm, k_norm = (attn.q_norm.weight, attn.k_norm.weight) if attn.q_norm and attn.k_norm else (None, None)
+            described.append(NativeLayer(layer.input_layernorm.weight, layer.post_attention_layernorm.weight, q_norm,
+                                         k_norm, qkv, o, gate_up, down))
+        c = self.config
+        return NativeStack(c.num_heads, c.num_kv_heads, c.head_dim, c.rms_norm_eps, c.head_dim**-0.5, described)
 
     def native_lora(self, lora: LinearDelta) -> NativeLoRA | None:
         """The step's LoRA tensors for the native decode loop's linear layers (qkv, o, gate/up, down of each
@@ -251,17 +253,20 @@ class LlamaModel(nn.Module):
         positions: torch.Tensor,  # [num_tokens]
         kv_caches: list[KVCache],
         meta: AttentionMetadata,
-        backend: AttentionBackend,  # how attention and the fused operations are computed (chosen once, per device)
+        backend: AttentionBackend,  # attention, and the op set of the fused operations (chosen once, per device)
         logits_indices: torch.Tensor | None = None,  # rows whose next token is sampled
         lora: LinearDelta | None = None,  # the step's LoRA adapters and the rows each serves
+        decoder: NativeDecoder | None = None,  # runs a step of decodes in one C++ call, where it can
     ) -> torch.Tensor:
         """Returns float32 logits ``[len(logits_indices), vocab]`` (all rows when None); under tensor
         parallelism on rank 0 only (the other ranks get an empty tensor)."""
         x = self.embed_tokens(input_ids)
         cos, sin = self.rotary_at(positions, x.dtype, meta)
-        native_lora = None if lora is None else self.native_lora(lora)
-        native = (backend.decode_layers(self, x, cos, sin, kv_caches, meta, native_lora)
-                  if lora is None or native_lora is not None else None)
+        native = None
+        if decoder is not None:
+            native_lora = None if lora is None else self.native_lora(lora)
+            if lora is None or native_lora is not None:
+                native = decoder(self, x, cos, sin, kv_caches, meta, native_lora)
         residual: torch.Tensor | None = None
         if native is not None:
             x, residual = native

@@ -134,7 +134,7 @@ def mix_experts(x: torch.Tensor, weights: torch.Tensor, experts: torch.Tensor, n
         if not count:
             continue
         picked = rows[start:start + count]
-        h = backend.silu_and_mul(gate_up(expert, x[picked]))
+        h = backend.ops.silu_and_mul(gate_up(expert, x[picked]))
         out.index_add_(0, picked, down(expert, h) * row_weights[start:start + count, None])
         start += count
     return out

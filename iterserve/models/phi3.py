@@ -15,8 +15,6 @@ sequence still fits) take the short set.
 from __future__ import annotations
 
 import math
-from types import ModuleType
-from typing import Any
 
 import torch
 from torch import nn
@@ -26,6 +24,7 @@ from iterserve.config import ModelConfig
 from iterserve.distributed.parallel_state import ParallelState
 from iterserve.models.linear import LinearDelta
 from iterserve.models.llama import Attention, DecoderLayer, LlamaModel
+from iterserve.models.native_decoder import NativeStack
 
 
 def rotary_dim(config: ModelConfig) -> int:
@@ -112,7 +111,7 @@ class PartialRotaryAttention(Attention):
         q = q.reshape(n, self.num_heads, self.head_dim)
         k = k.reshape(n, self.num_kv_heads, self.head_dim)
         v = v.view(n, self.num_kv_heads, self.head_dim)
-        q_rot, k_rot = backend.rotary(q[..., :r].contiguous(), k[..., :r].contiguous(), cos, sin)
+        q_rot, k_rot = backend.ops.rotary(q[..., :r].contiguous(), k[..., :r].contiguous(), cos, sin)
         q, k = torch.cat((q_rot, q[..., r:]), dim=-1), torch.cat((k_rot, k[..., r:]), dim=-1)
         out = backend.forward(q, k, v, cache, meta, self.scale)
         return self.o_proj(out.reshape(n, self.q_size), lora)
@@ -137,6 +136,6 @@ class Phi3Model(LlamaModel):
         cos, sin = self.rotary(positions, dtype, meta.token_seq_lens if self.config.rope_scaling else None)
         return cos, sin
 
-    def native_decoder(self, ops: ModuleType) -> Any:
+    def native_stack(self) -> NativeStack | None:
         # csrc/decoder.cpp rotates whole heads
-        return None if self.partial_rotary else super().native_decoder(ops)
+        return None if self.partial_rotary else super().native_stack()

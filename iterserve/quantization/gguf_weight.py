@@ -22,8 +22,8 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from iterserve import kernels
 from iterserve.formats.gguf.types import STORED_TYPES, type_id
+from iterserve.platforms.ops import CpuOps, ops_of
 
 TILE = 16
 TILED_TYPES = ("Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K", "Q5_0", "Q5_1", "Q8_0")  # with a decoder that reads tiles
@@ -163,8 +163,9 @@ def dequantize(w: GGUFWeight, dtype: torch.dtype = torch.float32, rows: torch.Te
     """The float weight ``[n, k]``, or its ``rows`` (``[*rows.shape, k]``): gguf-py's values exactly."""
     if rows is not None and len(w.parts) == 1:
         p = w.parts[0]
-        if kernels.ops is not None and p.raw.is_cpu:
-            return torch.ops.iterserve_quant.krows.default(p.raw, w.type_ids[0], rows, w.k, dtype, p.rows)
+        ops = ops_of(p.raw)
+        if isinstance(ops, CpuOps):
+            return ops.krows(p.raw, w.type_ids[0], rows, w.k, dtype, p.rows)
         p = p.untiled()
         return _dequantize_part(p, w.k, rows.reshape(-1).to(p.raw.device)).to(dtype).view(*rows.shape, w.k)
     full = torch.cat([_dequantize_part(p, w.k) for p in w.parts]).to(dtype)
@@ -182,10 +183,11 @@ def _dequantize_part(p: GGUFPart, k: int, rows: torch.Tensor | None = None) -> t
 def linear(x: torch.Tensor, w: GGUFWeight, isa: int = 0) -> torch.Tensor:
     """``x @ w.T`` for ``x [..., k]``: the C++ kernel on the CPU (``isa`` as in
     :func:`iterserve.quantization.packed.linear`), else dequantize then matmul."""
-    if kernels.ops is None or not x.is_cpu:
+    ops = ops_of(x)
+    if not isinstance(ops, CpuOps):
         return F.linear(x, dequantize(w, x.dtype))
     raws, ns = [p.raw for p in w.parts], [p.rows for p in w.parts]
     if x.dim() == 2 and x.stride(1) == 1:
-        return torch.ops.iterserve_quant.kgemm.default(x, raws, w.type_ids, ns, isa)
+        return ops.kgemm(x, raws, w.type_ids, ns, isa)
     rows = x.reshape(-1, x.shape[-1]).contiguous()
-    return torch.ops.iterserve_quant.kgemm.default(rows, raws, w.type_ids, ns, isa).view(*x.shape[:-1], w.n)
+    return ops.kgemm(rows, raws, w.type_ids, ns, isa).view(*x.shape[:-1], w.n)

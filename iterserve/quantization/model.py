@@ -21,7 +21,6 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from iterserve import kernels
 from iterserve.config.runtime import Quantization
 from iterserve.distributed.layers import (
     ColumnParallelLinear,
@@ -30,17 +29,11 @@ from iterserve.distributed.layers import (
     VocabParallelEmbedding,
 )
 from iterserve.models.cpu_linear import default_chooser
-from iterserve.models.linear import (
-    NATIVE_GGUF,
-    NATIVE_QUANTIZED,
-    LinearBase,
-    LinearMethod,
-    MethodChooser,
-    NativeLinear,
-    process_weights,
-)
+from iterserve.models.linear import LinearBase, LinearMethod, MethodChooser, process_weights
 from iterserve.models.llama import LlamaModel
 from iterserve.models.moe import SparseMoeBlock
+from iterserve.models.native_decoder import LinearKind, NativeLinear
+from iterserve.platforms.ops import cpu_kernels
 from iterserve.quantization.gguf_weight import GGUFWeight
 from iterserve.quantization.packed import (
     BlockWeight,
@@ -157,15 +150,16 @@ class QuantizedLinear(LinearMethod):
 
     def native(self, layer: LinearBase) -> NativeLinear | None:
         w = layer.qweight
-        if kernels.ops is None:
+        if cpu_kernels() is None:  # without them the blocks multiply by dequantizing, in Python
             return None
         if isinstance(w, GGUFWeight):
             if not all(p.raw.is_cpu for p in w.parts):
                 return None
-            return NATIVE_GGUF, [p.raw for p in w.parts], w.n, w.type_ids + [p.rows for p in w.parts], layer.bias
+            return NativeLinear(LinearKind.GGUF, [p.raw for p in w.parts], w.n, layer.bias,
+                                type_ids=list(w.type_ids), part_rows=[p.rows for p in w.parts])
         if not isinstance(w, PackedWeight) or not w.data.is_cpu:
             return None
-        return NATIVE_QUANTIZED, w.data, w.n, w.bits, layer.bias
+        return NativeLinear(LinearKind.QUANTIZED, [w.data], w.n, layer.bias, bits=w.bits)
 
 
 QUANTIZED = QuantizedLinear()

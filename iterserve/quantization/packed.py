@@ -21,7 +21,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from iterserve import kernels
+from iterserve.platforms.ops import CpuOps, ops_for, ops_of
 from iterserve.quantization import gguf_weight
 from iterserve.quantization.gguf_weight import GGUFWeight
 
@@ -170,8 +170,9 @@ def dequantize(w: QuantizedWeight, dtype: torch.dtype = torch.float32,
     """The float weight ``[n, k]``, or its ``rows`` (``[*rows.shape, k]``: the C++ op on the CPU)."""
     if isinstance(w, GGUFWeight):
         return gguf_weight.dequantize(w, dtype, rows)
-    if rows is not None and kernels.ops is not None and w.data.is_cpu:
-        return torch.ops.iterserve_quant.qrows.default(w.data, rows, w.n, w.k, w.bits, dtype)
+    ops = ops_of(w.data)
+    if rows is not None and isinstance(ops, CpuOps):
+        return ops.qrows(w.data, rows, w.n, w.k, w.bits, dtype)
     out = unpack(w, rows).dequantize(dtype)
     return out if rows is None else out.view(*rows.shape, w.k)
 
@@ -199,14 +200,15 @@ def linear(x: torch.Tensor, w: QuantizedWeight, isa: int = 0) -> torch.Tensor:
     rows on the CPU, goes straight to the op: a general path would cost more than the op itself."""
     if isinstance(w, GGUFWeight):
         return gguf_weight.linear(x, w, isa)
-    if kernels.ops is None or not x.is_cpu:
+    ops = ops_of(x)
+    if not isinstance(ops, CpuOps):
         return F.linear(x, dequantize(w, x.dtype))
     if x.dim() == 2 and x.stride(1) == 1:
-        return torch.ops.iterserve_quant.qgemm.default(x, w.data, w.n, w.bits, isa)
+        return ops.qgemm(x, w.data, w.n, w.bits, isa)
     rows = x.reshape(-1, x.shape[-1]).contiguous()
-    return torch.ops.iterserve_quant.qgemm.default(rows, w.data, w.n, w.bits, isa).view(*x.shape[:-1], w.n)
+    return ops.qgemm(rows, w.data, w.n, w.bits, isa).view(*x.shape[:-1], w.n)
 
 
 def best_isa() -> int:
     """The widest kernel built for this machine (see :func:`linear`); 0 without the build."""
-    return int(torch.ops.iterserve_quant.best_isa()) if kernels.ops is not None else 0
+    return ops_for("cpu").best_isa()

@@ -1,5 +1,5 @@
-"""The CPU backend's native decode loop (csrc/decoder.cpp) against the same kernels called layer by layer
-from Python: the same logits and the same K/V written, to the bit, for every linear method and family."""
+"""The native decode loop (models/native_decoder.py, csrc/decoder.cpp) against the same kernels called layer by
+layer from Python: the same logits and the same K/V written, to the bit, for every linear method and family."""
 
 from __future__ import annotations
 
@@ -8,7 +8,6 @@ import dataclasses
 import pytest
 import torch
 
-from iterserve import kernels
 from iterserve.attention import AttentionMetadata
 from iterserve.attention.cpu import CpuBackend
 from iterserve.attention.reference import gather_rows
@@ -18,11 +17,13 @@ from iterserve.models.checkpoint import empty_model
 from iterserve.models.cpu_linear import MeasuredChooser, PackedLinear
 from iterserve.models.linear import DENSE, LinearMethod, process_weights
 from iterserve.models.llama import LlamaModel
+from iterserve.models.native_decoder import NativeDecoder
+from iterserve.platforms.ops import cpu_kernels
 from iterserve.quantization.gguf_weight import from_stored
 from iterserve.quantization.model import quantize_model
 from tests.quantization.gguf_fixtures import random_blocks
 
-OPS = kernels.ops
+OPS = cpu_kernels()
 pytestmark = pytest.mark.skipif(OPS is None, reason="the C++ CPU kernels are not built (scripts/setup.sh builds them)")
 
 
@@ -72,9 +73,10 @@ def gguf_blocks(model: LlamaModel) -> None:
                 for j, (t, rows) in enumerate(parts)}
 
 
-def decode_step(model: LlamaModel, backend: CpuBackend, seed: int = 1):
+def decode_step(model: LlamaModel, decoder: NativeDecoder | None, seed: int = 1):
     """One step of three decodes (contexts 9, 1 and 20 over blocks out of order) and a sequence verifying 3
-    speculated tokens: its logits and every layer's K and V cache after it."""
+    speculated tokens, with ``decoder`` (None: the layers one by one): its logits and every layer's K and V cache
+    after it."""
     cfg = model.config
     g = torch.Generator().manual_seed(seed)
     caches = model.allocate_kv_cache(24, 4)
@@ -88,7 +90,7 @@ def decode_step(model: LlamaModel, backend: CpuBackend, seed: int = 1):
     assert meta.num_decode_tokens == 6 and not meta.prefills
     ids = torch.randint(0, cfg.vocab_size, (6,), generator=g)
     positions = torch.tensor([8, 1, 19, 10, 11, 12])
-    logits = model(ids, positions, caches, meta, backend)
+    logits = model(ids, positions, caches, meta, CpuBackend(OPS), decoder=decoder)
     return logits, [c.k for c in caches] + [c.v for c in caches]
 
 
@@ -98,24 +100,24 @@ def decode_step(model: LlamaModel, backend: CpuBackend, seed: int = 1):
                                           ("gguf", torch.float32), ("gguf", torch.bfloat16)])
 def test_native_decode_loop_equals_the_layers_one_by_one(family, method, dtype):
     model = model_with(CONFIGS[family], method, dtype)
-    native = CpuBackend(OPS)
+    native = NativeDecoder(OPS)
     logits, kv = decode_step(model, native)
     assert native._stacks[model] is not None, "the native loop ran"
-    want_logits, want_kv = decode_step(model, CpuBackend(OPS, native_layers=False))
+    want_logits, want_kv = decode_step(model, None)
     assert torch.equal(logits, want_logits)
     assert all(torch.equal(a, b) for a, b in zip(kv, want_kv, strict=True))
 
 
 def test_a_step_with_a_prompt_chunk_runs_the_layers_in_python():
     model = model_with(CONFIGS["llama-gqa"], "packed", torch.float32)
-    backend = CpuBackend(OPS)
+    decoder = NativeDecoder(OPS)
     caches = model.allocate_kv_cache(8, 4)
     meta = AttentionMetadata.build(block_size=4, block_tables=[[0, 1], [2, 3]], num_cached=[4, 0],
                                    query_lens=[1, 5])
     x = torch.zeros(6, 64)
     cos = sin = torch.zeros(6, 1, 16)
-    assert backend.decode_layers(model, x, cos, sin, caches, meta) is None
-    assert model not in backend._stacks  # nothing built for a step it does not run
+    assert decoder(model, x, cos, sin, caches, meta) is None
+    assert model not in decoder._stacks  # nothing built for a step it does not run
 
 
 class PythonOnly(LinearMethod):
@@ -128,14 +130,14 @@ class PythonOnly(LinearMethod):
 def test_no_native_loop_for_a_method_without_a_kernel_or_a_sharded_model():
     model = model_with(CONFIGS["llama-gqa"], "dense", torch.float32)
     model.layers[1].mlp.down_proj.method = PythonOnly()
-    assert model.native_decoder(OPS) is None
-    logits, _ = decode_step(model, CpuBackend(OPS))  # the layers run in Python, still correct
-    want, _ = decode_step(model, CpuBackend(OPS, native_layers=False))
+    assert model.native_stack() is None
+    logits, _ = decode_step(model, NativeDecoder(OPS))  # the layers run in Python, still correct
+    want, _ = decode_step(model, None)
     assert torch.equal(logits, want)
     model.layers[1].mlp.down_proj.method = DENSE
-    assert model.native_decoder(OPS) is not None
+    assert model.native_stack() is not None
     model.parallel = ParallelState(rank=0, world_size=2)
-    assert model.native_decoder(OPS) is None
+    assert model.native_stack() is None
 
 
 @pytest.mark.parametrize("family", CONFIGS)
@@ -150,7 +152,7 @@ def test_a_step_with_short_prompts_runs_natively_and_attends_them_as_the_prefill
     tables, cached, qlens = [[7, 3, 11], [5, 2], [0, 9, 4]], [8, 0, 6], [1, 5, 4]
     results = []
     for limit in (CpuBackend.decode_prompts_up_to, 0):
-        backend = CpuBackend(OPS)
+        backend, decoder = CpuBackend(OPS), NativeDecoder(OPS)
         backend.decode_prompts_up_to = limit
         caches = model.allocate_kv_cache(12, 4)
         for c in caches:
@@ -158,10 +160,10 @@ def test_a_step_with_short_prompts_runs_natively_and_attends_them_as_the_prefill
             c.v.normal_(generator=torch.Generator().manual_seed(5))
         meta = AttentionMetadata.build(block_size=4, block_tables=tables, num_cached=cached, query_lens=qlens,
                                        sliding_window=cfg.sliding_window, decode_prompts_up_to=limit)
-        logits = model(ids, positions, caches, meta, backend, torch.tensor([0, 5, 9]))
-        results.append((logits, [c.k for c in caches] + [c.v for c in caches], meta, backend))
-    (native, native_kv, meta, backend), (spans, spans_kv, span_meta, _) = results
-    assert meta.num_decode_tokens == 10 and backend._stacks[model] is not None
+        logits = model(ids, positions, caches, meta, backend, torch.tensor([0, 5, 9]), decoder=decoder)
+        results.append((logits, [c.k for c in caches] + [c.v for c in caches], meta, decoder))
+    (native, native_kv, meta, decoder), (spans, spans_kv, span_meta, _) = results
+    assert meta.num_decode_tokens == 10 and decoder._stacks[model] is not None
     assert span_meta.num_decode_tokens == 1 and len(span_meta.prefills) == 2
     torch.testing.assert_close(native, spans, atol=1e-4, rtol=1e-4)
     for a, b in zip(native_kv, spans_kv, strict=True):
@@ -177,8 +179,8 @@ def test_keys_in_groups_where_the_backend_reads_them_so_give_the_logits_of_keys_
     backend = CpuBackend(OPS)
     backend.decode_prompts_up_to = 0  # prompt chunks through the prefill path
     grouped, rows = model.allocate_kv_cache(8, 16, backend), model.allocate_kv_cache(8, 16)
-    expect_groups = bool(OPS.keys_in_groups(torch.bfloat16, 32, 16))
-    assert backend.keys_in_groups(torch.bfloat16, 32, 16) == expect_groups
+    expect_groups = bool(OPS.extension.keys_in_groups(torch.bfloat16, 32, 16))
+    assert backend.ops.keys_in_groups(torch.bfloat16, 32, 16) == expect_groups
     assert all(c.k.dim() == (6 if expect_groups else 4) and c.v.dim() == 4 for c in grouped)
     g = torch.Generator().manual_seed(6)
     tables = [[5, 2], [0, 7, 3]]
@@ -195,7 +197,7 @@ def test_keys_in_groups_where_the_backend_reads_them_so_give_the_logits_of_keys_
                                            decode_prompts_up_to=0)
             ids = torch.randint(0, cfg.vocab_size, (sum(qlens),), generator=g)
             positions = torch.cat([torch.arange(c, c + n) for c, n in zip(cached, qlens)])
-            logits[name].append(model(ids, positions, caches, meta, backend))
+            logits[name].append(model(ids, positions, caches, meta, backend, decoder=NativeDecoder(OPS)))
     for a, b in zip(logits["groups"], logits["rows"], strict=True):
         torch.testing.assert_close(a.float(), b.float(), atol=2e-2, rtol=2e-2)
     table_rows = torch.tensor([5, 2, 0, 7, 3]) * cfg.num_kv_heads

@@ -8,12 +8,13 @@ from __future__ import annotations
 import pytest
 import torch
 
-from iterserve import kernels
 from iterserve.attention import AttentionMetadata, KVCache, kv_quant
 from iterserve.attention.cpu import CpuBackend
 from iterserve.attention.reference import ReferenceBackend, decode_attention_reference
+from iterserve.platforms.ops import cpu_kernels
 
-OPS = kernels.ops
+KERNELS = cpu_kernels()
+OPS = KERNELS.extension if KERNELS is not None else None
 needs_ops = pytest.mark.skipif(OPS is None, reason="the C++ CPU kernels are not built (scripts/setup.sh builds them)")
 KINDS = ["fp8_e4m3", "fp8_e5m2", "int8"]
 
@@ -83,7 +84,7 @@ def test_the_kernels_store_writes_the_bytes_the_reference_writes(kind, dtype):
     ref = KVCache.allocate(6, 4, 2, 40, dtype, "cpu", kv_dtype=kind)
     cpu = KVCache.allocate(6, 4, 2, 40, dtype, "cpu", kv_dtype=kind)
     ReferenceBackend().write_kv(k, v, ref, meta)
-    CpuBackend(OPS).write_kv(k, v, cpu, meta)
+    CpuBackend(KERNELS).write_kv(k, v, cpu, meta)
     assert torch.equal(ref.k.view(torch.uint8), cpu.k.view(torch.uint8))
     assert torch.equal(ref.v.view(torch.uint8), cpu.v.view(torch.uint8))
     if kind == "int8":
@@ -157,7 +158,7 @@ def test_widening_paths_agree_bit_for_bit_on_every_byte():
 def test_a_prompt_attends_to_its_kv_as_stored_in_one_chunk_or_two(kind, backend):
     if backend == "cpu" and OPS is None:
         pytest.skip("the C++ CPU kernels are not built")
-    be = CpuBackend(OPS) if backend == "cpu" else ReferenceBackend()
+    be = CpuBackend(KERNELS) if backend == "cpu" else ReferenceBackend()
     g = torch.Generator().manual_seed(5)
     q, k, v = (torch.randn(21, n, 32, generator=g) for n in (4, 2, 2))
     one = KVCache.allocate(8, 4, 2, 32, torch.float32, "cpu", kv_dtype=kind)

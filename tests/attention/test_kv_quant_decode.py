@@ -8,14 +8,16 @@ from __future__ import annotations
 import pytest
 import torch
 
-from iterserve import kernels
 from iterserve.attention import AttentionMetadata, KVCache, kv_quant
 from iterserve.attention.cpu import CpuBackend
 from iterserve.attention.reference import decode_attention_reference
 from iterserve.config import ModelConfig
 from iterserve.models.checkpoint import empty_model
+from iterserve.models.native_decoder import NativeDecoder
+from iterserve.platforms.ops import cpu_kernels
 
-OPS = kernels.ops
+KERNELS = cpu_kernels()
+OPS = KERNELS.extension if KERNELS is not None else None
 pytestmark = pytest.mark.skipif(OPS is None, reason="the C++ CPU kernels are not built (scripts/setup.sh builds them)")
 KINDS = ["fp8_e4m3", "fp8_e5m2", "int8"]
 
@@ -118,7 +120,8 @@ def test_the_native_decode_loop_over_a_quantized_cache_equals_the_layers_one_by_
         for p in model.parameters():
             p.normal_(0, 0.2)
     results = []
-    for backend in (CpuBackend(OPS), CpuBackend(OPS, native_layers=False)):
+    backend = CpuBackend(KERNELS)
+    for decoder in (NativeDecoder(KERNELS), None):
         caches = model.allocate_kv_cache(40, 16, backend, kind)
         for i, c in enumerate(caches):
             filled = random_cache(kind, 40, 16, 2, 64, seed=i)
@@ -128,10 +131,10 @@ def test_the_native_decode_loop_over_a_quantized_cache_equals_the_layers_one_by_
         meta = long_case([200, 5, 140], blocks_each=13)
         ids = torch.tensor([3, 77, 250])
         with torch.inference_mode():
-            logits = model(ids, torch.tensor([200, 5, 140]), caches, meta, backend)
+            logits = model(ids, torch.tensor([200, 5, 140]), caches, meta, backend, decoder=decoder)
         results.append((logits, [t for c in caches for t in (c.k, c.v, c.k_scale, c.v_scale) if t is not None]))
-        if backend.native_layers:
-            assert backend._stacks[model] is not None, "the native loop ran"
+        if decoder is not None:
+            assert decoder._stacks[model] is not None, "the native loop ran"
     (logits, kv), (want_logits, want_kv) = results
     assert torch.equal(logits, want_logits)
     as_bits = [(a.view(torch.uint8), b.view(torch.uint8)) if a.element_size() == 1 else (a, b)

@@ -6,19 +6,20 @@ from __future__ import annotations
 import pytest
 import torch
 
-from iterserve import kernels
 from iterserve.attention import AttentionMetadata, KVCache
 from iterserve.attention.cpu import CpuBackend
 from iterserve.attention.cuda import CudaBackend
 from iterserve.attention.reference import ReferenceBackend, gather_rows
+from iterserve.platforms.ops import cpu_kernels
 from tests.test_kernels import group_keys
 
 H, KVH, D, BS = 4, 2, 8, 4
 
 BACKENDS = {"reference": ReferenceBackend(), "cuda": CudaBackend()}
-if kernels.ops is not None:
-    BACKENDS["cpu"] = CpuBackend(kernels.ops)  # as the engine runs it: short prompts attended as decodes
-    BACKENDS["cpu-prompt-spans"] = CpuBackend(kernels.ops)
+KERNELS = cpu_kernels()
+if KERNELS is not None:
+    BACKENDS["cpu"] = CpuBackend(KERNELS)  # as the engine runs it: short prompts attended as decodes
+    BACKENDS["cpu-prompt-spans"] = CpuBackend(KERNELS)
     BACKENDS["cpu-prompt-spans"].decode_prompts_up_to = 0  # every prompt chunk through the prefill path
 
 

@@ -7,9 +7,9 @@ import math
 import pytest
 import torch
 
-from iterserve import kernels
 from iterserve.engine.sampler import Sampler, SamplingRow, apply_penalties, argmax_rows
 from iterserve.sampling_params import SamplingParams
+from tests.op_sets import use_kernels
 
 
 def row(prompt=(), output=(), stop=(), gen=None, **kw) -> SamplingRow:
@@ -35,7 +35,7 @@ def test_argmax_rows_is_torch_argmax_on_either_path(monkeypatch, built):
     """The greedy pick is torch's argmax whether the C++ kernel (where built) or torch computes it: the first of
     tied maxima, and the first NaN; other dtypes and strided rows go to torch."""
     if not built:
-        monkeypatch.setattr(kernels, "ops", None)
+        use_kernels(monkeypatch, None)
     torch.manual_seed(0)
     x = torch.randn(6, 300)
     x[0, 5] = x[0, 200] = 50.0

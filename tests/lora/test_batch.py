@@ -11,6 +11,7 @@ from iterserve.lora import LoRARequest
 from iterserve.lora.adapter import LoRAAdapter, LoRAWeights
 from iterserve.lora.batch import LayerStack, LoRABatch, PackedStack
 from iterserve.models.linear import LinearBase
+from tests.op_sets import use_kernels
 
 
 @pytest.fixture(params=["kernels", "torch"], autouse=True)
@@ -19,7 +20,7 @@ def path(request, monkeypatch) -> str:
     if request.param == "kernels" and kernels.ops is None:
         pytest.skip("the C++ CPU kernels are not built (scripts/setup.sh builds them)")
     if request.param == "torch":
-        monkeypatch.setattr(kernels, "ops", None)
+        use_kernels(monkeypatch, None)
     return request.param
 
 

@@ -6,11 +6,11 @@ from __future__ import annotations
 import pytest
 import torch
 
-from iterserve.attention.cpu import CpuBackend
 from iterserve.lora import LoRARequest
 from iterserve.lora.adapter import LoRAAdapter, LoRAWeights
 from iterserve.lora.batch import LoRABatch
 from iterserve.models.llama import LlamaModel
+from iterserve.models.native_decoder import NativeDecoder
 from tests.attention.test_cpu import CONFIGS, OPS, decode_step, model_with
 
 pytestmark = pytest.mark.skipif(OPS is None, reason="the C++ CPU kernels are not built (scripts/setup.sh builds them)")
@@ -28,15 +28,15 @@ def random_adapter(model: LlamaModel, lora_id: int, rank: int, skip: str) -> LoR
     return LoRAAdapter(LoRARequest(f"a{lora_id}", lora_id, "/x"), rank, 1.0, weights)
 
 
-def lora_step(model: LlamaModel, backend: CpuBackend, batch: LoRABatch | None):
+def lora_step(model: LlamaModel, decoder: NativeDecoder | None, batch: LoRABatch | None):
     forward = model.forward
 
-    def with_lora(*args):
-        return forward(*args, None, batch)
+    def with_lora(*args, **kwargs):
+        return forward(*args, None, batch, **kwargs)
 
     model.forward = with_lora  # type: ignore[method-assign]
     try:
-        return decode_step(model, backend)
+        return decode_step(model, decoder)
     finally:
         del model.forward
 
@@ -49,10 +49,10 @@ def test_native_loop_with_lora_rows_equals_the_layers_one_by_one(family, method,
     a, b = random_adapter(model, 1, 4, "o_proj"), random_adapter(model, 2, 8, "gate_up_proj")
     # decode_step's sequences: 1, 1, 1 and 3 rows; the second on the base model
     batch = LoRABatch.build([a, None, b, a], [1, 1, 1, 3], torch.device("cpu"))
-    native = CpuBackend(OPS)
+    native = NativeDecoder(OPS)
     logits, kv = lora_step(model, native, batch)
     assert native._stacks[model] is not None, "the native loop ran"
-    want_logits, want_kv = lora_step(model, CpuBackend(OPS, native_layers=False), batch)
+    want_logits, want_kv = lora_step(model, None, batch)
     assert torch.equal(logits, want_logits)
     assert all(torch.equal(x, y) for x, y in zip(kv, want_kv, strict=True))
     base_logits, _ = lora_step(model, native, None)

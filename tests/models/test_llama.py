@@ -9,8 +9,10 @@ import transformers
 from iterserve.attention import AttentionMetadata, select_backend
 from iterserve.config import ModelConfig
 from iterserve.models.checkpoint import empty_model, load_hf_state_dict
+from iterserve.models.native_decoder import NativeDecoder
 
 CPU = select_backend("cpu")  # what the engine runs on the CPU: the C++ kernels when built
+DECODER = NativeDecoder.for_device("cpu")  # and its decode steps in one C++ call (None without the kernels)
 LLAMA3_SCALING = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
                   "original_max_position_embeddings": 32}
 
@@ -53,7 +55,7 @@ def run_ours(model, ids: torch.Tensor, steps: list[int], block_size: int = 4) ->
     for n in steps:
         meta = AttentionMetadata.build(block_size=block_size, block_tables=[table], num_cached=[done], query_lens=[n],
                                        sliding_window=model.config.sliding_window)
-        outs.append(model(ids[done:done + n], torch.arange(done, done + n), caches, meta, CPU))
+        outs.append(model(ids[done:done + n], torch.arange(done, done + n), caches, meta, CPU, decoder=DECODER))
         done += n
     return torch.cat(outs)
 

@@ -15,11 +15,12 @@ from iterserve import kernels
 from iterserve.attention import AttentionMetadata
 from iterserve.distributed.parallel_state import ParallelState
 from iterserve.formats.gguf.tensors import gguf_block_tensors
-from iterserve.models.linear import NATIVE_GGUF
+from iterserve.models.native_decoder import LinearKind
 from iterserve.quantization.gguf_weight import GGUFWeight
 from iterserve.quantization.model import weight_formats
 from iterserve.quantization.packed import dequantize
 from tests.models.test_llama import CPU
+from tests.op_sets import use_kernels
 from tests.quantization.gguf_fixtures import random_blocks
 from tests.quantization.test_model import load
 
@@ -115,9 +116,11 @@ def test_every_matrix_stays_in_its_file_bytes(mixed_gguf):
     assert model.embed_tokens.qweight.fmt == "Q6_K" and model.embed_tokens.weight.numel() == 0
     assert model.lm_head.qweight.fmt == "Q4_K"
     if kernels.ops is not None:  # the decode loop runs these too
-        kind, parts, n, param, _ = attn.qkv_proj.method.native(attn.qkv_proj)
-        assert kind == NATIVE_GGUF and n == 2 * HIDDEN and len(parts) == 2
-        assert param == [*attn.qkv_proj.qweight.type_ids, HIDDEN + HIDDEN // 2, HIDDEN // 2]
+        native = attn.qkv_proj.method.native(attn.qkv_proj)
+        assert native is not None and native.kind is LinearKind.GGUF
+        assert native.out_features == 2 * HIDDEN and len(native.weights) == 2
+        assert native.type_ids == attn.qkv_proj.qweight.type_ids
+        assert native.part_rows == [HIDDEN + HIDDEN // 2, HIDDEN // 2]
 
 
 def test_greedy_tokens_equal_the_float_model(mixed_gguf, monkeypatch):
@@ -127,7 +130,7 @@ def test_greedy_tokens_equal_the_float_model(mixed_gguf, monkeypatch):
     if kernels.ops is not None:
         assert greedy(quantized, PROMPTS) == expected
         assert [greedy(quantized, [p])[0] for p in PROMPTS] == expected
-    monkeypatch.setattr(kernels, "ops", None)  # dequantize-then-matmul: the float model's numbers exactly
+    use_kernels(monkeypatch, None)  # dequantize-then-matmul: the float model's numbers exactly
     reference = load(mixed_gguf, "gguf")
     assert greedy(reference, PROMPTS) == expected
 

@@ -8,11 +8,11 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from iterserve import kernels
 from iterserve.formats.gguf.tensors import from_gguf
 from iterserve.formats.gguf.types import STORED_TYPES
 from iterserve.quantization import gguf_weight as G
 from iterserve.quantization import packed as P
+from tests.op_sets import use_kernels
 from tests.quantization.gguf_fixtures import STORED, random_blocks, reference
 from tests.quantization.test_packed import BUILT_ISAS, ISAS, OPS, integer_activations, needs_build
 
@@ -31,11 +31,11 @@ def test_dequantize_is_gguf_exactly(fmt, monkeypatch):
     w, ref = weight(fmt, 19, 512)
     assert w.fmt == fmt and w.shape == (19, 512) and w.nbytes == random_blocks(fmt, 19, 512).size
     rows = torch.tensor([[18, 0], [7, 7]])
-    monkeypatch.setattr(kernels, "ops", None)  # gguf-py's own dequantize: the CUDA path
+    use_kernels(monkeypatch, None)  # gguf-py's own dequantize: the CUDA path
     assert torch.equal(G.dequantize(w), ref)
     assert torch.equal(G.dequantize(w, rows=rows), ref[rows])
     if OPS is not None:
-        monkeypatch.setattr(kernels, "ops", OPS)  # the C++ decoder
+        use_kernels(monkeypatch, OPS)  # the C++ decoder
         assert torch.equal(P.dequantize(w, rows=rows), ref[rows])
         assert torch.equal(P.dequantize(w, rows=torch.arange(19)), ref)
         assert torch.equal(P.dequantize(w, torch.bfloat16, rows=rows), ref[rows].to(torch.bfloat16))
@@ -55,7 +55,7 @@ def scaled_reference(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
 def test_kernel_equals_dequantize_then_matmul(isa, fmt, m, tiled, monkeypatch):
     """Integer activations quantize to int8 exactly: the kernel then matches the float product to rounding;
     40 columns are two tiles and a ragged third, 768 inputs three super-blocks (K) or 24 blocks."""
-    monkeypatch.setattr(kernels, "ops", OPS)
+    use_kernels(monkeypatch, OPS)
     k = 768 if block_of(fmt) == 256 else 96
     w, ref = weight(fmt, 40, k, seed=m)
     if tiled:
@@ -69,7 +69,7 @@ def test_kernel_equals_dequantize_then_matmul(isa, fmt, m, tiled, monkeypatch):
 @needs_build
 @pytest.mark.parametrize("isa", BUILT_ISAS, ids=lambda i: ISAS[i])
 def test_fused_parts_of_different_types_multiply_in_one_call(isa, monkeypatch):
-    monkeypatch.setattr(kernels, "ops", OPS)
+    use_kernels(monkeypatch, OPS)
     parts = [weight(fmt, n, 256, seed=i) for i, (fmt, n) in enumerate([("Q4_K", 20), ("Q4_K", 12), ("Q6_K", 17),
                                                                         ("Q8_0", 3), ("Q5_0", 16)])]
     fused = G.GGUFWeight.cat([w for w, _ in parts])
@@ -88,7 +88,7 @@ def test_fused_parts_of_different_types_multiply_in_one_call(isa, monkeypatch):
 @pytest.mark.parametrize("isa", BUILT_ISAS, ids=lambda i: ISAS[i])
 @pytest.mark.parametrize("fmt", ["Q4_K", "Q6_K", "Q5_0"])
 def test_kernel_on_float_activations_is_within_int8_rounding(isa, fmt, monkeypatch):
-    monkeypatch.setattr(kernels, "ops", OPS)
+    use_kernels(monkeypatch, OPS)
     w, ref = weight(fmt, 48, 512)
     x = torch.randn(2, 3, 512, generator=torch.Generator().manual_seed(3))
     expected = F.linear(x, ref)
@@ -108,12 +108,12 @@ def test_tiles_hold_the_rows_bytes(fmt, padded, monkeypatch):
     assert t.parts[0].raw.shape == (3, blocks, 16 * padded) and t.parts[0].tiled_rows == 37 and t.n == 37
     assert t.nbytes == 3 * blocks * 16 * padded
     assert torch.equal(t.parts[0].untiled().raw, w.parts[0].raw)
-    monkeypatch.setattr(kernels, "ops", None)
+    use_kernels(monkeypatch, None)
     assert torch.equal(G.dequantize(t), ref)
     assert torch.equal(G.dequantize(t, rows=torch.tensor([36, 2])), ref[[36, 2]])
     assert weight("Q4_0", 4, 256)[0].tiled().parts[0].tiled_rows is None  # no tiled decoder: rows stay
     if OPS is not None:  # the C++ lookup reads a row out of its tile
-        monkeypatch.setattr(kernels, "ops", OPS)
+        use_kernels(monkeypatch, OPS)
         ids = torch.tensor([[36, 2], [0, 17]])
         assert torch.equal(G.dequantize(t, torch.bfloat16, rows=ids), ref[ids].to(torch.bfloat16))
         with pytest.raises(RuntimeError, match="row 37 is outside a weight of 37 rows"):
@@ -123,7 +123,7 @@ def test_tiles_hold_the_rows_bytes(fmt, padded, monkeypatch):
 def test_without_the_kernel_linear_dequantizes(monkeypatch):
     w, ref = weight("Q3_K", 8, 256)
     x = torch.randn(3, 256)
-    monkeypatch.setattr(kernels, "ops", None)
+    use_kernels(monkeypatch, None)
     torch.testing.assert_close(P.linear(x, w), F.linear(x, ref))
 
 
@@ -179,7 +179,7 @@ def test_kernel_refuses_a_weight_that_does_not_fit():
 def test_a_rows_result_does_not_depend_on_the_row_count(isa, fmt, monkeypatch):
     """Up to 16 rows decode in registers, 8 a pass, more decode a tile once (AVX-512): each row's output is the
     same bits."""
-    monkeypatch.setattr(kernels, "ops", OPS)
+    use_kernels(monkeypatch, OPS)
     k = 768 if block_of(fmt) == 256 else 608
     w = weight(fmt, 40, k, seed=5)[0].tiled()
     x = torch.randn(20, k, generator=torch.Generator().manual_seed(2)).bfloat16()

@@ -27,6 +27,7 @@ from iterserve.quantization.model import (
     weight_formats,
 )
 from tests.models.test_llama import run_ours
+from tests.op_sets import use_kernels
 
 HIDDEN, FFN, VOCAB, LAYERS, HEADS, KV_HEADS = 64, 128, 200, 2, 4, 2
 Q = gguf.GGMLQuantizationType
@@ -126,7 +127,7 @@ def test_gguf_model_computes_what_the_dequantized_model_does(tiny_gguf, monkeypa
     if kernels.ops is not None:
         fast = logits(quantized)
         assert ((fast - float_logits).norm() / float_logits.norm()).item() < 2e-2
-    monkeypatch.setattr(kernels, "ops", None)  # a model loaded from now on multiplies by dequantizing
+    use_kernels(monkeypatch, None)  # a model loaded from now on multiplies by dequantizing
     torch.testing.assert_close(logits(load(tiny_gguf, "gguf")), float_logits, rtol=1e-4, atol=1e-4)
 
 
@@ -135,7 +136,7 @@ def test_tied_embedding_and_lm_head_share_one_packed_weight(tmp_path, monkeypatc
     model = load(path, "gguf")
     assert model.lm_head.qweight is model.embed_tokens.qweight
     assert sum(f.fmt == "Q8_0" for f in weight_formats(model)) == 1
-    monkeypatch.setattr(kernels, "ops", None)
+    use_kernels(monkeypatch, None)
     torch.testing.assert_close(logits(model), logits(load(path, None)), rtol=1e-4, atol=1e-4)
 
 

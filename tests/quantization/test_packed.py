@@ -12,6 +12,7 @@ import torch.nn.functional as F
 from iterserve import kernels
 from iterserve.formats.gguf.tensors import from_gguf
 from iterserve.quantization import packed as P
+from tests.op_sets import use_kernels
 
 OPS = kernels.ops or kernels.load_build()
 needs_build = pytest.mark.skipif(
@@ -56,13 +57,13 @@ def test_gguf_blocks_repack_without_loss(fmt, n, k):
 def test_row_lookup_op_matches_unpacking(fmt, monkeypatch):
     w, ref = packed_weight(fmt, 40, 70 if fmt == "int8" else 64)
     rows = torch.tensor([[39, 0, 16], [17, 17, 31]])
-    monkeypatch.setattr(kernels, "ops", OPS)
+    use_kernels(monkeypatch, OPS)
     fast = P.dequantize(w, torch.bfloat16, rows=rows)
     assert fast.shape == (2, 3, w.k) and fast.dtype == torch.bfloat16
     torch.testing.assert_close(fast, ref[rows].to(torch.bfloat16))
     with pytest.raises(RuntimeError, match="row 40 is outside a weight of 40 rows"):
         P.dequantize(w, rows=torch.tensor([40]))
-    monkeypatch.setattr(kernels, "ops", None)
+    use_kernels(monkeypatch, None)
     torch.testing.assert_close(P.dequantize(w, torch.bfloat16, rows=rows), fast)
 
 
@@ -154,9 +155,9 @@ def test_kernel_refuses_mismatched_shapes():
 def test_linear_uses_the_kernel_and_falls_back_to_dequantize(monkeypatch):
     w, ref_w = packed_weight("Q8_0", 24, 64)
     x = integer_activations(6, 64, seed=2).view(2, 3, 64)
-    monkeypatch.setattr(kernels, "ops", OPS)
+    use_kernels(monkeypatch, OPS)
     fast = P.linear(x, w)
-    monkeypatch.setattr(kernels, "ops", None)
+    use_kernels(monkeypatch, None)
     slow = P.linear(x, w)
     assert fast.shape == slow.shape == (2, 3, 24)
     torch.testing.assert_close(slow, F.linear(x, ref_w))

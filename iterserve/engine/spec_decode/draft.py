@@ -22,6 +22,7 @@ from iterserve.engine.sampler import argmax_rows
 from iterserve.engine.sequence import Sequence
 from iterserve.models.llama import LlamaModel
 from iterserve.models.loader import LoadedModel, load_model
+from iterserve.models.native_decoder import NativeDecoder
 
 logger = logging.getLogger(__name__)
 
@@ -52,9 +53,10 @@ class DraftModel:
     """The draft's weights and its KV cache, as many blocks of the same size as the target's."""
 
     def __init__(self, model: LlamaModel, num_blocks: int, block_size: int, backend: AttentionBackend,
-                 kv_cache_dtype: str = "auto") -> None:
+                 kv_cache_dtype: str = "auto", decoder: NativeDecoder | None = None) -> None:
         self.model = model
         self.backend = backend  # the target's: both models run on one device
+        self.decoder = decoder  # the target's native decode loop, if it has one
         self.block_size = block_size
         self.kv_caches = model.allocate_kv_cache(num_blocks, block_size, backend, kv_cache_dtype)
 
@@ -72,7 +74,7 @@ class DraftModel:
         """Write the draft's K/V for the step's tokens (the target's inputs) into the slots the target just wrote."""
         self.model(input_ids, positions, self.kv_caches,
                    self._meta(block_tables, num_cached, query_lens, max_decode_query),
-                   self.backend, torch.empty(0, dtype=torch.long, device=self.model.device))
+                   self.backend, torch.empty(0, dtype=torch.long, device=self.model.device), decoder=self.decoder)
 
     @torch.inference_mode()
     def propose(self, seqs: list[Sequence], limits: list[int]) -> list[list[int]]:
@@ -87,7 +89,7 @@ class DraftModel:
             logits = self.model(torch.tensor([last[i] for i in active], dtype=torch.long, device=dev),
                                 torch.tensor(positions, dtype=torch.long, device=dev), self.kv_caches,
                                 self._meta([seqs[i].block_table for i in active], positions, [1] * len(active)),
-                                self.backend, torch.arange(len(active), device=dev))
+                                self.backend, torch.arange(len(active), device=dev), decoder=self.decoder)
             for i, token in zip(active, argmax_rows(logits).tolist()):
                 drafts[i].append(token)
                 last[i] = token
