@@ -49,11 +49,14 @@ class CpuBackend(ReferenceBackend):
         if stack is None:
             return None
         tables, context_lens = meta.decode_tables()
+        lora_a, lora_b, lora_slots = lora or ([], [], None)
+        # the class's schema takes no list of lists: every linear layer's slots in a row, with their counts
         out: tuple[torch.Tensor, torch.Tensor] = stack.forward(
             x, cos[:, 0], sin[:, 0], [c.k for c in kv_caches], [c.v for c in kv_caches], meta.slot_blocks,
             meta.slot_offsets, tables, context_lens, meta.sliding_window or 0,
             [c.k_scale for c in kv_caches if c.k_scale is not None],
-            [c.v_scale for c in kv_caches if c.v_scale is not None], *(lora or ([], [], None)))
+            [c.v_scale for c in kv_caches if c.v_scale is not None], [t for per in lora_a for t in per],
+            [t for per in lora_b for t in per], [len(per) for per in lora_a], lora_slots)
         return out
 
     def write_kv(self, k: torch.Tensor, v: torch.Tensor, cache: KVCache, meta: AttentionMetadata) -> None:

@@ -755,10 +755,16 @@ void write_kv(const at::Tensor& k, const at::Tensor& v, at::Tensor k_cache, at::
   });
 }
 
-void register_attention(pybind11::module& m) {
-  m.def("paged_decode", &paged_decode, "Paged decode attention reading K/V blocks in place");
-  m.def("write_kv", &write_kv, "Store this step's K/V rows into their cache slots");
-  m.def("keys_in_groups", [](at::ScalarType dtype, int64_t head_dim, int64_t block_size) {
-        return keys_in_groups(dtype, head_dim, block_size); },
-        "Whether paged_decode and write_kv take a K cache of this kind in key groups, and score it faster so");
+TORCH_LIBRARY_FRAGMENT(iterserve, m) {
+  m.def("paged_decode(Tensor(a!) out, Tensor q, Tensor k_cache, Tensor v_cache, Tensor block_tables, "
+        "Tensor context_lens, float scale, int sliding_window) -> ()");
+  m.def("write_kv(Tensor k, Tensor v, Tensor(a!) k_cache, Tensor(b!) v_cache, Tensor slot_blocks, "
+        "Tensor slot_offsets) -> ()");
+  // Whether paged_decode and write_kv take a K cache of this kind in key groups (no tensor: any backend)
+  m.def("keys_in_groups(ScalarType dtype, int head_dim, int block_size) -> bool", &keys_in_groups);
+}
+
+TORCH_LIBRARY_IMPL(iterserve, CPU, m) {
+  m.impl("paged_decode", &paged_decode);
+  m.impl("write_kv", &write_kv);
 }

@@ -865,9 +865,16 @@ void write_kv_quant(const at::Tensor& k, const at::Tensor& v, at::Tensor k_cache
   });
 }
 
-void register_kv_quant(pybind11::module& m) {
-  m.def("paged_decode_quant", &paged_decode_quant, "Paged decode attention over a float8 or int8 KV cache");
-  m.def("write_kv_quant", &write_kv_quant, "Quantize this step's K/V rows into their cache slots");
-  m.def("kv_quant_best_isa", &best_isa,
-        "Widest path built: 1 scalar, 2 AVX2 + F16C, 3 AVX-512, 4 AVX512-BF16 (bf16 queries)");
+TORCH_LIBRARY_FRAGMENT(iterserve, m) {
+  m.def("paged_decode_quant(Tensor(a!) out, Tensor q, Tensor k_cache, Tensor v_cache, Tensor? k_scale, "
+        "Tensor? v_scale, Tensor block_tables, Tensor context_lens, float scale, int sliding_window, int isa=0) -> ()");
+  m.def("write_kv_quant(Tensor k, Tensor v, Tensor(a!) k_cache, Tensor(b!) v_cache, Tensor(c!)? k_scale, "
+        "Tensor(d!)? v_scale, Tensor slot_blocks, Tensor slot_offsets) -> ()");
+  // Widest path built: 1 scalar, 2 AVX2 + F16C, 3 AVX-512, 4 AVX512-BF16 (bf16 queries)
+  m.def("kv_quant_best_isa() -> int", &best_isa);
+}
+
+TORCH_LIBRARY_IMPL(iterserve, CPU, m) {
+  m.impl("paged_decode_quant", &paged_decode_quant);
+  m.impl("write_kv_quant", &write_kv_quant);
 }

@@ -538,11 +538,14 @@ at::Tensor lora_add_(at::Tensor out, const at::Tensor& x, const std::vector<c10:
   return out;
 }
 
-void register_linear(pybind11::module& m) {
-  m.def("pack_linear_weight", &pack_linear_weight, "Re-lay out W [N, K] for packed_linear");
-  m.def("packed_linear", &packed_linear, "x @ W^T (+ bias) on a packed weight, streaming it once",
-        pybind11::arg("x"), pybind11::arg("packed"), pybind11::arg("N"), pybind11::arg("bias") = pybind11::none(), pybind11::arg("amx_min_rows") = 8);
-  m.def("lora_add_", &lora_add_, "out += each row's own LoRA product, on packed A and B per slot",
-        pybind11::arg("out"), pybind11::arg("x"), pybind11::arg("a"), pybind11::arg("b"),
-        pybind11::arg("row_slots") = pybind11::none());
+TORCH_LIBRARY_FRAGMENT(iterserve, m) {
+  m.def("pack_linear_weight(Tensor w) -> Tensor");
+  m.def("packed_linear(Tensor x, Tensor packed, int N, Tensor? bias=None, int amx_min_rows=8) -> Tensor");
+  m.def("lora_add_(Tensor(a!) out, Tensor x, Tensor?[] a, Tensor?[] b, Tensor? row_slots=None) -> Tensor(a!)");
+}
+
+TORCH_LIBRARY_IMPL(iterserve, CPU, m) {
+  m.impl("pack_linear_weight", &pack_linear_weight);
+  m.impl("packed_linear", &packed_linear);
+  m.impl("lora_add_", &lora_add_);
 }

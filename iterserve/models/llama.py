@@ -28,7 +28,7 @@ from iterserve.distributed.layers import (
     head_shard,
 )
 from iterserve.distributed.parallel_state import ParallelState
-from iterserve.models.linear import LinearDelta
+from iterserve.models.linear import LinearDelta, NativeLinear
 from iterserve.models.moe import SparseMoeBlock
 
 
@@ -230,7 +230,11 @@ class LlamaModel(nn.Module):
             if any(lin is None for lin in linears):
                 return None
             qk_norms = (attn.q_norm.weight, attn.k_norm.weight) if attn.q_norm and attn.k_norm else (None, None)
-            stack.add_layer(layer.input_layernorm.weight, layer.post_attention_layernorm.weight, *qk_norms, *linears)
+            stack.add_layer(layer.input_layernorm.weight, layer.post_attention_layernorm.weight, *qk_norms)
+            for kind, weight, out_features, param, bias in typing.cast(list[NativeLinear], linears):
+                # the class's schema takes lists: one weight and one param, or a GGUF layer's parts and metadata
+                stack.add_linear(kind, weight if isinstance(weight, list) else [weight], out_features,
+                                 param if isinstance(param, list) else [param], bias)
         return stack
 
     def native_lora(self, lora: LinearDelta) -> NativeLoRA | None:

@@ -174,7 +174,7 @@ def dequantize(w: GGUFWeight, dtype: torch.dtype = torch.float32, rows: torch.Te
     if rows is not None and len(w.parts) == 1:
         p = w.parts[0]
         if kernels.ops is not None and p.raw.is_cpu:
-            return torch.ops.iterserve_quant.krows.default(p.raw, w.type_ids[0], rows, w.k, dtype, p.rows)
+            return torch.ops.iterserve.krows.default(p.raw, w.type_ids[0], rows, w.k, dtype, p.rows)
         p = p.untiled()
         return _dequantize_part(p, w.k, rows.reshape(-1).to(p.raw.device)).to(dtype).view(*rows.shape, w.k)
     full = torch.cat([_dequantize_part(p, w.k) for p in w.parts]).to(dtype)
@@ -196,6 +196,6 @@ def linear(x: torch.Tensor, w: GGUFWeight, isa: int = 0) -> torch.Tensor:
         return F.linear(x, dequantize(w, x.dtype))
     raws, ns = [p.raw for p in w.parts], [p.rows for p in w.parts]
     if x.dim() == 2 and x.stride(1) == 1:
-        return torch.ops.iterserve_quant.kgemm.default(x, raws, w.type_ids, ns, isa)
+        return torch.ops.iterserve.kgemm.default(x, raws, w.type_ids, ns, isa)
     rows = x.reshape(-1, x.shape[-1]).contiguous()
-    return torch.ops.iterserve_quant.kgemm.default(rows, raws, w.type_ids, ns, isa).view(*x.shape[:-1], w.n)
+    return torch.ops.iterserve.kgemm.default(rows, raws, w.type_ids, ns, isa).view(*x.shape[:-1], w.n)

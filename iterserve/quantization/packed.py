@@ -171,7 +171,7 @@ def dequantize(w: QuantizedWeight, dtype: torch.dtype = torch.float32,
     if isinstance(w, GGUFWeight):
         return gguf_weight.dequantize(w, dtype, rows)
     if rows is not None and kernels.ops is not None and w.data.is_cpu:
-        return torch.ops.iterserve_quant.qrows.default(w.data, rows, w.n, w.k, w.bits, dtype)
+        return torch.ops.iterserve.qrows.default(w.data, rows, w.n, w.k, w.bits, dtype)
     out = unpack(w, rows).dequantize(dtype)
     return out if rows is None else out.view(*rows.shape, w.k)
 
@@ -237,11 +237,11 @@ def linear(x: torch.Tensor, w: QuantizedWeight, isa: int = 0) -> torch.Tensor:
     if kernels.ops is None or not x.is_cpu:
         return F.linear(x, dequantize(w, x.dtype))
     if x.dim() == 2 and x.stride(1) == 1:
-        return torch.ops.iterserve_quant.qgemm.default(x, w.data, w.n, w.bits, isa)
+        return torch.ops.iterserve.qgemm.default(x, w.data, w.n, w.bits, isa)
     rows = x.reshape(-1, x.shape[-1]).contiguous()
-    return torch.ops.iterserve_quant.qgemm.default(rows, w.data, w.n, w.bits, isa).view(*x.shape[:-1], w.n)
+    return torch.ops.iterserve.qgemm.default(rows, w.data, w.n, w.bits, isa).view(*x.shape[:-1], w.n)
 
 
 def best_isa() -> int:
     """The widest kernel built for this machine (see :func:`linear`); 0 without the build."""
-    return int(torch.ops.iterserve_quant.best_isa()) if kernels.ops is not None else 0
+    return int(torch.ops.iterserve.quant_best_isa()) if kernels.ops is not None else 0
