@@ -2,12 +2,12 @@
 // fused QKV matmul, QK-norm where the model has it, RoPE, the KV-cache write, paged decode attention, the
 // output projection, RMSNorm again and the gate/up -> SiLU * up -> down MLP; the same kernels, in the same
 // order, as the Python layers of iterserve/models/llama.py call through the CPU backend, without going
-// back to Python between them. A decode step of a small model is short enough that Python's share
-// was large: SmolLM2-135M in Q4_1 spent about 1.5 of its 5.9 ms a step (batch 1) in 30 layers of module
-// calls and op dispatch. Every token of such a step is attended as a decode (short prompts included, see
+// back to Python between them: a decode step of a small model is short enough that Python's module calls
+// and op dispatch were a large share of it (docs/benchmarks-history.md). Every token of such a step is attended as a decode (short prompts included, see
 // CpuBackend.decode_prompts_up_to); a step with a longer prompt chunk takes the Python path (SDPA's).
-// A step's LoRA adapters come as each linear layer's packed weights per adapter (iterserve.lora.batch.LoRABatch.native)
-// and are added by the kernel LoRABatch.add calls (lora_add_), so a row gets the same values on either path.
+// A step's LoRA adapters come as each linear layer's packed weights per adapter (LoRABatch.native, flattened by
+// CpuBackend.decode_layers) and are added by the kernel LoRABatch.add calls (lora_add_), so a row gets the same
+// values on either path. The stack is a torch custom class (torch.classes.iterserve.DecoderStack).
 
 #include "ops.h"
 
@@ -164,7 +164,7 @@ class DecoderStack : public torch::CustomClassHolder {
       }
       rope_(q, k, cos, sin);
       at::Tensor attn = at::empty({n, heads_, dim_}, q.options());
-      if (is_quantized(k_caches[l])) {  // kv_cache_dtype fp8 / int8 (kv_quant.cpp); int8 caches come with scales
+      if (is_quantized(k_caches[l])) {  // kv_cache_dtype fp8 / int8 (kv_quant_decode.cpp); int8 caches come with scales
         const auto ks = k_scales.empty() ? c10::optional<at::Tensor>() : k_scales[l];
         const auto vs = v_scales.empty() ? c10::optional<at::Tensor>() : v_scales[l];
         write_kv_quant(k, v, k_caches[l], v_caches[l], ks, vs, slot_blocks, slot_offsets);
