@@ -3,8 +3,9 @@
 // output projection, RMSNorm again and the gate/up -> SiLU * up -> down MLP; the same kernels, in the same
 // order, as the Python layers of iterserve/models/llama.py call through the CPU backend, without going
 // back to Python between them: a decode step of a small model is short enough that Python's module calls
-// and op dispatch were a large share of it (docs/benchmarks-history.md). Every token of such a step is attended as a decode (short prompts included, see
-// CpuBackend.decode_prompts_up_to); a step with a longer prompt chunk takes the Python path (SDPA's).
+// and op dispatch were a large share of it (docs/benchmarks-history.md). Every token of such a step is
+// attended as a decode (short prompts included, see CpuBackend.decode_prompts_up_to); a step with a longer
+// prompt chunk takes the Python path (SDPA's).
 // A step's LoRA adapters come as each linear layer's packed weights per adapter (LoRABatch.native, flattened by
 // CpuBackend.decode_layers) and are added by the kernel LoRABatch.add calls (lora_add_), so a row gets the same
 // values on either path. The stack is a torch custom class (torch.classes.iterserve.DecoderStack).
