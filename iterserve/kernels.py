@@ -7,17 +7,21 @@ and the torch version, so an edited source or another torch finds no build and f
 of loading a stale one. Without a build, or with ``ITERSERVE_CPU_KERNELS=0``, ``ops`` is None and the
 CPU runs the PyTorch reference. Only :mod:`iterserve.platforms.ops` reads ``ops``: it makes the one choice of op
 set, which every other module looks its kernels up on.
+
+The extension registers every op in one library, ``torch.ops.iterserve`` (``TORCH_LIBRARY``; the decode
+stack as the class ``torch.classes.iterserve.DecoderStack``); ``ops`` holds them as attributes, so a call
+site reads ``ops.rms_norm(x, w, eps)``.
 """
 
 from __future__ import annotations
 
 import hashlib
-import importlib.util
 import logging
 import os
 import shutil
 from pathlib import Path
 from types import ModuleType
+from typing import Any
 
 import torch
 
@@ -47,24 +51,46 @@ def module_name() -> str:
     return _PREFIX + hashlib.sha256(key).hexdigest()[:12]
 
 
-def build(verbose: bool = False) -> ModuleType:
-    """Compile the extension into ``BUILD_DIR`` (takes a minute) and drop builds of older sources."""
+class KernelOps(ModuleType):
+    """The loaded extension's ops: attribute ``name`` is ``torch.ops.iterserve.name``'s one overload (called
+    without the packet's overload lookup), ``DecoderStack`` the class; each looked up once, then kept."""
+
+    def __getattr__(self, name: str) -> Any:
+        if name.startswith("__"):
+            raise AttributeError(name)
+        value: Any
+        if name == "DecoderStack":
+            value = torch.classes.iterserve.DecoderStack
+        else:
+            try:
+                value = getattr(torch.ops.iterserve, name).default
+            except (AttributeError, RuntimeError) as exc:
+                raise AttributeError(f"the CPU kernels have no op {name!r}") from exc
+        setattr(self, name, value)
+        return value
+
+
+def build(verbose: bool = False) -> KernelOps:
+    """Compile the extension into ``BUILD_DIR`` (takes a minute), load it and drop builds of older sources."""
     from torch.utils import cpp_extension
 
     name = module_name()
     directory = BUILD_DIR / name
     directory.mkdir(parents=True, exist_ok=True)
-    module = cpp_extension.load(
+    cpp_extension.load(
         name=name, sources=[str(s) for s in SOURCES], extra_cflags=_cflags(), extra_ldflags=["-fopenmp"],
-        build_directory=str(directory), verbose=verbose,
+        build_directory=str(directory), verbose=verbose, is_python_module=False,
     )
     for old in BUILD_DIR.glob(_PREFIX + "*"):
         if old.name != name:
             shutil.rmtree(old, ignore_errors=True)
-    return module
+    ops = load_build()
+    if ops is None:
+        raise RuntimeError(f"the build in {directory} does not load")
+    return ops
 
 
-def load_build() -> ModuleType | None:
+def load_build() -> KernelOps | None:
     """The built extension for this source, or None (with one log line saying the reference path runs)."""
     name = module_name()
     path = BUILD_DIR / name / f"{name}.so"
@@ -73,25 +99,23 @@ def load_build() -> ModuleType | None:
                        "the PyTorch reference path runs")
         return None
     try:
-        spec = importlib.util.spec_from_file_location(name, path)
-        if spec is None or spec.loader is None:
-            raise ImportError(f"no loader for {path}")
-        module = importlib.util.module_from_spec(spec)
-        spec.loader.exec_module(module)
-    except ImportError as exc:
+        torch.ops.load_library(str(path))  # loading the same file again is a no-op
+    except (OSError, RuntimeError) as exc:
         logger.warning("iterserve CPU kernels failed to load (%s); the PyTorch reference path runs", exc)
         return None
-    return module
+    ops = KernelOps(f"{__name__}.ops")
+    ops.__file__ = str(path)
+    return ops
 
 
-def _load() -> ModuleType | None:
+def _load() -> KernelOps | None:
     if os.environ.get(ENV_VAR, "1") == "0":
         logger.info("%s=0: CPU kernels disabled, the PyTorch reference path runs", ENV_VAR)
         return None
     return load_build()
 
 
-ops: ModuleType | None = _load()
+ops: KernelOps | None = _load()
 
 
 _pool_threads: int | None = None

@@ -317,3 +317,35 @@ def test_the_kernels_op_set_computes_the_reference_op_sets_values(dtype):
     for t in (logits.to(dtype), logits[:, ::2]):
         assert torch.equal(cpu.argmax_rows(t), t.argmax(dim=-1))
     assert REFERENCE.keys_in_groups(torch.bfloat16, 32, 16) is False and REFERENCE.best_isa() == 0
+
+
+def test_every_op_is_one_registered_torch_op():
+    """The kernels register one way: ``ops.X`` is the dispatcher's ``torch.ops.iterserve.X``, whose schema marks
+    the arguments it writes, and an op that does not exist says so."""
+    assert OPS.rms_norm is torch.ops.iterserve.rms_norm.default
+    assert "Tensor(a!) out" in str(OPS.paged_decode._schema)
+    assert OPS.threads() >= 1
+    with pytest.raises(AttributeError, match="no op 'no_such_op'"):
+        _ = OPS.no_such_op
+    with pytest.raises(RuntimeError, match="Expected a value of type 'float' for argument 'eps'"):
+        OPS.rms_norm(torch.ones(2, 4), torch.ones(4), "eps")
+
+
+@needs_build
+def test_decoder_stack_rejects_a_malformed_layer():
+    """DecoderStack takes a layer's norms, then its four linear layers; anything else is a clear error."""
+    stack = OPS.DecoderStack(2, 1, 4, 1e-5, 0.5)
+    w, norm = torch.ones(16, 8), torch.ones(8)
+    with pytest.raises(RuntimeError, match="add_linear needs a layer with room"):
+        stack.add_linear(0, [w], 16, [0], None)
+    with pytest.raises(RuntimeError, match="QK-norm needs both weights"):
+        stack.add_layer(norm, norm, torch.ones(4), None)
+    stack.add_layer(norm, norm, None, None)
+    with pytest.raises(RuntimeError, match="unknown linear kind 7"):
+        stack.add_linear(7, [w], 16, [0], None)
+    with pytest.raises(RuntimeError, match="one weight and one param"):
+        stack.add_linear(0, [w, w], 16, [0], None)
+    with pytest.raises(RuntimeError, match="a type id and a row count per part"):
+        stack.add_linear(3, [w], 16, [12], None)
+    with pytest.raises(RuntimeError, match="the last layer lacks its linear layers"):
+        stack.add_layer(norm, norm, None, None)

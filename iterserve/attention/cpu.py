@@ -38,12 +38,10 @@ class CpuBackend(ReferenceBackend):
         ext.write_kv(k, v, cache.k, cache.v, meta.slot_blocks, meta.slot_offsets)
 
     def decode(self, out: torch.Tensor, q: torch.Tensor, cache: KVCache, meta: AttentionMetadata, scale: float) -> None:
-        # Reads each sequence's blocks in place: no gathered copy of K/V. Decode attention alone (bf16,
-        # context 512, one layer) measured the gather + two matmuls 5.6x / 4.7x / 6.1x slower at batch
-        # 1 / 16 / 64; torch.compile of that route took 0.7-1.2x the gather's time, still 7-20x the
-        # kernel's (scripts/bench_decode_attention.py, under heavy shared load, routes alternating).
+        # Reads each sequence's blocks in place: a gathered copy of K/V and two matmuls, compiled or not, took
+        # several times as long (docs/benchmarks-history.md).
         ext = self.ops.extension
-        if cache.quantized:  # csrc/kv_quant.cpp: the one-byte blocks widened in place, tile by tile
+        if cache.quantized:  # csrc/kv_quant_decode.cpp: the one-byte blocks widened in place, tile by tile
             ext.paged_decode_quant(out, q, cache.k, cache.v, cache.k_scale, cache.v_scale, meta.decode_block_tables,
                                    meta.decode_context_lens, scale, meta.sliding_window or 0, 0)
             return

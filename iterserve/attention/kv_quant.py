@@ -1,7 +1,7 @@
 """The quantized KV cache's numbers in PyTorch: what a store writes and what a read gets back
 (:mod:`iterserve.config.kv_cache` says what each ``kv_cache_dtype`` stores).
 
-These are the ground truth the C++ kernels (``csrc/kv_quant.cpp``) match byte for byte on store: float8 by
+These are the ground truth the C++ kernels (``csrc/kv_quant_write.cpp``) match byte for byte on store: float8 by
 torch's own round-to-nearest-even conversion after clamping to the format's finite range (an out-of-range
 value would become NaN in e4m3fn, infinity in e5m2), int8 as ``round(x / scale)`` with ``scale`` the row's
 ``amax / 127`` rounded to float16 first, so that the scale stored is the scale divided by.

@@ -1,18 +1,19 @@
-// Attention on the paged KV cache: decode attention that reads K/V blocks in place, and the KV-cache write.
-// Every op has a PyTorch reference path (iterserve/attention/reference.py).
+// Paged decode attention: each query attends its sequence's K/V read from the cache's blocks in place, a
+// tile of keys at a time with an online softmax, a long context split into fixed pieces merged after. The
+// inner loops are in attention_loops.h and attention_bf16.h; the KV-cache write is kv_write.cpp's. Every op
+// has a PyTorch reference path (iterserve/attention/reference.py).
 //
 // All arithmetic is float32 with one rounding to the storage dtype at the end; bf16 decode attention on a
 // CPU with AVX512-BF16 also rounds its softmax weights to bf16 for P . V, as PyTorch's CPU attention does.
 
-#include <torch/extension.h>
+#include <torch/library.h>
 
 #include <ATen/Parallel.h>
-#include <ATen/cpu/vec/functional.h>
-#include <ATen/cpu/vec/vec.h>
 
+#include "attention_bf16.h"
+#include "attention_loops.h"
 #include "ops.h"
 #include "parallel.h"
-#include "vec.h"
 
 #include <algorithm>
 #include <cmath>
@@ -21,360 +22,9 @@
 #include <type_traits>
 #include <vector>
 
-#if defined(CPU_CAPABILITY_AVX512)
-#include <immintrin.h>
-#endif
-
 namespace {
 
-using namespace iterserve::vec;
-
-// Keys scored per online-softmax step. 32 rows of 64-128 floats stay in L1 and amortise the
-// per-tile rescale; 16 and 64 measured within noise of 32 on the decode benchmark.
-constexpr int64_t kTile = 32;
-
-// K in key groups: where the CPU has AVX512-BF16, a bf16 K cache with a head dim that is a multiple of 32 and
-// blocks of a multiple of 16 keys is [blocks, kv_heads, block_size / 16, head_dim / 2, 16, 2]: each 16 keys of
-// a block's head keep their dimension pairs side by side, so that one vdpbf16ps scores sixteen keys on one
-// pair of the query (group_scores_keyed) and no sum crosses lanes. V keeps rows. K in rows is scored a key at a
-// time, with sixteen keys' lanes summed by shuffles after, which costs more (docs/benchmarks-history.md).
-constexpr int64_t kKeyGroup = 16;
-
-bool keys_in_groups(at::ScalarType dtype, int64_t head_dim, int64_t block_size) {
-#if defined(ITERSERVE_DPBF16) && defined(CPU_CAPABILITY_AVX512)
-  return dtype == at::kBFloat16 && head_dim % 32 == 0 && block_size % kKeyGroup == 0;
-#else
-  return false;
-#endif
-}
-
-// y += a * x
-inline void axpy(float* y, float a, const float* x, int64_t n) {
-  const Vec va(a);
-  int64_t i = 0;
-  for (; i + kVecSize <= n; i += kVecSize) at::vec::fmadd(va, Vec::loadu(x + i), Vec::loadu(y + i)).store(y + i);
-  for (; i < n; ++i) y[i] += a * x[i];
-}
-
-inline void scale_(float* y, float a, int64_t n) {
-  const Vec va(a);
-  int64_t i = 0;
-  for (; i + kVecSize <= n; i += kVecSize) (Vec::loadu(y + i) * va).store(y + i);
-  for (; i < n; ++i) y[i] *= a;
-}
-
-// The largest of p[0, n), one vector at a time and one reduction: one reduction instead of one per vector as
-// at::vec::reduce_all's max does (equal to the bit).
-inline float max_of(const float* p, int64_t n) {
-  Vec best(-std::numeric_limits<float>::infinity());
-  int64_t i = 0;
-  for (; i + kVecSize <= n; i += kVecSize) best = at::vec::maximum(best, Vec::loadu(p + i));
-  float out = best.reduce_max();
-  for (; i < n; ++i) out = std::max(out, p[i]);
-  return out;
-}
-
-// p[i] = exp(p[i] - m) for i < n; returns the sum.
-inline float exp_sum_(float* p, float m, int64_t n) {
-  const Vec vm(m);
-  int64_t i = 0;
-  float sum = 0.f;
-  for (; i + kVecSize <= n; i += kVecSize) {
-    Vec e = (Vec::loadu(p + i) - vm).exp_u20();
-    e.store(p + i);
-    sum += e.reduce_add();
-  }
-  for (; i < n; ++i) {
-    p[i] = std::exp(p[i] - m);
-    sum += p[i];
-  }
-  return sum;
-}
-
-// q_g . k for P keys, one vector of partial sums per head and key: each K vector is loaded (and widened) once
-// for all G heads, read where it lies in the cache, and each q vector once for the P keys.
-template <int G, int P, typename T>
-inline void key_partials(const float* qf, const T* const* k, int64_t dim, Vec (*acc)[G]) {
-  for (int p = 0; p < P; ++p)
-    for (int g = 0; g < G; ++g) acc[p][g] = Vec(0.f);
-  for (int64_t i = 0; i < dim; i += kVecSize) {
-    Vec kv[P];
-    for (int p = 0; p < P; ++p) kv[p] = load_f(k[p] + i);
-    for (int g = 0; g < G; ++g) {
-      const Vec qv = Vec::loadu(qf + g * dim + i);
-      for (int p = 0; p < P; ++p) acc[p][g] = at::vec::fmadd(qv, kv[p], acc[p][g]);
-    }
-  }
-}
-
-#if defined(CPU_CAPABILITY_AVX512)
-// Lane j of the result is the sum of v[j]'s sixteen lanes: a transposing add tree, 45 shuffles and adds for
-// sixteen sums where sixteen separate reductions take about 150. Each sum depends on its own vector alone.
-inline __m512 sum16(const float (*v)[16]) {
-  __m512 b[8], c[4], d[2];
-  for (int i = 0; i < 8; ++i) {  // per 128-bit lane: [v2i 0+2, v2i+1 0+2, v2i 1+3, v2i+1 1+3]
-    const __m512 x = _mm512_load_ps(v[2 * i]), y = _mm512_load_ps(v[2 * i + 1]);
-    b[i] = _mm512_add_ps(_mm512_unpacklo_ps(x, y), _mm512_unpackhi_ps(x, y));
-  }
-  for (int i = 0; i < 4; ++i)  // per 128-bit lane: that lane's sums of v4i .. v4i+3
-    c[i] = _mm512_add_ps(_mm512_shuffle_ps(b[2 * i], b[2 * i + 1], 0x44),
-                         _mm512_shuffle_ps(b[2 * i], b[2 * i + 1], 0xEE));
-  for (int i = 0; i < 2; ++i)  // the four lanes added in pairs
-    d[i] = _mm512_add_ps(_mm512_shuffle_f32x4(c[2 * i], c[2 * i + 1], 0x88),
-                         _mm512_shuffle_f32x4(c[2 * i], c[2 * i + 1], 0xDD));
-  return _mm512_add_ps(_mm512_shuffle_f32x4(d[0], d[1], 0x88), _mm512_shuffle_f32x4(d[0], d[1], 0xDD));
-}
-#endif
-
-// The next tile's K and V rows, asked for a few at a time while this tile's scores are computed. Asked for all
-// at once at the start of a tile, the fetch does not overlap the arithmetic and K/V from DRAM arrive at about
-// half the rate they do from cache (docs/benchmarks-history.md).
-template <typename T>
-struct RowPrefetch {
-  const T* const* k;
-  const T* const* v;
-  int64_t n, row_bytes, next = 0;
-  void ask(int64_t rows) {
-    for (const int64_t end = std::min(n, next + rows); next < end; ++next)
-      for (int64_t b = 0; b < row_bytes; b += 64) {
-        __builtin_prefetch(reinterpret_cast<const char*>(k[next]) + b);
-        __builtin_prefetch(reinterpret_cast<const char*>(v[next]) + b);
-      }
-  }
-  void rest() { ask(n - next); }
-};
-
-#if defined(CPU_CAPABILITY_AVX512)
-// scores[g * kTile + j] = scale * (q_g . k_j) for n keys, sixteen at a time: pair(j, count, acc) leaves in
-// acc[p][g] head g's vector of partial sums for key j + p (zero for p >= count; count <= 2), and sixteen keys'
-// vectors are reduced together.
-template <int G, typename T, typename Pair>
-inline void scores_by_sixteen(int64_t n, float scale, float* scores, RowPrefetch<T>& pf, Pair&& pair) {
-  static_assert(kTile % 16 == 0, "a tile's score rows hold whole groups of sixteen");
-  alignas(64) float part[G][16][16];
-  const __m512 vscale = _mm512_set1_ps(scale);
-  for (int64_t j0 = 0; j0 < n; j0 += 16) {
-    const int64_t keys = std::min<int64_t>(16, n - j0);
-    for (int64_t j = 0; j < 16; j += 2) {
-      pf.ask(2);
-      __m512 acc[2][G];
-      pair(j0 + j, std::clamp<int64_t>(keys - j, 0, 2), acc);
-      for (int g = 0; g < G; ++g) {
-        _mm512_store_ps(part[g][j], acc[0][g]);
-        _mm512_store_ps(part[g][j + 1], acc[1][g]);
-      }
-    }
-    for (int g = 0; g < G; ++g) _mm512_storeu_ps(scores + g * kTile + j0, _mm512_mul_ps(sum16(part[g]), vscale));
-  }
-  pf.rest();
-}
-#endif
-
-// The tile's scores for a GQA group of G query heads sharing one KV head, scores[g * kTile + j] = q_g . k_j,
-// reading key j where it lies in the cache (rows[j]). Needs dim to be a multiple of the vector width. With
-// AVX-512, two keys at a time (twice the independent sums) and sixteen keys' partial sums reduced together.
-template <int G, typename T>
-void group_scores(const float* qf, const T* const* rows, int64_t n, int64_t dim, float* scores, RowPrefetch<T>& pf) {
-#if defined(CPU_CAPABILITY_AVX512)
-  scores_by_sixteen<G>(n, 1.f, scores, pf, [&](int64_t j, int64_t count, __m512 (*acc)[G]) {
-    Vec v[2][G];
-    if (count == 2) {
-      key_partials<G, 2>(qf, rows + j, dim, v);
-    } else if (count == 1) {
-      key_partials<G, 1>(qf, rows + j, dim, v);
-      for (int g = 0; g < G; ++g) v[1][g] = Vec(0.f);
-    } else {
-      for (int g = 0; g < G; ++g) v[0][g] = v[1][g] = Vec(0.f);
-    }
-    for (int p = 0; p < 2; ++p)
-      for (int g = 0; g < G; ++g) acc[p][g] = v[p][g];
-  });
-#else
-  for (int64_t j = 0; j < n; ++j) {
-    pf.ask(1);
-    Vec acc[1][G];
-    key_partials<G, 1>(qf, rows + j, dim, acc);
-    for (int g = 0; g < G; ++g) scores[g * kTile + j] = acc[0][g].reduce_add();
-  }
-  pf.rest();
-#endif
-}
-
-#if defined(ITERSERVE_DPBF16) && defined(CPU_CAPABILITY_AVX512)
-// group_values for bf16 V on AVX512-BF16: acc_g += sum_j p[g][j] v_j with the weights rounded to bf16 (as
-// PyTorch's CPU flash attention rounds them before its P @ V), two keys a vdpbf16ps: the rows of keys j and
-// j + 1 are interleaved element by element, so each 32-bit lane holds one dimension's pair of values: half the
-// multiply instructions of widening each key to float32.
-template <int G, int D>
-void group_values_pairs(const float* scores, const c10::BFloat16* const* rows, int64_t n, int64_t dim, float* acc) {
-  alignas(64) uint16_t pb[G][kTile + 2];  // each head's weights in bf16, a zero after the last
-  for (int g = 0; g < G; ++g) {
-    for (int64_t j = 0; j < kTile; j += 32) {
-      const __m512 lo = _mm512_loadu_ps(scores + g * kTile + j), hi = _mm512_loadu_ps(scores + g * kTile + j + 16);
-      _mm512_storeu_si512(pb[g] + j, (__m512i)_mm512_cvtne2ps_pbh(hi, lo));
-    }
-    pb[g][n] = 0;
-  }
-  // Word i of the first (second) half: dimension i (16 + i) of key j, then of key j + 1.
-  const __m512i lo_idx = _mm512_set_epi16(47, 15, 46, 14, 45, 13, 44, 12, 43, 11, 42, 10, 41, 9, 40, 8, 39, 7, 38,
-                                          6, 37, 5, 36, 4, 35, 3, 34, 2, 33, 1, 32, 0);
-  const __m512i hi_idx = _mm512_add_epi16(lo_idx, _mm512_set1_epi16(16));
-  __m512 a[G][2 * D];
-  for (int g = 0; g < G; ++g)
-    for (int d = 0; d < 2 * D; ++d) a[g][d] = _mm512_loadu_ps(acc + g * dim + 16 * d);
-  for (int64_t j = 0; j < n; j += 2) {
-    const c10::BFloat16* r0 = rows[j];
-    const c10::BFloat16* r1 = j + 1 < n ? rows[j + 1] : r0;  // weighed by the zero after the last
-    __m512bh p[G];
-    for (int g = 0; g < G; ++g) {
-      uint32_t pair;
-      std::memcpy(&pair, pb[g] + j, sizeof(pair));
-      p[g] = (__m512bh)_mm512_set1_epi32(static_cast<int>(pair));
-    }
-    for (int d = 0; d < D; ++d) {
-      const __m512i x = _mm512_loadu_si512(r0 + 32 * d), y = _mm512_loadu_si512(r1 + 32 * d);
-      const __m512bh lo = (__m512bh)_mm512_permutex2var_epi16(x, lo_idx, y);
-      const __m512bh hi = (__m512bh)_mm512_permutex2var_epi16(x, hi_idx, y);
-      for (int g = 0; g < G; ++g) {
-        a[g][2 * d] = _mm512_dpbf16_ps(a[g][2 * d], p[g], lo);
-        a[g][2 * d + 1] = _mm512_dpbf16_ps(a[g][2 * d + 1], p[g], hi);
-      }
-    }
-  }
-  for (int g = 0; g < G; ++g)
-    for (int d = 0; d < 2 * D; ++d) _mm512_storeu_ps(acc + g * dim + 16 * d, a[g][d]);
-}
-
-// Scores over K stored in key groups (keys_in_groups): NG groups of 16 keys from `base[i]`, for G heads whose
-// query pairs are q_stride words apart, U chains of dot products per head and group. Lane l of out[i][g] is
-// scale * (q_g . key l of group i): each vdpbf16ps takes one dimension pair of sixteen keys against that pair
-// of the query, broadcast, so nothing is summed across lanes. The next tile's rows are asked for a few per
-// step, 16 x NG in all (RowPrefetch: asked for at once, they did not overlap the arithmetic).
-template <int G, int NG, int U>
-inline void key_group_scores(const uint32_t* q, int64_t q_stride, const c10::BFloat16* const* base, int64_t pairs,
-                             __m512 scale, RowPrefetch<c10::BFloat16>& pf, __m512 (*out)[G]) {
-  __m512 acc[NG][G][U];
-  for (int i = 0; i < NG; ++i)
-    for (int g = 0; g < G; ++g)
-      for (int u = 0; u < U; ++u) acc[i][g][u] = _mm512_setzero_ps();
-  const int64_t ask = (16 * NG * U + pairs - 1) / pairs;
-  for (int64_t p = 0; p < pairs; p += U) {
-    pf.ask(ask);
-    for (int u = 0; u < U; ++u) {
-      __m512bh k[NG];
-      for (int i = 0; i < NG; ++i) k[i] = (__m512bh)_mm512_loadu_si512(base[i] + 32 * (p + u));
-      for (int g = 0; g < G; ++g) {
-        const __m512bh qp = (__m512bh)_mm512_set1_epi32(static_cast<int>(q[g * q_stride + p + u]));
-        for (int i = 0; i < NG; ++i) acc[i][g][u] = _mm512_dpbf16_ps(acc[i][g][u], qp, k[i]);
-      }
-    }
-  }
-  for (int i = 0; i < NG; ++i)
-    for (int g = 0; g < G; ++g) {
-      __m512 sum = acc[i][g][0];
-      for (int u = 1; u < U; ++u) sum = _mm512_add_ps(sum, acc[i][g][u]);
-      out[i][g] = _mm512_mul_ps(sum, scale);
-    }
-}
-
-// Lanes [from, to) of a group's scores into scores[0, to - from).
-inline void store_lanes(float* scores, __m512 s, int from, int to) {
-  if (from == 0 && to == 16) {
-    _mm512_storeu_ps(scores, s);
-    return;
-  }
-  const __mmask16 keep = static_cast<__mmask16>(((1u << to) - 1) & ~((1u << from) - 1));
-  _mm512_mask_storeu_ps(scores, static_cast<__mmask16>((1u << (to - from)) - 1), _mm512_maskz_compress_ps(keep, s));
-}
-
-// group_scores for K in key groups: scores[g * kTile + j] = scale * (q_g . k_j) for keys [0, n) of the tile,
-// whose first key is key `first` (0-15) of its group of 16; rows[j] is where key j's row would lie in the row
-// layout, so rows[j] - (first + j) % 16 * dim is its group's start. Two groups at a time share each
-// broadcast of the query.
-template <int G>
-void group_scores_keyed(const c10::BFloat16* q, int64_t q_stride, const c10::BFloat16* const* rows, int64_t first,
-                        int64_t n, int64_t dim, float scale, float* scores, RowPrefetch<c10::BFloat16>& pf) {
-  constexpr int U = G == 1 ? 4 : G <= 3 ? 2 : 1;
-  const auto* q32 = reinterpret_cast<const uint32_t*>(q);
-  const int64_t qs = q_stride / 2, pairs = dim / 2;
-  const __m512 vscale = _mm512_set1_ps(scale);
-  // Group i's keys are tile keys [16 i - first, 16 i - first + 16).
-  const int64_t groups = (first + n + 15) / 16;
-  auto base = [&](int64_t i) {
-    const int64_t j = std::max<int64_t>(0, 16 * i - first);
-    return rows[j] - (first + j) % 16 * dim;
-  };
-  auto store = [&](int64_t i, __m512 (*s)[G]) {
-    const int64_t j = 16 * i - first;
-    const int from = static_cast<int>(std::max<int64_t>(0, -j)), to = static_cast<int>(std::min<int64_t>(16, n - j));
-    for (int g = 0; g < G; ++g) store_lanes(scores + g * kTile + j + from, (*s)[g], from, to);
-  };
-  int64_t i = 0;
-  for (; i + 2 <= groups; i += 2) {
-    const c10::BFloat16* b[2] = {base(i), base(i + 1)};
-    __m512 s[2][G];
-    key_group_scores<G, 2, U>(q32, qs, b, pairs, vscale, pf, s);
-    store(i, &s[0]);
-    store(i + 1, &s[1]);
-  }
-  if (i < groups) {
-    const c10::BFloat16* b[1] = {base(i)};
-    __m512 s[1][G];
-    key_group_scores<G, 1, U>(q32, qs, b, pairs, vscale, pf, s);
-    store(i, &s[0]);
-  }
-  pf.rest();
-}
-
-// group_scores_keyed for a group of any size, up to 8 heads at a time.
-void scores_keyed(const c10::BFloat16* q, int64_t q_stride, const c10::BFloat16* const* rows, int64_t first,
-                  int64_t n, int64_t dim, int64_t group, float scale, float* scores, RowPrefetch<c10::BFloat16>& pf) {
-  static constexpr decltype(&group_scores_keyed<1>) by_heads[] = {
-      group_scores_keyed<1>, group_scores_keyed<2>, group_scores_keyed<3>, group_scores_keyed<4>,
-      group_scores_keyed<5>, group_scores_keyed<6>, group_scores_keyed<7>, group_scores_keyed<8>};
-  for (int64_t g = 0; g < group; g += 8)
-    by_heads[std::min<int64_t>(8, group - g) - 1](q + g * q_stride, q_stride, rows, first, n, dim, scale,
-                                                   scores + g * kTile, pf);
-}
-#endif
-
-// acc_g += sum_j p[g][j] v_j over the tile, R vectors of the head at a time with the G heads' sums held in
-// registers: each V vector is loaded once and no accumulator is reloaded per key. One vector at a time, the
-// G sums were G chains of n dependent FMAs, bound by the FMA's latency; G x R chains pipeline.
-template <int G, int R, typename T>
-void values_block(const float* scores, const T* const* rows, int64_t n, int64_t dim, float* acc) {
-  for (int64_t i = 0; i < dim; i += R * kVecSize) {
-    Vec a[G][R];
-    for (int g = 0; g < G; ++g)
-      for (int r = 0; r < R; ++r) a[g][r] = Vec::loadu(acc + g * dim + i + r * kVecSize);
-    for (int64_t j = 0; j < n; ++j) {
-      Vec v[R];
-      for (int r = 0; r < R; ++r) v[r] = load_f(rows[j] + i + r * kVecSize);
-      for (int g = 0; g < G; ++g) {
-        const Vec p(scores[g * kTile + j]);
-        for (int r = 0; r < R; ++r) a[g][r] = at::vec::fmadd(p, v[r], a[g][r]);
-      }
-    }
-    for (int g = 0; g < G; ++g)
-      for (int r = 0; r < R; ++r) a[g][r].store(acc + g * dim + i + r * kVecSize);
-  }
-}
-
-// The widest R whose G x R sums, R V vectors and a score fit in the vector registers (32 with AVX-512, else 16).
-constexpr int values_width(int g) {
-  const int regs = kVecSize == 16 ? 32 : 16;
-  return g * 4 + 5 <= regs ? 4 : g * 2 + 3 <= regs ? 2 : 1;
-}
-
-template <int G, typename T>
-void group_values(const float* scores, const T* const* rows, int64_t n, int64_t dim, float* acc) {
-  constexpr int R = values_width(G);
-  if ((dim / kVecSize) % R == 0) {
-    values_block<G, R, T>(scores, rows, n, dim, acc);
-  } else {
-    values_block<G, 1, T>(scores, rows, n, dim, acc);
-  }
-}
+using namespace iterserve_attention;
 
 template <typename T>
 struct GroupKernels {
@@ -423,7 +73,7 @@ inline GroupKernels<T> group_kernels(int64_t group, int64_t dim) {
 constexpr int64_t kPiece = 128;
 
 // Where one head's K or V rows [from, to) lie, walking the block table a block at a time: a division per
-// row, four times per key (two prefetches, two reads), took a third of a decode task's time (perf, batch 8).
+// row, four times per key (two prefetches, two reads), was a large share of a decode task's time.
 template <typename T>
 inline void head_rows(const T* cache, const int64_t* table, int64_t block_size, int64_t s0, int64_t s2,
                       int64_t head_offset, int64_t from, int64_t to, const T** rows) {
@@ -680,26 +330,6 @@ void paged_decode_impl(at::Tensor& out, const at::Tensor& q, const at::Tensor& k
   if (d.splits > 1) d.merge();
 }
 
-// The K cache (rows [blocks, kv_heads, block_size, head_dim], or in key groups: keys_in_groups) and the V cache
-// (rows) for keys k and values v; paged_decode passes its query as both, whose dtype and head_dim they share.
-void check_caches(const at::Tensor& k, const at::Tensor& v, const at::Tensor& k_cache, const at::Tensor& v_cache) {
-  TORCH_CHECK(k_cache.scalar_type() == k.scalar_type() && v_cache.scalar_type() == v.scalar_type(),
-              "KV cache dtype differs from the query");
-  TORCH_CHECK(v_cache.dim() == 4 && v_cache.stride(3) == 1, "V cache must be [blocks, kv_heads, block_size, head_dim]");
-  TORCH_CHECK(v_cache.size(3) == v.size(-1), "KV cache head_dim differs from the query");
-  TORCH_CHECK(k_cache.dim() >= 2 && k_cache.size(1) == v_cache.size(1), "K and V caches hold different kv_heads");
-  if (k_cache.dim() == 6) {
-    TORCH_CHECK(k_cache.is_contiguous() && k_cache.size(4) == kKeyGroup && k_cache.size(5) == 2 &&
-                    k_cache.size(3) * 2 == k.size(-1) && k_cache.size(2) * kKeyGroup == v_cache.size(2),
-                "K cache in key groups must be [blocks, kv_heads, block_size / 16, head_dim / 2, 16, 2]");
-    TORCH_CHECK(keys_in_groups(k_cache.scalar_type(), k.size(-1), v_cache.size(2)),
-                "K in key groups needs bf16 on a CPU with AVX512-BF16, head_dim % 32 == 0, block_size % 16 == 0");
-    return;
-  }
-  TORCH_CHECK(k_cache.dim() == 4 && k_cache.stride(3) == 1, "K cache must be [blocks, kv_heads, block_size, head_dim]");
-  TORCH_CHECK(k_cache.size(3) == k.size(-1), "KV cache head_dim differs from the query");
-}
-
 }  // namespace
 
 // out[s, head] = softmax(q[s, head] . K_s^T * scale) V_s over the context of sequence s, K_s/V_s read
@@ -718,47 +348,9 @@ void paged_decode(at::Tensor out, const at::Tensor& q, const at::Tensor& k_cache
   });
 }
 
-// k_cache[blocks[i], :, offsets[i]] = k[i] (and the same for v); k/v may be strided views of the QKV output.
-void write_kv(const at::Tensor& k, const at::Tensor& v, at::Tensor k_cache, at::Tensor v_cache,
-              const at::Tensor& slot_blocks, const at::Tensor& slot_offsets) {
-  check_caches(k, v, k_cache, v_cache);
-  TORCH_CHECK(k.dim() == 3 && k.stride(2) == 1 && v.stride(2) == 1, "k/v must be [tokens, kv_heads, head_dim]");
-  TORCH_CHECK(slot_blocks.is_contiguous() && slot_offsets.is_contiguous() && slot_blocks.scalar_type() == at::kLong,
-              "slots must be contiguous int64");
-  const int64_t tokens = k.size(0), kv_heads = k.size(1), dim = k.size(2);
-  const int64_t* blocks = slot_blocks.data_ptr<int64_t>();
-  const int64_t* offsets = slot_offsets.data_ptr<int64_t>();
-  const int64_t bytes = dim * k.element_size();
-  auto* kp = static_cast<const char*>(k.data_ptr());
-  auto* vp = static_cast<const char*>(v.data_ptr());
-  auto* kc = static_cast<char*>(k_cache.data_ptr());
-  auto* vc = static_cast<char*>(v_cache.data_ptr());
-  const int64_t es = k.element_size();
-  const bool keyed = k_cache.dim() == 6;
-  iterserve::parallel_chunks(tokens, 16, [&](int64_t begin, int64_t end) {
-    for (int64_t i = begin; i < end; ++i) {
-      for (int64_t h = 0; h < kv_heads; ++h) {
-        const char* src = kp + (i * k.stride(0) + h * k.stride(1)) * es;
-        if (keyed) {  // dimension pair p of key t at word p * 16 + t % 16 of t's group
-          auto* group = reinterpret_cast<uint32_t*>(
-              kc + (blocks[i] * k_cache.stride(0) + h * k_cache.stride(1) + offsets[i] / kKeyGroup * k_cache.stride(2)) * es);
-          for (int64_t p = 0; p < dim / 2; ++p)
-            std::memcpy(group + p * kKeyGroup + offsets[i] % kKeyGroup, src + p * 2 * es, 2 * es);
-        } else {
-          std::memcpy(kc + (blocks[i] * k_cache.stride(0) + h * k_cache.stride(1) + offsets[i] * k_cache.stride(2)) * es,
-                      src, bytes);
-        }
-        std::memcpy(vc + (blocks[i] * v_cache.stride(0) + h * v_cache.stride(1) + offsets[i] * v_cache.stride(2)) * es,
-                    vp + (i * v.stride(0) + h * v.stride(1)) * es, bytes);
-      }
-    }
-  });
+TORCH_LIBRARY_FRAGMENT(iterserve, m) {
+  m.def("paged_decode(Tensor(a!) out, Tensor q, Tensor k_cache, Tensor v_cache, Tensor block_tables, "
+        "Tensor context_lens, float scale, int sliding_window) -> ()");
 }
 
-void register_attention(pybind11::module& m) {
-  m.def("paged_decode", &paged_decode, "Paged decode attention reading K/V blocks in place");
-  m.def("write_kv", &write_kv, "Store this step's K/V rows into their cache slots");
-  m.def("keys_in_groups", [](at::ScalarType dtype, int64_t head_dim, int64_t block_size) {
-        return keys_in_groups(dtype, head_dim, block_size); },
-        "Whether paged_decode and write_kv take a K cache of this kind in key groups, and score it faster so");
-}
+TORCH_LIBRARY_IMPL(iterserve, CPU, m) { m.impl("paged_decode", &paged_decode); }

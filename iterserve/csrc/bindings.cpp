@@ -1,26 +1,18 @@
-// The extension's Python module: each op family registers its functions (attention.cpp, layer_ops.cpp,
-// linear.cpp, decoder.cpp, kv_quant.cpp; quant_ops.cpp and kquant_ops.cpp register under torch.ops), and the
-// kernels' thread pool (parallel.h) is sized from here.
+// The extension's op library, torch.ops.iterserve: it opens here with the kernels' thread pool (parallel.h),
+// and each op family adds its ops as a fragment beside their code (attention.cpp, kv_write.cpp, layer_ops.cpp,
+// linear.cpp, kv_quant_decode.cpp, kv_quant_write.cpp, quant_ops.cpp, kquant_ops.cpp) and decoder.cpp its
+// DecoderStack class (torch.classes.iterserve). Python loads the library with torch.ops.load_library
+// (iterserve/kernels.py), so every op is called one way, through the dispatcher.
 
-#include <torch/extension.h>
+#include <torch/library.h>
 
 #include "parallel.h"
 
-void register_attention(pybind11::module& m);  // attention.cpp
-void register_layer_ops(pybind11::module& m);  // layer_ops.cpp
-void register_linear(pybind11::module& m);  // linear.cpp
-void register_decoder(pybind11::module& m);  // decoder.cpp
-void register_kv_quant(pybind11::module& m);  // kv_quant.cpp
-
-PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  register_attention(m);
-  register_layer_ops(m);
-  register_linear(m);
-  register_decoder(m);
-  register_kv_quant(m);
-  m.def("set_threads", [](int64_t n) { iterserve::ChunkPool::get().resize(static_cast<int>(n)); },
-        "Run the kernels' parallel loops on n threads (the caller included)");
-  m.def("threads", [] { return iterserve::ChunkPool::get().threads(); }, "Threads of the kernels' pool");
-  m.def("pool_solos", [] { return iterserve::ChunkPool::get().solos(); },
-        "Times the pool's caller, stalled by descheduled workers, went on alone for a while");
+TORCH_LIBRARY(iterserve, m) {
+  // Run the kernels' parallel loops on n threads (the caller included)
+  m.def("set_threads(int n) -> ()",
+        [](int64_t n) { iterserve::ChunkPool::get().resize(static_cast<int>(n)); });
+  m.def("threads() -> int", []() -> int64_t { return iterserve::ChunkPool::get().threads(); });
+  // Times the pool's caller, stalled by descheduled workers, went on alone for a while
+  m.def("pool_solos() -> int", []() -> int64_t { return iterserve::ChunkPool::get().solos(); });
 }

@@ -2,18 +2,21 @@
 // fused QKV matmul, QK-norm where the model has it, RoPE, the KV-cache write, paged decode attention, the
 // output projection, RMSNorm again and the gate/up -> SiLU * up -> down MLP; the same kernels, in the same
 // order, as the Python layers of iterserve/models/llama.py call through the CPU backend, without going
-// back to Python between them. A decode step of a small model is short enough that Python's share
-// was large: SmolLM2-135M in Q4_1 spent about 1.5 of its 5.9 ms a step (batch 1) in 30 layers of module
-// calls and op dispatch. Every token of such a step is attended as a decode (short prompts included, see
-// CpuBackend.decode_prompts_up_to); a step with a longer prompt chunk takes the Python path (SDPA's).
-// A step's LoRA adapters come as each linear layer's packed weights per adapter (iterserve.lora.batch.LoRABatch.native)
-// and are added by the kernel LoRABatch.add calls (lora_add_), so a row gets the same values on either path.
+// back to Python between them: a decode step of a small model is short enough that Python's module calls
+// and op dispatch were a large share of it (docs/benchmarks-history.md). Every token of such a step is
+// attended as a decode (short prompts included, see CpuBackend.decode_prompts_up_to); a step with a longer
+// prompt chunk takes the Python path (SDPA's).
+// A step's LoRA adapters come as each linear layer's packed weights per adapter (LoRABatch.native, flattened by
+// CpuBackend.decode_layers) and are added by the kernel LoRABatch.add calls (lora_add_), so a row gets the same
+// values on either path. The stack is a torch custom class (torch.classes.iterserve.DecoderStack).
 
 #include "ops.h"
 
+#include <torch/custom_class.h>
+#include <torch/library.h>
+
 #include <optional>
 #include <tuple>
-#include <variant>
 #include <vector>
 
 namespace {
@@ -44,15 +47,13 @@ struct Linear {
   }
 };
 
-using LinearArgs = std::tuple<int64_t, std::variant<at::Tensor, std::vector<at::Tensor>>, int64_t,
-                              std::variant<int64_t, std::vector<int64_t>>, c10::optional<at::Tensor>>;
 using OptionalTensors = std::vector<c10::optional<at::Tensor>>;
 
 // The step's LoRA weights of every linear layer (4 a layer: qkv, o, gate_up, down), each packed A and B per slot
 // (a[i][s], none where that adapter leaves the layer alone), all empty when no row has an adapter, and each
 // row's slot (none: every row is under slot 0): out + each row's (x @ A_s.T) @ B_s.T, by lora_add_ (linear.cpp).
 struct LoRARows {
-  const std::vector<OptionalTensors>&a, &b;
+  std::vector<OptionalTensors> a, b;
   const c10::optional<at::Tensor>& row_slots;
 
   at::Tensor add(const at::Tensor& out, const at::Tensor& x, size_t i) const {
@@ -61,19 +62,34 @@ struct LoRARows {
   }
 };
 
-Linear make_linear(const LinearArgs& a) {
-  const auto& [kind, weight, n, param, bias] = a;
+// A schema takes no list of lists: the slots of every linear layer come one after another, counts[i] of them for
+// layer i; this gives each layer its own list again.
+std::vector<OptionalTensors> per_linear(const OptionalTensors& flat, const std::vector<int64_t>& counts) {
+  std::vector<OptionalTensors> out;
+  out.reserve(counts.size());
+  auto it = flat.begin();
+  for (int64_t n : counts) {
+    TORCH_CHECK(n >= 0 && flat.end() - it >= n, "LoRA slot counts exceed the weights given");
+    out.emplace_back(it, it + n);
+    it += n;
+  }
+  TORCH_CHECK(it == flat.end(), "LoRA weights left over past the slot counts");
+  return out;
+}
+
+// weights and params as DecoderStack.add_linear takes them: one weight and one param, or for GGUF the parts and
+// their type ids followed by their row counts.
+Linear make_linear(int64_t kind, const std::vector<at::Tensor>& weights, int64_t n, const std::vector<int64_t>& params,
+                   const c10::optional<at::Tensor>& bias) {
   TORCH_CHECK(kind >= kDense && kind <= kGguf, "unknown linear kind ", kind);
-  const bool parts = kind == kGguf;
-  TORCH_CHECK(std::holds_alternative<std::vector<at::Tensor>>(weight) == parts &&
-                  std::holds_alternative<std::vector<int64_t>>(param) == parts,
-              "a GGUF linear takes lists of parts and of their types and rows, the others one weight and param");
-  if (!parts) return Linear{kind, std::get<at::Tensor>(weight), n, std::get<int64_t>(param), bias, {}, {}, {}};
-  const auto& ws = std::get<std::vector<at::Tensor>>(weight);
-  const auto& meta = std::get<std::vector<int64_t>>(param);
-  TORCH_CHECK(!ws.empty() && meta.size() == 2 * ws.size(), "a GGUF linear needs a type id and a row count per part");
-  const auto half = meta.begin() + static_cast<std::ptrdiff_t>(ws.size());
-  return Linear{kind, {}, n, 0, bias, ws, {meta.begin(), half}, {half, meta.end()}};
+  if (kind != kGguf) {
+    TORCH_CHECK(weights.size() == 1 && params.size() == 1, "a non-GGUF linear takes one weight and one param");
+    return Linear{kind, weights[0], n, params[0], bias, {}, {}, {}};
+  }
+  TORCH_CHECK(!weights.empty() && params.size() == 2 * weights.size(),
+              "a GGUF linear needs a type id and a row count per part");
+  const auto half = params.begin() + static_cast<std::ptrdiff_t>(weights.size());
+  return Linear{kind, {}, n, 0, bias, weights, {params.begin(), half}, {half, params.end()}};
 }
 
 inline bool is_quantized(const at::Tensor& cache) {
@@ -84,39 +100,48 @@ inline bool is_quantized(const at::Tensor& cache) {
 struct Layer {
   at::Tensor input_norm, post_norm;
   c10::optional<at::Tensor> q_norm, k_norm;
-  Linear qkv, o, gate_up, down;
+  std::vector<Linear> linears;  // qkv, o, gate_up, down
 };
 
-class DecoderStack {
+// A torch custom class (torch.classes.iterserve.DecoderStack), built once per model: add_layer, then that
+// layer's four linear layers with add_linear, layer after layer; forward runs a decode step.
+class DecoderStack : public torch::CustomClassHolder {
  public:
   DecoderStack(int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, double eps, double scale)
       : heads_(num_heads), kv_heads_(num_kv_heads), dim_(head_dim), eps_(eps), scale_(scale) {}
 
   void add_layer(const at::Tensor& input_norm, const at::Tensor& post_norm, const c10::optional<at::Tensor>& q_norm,
-                 const c10::optional<at::Tensor>& k_norm, const LinearArgs& qkv, const LinearArgs& o,
-                 const LinearArgs& gate_up, const LinearArgs& down) {
+                 const c10::optional<at::Tensor>& k_norm) {
     TORCH_CHECK(q_norm.has_value() == k_norm.has_value(), "QK-norm needs both weights");
-    layers_.push_back(Layer{input_norm.contiguous(), post_norm.contiguous(), q_norm, k_norm, make_linear(qkv),
-                            make_linear(o), make_linear(gate_up), make_linear(down)});
+    TORCH_CHECK(layers_.empty() || layers_.back().linears.size() == 4, "the last layer lacks its linear layers");
+    layers_.push_back(Layer{input_norm.contiguous(), post_norm.contiguous(), q_norm, k_norm, {}});
+  }
+
+  // The last added layer's next linear layer (qkv, o, gate_up, down in turn); see make_linear.
+  void add_linear(int64_t kind, const std::vector<at::Tensor>& weights, int64_t out_features,
+                  const std::vector<int64_t>& params, const c10::optional<at::Tensor>& bias) {
+    TORCH_CHECK(!layers_.empty() && layers_.back().linears.size() < 4, "add_linear needs a layer with room");
+    layers_.back().linears.push_back(make_linear(kind, weights, out_features, params, bias));
   }
 
   // x [tokens, hidden], every token a decode (one query over its sequence's cached context) -> the last
   // layer's output and the residual stream before it, as iterserve.models.llama.DecoderLayer returns them.
+  // The LoRA weights come flat, lora_counts[i] slots for linear layer i (per_linear).
   std::tuple<at::Tensor, at::Tensor> forward(at::Tensor x, const at::Tensor& cos, const at::Tensor& sin,
                                              const std::vector<at::Tensor>& k_caches,
                                              const std::vector<at::Tensor>& v_caches, const at::Tensor& slot_blocks,
                                              const at::Tensor& slot_offsets, const at::Tensor& block_tables,
                                              const at::Tensor& context_lens, int64_t sliding_window,
                                              const std::vector<at::Tensor>& k_scales,
-                                             const std::vector<at::Tensor>& v_scales,
-                                             const std::vector<OptionalTensors>& lora_a,
-                                             const std::vector<OptionalTensors>& lora_b,
+                                             const std::vector<at::Tensor>& v_scales, const OptionalTensors& lora_a,
+                                             const OptionalTensors& lora_b, const std::vector<int64_t>& lora_counts,
                                              const c10::optional<at::Tensor>& lora_slots) const {
     TORCH_CHECK(k_caches.size() == layers_.size() && v_caches.size() == layers_.size(),
                 "one K and one V cache per layer expected");
-    TORCH_CHECK(lora_a.empty() || (lora_a.size() == 4 * layers_.size() && lora_b.size() == lora_a.size()),
+    TORCH_CHECK(layers_.empty() || layers_.back().linears.size() == 4, "the last layer lacks its linear layers");
+    TORCH_CHECK(lora_counts.empty() || lora_counts.size() == 4 * layers_.size(),
                 "LoRA weights for 4 linear layers per decoder layer expected");
-    const LoRARows lora{lora_a, lora_b, lora_slots};
+    const LoRARows lora{per_linear(lora_a, lora_counts), per_linear(lora_b, lora_counts), lora_slots};
     TORCH_CHECK(block_tables.size(0) == x.size(0), "every token of a decode-only step is a decode");
     const int64_t n = x.size(0), q_size = heads_ * dim_, kv_size = kv_heads_ * dim_;
     at::Tensor residual;
@@ -130,7 +155,7 @@ class DecoderStack {
         fused_add_rms_norm(x, residual, L.input_norm, eps_);
         h = x;
       }
-      const at::Tensor qkv = lora.add(L.qkv(h), h, 4 * l);
+      const at::Tensor qkv = lora.add(L.linears[0](h), h, 4 * l);
       at::Tensor q = qkv.narrow(1, 0, q_size).view({n, heads_, dim_});
       at::Tensor k = qkv.narrow(1, q_size, kv_size).view({n, kv_heads_, dim_});
       const at::Tensor v = qkv.narrow(1, q_size + kv_size, kv_size).view({n, kv_heads_, dim_});
@@ -140,7 +165,7 @@ class DecoderStack {
       }
       rope_(q, k, cos, sin);
       at::Tensor attn = at::empty({n, heads_, dim_}, q.options());
-      if (is_quantized(k_caches[l])) {  // kv_cache_dtype fp8 / int8 (kv_quant.cpp); int8 caches come with scales
+      if (is_quantized(k_caches[l])) {  // kv_cache_dtype fp8 / int8 (kv_quant_decode.cpp); int8 caches come with scales
         const auto ks = k_scales.empty() ? c10::optional<at::Tensor>() : k_scales[l];
         const auto vs = v_scales.empty() ? c10::optional<at::Tensor>() : v_scales[l];
         write_kv_quant(k, v, k_caches[l], v_caches[l], ks, vs, slot_blocks, slot_offsets);
@@ -151,10 +176,10 @@ class DecoderStack {
         paged_decode(attn, q, k_caches[l], v_caches[l], block_tables, context_lens, scale_, sliding_window);
       }
       const at::Tensor attn_out = attn.view({n, q_size});
-      x = lora.add(L.o(attn_out), attn_out, 4 * l + 1);
+      x = lora.add(L.linears[1](attn_out), attn_out, 4 * l + 1);
       fused_add_rms_norm(x, residual, L.post_norm, eps_);
-      const at::Tensor act = silu_and_mul(lora.add(L.gate_up(x), x, 4 * l + 2));
-      x = lora.add(L.down(act), act, 4 * l + 3);
+      const at::Tensor act = silu_and_mul(lora.add(L.linears[2](x), x, 4 * l + 2));
+      x = lora.add(L.linears[3](act), act, 4 * l + 3);
     }
     return {x, residual};
   }
@@ -167,10 +192,10 @@ class DecoderStack {
 
 }  // namespace
 
-void register_decoder(pybind11::module& m) {
-  pybind11::class_<DecoderStack>(m, "DecoderStack", "The decoder stack's decode step in one call (decoder.cpp)")
-      .def(pybind11::init<int64_t, int64_t, int64_t, double, double>(), pybind11::arg("num_heads"),
-           pybind11::arg("num_kv_heads"), pybind11::arg("head_dim"), pybind11::arg("eps"), pybind11::arg("scale"))
+TORCH_LIBRARY_FRAGMENT(iterserve, m) {
+  m.class_<DecoderStack>("DecoderStack")
+      .def(torch::init<int64_t, int64_t, int64_t, double, double>())
       .def("add_layer", &DecoderStack::add_layer)
-      .def("forward", &DecoderStack::forward, pybind11::call_guard<pybind11::gil_scoped_release>());
+      .def("add_linear", &DecoderStack::add_linear)
+      .def("forward", &DecoderStack::forward);
 }

@@ -332,7 +332,7 @@ inline Source<Gather> row_source(const uint8_t* rows, int64_t row_bytes, int64_t
 
 // 32-block b of the unit at p decoded in registers and multiplied with MR rows into out (ga: the block's first
 // group of 16 in the rows). Inlined into a loop that a K-quant unrolls, so that each code's bit positions are
-// constants (variable shifts and offsets took Q6_K about twice the time).
+// constants: variable shifts and offsets cost Q6_K far more (docs/benchmarks-history.md).
 template <class D, class Src, int MR>
 [[gnu::always_inline]] inline void fused_block(const Src& src, const uint8_t* p, int b, Groups s, Groups o,
                                                const Activations& x, int64_t r0, int64_t ga, __m512* out) {

@@ -474,12 +474,12 @@ at::Tensor krows(const at::Tensor& w, int64_t type, const at::Tensor& ids, int64
 
 }  // namespace
 
-TORCH_LIBRARY_FRAGMENT(iterserve_quant, m) {
+TORCH_LIBRARY_FRAGMENT(iterserve, m) {
   m.def("kgemm(Tensor x, Tensor[] w, int[] types, int[] n, int isa=0) -> Tensor");
   m.def("krows(Tensor w, int type, Tensor ids, int k, ScalarType dtype, int rows=-1) -> Tensor");
 }
 
-TORCH_LIBRARY_IMPL(iterserve_quant, CPU, m) {
+TORCH_LIBRARY_IMPL(iterserve, CPU, m) {
   m.impl("kgemm", &kgemm);
   m.impl("krows", &krows);
 }

@@ -186,10 +186,18 @@ at::Tensor argmax_rows(const at::Tensor& x) {
   return out;
 }
 
-void register_layer_ops(pybind11::module& m) {
-  m.def("rms_norm", &rms_norm, "RMSNorm");
-  m.def("fused_add_rms_norm", &fused_add_rms_norm, "residual += x; x = RMSNorm(residual), in place");
-  m.def("rope_", &rope_, "Rotate-half RoPE on q and k in place");
-  m.def("silu_and_mul", &silu_and_mul, "SiLU(gate) * up");
-  m.def("argmax_rows", &argmax_rows, "Each row's first index of its maximum, as torch.argmax(dim=-1)");
+TORCH_LIBRARY_FRAGMENT(iterserve, m) {
+  m.def("rms_norm(Tensor x, Tensor weight, float eps) -> Tensor");
+  m.def("fused_add_rms_norm(Tensor(a!) x, Tensor(b!) residual, Tensor weight, float eps) -> ()");
+  m.def("rope_(Tensor(a!) q, Tensor(b!) k, Tensor cos, Tensor sin) -> ()");
+  m.def("silu_and_mul(Tensor x) -> Tensor");
+  m.def("argmax_rows(Tensor x) -> Tensor");
+}
+
+TORCH_LIBRARY_IMPL(iterserve, CPU, m) {
+  m.impl("rms_norm", &rms_norm);
+  m.impl("fused_add_rms_norm", &fused_add_rms_norm);
+  m.impl("rope_", &rope_);
+  m.impl("silu_and_mul", &silu_and_mul);
+  m.impl("argmax_rows", &argmax_rows);
 }

@@ -79,8 +79,7 @@ struct AheadLines {
 
 // out[m, j*V + v] = sum_k x[m, k] * block_j[k, v] for MR rows and NB blocks (the last `nb` real). Unlike the
 // k-pair tile it fetches no next tile (AheadLines): in the k steps that did, GCC ran out of registers and kept
-// the float accumulators on the stack, and all of SmolLM2's float32 matmuls took 1.6-1.8x the time at 16-64
-// rows (weights from DRAM, one process, alternating).
+// the float accumulators on the stack (docs/benchmarks-history.md).
 template <typename T, int MR, int NB, int PF>
 inline void tile(const float* x, int64_t xs, const T* p, int64_t bstride, int64_t K, int nb, float* out) {
   Vec acc[MR][NB];
@@ -335,9 +334,7 @@ void packed_linear_impl(const at::Tensor& x, const at::Tensor& packed, const at:
   // Up to 8 rows (memory-bound): chunks of whole register tiles, at least four per thread so that a thread that
   // starts late or runs slower leaves less of the weight to the others, at most kGroup blocks, split so that no
   // thread gets more blocks than it must. Chunks of 4 blocks (o and down of SmolLM2, 36 blocks) left 8 rows a
-  // short tile a chunk, computing 3 blocks for 1, and one thread a ninth chunk alone: all of SmolLM2's matmuls
-  // (weights from DRAM) took 0.94-0.95x the time at 8 rows with these, 0.98-1.01x at 1-6 (bf16 and float32,
-  // one process, alternating).
+  // short tile a chunk, computing 3 blocks for 1, and one thread a ninth chunk alone (docs/benchmarks-history.md).
   const int64_t threads = iterserve::ChunkPool::get().threads();
   int64_t chunk = balanced_chunk(blocks, threads, 4, nb_for(static_cast<int>(std::min<int64_t>(M, kMaxMR))), kGroup);
   // More rows: whole tiles, at least two chunks a thread, split so that no thread gets more blocks than it
@@ -538,11 +535,14 @@ at::Tensor lora_add_(at::Tensor out, const at::Tensor& x, const std::vector<c10:
   return out;
 }
 
-void register_linear(pybind11::module& m) {
-  m.def("pack_linear_weight", &pack_linear_weight, "Re-lay out W [N, K] for packed_linear");
-  m.def("packed_linear", &packed_linear, "x @ W^T (+ bias) on a packed weight, streaming it once",
-        pybind11::arg("x"), pybind11::arg("packed"), pybind11::arg("N"), pybind11::arg("bias") = pybind11::none(), pybind11::arg("amx_min_rows") = 8);
-  m.def("lora_add_", &lora_add_, "out += each row's own LoRA product, on packed A and B per slot",
-        pybind11::arg("out"), pybind11::arg("x"), pybind11::arg("a"), pybind11::arg("b"),
-        pybind11::arg("row_slots") = pybind11::none());
+TORCH_LIBRARY_FRAGMENT(iterserve, m) {
+  m.def("pack_linear_weight(Tensor w) -> Tensor");
+  m.def("packed_linear(Tensor x, Tensor packed, int N, Tensor? bias=None, int amx_min_rows=8) -> Tensor");
+  m.def("lora_add_(Tensor(a!) out, Tensor x, Tensor?[] a, Tensor?[] b, Tensor? row_slots=None) -> Tensor(a!)");
+}
+
+TORCH_LIBRARY_IMPL(iterserve, CPU, m) {
+  m.impl("pack_linear_weight", &pack_linear_weight);
+  m.impl("packed_linear", &packed_linear);
+  m.impl("lora_add_", &lora_add_);
 }

@@ -13,6 +13,11 @@
 void paged_decode(at::Tensor out, const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
                   const at::Tensor& block_tables, const at::Tensor& context_lens, double scale,
                   int64_t sliding_window);
+
+// kv_write.cpp
+constexpr int64_t kKeyGroup = 16;  // keys per group of a K cache in key groups (keys_in_groups)
+bool keys_in_groups(at::ScalarType dtype, int64_t head_dim, int64_t block_size);
+void check_caches(const at::Tensor& k, const at::Tensor& v, const at::Tensor& k_cache, const at::Tensor& v_cache);
 void write_kv(const at::Tensor& k, const at::Tensor& v, at::Tensor k_cache, at::Tensor v_cache,
               const at::Tensor& slot_blocks, const at::Tensor& slot_offsets);
 
@@ -23,7 +28,7 @@ void rope_(at::Tensor q, at::Tensor k, const at::Tensor& cos, const at::Tensor& 
 at::Tensor silu_and_mul(const at::Tensor& x);
 at::Tensor argmax_rows(const at::Tensor& x);
 
-// kv_quant.cpp
+// kv_quant_decode.cpp, kv_quant_write.cpp
 void paged_decode_quant(at::Tensor out, const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
                         const c10::optional<at::Tensor>& k_scale, const c10::optional<at::Tensor>& v_scale,
                         const at::Tensor& block_tables, const at::Tensor& context_lens, double scale,

@@ -2,8 +2,8 @@
 //
 // OpenMP (at::parallel_for) ends every parallel region at a barrier that waits for every thread of the
 // team. On a machine where another process holds a core, the descheduled thread arrives a scheduler time
-// slice later, and a decode step of a few hundred regions pays that wait each time: a batch-1 step took 12x
-// its quiet time with one other busy process on a 2-core machine. Here the calling thread and the workers
+// slice later, and a decode step of a few hundred regions pays that wait each time, many times its quiet time
+// (docs/benchmarks-history.md). Here the calling thread and the workers
 // claim chunks of the loop one at a time from a shared counter: whoever runs does the work, and the caller
 // waits only for chunks that another thread has claimed and not yet finished. A worker that wakes up late
 // finds nothing left to claim.

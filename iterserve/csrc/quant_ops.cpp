@@ -304,13 +304,13 @@ at::Tensor qrows(const at::Tensor& w, const at::Tensor& ids, int64_t n, int64_t 
 
 }  // namespace
 
-TORCH_LIBRARY(iterserve_quant, m) {
+TORCH_LIBRARY_FRAGMENT(iterserve, m) {
   m.def("qgemm(Tensor x, Tensor w, int n, int bits, int isa=0) -> Tensor");
   m.def("qrows(Tensor w, Tensor ids, int n, int k, int bits, ScalarType dtype) -> Tensor");
-  m.def("best_isa() -> int", &best_isa);
+  m.def("quant_best_isa() -> int", &best_isa);
 }
 
-TORCH_LIBRARY_IMPL(iterserve_quant, CPU, m) {
+TORCH_LIBRARY_IMPL(iterserve, CPU, m) {
   m.impl("qgemm", &qgemm);
   m.impl("qrows", &qrows);
 }

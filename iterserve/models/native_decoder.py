@@ -84,20 +84,23 @@ class NativeModel(Protocol):
 
 
 def build_stack(ops: CpuOps, spec: NativeStack) -> Any:
-    """``spec`` as ``csrc/decoder.cpp``'s ``DecoderStack``: the one function that knows what its constructor and
-    ``add_layer`` take (each linear layer a ``(kind, weight or parts, out_features, param, bias)`` tuple, param
-    being AMX's minimum rows, the bits, or the GGUF parts' type ids followed by their row counts)."""
+    """``spec`` as ``csrc/decoder.cpp``'s ``DecoderStack``: the one function that knows what its constructor,
+    ``add_layer`` (a layer's norms) and ``add_linear`` take (each linear layer's kind, its weight or GGUF parts,
+    out_features, its params: AMX's minimum rows, the bits, or the parts' type ids followed by their row counts,
+    and its bias)."""
 
-    def linear(lin: NativeLinear) -> tuple[int, Any, int, Any, torch.Tensor | None]:
+    def add_linear(lin: NativeLinear) -> None:
         if lin.kind is LinearKind.GGUF:
-            return lin.kind.value, lin.weights, lin.out_features, lin.type_ids + lin.part_rows, lin.bias
-        param = {LinearKind.COLUMN_BLOCKED: lin.amx_min_rows, LinearKind.QUANTIZED: lin.bits}.get(lin.kind, 0)
-        return lin.kind.value, lin.weights[0], lin.out_features, param, lin.bias
+            params = lin.type_ids + lin.part_rows
+        else:
+            params = [{LinearKind.COLUMN_BLOCKED: lin.amx_min_rows, LinearKind.QUANTIZED: lin.bits}.get(lin.kind, 0)]
+        stack.add_linear(lin.kind.value, lin.weights, lin.out_features, params, lin.bias)
 
     stack = ops.decoder_stack(spec.num_heads, spec.num_kv_heads, spec.head_dim, spec.eps, spec.scale)
     for layer in spec.layers:
-        stack.add_layer(layer.input_norm, layer.post_attention_norm, layer.q_norm, layer.k_norm,
-                        *(linear(lin) for lin in (layer.qkv, layer.o, layer.gate_up, layer.down)))
+        stack.add_layer(layer.input_norm, layer.post_attention_norm, layer.q_norm, layer.k_norm)
+        for lin in (layer.qkv, layer.o, layer.gate_up, layer.down):
+            add_linear(lin)
     return stack
 
 
@@ -129,9 +132,12 @@ class NativeDecoder:
         if stack is None:
             return None
         tables, context_lens = meta.decode_tables()
+        lora_a, lora_b, lora_slots = lora or ([], [], None)
+        # the class's schema takes no list of lists: every linear layer's slots in a row, with their counts
         out: tuple[torch.Tensor, torch.Tensor] = stack.forward(
             x, cos[:, 0], sin[:, 0], [c.k for c in kv_caches], [c.v for c in kv_caches], meta.slot_blocks,
             meta.slot_offsets, tables, context_lens, meta.sliding_window or 0,
             [c.k_scale for c in kv_caches if c.k_scale is not None],
-            [c.v_scale for c in kv_caches if c.v_scale is not None], *(lora or ([], [], None)))
+            [c.v_scale for c in kv_caches if c.v_scale is not None], [t for per in lora_a for t in per],
+            [t for per in lora_b for t in per], [len(per) for per in lora_a], lora_slots)
         return out

@@ -99,7 +99,7 @@ class CpuOps(ReferenceOps):
         return bool(self.extension.keys_in_groups(dtype, head_dim, block_size))
 
     def best_isa(self) -> int:
-        return int(torch.ops.iterserve_quant.best_isa())
+        return int(self.extension.quant_best_isa())
 
     # -- linear kernels (csrc/linear.cpp) -------------------------------------------------------------------
 
@@ -124,25 +124,25 @@ class CpuOps(ReferenceOps):
 
     def qgemm(self, x: torch.Tensor, data: torch.Tensor, n: int, bits: int, isa: int) -> torch.Tensor:
         """``x [rows, k] @ W^T`` for ``W`` in 4/8-bit quantized blocks."""
-        out: torch.Tensor = torch.ops.iterserve_quant.qgemm.default(x, data, n, bits, isa)
+        out: torch.Tensor = self.extension.qgemm(x, data, n, bits, isa)
         return out
 
     def qrows(self, data: torch.Tensor, rows: torch.Tensor, n: int, k: int, bits: int,
               dtype: torch.dtype) -> torch.Tensor:
         """Rows ``rows`` of a weight in 4/8-bit quantized blocks, dequantized to ``dtype``."""
-        out: torch.Tensor = torch.ops.iterserve_quant.qrows.default(data, rows, n, k, bits, dtype)
+        out: torch.Tensor = self.extension.qrows(data, rows, n, k, bits, dtype)
         return out
 
     def kgemm(self, x: torch.Tensor, raws: list[torch.Tensor], type_ids: list[int], part_rows: list[int],
               isa: int) -> torch.Tensor:
         """``x [rows, k] @ W^T`` for ``W`` in GGUF blocks as stored, one part per tensor of ``raws``."""
-        out: torch.Tensor = torch.ops.iterserve_quant.kgemm.default(x, raws, type_ids, part_rows, isa)
+        out: torch.Tensor = self.extension.kgemm(x, raws, type_ids, part_rows, isa)
         return out
 
     def krows(self, raw: torch.Tensor, type_id: int, rows: torch.Tensor, k: int, dtype: torch.dtype,
               part_rows: int) -> torch.Tensor:
         """Rows ``rows`` of one GGUF tensor as stored, dequantized to ``dtype``."""
-        out: torch.Tensor = torch.ops.iterserve_quant.krows.default(raw, type_id, rows, k, dtype, part_rows)
+        out: torch.Tensor = self.extension.krows(raw, type_id, rows, k, dtype, part_rows)
         return out
 
     def decoder_stack(self, num_heads: int, num_kv_heads: int, head_dim: int, eps: float, scale: float) -> Any:

@@ -29,6 +29,7 @@ class Recorder:
     def __init__(self) -> None:
         self.made: tuple = ()
         self.layers: list[tuple] = []
+        self.linears: list[tuple] = []
 
     def decoder_stack(self, *args):
         self.made = args
@@ -36,6 +37,9 @@ class Recorder:
 
     def add_layer(self, *args) -> None:
         self.layers.append(args)
+
+    def add_linear(self, *args) -> None:
+        self.linears.append(args)
 
 
 def test_linear_kinds_are_the_cpp_enum():
@@ -62,12 +66,13 @@ def test_build_stack_gives_each_kind_its_weight_and_param():
     assert build_stack(ops, NativeStack(4, 2, 8, 1e-6, 0.125, layers)) is ops  # type: ignore[arg-type]
     assert ops.made == (4, 2, 8, 1e-6, 0.125)
     first, second = ops.layers
-    assert first[:4] == (norms[0], norms[1], None, None) and second[2] is norms[0] and second[3] is norms[1]
-    assert first[4] == (0, w[0], 4, 0, None)
-    assert first[5] == (1, w[1], 4, 16, bias)
-    assert first[6] == (2, w[2], 4, 4, None)
-    assert first[7] == (3, w[:2], 6, [12, 14, 4, 2], None)
-    assert second[4] == first[7]
+    assert first == (norms[0], norms[1], None, None) and second == (norms[2], norms[3], norms[0], norms[1])
+    assert len(ops.linears) == 8  # four a layer, each its kind, weights, out_features, params and bias
+    assert ops.linears[0] == (0, [w[0]], 4, [0], None)
+    assert ops.linears[1] == (1, [w[1]], 4, [16], bias)
+    assert ops.linears[2] == (2, [w[2]], 4, [4], None)
+    assert ops.linears[3] == (3, w[:2], 6, [12, 14, 4, 2], None)
+    assert ops.linears[4] == ops.linears[3]
 
 
 def test_no_native_decoder_off_the_cpu():

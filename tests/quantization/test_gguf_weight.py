@@ -155,7 +155,7 @@ def test_bad_data_is_refused_at_load():
 @needs_build
 def test_kernel_refuses_a_weight_that_does_not_fit():
     raw = torch.from_numpy(random_blocks("Q4_K", 4, 512))
-    kgemm = torch.ops.iterserve_quant.kgemm
+    kgemm = torch.ops.iterserve.kgemm
     with pytest.raises(RuntimeError, match="rows of 288 bytes, 768 inputs of type id 12 take 432"):
         kgemm(torch.zeros(1, 768), [raw], [12], [4], 0)
     with pytest.raises(RuntimeError, match="rows of 144 bytes, 256 inputs of type id 14 take 210"):
@@ -168,9 +168,9 @@ def test_kernel_refuses_a_weight_that_does_not_fit():
     with pytest.raises(RuntimeError, match="weight 0 does not hold 17 rows"):
         kgemm(torch.zeros(1, 512), [tiled], [12], [17], 0)
     with pytest.raises(RuntimeError, match="a tiled weight's lookup needs its row count"):
-        torch.ops.iterserve_quant.krows(tiled, 12, torch.tensor([0]), 512, torch.float32)
+        torch.ops.iterserve.krows(tiled, 12, torch.tensor([0]), 512, torch.float32)
     with pytest.raises(RuntimeError, match="row 16 is outside a weight of 16 rows"):
-        torch.ops.iterserve_quant.krows(tiled, 12, torch.tensor([16]), 512, torch.float32, 16)
+        torch.ops.iterserve.krows(tiled, 12, torch.tensor([16]), 512, torch.float32, 16)
 
 
 @needs_build

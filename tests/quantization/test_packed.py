@@ -113,7 +113,7 @@ def integer_activations(m: int, k: int, seed: int) -> torch.Tensor:
 def test_kernel_equals_dequantize_then_matmul(isa, fmt, m, n, k):
     w, ref_w = packed_weight(fmt, n, k, seed=m)
     x = integer_activations(m, k, seed=n)
-    out = torch.ops.iterserve_quant.qgemm(x, w.data, w.n, w.bits, isa)
+    out = torch.ops.iterserve.qgemm(x, w.data, w.n, w.bits, isa)
     torch.testing.assert_close(out, x @ ref_w.T, rtol=1e-5, atol=1e-3)
 
 
@@ -126,7 +126,7 @@ def test_kernel_on_float_activations_is_within_int8_rounding(isa, fmt):
     w, ref_w = packed_weight(fmt, 48, k)
     x = torch.randn(64, k, generator=torch.Generator().manual_seed(3))
     ref = x @ ref_w.T
-    out = torch.ops.iterserve_quant.qgemm(x, w.data, w.n, w.bits, isa)
+    out = torch.ops.iterserve.qgemm(x, w.data, w.n, w.bits, isa)
     assert ((out - ref).norm() / ref.norm()).item() < 1e-2
 
 
@@ -135,7 +135,7 @@ def test_kernel_on_float_activations_is_within_int8_rounding(isa, fmt):
 def test_kernel_keeps_the_activation_dtype(dtype):
     w, ref_w = packed_weight("Q4_0", 20, 64)
     x = integer_activations(5, 64, seed=0)
-    out = torch.ops.iterserve_quant.qgemm(x.to(dtype), w.data, w.n, w.bits, 0)
+    out = torch.ops.iterserve.qgemm(x.to(dtype), w.data, w.n, w.bits, 0)
     assert out.dtype == dtype
     torch.testing.assert_close(out.float(), (x @ ref_w.T), rtol=1e-2, atol=1e-2)
 
@@ -144,11 +144,11 @@ def test_kernel_keeps_the_activation_dtype(dtype):
 def test_kernel_refuses_mismatched_shapes():
     w, _ = packed_weight("Q4_1", 32, 64)
     with pytest.raises(RuntimeError, match="x has 96 inputs"):
-        torch.ops.iterserve_quant.qgemm(torch.zeros(2, 96), w.data, w.n, w.bits, 0)
+        torch.ops.iterserve.qgemm(torch.zeros(2, 96), w.data, w.n, w.bits, 0)
     with pytest.raises(RuntimeError, match="w's last dimension must be"):
-        torch.ops.iterserve_quant.qgemm(torch.zeros(2, 64), w.data, w.n, 8, 0)
+        torch.ops.iterserve.qgemm(torch.zeros(2, 64), w.data, w.n, 8, 0)
     with pytest.raises(RuntimeError, match="isa 9 is not built"):
-        torch.ops.iterserve_quant.qgemm(torch.zeros(2, 64), w.data, w.n, w.bits, 9)
+        torch.ops.iterserve.qgemm(torch.zeros(2, 64), w.data, w.n, w.bits, 9)
 
 
 @needs_build
