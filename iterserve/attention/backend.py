@@ -25,10 +25,10 @@ import torch
 from iterserve.attention.metadata import AttentionMetadata, KVCache
 
 # A step's LoRA weights for a native decode loop: for every linear layer (qkv, o, gate/up and down of each
-# decoder layer in turn) each adapter's packed A, then each one's packed B (None where that adapter leaves the
-# layer alone, empty lists where all do), and each row's adapter (None: all rows have the step's one adapter)
-# (:meth:`iterserve.lora.batch.LoRABatch.native`).
-NativeLoRA = tuple[list[list[torch.Tensor | None]], list[list[torch.Tensor | None]], torch.Tensor | None]
+# decoder layer in turn) each adapter's packed A (None where that adapter leaves the layer alone, empty lists
+# where all do), then the packed parts of their B and what each covers, and each row's adapter (None: all rows
+# have the step's one adapter) (:meth:`iterserve.lora.batch.LoRABatch.native`).
+NativeLoRA = tuple[list[list[torch.Tensor | None]], list[list[torch.Tensor]], list[list[int]], torch.Tensor | None]
 
 
 class AttentionBackend(ABC):

@@ -53,7 +53,7 @@ class CpuBackend(ReferenceBackend):
             x, cos[:, 0], sin[:, 0], [c.k for c in kv_caches], [c.v for c in kv_caches], meta.slot_blocks,
             meta.slot_offsets, tables, context_lens, meta.sliding_window or 0,
             [c.k_scale for c in kv_caches if c.k_scale is not None],
-            [c.v_scale for c in kv_caches if c.v_scale is not None], *(lora or ([], [], None)))
+            [c.v_scale for c in kv_caches if c.v_scale is not None], *(lora or ([], [], [], None)))
         return out
 
     def write_kv(self, k: torch.Tensor, v: torch.Tensor, cache: KVCache, meta: AttentionMetadata) -> None:

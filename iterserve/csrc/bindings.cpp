@@ -1,5 +1,5 @@
 // The extension's Python module: each op family registers its functions (attention.cpp, layer_ops.cpp,
-// linear.cpp, decoder.cpp, kv_quant.cpp; quant_ops.cpp and kquant_ops.cpp register under torch.ops), and the
+// linear.cpp, lora.cpp, decoder.cpp, kv_quant.cpp; quant_ops.cpp and kquant_ops.cpp register under torch.ops), and the
 // kernels' thread pool (parallel.h) is sized from here.
 
 #include <torch/extension.h>
@@ -9,6 +9,7 @@
 void register_attention(pybind11::module& m);  // attention.cpp
 void register_layer_ops(pybind11::module& m);  // layer_ops.cpp
 void register_linear(pybind11::module& m);  // linear.cpp
+void register_lora(pybind11::module& m);  // lora.cpp
 void register_decoder(pybind11::module& m);  // decoder.cpp
 void register_kv_quant(pybind11::module& m);  // kv_quant.cpp
 
@@ -16,6 +17,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   register_attention(m);
   register_layer_ops(m);
   register_linear(m);
+  register_lora(m);
   register_decoder(m);
   register_kv_quant(m);
   m.def("set_threads", [](int64_t n) { iterserve::ChunkPool::get().resize(static_cast<int>(n)); },

@@ -7,7 +7,7 @@
 // calls and op dispatch. Every token of such a step is attended as a decode (short prompts included, see
 // CpuBackend.decode_prompts_up_to); a step with a longer prompt chunk takes the Python path (SDPA's).
 // A step's LoRA adapters come as each linear layer's packed weights per adapter (iterserve.lora.batch.LoRABatch.native)
-// and are added by the kernel LoRABatch.add calls (lora_add_), so a row gets the same values on either path.
+// and are added by the kernel LoRABatch.add calls (lora_add_, lora.cpp), so a row gets the same values on either path.
 
 #include "ops.h"
 
@@ -48,16 +48,19 @@ using LinearArgs = std::tuple<int64_t, std::variant<at::Tensor, std::vector<at::
                               std::variant<int64_t, std::vector<int64_t>>, c10::optional<at::Tensor>>;
 using OptionalTensors = std::vector<c10::optional<at::Tensor>>;
 
-// The step's LoRA weights of every linear layer (4 a layer: qkv, o, gate_up, down), each packed A and B per slot
-// (a[i][s], none where that adapter leaves the layer alone), all empty when no row has an adapter, and each
-// row's slot (none: every row is under slot 0): out + each row's (x @ A_s.T) @ B_s.T, by lora_add_ (linear.cpp).
+// The step's LoRA weights of every linear layer (4 a layer: qkv, o, gate_up, down): each slot's packed A (a[i][s],
+// none where that adapter leaves the layer alone), the packed B parts b[i] and what they cover (parts[i]), all
+// empty when no row has an adapter, and each row's slot (none: every row is under slot 0): out + each row's
+// (x @ A_s.T) @ B_s.T, by lora_add_ (lora.cpp).
 struct LoRARows {
-  const std::vector<OptionalTensors>&a, &b;
+  const std::vector<OptionalTensors>& a;
+  const std::vector<std::vector<at::Tensor>>& b;
+  const std::vector<std::vector<int64_t>>& parts;
   const c10::optional<at::Tensor>& row_slots;
 
   at::Tensor add(const at::Tensor& out, const at::Tensor& x, size_t i) const {
     if (a.empty() || a[i].empty()) return out;
-    return lora_add_(out, x, a[i], b[i], row_slots);
+    return lora_add_(out, x, a[i], b[i], parts[i], row_slots);
   }
 };
 
@@ -110,13 +113,15 @@ class DecoderStack {
                                              const std::vector<at::Tensor>& k_scales,
                                              const std::vector<at::Tensor>& v_scales,
                                              const std::vector<OptionalTensors>& lora_a,
-                                             const std::vector<OptionalTensors>& lora_b,
+                                             const std::vector<std::vector<at::Tensor>>& lora_b,
+                                             const std::vector<std::vector<int64_t>>& lora_parts,
                                              const c10::optional<at::Tensor>& lora_slots) const {
     TORCH_CHECK(k_caches.size() == layers_.size() && v_caches.size() == layers_.size(),
                 "one K and one V cache per layer expected");
-    TORCH_CHECK(lora_a.empty() || (lora_a.size() == 4 * layers_.size() && lora_b.size() == lora_a.size()),
+    TORCH_CHECK(lora_a.empty() || (lora_a.size() == 4 * layers_.size() && lora_b.size() == lora_a.size() &&
+                                   lora_parts.size() == lora_a.size()),
                 "LoRA weights for 4 linear layers per decoder layer expected");
-    const LoRARows lora{lora_a, lora_b, lora_slots};
+    const LoRARows lora{lora_a, lora_b, lora_parts, lora_slots};
     TORCH_CHECK(block_tables.size(0) == x.size(0), "every token of a decode-only step is a decode");
     const int64_t n = x.size(0), q_size = heads_ * dim_, kv_size = kv_heads_ * dim_;
     at::Tensor residual;
