@@ -8,6 +8,9 @@
 
 #include <torch/extension.h>
 
+#include <ATen/cpu/vec/functional.h>
+#include <ATen/cpu/vec/vec.h>
+
 #include "linear.h"
 #include "ops.h"
 #include "parallel.h"
@@ -89,6 +92,23 @@ void shrink(const at::Tensor& xk, const std::vector<const at::Tensor*>& a, const
   });
 }
 
+// o[c] += d[c] for c < n, rounded as torch's out + y rounds it: in float32, once to T.
+template <typename T>
+void add_to(T* o, const T* d, int64_t n) {
+  using VT = at::vec::Vectorized<T>;
+  int64_t c = 0;
+  for (; c + VT::size() <= n; c += VT::size()) {
+    if constexpr (std::is_same_v<T, float>) {
+      (VT::loadu(o + c) + VT::loadu(d + c)).store(o + c);
+    } else {
+      const auto [o0, o1] = at::vec::convert_to_float<T>(VT::loadu(o + c));
+      const auto [d0, d1] = at::vec::convert_to_float<T>(VT::loadu(d + c));
+      at::vec::convert_from_float<T>(o0 + d0, o1 + d1).store(o + c);
+    }
+  }
+  for (; c < n; ++c) o[c] = static_cast<T>(static_cast<float>(o[c]) + static_cast<float>(d[c]));
+}
+
 // out[rows[r]] += each B part's product of grouped row r's shrunk ranks, rounded to T, in its own columns.
 template <typename T>
 void expand(const at::Tensor& sk, const std::vector<Part>& parts, const std::vector<int64_t>& start,
@@ -107,11 +127,7 @@ void expand(const at::Tensor& sk, const std::vector<Part>& parts, const std::vec
       const Part& p = parts[t->item];
       const int64_t c0 = t->b0 * kV, n = std::min((t->b1 - t->b0) * kV, p.cols - c0);
       run_rows<T>(sk, p.rank0, t->r0, t->r1, *p.b, t->b0, 0, t->b1 - t->b0, y, n);
-      for (int64_t r = t->r0; r < t->r1; ++r) {  // out + y, rounded as torch's out + y would be
-        T* o = op + rows[r] * N + p.col0 + c0;
-        const T* d = y + (r - t->r0) * n;
-        for (int64_t c = 0; c < n; ++c) o[c] = static_cast<T>(static_cast<float>(o[c]) + static_cast<float>(d[c]));
-      }
+      for (int64_t r = t->r0; r < t->r1; ++r) add_to(op + rows[r] * N + p.col0 + c0, y + (r - t->r0) * n, n);
     }
   });
 }
