@@ -1,6 +1,6 @@
 // The extension's op library, torch.ops.iterserve: it opens here with the kernels' thread pool (parallel.h),
 // and each op family adds its ops as a fragment beside their code (attention.cpp, kv_write.cpp, layer_ops.cpp,
-// linear.cpp, kv_quant_decode.cpp, kv_quant_write.cpp, quant_ops.cpp, kquant_ops.cpp) and decoder.cpp its
+// linear.cpp, lora.cpp, kv_quant_decode.cpp, kv_quant_write.cpp, quant_ops.cpp, kquant_ops.cpp) and decoder.cpp its
 // DecoderStack class (torch.classes.iterserve). Python loads the library with torch.ops.load_library
 // (iterserve/kernels.py), so every op is called one way, through the dispatcher.
 

@@ -7,7 +7,7 @@
 // attended as a decode (short prompts included, see CpuBackend.decode_prompts_up_to); a step with a longer
 // prompt chunk takes the Python path (SDPA's).
 // A step's LoRA adapters come as each linear layer's packed weights per adapter (LoRABatch.native, flattened by
-// CpuBackend.decode_layers) and are added by the kernel LoRABatch.add calls (lora_add_), so a row gets the same
+// CpuBackend.decode_layers) and are added by the kernel LoRABatch.add calls (lora_add_, lora.cpp), so a row gets the same
 // values on either path. The stack is a torch custom class (torch.classes.iterserve.DecoderStack).
 
 #include "ops.h"
@@ -49,32 +49,46 @@ struct Linear {
 
 using OptionalTensors = std::vector<c10::optional<at::Tensor>>;
 
-// The step's LoRA weights of every linear layer (4 a layer: qkv, o, gate_up, down), each packed A and B per slot
-// (a[i][s], none where that adapter leaves the layer alone), all empty when no row has an adapter, and each
-// row's slot (none: every row is under slot 0): out + each row's (x @ A_s.T) @ B_s.T, by lora_add_ (linear.cpp).
+// The step's LoRA weights of every linear layer (4 a layer: qkv, o, gate_up, down): each slot's packed A (a[i][s],
+// none where that adapter leaves the layer alone), the packed B parts b[i] and what they cover (parts[i]), all
+// empty when no row has an adapter, and each row's slot (none: every row is under slot 0): out + each row's
+// (x @ A_s.T) @ B_s.T, by lora_add_ (lora.cpp).
 struct LoRARows {
-  std::vector<OptionalTensors> a, b;
+  std::vector<OptionalTensors> a;
+  std::vector<std::vector<at::Tensor>> b;
+  std::vector<std::vector<int64_t>> parts;
   const c10::optional<at::Tensor>& row_slots;
 
   at::Tensor add(const at::Tensor& out, const at::Tensor& x, size_t i) const {
     if (a.empty() || a[i].empty()) return out;
-    return lora_add_(out, x, a[i], b[i], row_slots);
+    return lora_add_(out, x, a[i], b[i], parts[i], row_slots);
   }
 };
 
-// A schema takes no list of lists: the slots of every linear layer come one after another, counts[i] of them for
-// layer i; this gives each layer its own list again.
-std::vector<OptionalTensors> per_linear(const OptionalTensors& flat, const std::vector<int64_t>& counts) {
-  std::vector<OptionalTensors> out;
-  out.reserve(counts.size());
+// A schema takes no list of lists: every linear layer's entries come one after another, counts[i * stride + at]
+// lists of `each` entries for layer i; this gives each layer its own list again.
+template <typename T>
+std::vector<std::vector<T>> per_linear(const std::vector<T>& flat, const std::vector<int64_t>& counts, size_t stride,
+                                       size_t at, int64_t each) {
+  std::vector<std::vector<T>> out;
+  out.reserve(counts.size() / stride);
   auto it = flat.begin();
-  for (int64_t n : counts) {
-    TORCH_CHECK(n >= 0 && flat.end() - it >= n, "LoRA slot counts exceed the weights given");
+  for (size_t i = at; i < counts.size(); i += stride) {
+    const int64_t n = counts[i] * each;
+    TORCH_CHECK(n >= 0 && flat.end() - it >= n, "LoRA counts exceed the weights given");
     out.emplace_back(it, it + n);
     it += n;
   }
-  TORCH_CHECK(it == flat.end(), "LoRA weights left over past the slot counts");
+  TORCH_CHECK(it == flat.end(), "LoRA weights left over past the counts");
   return out;
+}
+
+// The step's LoRA weights as LoRARows holds them: counts has two numbers per linear layer, its slots of A and its
+// blocks of B; parts has four numbers per block of B (lora_add_'s `parts`).
+LoRARows lora_rows(const OptionalTensors& a, const std::vector<at::Tensor>& b, const std::vector<int64_t>& parts,
+                   const std::vector<int64_t>& counts, const c10::optional<at::Tensor>& row_slots) {
+  return LoRARows{per_linear(a, counts, 2, 0, 1), per_linear(b, counts, 2, 1, 1), per_linear(parts, counts, 2, 1, 4),
+                  row_slots};
 }
 
 // weights and params as DecoderStack.add_linear takes them: one weight and one param, or for GGUF the parts and
@@ -126,7 +140,7 @@ class DecoderStack : public torch::CustomClassHolder {
 
   // x [tokens, hidden], every token a decode (one query over its sequence's cached context) -> the last
   // layer's output and the residual stream before it, as iterserve.models.llama.DecoderLayer returns them.
-  // The LoRA weights come flat, lora_counts[i] slots for linear layer i (per_linear).
+  // The LoRA weights come flat, with two counts per linear layer (lora_rows).
   std::tuple<at::Tensor, at::Tensor> forward(at::Tensor x, const at::Tensor& cos, const at::Tensor& sin,
                                              const std::vector<at::Tensor>& k_caches,
                                              const std::vector<at::Tensor>& v_caches, const at::Tensor& slot_blocks,
@@ -134,14 +148,15 @@ class DecoderStack : public torch::CustomClassHolder {
                                              const at::Tensor& context_lens, int64_t sliding_window,
                                              const std::vector<at::Tensor>& k_scales,
                                              const std::vector<at::Tensor>& v_scales, const OptionalTensors& lora_a,
-                                             const OptionalTensors& lora_b, const std::vector<int64_t>& lora_counts,
+                                             const std::vector<at::Tensor>& lora_b, const std::vector<int64_t>& lora_parts,
+                                             const std::vector<int64_t>& lora_counts,
                                              const c10::optional<at::Tensor>& lora_slots) const {
     TORCH_CHECK(k_caches.size() == layers_.size() && v_caches.size() == layers_.size(),
                 "one K and one V cache per layer expected");
     TORCH_CHECK(layers_.empty() || layers_.back().linears.size() == 4, "the last layer lacks its linear layers");
-    TORCH_CHECK(lora_counts.empty() || lora_counts.size() == 4 * layers_.size(),
+    TORCH_CHECK(lora_counts.empty() || lora_counts.size() == 8 * layers_.size(),
                 "LoRA weights for 4 linear layers per decoder layer expected");
-    const LoRARows lora{per_linear(lora_a, lora_counts), per_linear(lora_b, lora_counts), lora_slots};
+    const LoRARows lora = lora_rows(lora_a, lora_b, lora_parts, lora_counts, lora_slots);
     TORCH_CHECK(block_tables.size(0) == x.size(0), "every token of a decode-only step is a decode");
     const int64_t n = x.size(0), q_size = heads_ * dim_, kv_size = kv_heads_ * dim_;
     at::Tensor residual;

@@ -17,6 +17,7 @@
 #include <ATen/cpu/vec/functional.h>
 #include <ATen/cpu/vec/vec.h>
 
+#include "linear.h"
 #include "ops.h"
 #include "parallel.h"
 
@@ -25,19 +26,20 @@
 
 #ifdef ITERSERVE_DPBF16
 #include <immintrin.h>
-#if defined(__AMX_TILE__) && defined(__AMX_BF16__)
+#endif
+#ifdef ITERSERVE_AMX
 #include <sys/syscall.h>
 #include <unistd.h>
-#define ITERSERVE_AMX 1
-#endif
 #endif
 
 namespace {
 
+using iterserve::kGroup;
+using iterserve::kPairAlign;
+using iterserve::kV;
+using iterserve::pairs;
 using Vec = at::vec::Vectorized<float>;
-constexpr int64_t kV = Vec::size();
 constexpr int kMaxMR = 8;  // rows per register tile
-constexpr int kGroup = 12;  // blocks per chunk and per AMX column walk: a multiple of both tile widths (3 and 4)
 // k steps a tile asks for its weight ahead of use, from 4 rows up: the hardware prefetcher alone leaves a tile
 // of several rows waiting on memory, while at one row it keeps up on its own.
 constexpr int64_t kAhead = 32;
@@ -56,15 +58,6 @@ inline Vec load_w(const T* p) {
 
 // Blocks per register tile: MR x NB accumulators plus NB weight vectors stay within 32 (16 on AVX2) registers.
 constexpr int nb_for(int mr) { return kV == 16 ? (mr <= 4 ? 4 : 3) : (mr <= 2 ? 4 : mr <= 4 ? 2 : 1); }
-
-template <typename T>
-constexpr bool pairs() {
-#ifdef ITERSERVE_DPBF16
-  return std::is_same_v<T, c10::BFloat16>;
-#else
-  return false;
-#endif
-}
 
 // `lines` cache lines from `ahead`, fetched into L2 over the first k steps of a tile, as few per step as cover them.
 struct AheadLines {
@@ -165,7 +158,6 @@ void rows_tile(const void* xin, int64_t xs, const T* packed, int64_t bstride, in
 
 #ifdef ITERSERVE_AMX
 // AMX: the k-pair blocks are B tiles as they lie (16 k-pairs x 16 columns = 1 KiB contiguous), K2 padded to 16.
-constexpr int64_t kPairAlign = 16;
 constexpr int kAmxRows = 16, kAmxNB = 4;
 
 struct TileConfig {
@@ -237,8 +229,6 @@ void run_blocks_amx(const char* x, int64_t x_row_bytes, int64_t M, const c10::BF
   }
   _tile_release();
 }
-#else
-constexpr int64_t kPairAlign = 1;
 #endif
 
 // One thread's blocks [b0, b1) for up to 8 rows: the weight streams through once, a register tile at a time.
@@ -265,6 +255,10 @@ inline void with_rows(int64_t rows, F&& f) {
     default: f.template operator()<8>(); break;
   }
 }
+
+}  // namespace
+
+namespace iterserve {
 
 // One thread's blocks [b0, b1) for every row. Up to 8 rows stream the weight once. More rows take it a tile
 // at a time, every row group in turn while the tile is in cache, and on k-pairs the row groups share the
@@ -294,6 +288,19 @@ void run_blocks(const char* x, int64_t x_row_bytes, int64_t xs, int64_t M, const
     }
   }
 }
+
+template void run_blocks<float>(const char*, int64_t, int64_t, int64_t, const float*, int64_t, int64_t, int64_t,
+                                int64_t, const float*, float*, int64_t);
+template void run_blocks<c10::BFloat16>(const char*, int64_t, int64_t, int64_t, const c10::BFloat16*, int64_t,
+                                        int64_t, int64_t, int64_t, const float*, c10::BFloat16*, int64_t);
+template void run_blocks<c10::Half>(const char*, int64_t, int64_t, int64_t, const c10::Half*, int64_t, int64_t,
+                                    int64_t, int64_t, const float*, c10::Half*, int64_t);
+
+}  // namespace iterserve
+
+namespace {
+
+using iterserve::run_blocks;
 
 // Chunk length in blocks, a multiple of `unit` up to `longest`, giving each of `threads` threads at least `per`
 // chunks: the longest whose busiest thread gets at most `unit` blocks more than the fewest possible.
@@ -400,149 +407,12 @@ at::Tensor packed_linear(const at::Tensor& x, const at::Tensor& packed, int64_t 
   return y;
 }
 
-namespace {
-
-// One pool task of lora_add_: grouped rows [r0, r1), all under `slot`, by the slot's weight blocks [b0, b1).
-struct LoRATask {
-  int64_t slot, r0, r1, b0, b1;
-};
-
-constexpr int64_t kLoRARows = 64;  // rows a task: a prompt chunk's rows split across the pool, a decode step's not
-
-// Tasks over each slot's grouped rows [start[s], start[s + 1]) by its `blocks[s]` blocks, kGroup blocks a task.
-std::vector<LoRATask> lora_tasks(const std::vector<int64_t>& start, const std::vector<int64_t>& blocks) {
-  std::vector<LoRATask> tasks;
-  for (size_t s = 0; s < blocks.size(); ++s)
-    for (int64_t r = start[s]; r < start[s + 1]; r += kLoRARows)
-      for (int64_t b = 0; b < blocks[s]; b += kGroup)
-        tasks.push_back({static_cast<int64_t>(s), r, std::min(start[s + 1], r + kLoRARows), b,
-                         std::min(blocks[s], b + kGroup)});
-  return tasks;
-}
-
-// x [rows, K] as the kernel reads it (see packed_linear_impl): bf16 k-pairs padded as `packed`'s K, or float32.
-template <typename T>
-at::Tensor kernel_rows(const at::Tensor& x, const at::Tensor& packed) {
-  if constexpr (pairs<T>()) {
-    const int64_t Kw = packed.size(1);
-    return Kw * 2 != x.size(1) ? at::constant_pad_nd(x, {0, Kw * 2 - x.size(1)}) : x.contiguous();
-  }
-  return x.to(at::kFloat).contiguous();
-}
-
-// y rows [r0, r1) of the grouped rows = x rows @ W^T, W packed, on the kernel of packed_linear (no AMX tiles).
-template <typename T>
-void run_rows(const at::Tensor& xk, int64_t r0, int64_t r1, const at::Tensor& w, int64_t b0, int64_t b1, T* y,
-              int64_t N) {
-  const int64_t x_bytes = xk.stride(0) * xk.element_size(), xs = pairs<T>() ? xk.stride(0) / 2 : xk.stride(0);
-  run_blocks<T>(static_cast<const char*>(xk.data_ptr()) + r0 * x_bytes, x_bytes, xs, r1 - r0, w.data_ptr<T>(),
-                w.numel() / w.size(0), w.size(1), b0, b1, nullptr, y + r0 * N, N);
-}
-
-// lora_add_ on the rows grouped by slot: grouped row i is out's row rows[i], slot s's rows start at start[s].
-template <typename T>
-void lora_add_impl(at::Tensor& out, const at::Tensor& xg, const std::vector<const at::Tensor*>& a,
-                   const std::vector<const at::Tensor*>& b, const std::vector<int64_t>& rows,
-                   const std::vector<int64_t>& start) {
-  const int64_t M = static_cast<int64_t>(rows.size()), N = out.size(1), S = static_cast<int64_t>(a.size());
-  std::vector<int64_t> blocks_a(S, 0), blocks_b(S, 0);
-  int64_t width = 0, first = -1;  // shrunk rows as wide as the widest B reads them (k-pairs: its padded rank)
-  for (int64_t s = 0; s < S; ++s) {
-    if (!a[s]) continue;
-    const bool shaped = a[s]->dim() == (pairs<T>() ? 4 : 3) && b[s]->dim() == a[s]->dim() &&
-                        b[s]->size(0) == (N + kV - 1) / kV &&
-                        (first < 0 || a[s]->size(1) == a[first]->size(1));
-    TORCH_CHECK(shaped && a[s]->is_contiguous() && b[s]->is_contiguous(),
-                "lora_add_: slot ", s, "'s A and B are not packed by pack_linear_weight for this layer's shape");
-    first = first < 0 ? s : first;
-    blocks_a[s] = a[s]->size(0);
-    blocks_b[s] = b[s]->size(0);
-    width = std::max(width, b[s]->size(1) * (pairs<T>() ? 2 : 1));
-  }
-  const int64_t in_k = a[first]->size(1) * (pairs<T>() ? 2 : 1);  // k-pairs: in_features padded
-  TORCH_CHECK(pairs<T>() ? xg.size(1) <= in_k && xg.size(1) + 2 * kPairAlign > in_k : xg.size(1) == in_k,
-              "lora_add_: A packed for another in_features than x's ", xg.size(1));
-  const at::Tensor xk = kernel_rows<T>(xg, *a[first]);
-  // Zero beyond each slot's rank, where A's zero padding leaves it (B's k padding is zero too).
-  at::Tensor shrunk = at::zeros({M, width}, out.options());
-  const auto shrink = lora_tasks(start, blocks_a);
-  iterserve::parallel_chunks(static_cast<int64_t>(shrink.size()), 1, [&](int64_t t0, int64_t t1) {
-    for (const LoRATask* t = &shrink[t0]; t != &shrink[0] + t1; ++t)
-      run_rows<T>(xk, t->r0, t->r1, *a[t->slot], t->b0, t->b1, shrunk.data_ptr<T>(), width);
-  });
-  const at::Tensor sk = pairs<T>() ? shrunk : shrunk.to(at::kFloat);
-  at::Tensor y = at::empty({M, N}, out.options());
-  T* yp = y.data_ptr<T>();
-  T* op = out.data_ptr<T>();
-  const auto expand = lora_tasks(start, blocks_b);
-  iterserve::parallel_chunks(static_cast<int64_t>(expand.size()), 1, [&](int64_t t0, int64_t t1) {
-    for (const LoRATask* t = &expand[t0]; t != &expand[0] + t1; ++t) {
-      run_rows<T>(sk, t->r0, t->r1, *b[t->slot], t->b0, t->b1, yp, N);
-      const int64_t c0 = t->b0 * kV, c1 = std::min(N, t->b1 * kV);
-      for (int64_t r = t->r0; r < t->r1; ++r) {  // out + y, rounded as torch's out + y would be
-        T* o = op + rows[r] * N;
-        const T* d = yp + r * N;
-        for (int64_t c = c0; c < c1; ++c) o[c] = static_cast<T>(static_cast<float>(o[c]) + static_cast<float>(d[c]));
-      }
-    }
-  });
-}
-
-}  // namespace
-
-// out[r] += (x[r] @ A_s^T) @ B_s^T, each product rounded to out's dtype, for every row r under a slot s
-// (row_slots[r]; none given: every row is under slot 0) whose a[s] and b[s] are given, pack_linear_weight of
-// A [rank, in] and B [out, rank]; a row under -1 or under a slot without weights gets nothing. Rows are grouped by
-// slot so that each multiplies its own adapter's weights only (vLLM's punica SGMV), all slots' shrinks in one run
-// of the pool, then all expands. A row's values depend on that row alone, not on the others nor on the threads.
-at::Tensor lora_add_(at::Tensor out, const at::Tensor& x, const std::vector<c10::optional<at::Tensor>>& a,
-                     const std::vector<c10::optional<at::Tensor>>& b, const c10::optional<at::Tensor>& row_slots) {
-  const int64_t S = static_cast<int64_t>(a.size()), M = x.size(0);
-  TORCH_CHECK(static_cast<int64_t>(b.size()) == S, "lora_add_: one A and one B per slot expected");
-  TORCH_CHECK(x.dim() == 2 && out.dim() == 2 && out.size(0) == M && out.is_contiguous(),
-              "lora_add_: x [rows, in] and a contiguous out [rows, out] with as many rows expected");
-  TORCH_CHECK(x.scalar_type() == out.scalar_type(), "lora_add_: x and out differ in dtype");
-  std::vector<const at::Tensor*> pa(S, nullptr), pb(S, nullptr);
-  for (int64_t s = 0; s < S; ++s) {
-    TORCH_CHECK(a[s].has_value() == b[s].has_value(), "lora_add_: slot ", s, " has A or B alone");
-    TORCH_CHECK(!a[s].has_value() || (a[s]->scalar_type() == x.scalar_type() &&
-                                      b[s]->scalar_type() == x.scalar_type()),
-                "lora_add_: slot ", s, "'s weights are not in x's dtype");
-    pa[s] = a[s].has_value() ? &*a[s] : nullptr;
-    pb[s] = b[s].has_value() ? &*b[s] : nullptr;
-  }
-  std::vector<int64_t> slot(M, 0);
-  if (row_slots.has_value()) {
-    const at::Tensor rs = row_slots->to(at::kLong).contiguous();
-    TORCH_CHECK(rs.numel() == M, "lora_add_: one slot per row expected");
-    std::copy(rs.data_ptr<int64_t>(), rs.data_ptr<int64_t>() + M, slot.begin());
-  }
-  auto served = [&](int64_t s) { return s >= 0 && s < S && pa[s] != nullptr; };
-  std::vector<int64_t> start(S + 1, 0);  // grouped by slot, in order within each: a counting sort
-  for (int64_t s : slot)
-    if (served(s)) ++start[s + 1];
-  for (int64_t s = 0; s < S; ++s) start[s + 1] += start[s];
-  std::vector<int64_t> rows(start[S]), next(start.begin(), start.end() - 1);
-  for (int64_t r = 0; r < M; ++r)
-    if (served(slot[r])) rows[next[slot[r]]++] = r;
-  if (rows.empty()) return out;
-  const bool same = static_cast<int64_t>(rows.size()) == M && std::is_sorted(rows.begin(), rows.end());
-  const at::Tensor xg = same ? x : x.index_select(0, at::tensor(rows, at::kLong));
-  AT_DISPATCH_SWITCH(x.scalar_type(), "lora_add_",
-                     AT_DISPATCH_CASE(at::kFloat, [&] { lora_add_impl<scalar_t>(out, xg, pa, pb, rows, start); })
-                     AT_DISPATCH_CASE(at::kBFloat16, [&] { lora_add_impl<scalar_t>(out, xg, pa, pb, rows, start); })
-                     AT_DISPATCH_CASE(at::kHalf, [&] { lora_add_impl<scalar_t>(out, xg, pa, pb, rows, start); }));
-  return out;
-}
-
 TORCH_LIBRARY_FRAGMENT(iterserve, m) {
   m.def("pack_linear_weight(Tensor w) -> Tensor");
   m.def("packed_linear(Tensor x, Tensor packed, int N, Tensor? bias=None, int amx_min_rows=8) -> Tensor");
-  m.def("lora_add_(Tensor(a!) out, Tensor x, Tensor?[] a, Tensor?[] b, Tensor? row_slots=None) -> Tensor(a!)");
 }
 
 TORCH_LIBRARY_IMPL(iterserve, CPU, m) {
   m.impl("pack_linear_weight", &pack_linear_weight);
   m.impl("packed_linear", &packed_linear);
-  m.impl("lora_add_", &lora_add_);
 }

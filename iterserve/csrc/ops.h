@@ -40,8 +40,11 @@ void write_kv_quant(const at::Tensor& k, const at::Tensor& v, at::Tensor k_cache
 // linear.cpp
 at::Tensor packed_linear(const at::Tensor& x, const at::Tensor& packed, int64_t N, const c10::optional<at::Tensor>& bias,
                          int64_t amx_min_rows);
+
+// lora.cpp
 at::Tensor lora_add_(at::Tensor out, const at::Tensor& x, const std::vector<c10::optional<at::Tensor>>& a,
-                     const std::vector<c10::optional<at::Tensor>>& b, const c10::optional<at::Tensor>& row_slots);
+                     const std::vector<at::Tensor>& b, const std::vector<int64_t>& parts,
+                     const c10::optional<at::Tensor>& row_slots);
 
 // quant_ops.cpp
 at::Tensor qgemm(const at::Tensor& x, const at::Tensor& w, int64_t n, int64_t bits, int64_t isa);

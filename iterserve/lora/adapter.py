@@ -40,12 +40,28 @@ MODULE_OF = {place: module for module, place in TARGETS.items()}  # (fused layer
 TENSOR_NAME = re.compile(r"(?:^|\.)layers\.(\d+)\.(?:self_attn|mlp)\.(\w+)\.lora_([AB])(?:\.default)?\.weight$")
 
 
+@dataclass(frozen=True)
+class BlockOfB:
+    """One part's block of a fused layer's block-diagonal B: its output rows ``[out0, out1)`` and its columns of
+    the stacked rank ``[rank0, rank1)``."""
+
+    out0: int
+    out1: int
+    rank0: int
+    rank1: int
+
+
 @dataclass
 class LoRAWeights:
-    """One layer's share of an adapter: ``a`` ``[rank, in]``, ``b`` ``[out, rank]`` with the scaling in it."""
+    """One layer's share of an adapter: ``a`` ``[rank, in]``, ``b`` ``[out, rank]`` with the scaling in it;
+    ``parts``: the blocks of ``b`` that can be nonzero (empty: all of it), in rank order."""
 
     a: torch.Tensor
     b: torch.Tensor
+    parts: tuple[BlockOfB, ...] = ()
+
+    def blocks(self) -> tuple[BlockOfB, ...]:
+        return self.parts or (BlockOfB(0, self.b.shape[0], 0, self.b.shape[1]),)
 
 
 @dataclass
@@ -154,6 +170,7 @@ def fuse(lora: LoRARequest, layer: LinearBase, index: int, name: str, parts: dic
         offsets = [sum(s.size for s in layer.shards[:i]) for i in range(len(layer.shards))]
         slices = [(offsets[i], s.size, i) for i, s in enumerate(layer.shards)]
     a_rows: list[torch.Tensor] = []
+    blocks: list[BlockOfB] = []
     b = torch.zeros(layer.out_features, sum(p["A"].shape[0] for p in parts.values() if "A" in p))
     for offset, rows, part in slices:
         if part not in parts:
@@ -172,8 +189,10 @@ def fuse(lora: LoRARequest, layer: LinearBase, index: int, name: str, parts: dic
         col = sum(x.shape[0] for x in a_rows)
         b[offset:offset + rows, col:col + r] = b_part.float() * scaling
         a_rows.append(a.float())
+        blocks.append(BlockOfB(offset, offset + rows, col, col + r))
     dtype = layer.weight.dtype  # the device is the model's: a packed layer's plain weight is on "meta"
-    return LoRAWeights(torch.cat(a_rows).to(device, dtype).contiguous(), b.to(device, dtype).contiguous())
+    return LoRAWeights(torch.cat(a_rows).to(device, dtype).contiguous(), b.to(device, dtype).contiguous(),
+                       tuple(blocks))
 
 
 def load_adapter(lora: LoRARequest, model: LlamaModel, max_rank: int) -> LoRAAdapter:

@@ -1,7 +1,8 @@
 """One step's adapters and the rows each serves: the base matmul runs once for every row, then each row gets its
-own adapter's low-rank product. With the C++ kernels, ``lora_add_`` (csrc/linear.cpp) groups the rows by adapter
+own adapter's low-rank product. With the C++ kernels, ``lora_add_`` (csrc/lora.cpp) groups the rows by adapter
 and multiplies each group by its own adapter's A and B only, packed once as the dense linear layers' weights are,
-on the kernels' thread pool (vLLM's punica SGMV). Without them, torch ops: the step's adapters' A stacked for one
+on the kernels' thread pool (vLLM's punica SGMV); a fused layer's B goes as its parts' blocks, so that no zero
+block of it is multiplied. Without them, torch ops: the step's adapters' A stacked for one
 shrink ``x @ A.T``, each row's columns of other adapters zeroed, and their B side by side for one expand."""
 
 from __future__ import annotations
@@ -9,8 +10,9 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 import torch
+import torch.nn.functional as F
 
-from iterserve.lora.adapter import LoRAAdapter
+from iterserve.lora.adapter import LoRAAdapter, LoRAWeights
 from iterserve.models.linear import LinearBase
 from iterserve.models.native_decoder import NativeLoRA
 from iterserve.platforms.ops import CpuOps, ops_for
@@ -29,10 +31,34 @@ class LayerStack:
 @dataclass
 class PackedStack:
     """The step's adapters' weights for one layer as ``lora_add_`` takes them: per slot (the adapter's place among
-    the step's) its A and B laid out by ``pack_linear_weight``, None where that adapter leaves the layer alone."""
+    the step's) its A laid out by ``pack_linear_weight``, None where that adapter leaves the layer alone; the
+    blocks of their B that can be nonzero, each so laid out; and per block four numbers: its slot, its first
+    column of the slot's stacked rank, its first output column and its output columns."""
 
     a: list[torch.Tensor | None]
-    b: list[torch.Tensor | None]
+    b: list[torch.Tensor]
+    parts: list[int]
+
+
+def pack_weights(ops: CpuOps, weights: list[LoRAWeights | None]) -> PackedStack:
+    """The :class:`PackedStack` of a layer's weights per slot. Each part's ranks but the last are padded to an
+    even count with zeros, so that the next part's start at an even column: bf16 k-pairs need that."""
+    stack = PackedStack([], [], [])
+    for slot, w in enumerate(weights):
+        if w is None:
+            stack.a.append(None)
+            continue
+        a_rows, rank0, blocks = [], 0, w.blocks()
+        for i, part in enumerate(blocks):
+            rank = part.rank1 - part.rank0
+            pad = rank % 2 if i + 1 < len(blocks) else 0
+            a_rows.append(F.pad(w.a[part.rank0:part.rank1], (0, 0, 0, pad)))
+            b = F.pad(w.b[part.out0:part.out1, part.rank0:part.rank1], (0, pad))
+            stack.b.append(ops.pack_linear_weight(b.contiguous()))
+            stack.parts += [slot, rank0, part.out0, part.out1 - part.out0]
+            rank0 += rank + pad
+        stack.a.append(ops.pack_linear_weight(torch.cat(a_rows).contiguous()))
+    return stack
 
 
 def stack_layer(adapters: list[LoRAAdapter], layer: LinearBase,
@@ -42,9 +68,7 @@ def stack_layer(adapters: list[LoRAAdapter], layer: LinearBase,
     if not parts:
         return None
     if ops is not None:
-        weights = [adapter.weights.get(layer) for adapter in adapters]
-        return PackedStack([None if w is None else ops.pack_linear_weight(w.a) for w in weights],
-                           [None if w is None else ops.pack_linear_weight(w.b) for w in weights])
+        return pack_weights(ops, [adapter.weights.get(layer) for adapter in adapters])
     layout = tuple(slot for slot, w in parts for _ in range(w.a.shape[0]))
     return LayerStack(torch.cat([w.a for _, w in parts]).T.contiguous(), torch.cat([w.b for _, w in parts], dim=1),
                       layout)
@@ -67,7 +91,7 @@ class LoRABatch:
             return out
         if isinstance(stack, PackedStack):
             assert self.ops is not None
-            return self.ops.lora_add_(out, x, stack.a, stack.b, self.row_slots)
+            return self.ops.lora_add_(out, x, stack.a, stack.b, stack.parts, self.row_slots)
         shrunk = x @ stack.a_t
         mask = self._mask(stack)
         if mask is not None:
@@ -75,13 +99,14 @@ class LoRABatch:
         return out + shrunk @ stack.b.T
 
     def native(self, layers: list[LinearBase]) -> NativeLoRA | None:
-        """What csrc/decoder.cpp adds with the kernel :meth:`add` calls: per layer each slot's packed A and B
-        (empty lists for a layer no adapter targets), and each row's slot; None without the kernels."""
+        """What csrc/decoder.cpp adds with the kernel :meth:`add` calls: per layer each slot's packed A, the B
+        blocks and their four numbers each (empty lists for a layer no adapter targets), and each row's slot;
+        None without the kernels."""
         if self.ops is None:
             return None
         stacks = [self._stack(layer) for layer in layers]
-        packed = [s if isinstance(s, PackedStack) else PackedStack([], []) for s in stacks]
-        return [s.a for s in packed], [s.b for s in packed], self.row_slots
+        packed = [s if isinstance(s, PackedStack) else PackedStack([], [], []) for s in stacks]
+        return [s.a for s in packed], [s.b for s in packed], [s.parts for s in packed], self.row_slots
 
     def _stack(self, layer: LinearBase) -> LayerStack | PackedStack | None:
         if layer not in self.stacks:

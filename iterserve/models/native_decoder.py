@@ -21,10 +21,10 @@ from iterserve.attention.metadata import AttentionMetadata, KVCache
 from iterserve.platforms.ops import CpuOps, cpu_kernels
 
 # A step's LoRA weights for the native loop: for every linear layer (qkv, o, gate/up and down of each decoder
-# layer in turn) each adapter's column-blocked A, then each one's B (None where that adapter leaves the layer
-# alone, empty lists where all do), and each row's adapter (None: all rows have the step's one adapter)
-# (:meth:`iterserve.lora.batch.LoRABatch.native`).
-NativeLoRA = tuple[list[list[torch.Tensor | None]], list[list[torch.Tensor | None]], torch.Tensor | None]
+# layer in turn) each adapter's column-blocked A (None where that adapter leaves the layer alone, empty lists where
+# all do), the blocks of their B that can be nonzero and four numbers per block (lora_add_'s ``parts``), and each
+# row's adapter (None: all rows have the step's one adapter) (:meth:`iterserve.lora.batch.LoRABatch.native`).
+NativeLoRA = tuple[list[list[torch.Tensor | None]], list[list[torch.Tensor]], list[list[int]], torch.Tensor | None]
 
 
 class LinearKind(enum.Enum):
@@ -132,12 +132,13 @@ class NativeDecoder:
         if stack is None:
             return None
         tables, context_lens = meta.decode_tables()
-        lora_a, lora_b, lora_slots = lora or ([], [], None)
-        # the class's schema takes no list of lists: every linear layer's slots in a row, with their counts
+        lora_a, lora_b, lora_parts, lora_slots = lora or ([], [], [], None)
+        # the class's schema takes no list of lists: every linear layer's entries in a row, with two counts a layer
+        counts = [n for a, b in zip(lora_a, lora_b, strict=True) for n in (len(a), len(b))]
         out: tuple[torch.Tensor, torch.Tensor] = stack.forward(
             x, cos[:, 0], sin[:, 0], [c.k for c in kv_caches], [c.v for c in kv_caches], meta.slot_blocks,
             meta.slot_offsets, tables, context_lens, meta.sliding_window or 0,
             [c.k_scale for c in kv_caches if c.k_scale is not None],
             [c.v_scale for c in kv_caches if c.v_scale is not None], [t for per in lora_a for t in per],
-            [t for per in lora_b for t in per], [len(per) for per in lora_a], lora_slots)
+            [t for per in lora_b for t in per], [n for per in lora_parts for n in per], counts, lora_slots)
         return out

@@ -114,10 +114,11 @@ class CpuOps(ReferenceOps):
         out: torch.Tensor = self.extension.packed_linear(x, packed, out_features, bias, amx_min_rows)
         return out
 
-    def lora_add_(self, out: torch.Tensor, x: torch.Tensor, a: list[torch.Tensor | None],
-                  b: list[torch.Tensor | None], row_slots: torch.Tensor | None) -> torch.Tensor:
-        """``out`` plus each row's adapter's ``x @ A^T @ B^T``, in place (A and B column-blocked)."""
-        result: torch.Tensor = self.extension.lora_add_(out, x, a, b, row_slots)
+    def lora_add_(self, out: torch.Tensor, x: torch.Tensor, a: list[torch.Tensor | None], b: list[torch.Tensor],
+                  parts: list[int], row_slots: torch.Tensor | None) -> torch.Tensor:
+        """``out`` plus each row's adapter's ``x @ A^T @ B^T``, in place (A per slot and B's blocks column-blocked,
+        four numbers per block in ``parts``: :class:`iterserve.lora.batch.PackedStack`)."""
+        result: torch.Tensor = self.extension.lora_add_(out, x, a, b, parts, row_slots)
         return result
 
     # -- quantized matmuls (csrc/quant_ops.cpp) ----------------------------------------------------------------
