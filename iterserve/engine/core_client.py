@@ -24,7 +24,7 @@ import logging
 import shutil
 import tempfile
 from collections.abc import Callable
-from typing import Protocol, get_args
+from typing import get_args
 
 import msgspec
 import torch
@@ -41,13 +41,12 @@ from iterserve.engine.messages import (
     EngineCoreOutputs,
     EngineCoreRequest,
     EngineFailed,
+    EngineObserver,
     EngineReady,
-    KVSnapshot,
     LoadedWeights,
     ResetPrefixCache,
-    SchedulerStats,
     Shutdown,
-    StepStats,
+    StepObserver,
     WatchKV,
 )
 from iterserve.engine.output_processor import OutputProcessor
@@ -57,7 +56,6 @@ from iterserve.engine.validation import check_prompt
 from iterserve.errors import EngineDeadError, QueueFullError, RequestFailedError
 from iterserve.lora.request import LoRARequest
 from iterserve.models.loader import load_model_config, load_model_info
-from iterserve.outputs import RequestOutput
 from iterserve.sampling_params import RequestOutputKind, SamplingParams
 from iterserve.tokenizer import Tokenizer
 
@@ -67,30 +65,6 @@ DEFAULT_MAX_RESTARTS = 3  # a replica's core is restarted this many times ...
 RESTART_WINDOW_S = 600.0  # ... within this long; once more and the server gives up (exits 1)
 
 # -- the API process's side ------------------------------------------------------------------------
-
-
-class EngineObserver(Protocol):
-    """Where the client reports what it sees (the server's Prometheus metrics); ``engine`` is the replica."""
-
-    def record_stats(self, engine: int, stats: SchedulerStats, num_waiting: int) -> None: ...
-
-    def record_admitted(self, engine: int, max_tokens: int) -> None: ...
-
-    def record_finished(self, engine: int, output: RequestOutput) -> None: ...
-
-    def record_finish_reason(self, engine: int, reason: str) -> None: ...
-
-    def record_weights(self, engine: int, weights: list[LoadedWeights]) -> None: ...
-
-    def record_restart(self, engine: int) -> None: ...
-
-
-class StepObserver(Protocol):
-    """Where the client reports each step's record, KV snapshots and finished requests (the dashboard)."""
-
-    def record_step(self, step: StepStats | None, kv: KVSnapshot | None, stats: SchedulerStats) -> None: ...
-
-    def record_finished(self, output: RequestOutput) -> None: ...
 
 
 class EngineCoreClient:

@@ -6,14 +6,18 @@ scheduler's counters, the step's record (:class:`StepStats`, the step trace's sc
 dashboard watches, now and then a snapshot of every KV block's state. No text travels here:
 tokenizing and detokenizing happen on the API side. The same structs are used in-process by the
 offline engine and serialized with msgspec's MessagePack when the core runs in its own process.
+Last, the two interfaces the API side reports what these messages carry to: the server's metrics and the
+dashboard.
 """
 
 from __future__ import annotations
 
+from typing import Protocol
+
 import msgspec
 
 from iterserve.lora.request import LoRARequest
-from iterserve.outputs import TokenLogprobs
+from iterserve.outputs import RequestOutput, TokenLogprobs
 from iterserve.sampling_params import SamplingParams
 
 
@@ -171,3 +175,27 @@ class EngineFailed(msgspec.Struct, tag="failed"):
 
 
 EngineCoreEvent = EngineCoreOutputs | EngineReady | EngineFailed
+
+
+class EngineObserver(Protocol):
+    """Where the client reports what it sees (the server's Prometheus metrics); ``engine`` is the replica."""
+
+    def record_stats(self, engine: int, stats: SchedulerStats, num_waiting: int) -> None: ...
+
+    def record_admitted(self, engine: int, max_tokens: int) -> None: ...
+
+    def record_finished(self, engine: int, output: RequestOutput) -> None: ...
+
+    def record_finish_reason(self, engine: int, reason: str) -> None: ...
+
+    def record_weights(self, engine: int, weights: list[LoadedWeights]) -> None: ...
+
+    def record_restart(self, engine: int) -> None: ...
+
+
+class StepObserver(Protocol):
+    """Where the client reports each step's record, KV snapshots and finished requests (the dashboard)."""
+
+    def record_step(self, step: StepStats | None, kv: KVSnapshot | None, stats: SchedulerStats) -> None: ...
+
+    def record_finished(self, output: RequestOutput) -> None: ...
