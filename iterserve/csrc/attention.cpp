@@ -279,27 +279,7 @@ struct PagedDecode {
   }
 
   // Merge the pieces of each (sequence, head): rescale each to the largest max and normalise once.
-  void merge() const {
-    iterserve::parallel_chunks(seqs * heads, 8, [&](int64_t begin, int64_t end) {
-      std::vector<float> merged(dim);
-      for (int64_t sh = begin; sh < end; ++sh) {
-        const float* p = partial + sh * splits * pstride;
-        float top = -std::numeric_limits<float>::infinity();
-        for (int64_t i = 0; i < splits; ++i) top = std::max(top, p[i * pstride]);
-        std::fill(merged.begin(), merged.end(), 0.f);
-        float total = 0.f;
-        for (int64_t i = 0; i < splits; ++i) {
-          const float* pi = p + i * pstride;
-          if (pi[1] == 0.f) continue;
-          const float w = std::exp(pi[0] - top);
-          total += w * pi[1];
-          axpy(merged.data(), w, pi + 2, dim);
-        }
-        scale_(merged.data(), 1.f / total, dim);
-        from_float(merged.data(), out_ptr + (sh / heads) * o_s0 + (sh % heads) * o_s1, dim);
-      }
-    });
-  }
+  void merge() const { merge_pieces(partial, seqs, heads, splits, dim, out_ptr, o_s0, o_s1); }
 };
 
 template <typename T>

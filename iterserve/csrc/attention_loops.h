@@ -7,11 +7,13 @@
 #include <ATen/cpu/vec/vec.h>
 
 #include "ops.h"
+#include "parallel.h"
 #include "vec.h"
 
 #include <algorithm>
 #include <cmath>
 #include <limits>
+#include <vector>
 
 #if defined(CPU_CAPABILITY_AVX512)
 #include <immintrin.h>
@@ -213,6 +215,34 @@ void group_values(const float* scores, const T* const* rows, int64_t n, int64_t 
   } else {
     values_block<G, 1, T>(scores, rows, n, dim, acc);
   }
+}
+
+// Split-context decode's last pass, shared by the float and the quantized caches: each (sequence, head)'s pieces
+// ([max, sum, dim values] each, pstride = dim + 2 apart) rescaled to the largest max, in piece order, and
+// normalised once into out; a head with no keys at all gets zeros.
+template <typename T>
+void merge_pieces(const float* partial, int64_t seqs, int64_t heads, int64_t splits, int64_t dim, T* out,
+                  int64_t o_s0, int64_t o_s1) {
+  const int64_t pstride = dim + 2;
+  iterserve::parallel_chunks(seqs * heads, 8, [&](int64_t begin, int64_t end) {
+    std::vector<float> merged(dim);
+    for (int64_t sh = begin; sh < end; ++sh) {
+      const float* p = partial + sh * splits * pstride;
+      float top = -std::numeric_limits<float>::infinity();
+      for (int64_t i = 0; i < splits; ++i) top = std::max(top, p[i * pstride]);
+      std::fill(merged.begin(), merged.end(), 0.f);
+      float total = 0.f;
+      for (int64_t i = 0; i < splits; ++i) {
+        const float* pi = p + i * pstride;
+        if (pi[1] == 0.f) continue;
+        const float w = std::exp(pi[0] - top);
+        total += w * pi[1];
+        axpy(merged.data(), w, pi + 2, dim);
+      }
+      scale_(merged.data(), total > 0.f ? 1.f / total : 0.f, dim);
+      from_float(merged.data(), out + (sh / heads) * o_s0 + (sh % heads) * o_s1, dim);
+    }
+  });
 }
 
 }  // namespace iterserve_attention

@@ -6,6 +6,7 @@
 
 #include <ATen/Dispatch.h>
 
+#include "attention_loops.h"
 #include "kv_quant.h"
 #include "kv_quant_registers.h"
 #include "kv_quant_tiles.h"
@@ -174,33 +175,6 @@ void prefetch_first(const DecodeArgs& a, int64_t s, int64_t h, int64_t lo, int64
   prefetch(rows, n, a.dim, false);
 }
 
-// Each (sequence, head)'s pieces rescaled to the largest max, in piece order, and normalised once.
-template <typename T>
-void merge_pieces(const float* partial, int64_t seqs, int64_t heads, int64_t splits, int64_t dim, T* op,
-                  int64_t o_s0, int64_t o_s1) {
-  const int64_t pstride = dim + 2;
-  iterserve::parallel_chunks(seqs * heads, 8, [&](int64_t begin, int64_t end) {
-    std::vector<float> merged(dim);
-    for (int64_t sh = begin; sh < end; ++sh) {
-      const float* p = partial + sh * splits * pstride;
-      float top = -std::numeric_limits<float>::infinity();
-      for (int64_t i = 0; i < splits; ++i) top = std::max(top, p[i * pstride]);
-      std::fill(merged.begin(), merged.end(), 0.f);
-      float total = 0.f;
-      for (int64_t i = 0; i < splits; ++i) {
-        const float* pi = p + i * pstride;
-        if (pi[1] == 0.f) continue;
-        const float wgt = std::exp(pi[0] - top);
-        total += wgt * pi[1];
-        axpy(merged.data(), wgt, pi + 2, dim);
-      }
-      const float inv = total > 0.f ? 1.f / total : 0.f;
-      T* o = op + (sh / heads) * o_s0 + (sh % heads) * o_s1;
-      for (int64_t i = 0; i < dim; ++i) o[i] = static_cast<T>(merged[i] * inv);
-    }
-  });
-}
-
 template <typename T>
 void decode_impl(at::Tensor& out, const at::Tensor& q, DecodeArgs a) {
   a.path = a.pick_path(std::is_same_v<T, c10::BFloat16>);
@@ -272,7 +246,7 @@ void decode_impl(at::Tensor& out, const at::Tensor& q, DecodeArgs a) {
       }
     }
   });
-  if (splits > 1) merge_pieces(partial.data(), seqs, heads, splits, dim, op, o_s0, o_s1);
+  if (splits > 1) iterserve_attention::merge_pieces(partial.data(), seqs, heads, splits, dim, op, o_s0, o_s1);
 }
 
 }  // namespace
@@ -295,8 +269,7 @@ void paged_decode_quant(at::Tensor out, const at::Tensor& q, const at::Tensor& k
   const DecodeArgs a{Pool(k_cache, k_scale), Pool(v_cache, v_scale), kind_of(k_cache), pick_isa(isa),
                      q.size(1) / k_cache.size(1), q.size(2), block_tables.stride(0), sliding_window,
                      block_tables.data_ptr<int64_t>(), context_lens.data_ptr<int64_t>(), static_cast<float>(scale)};
-  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, q.scalar_type(), "paged_decode_quant",
-                                  [&] { decode_impl<scalar_t>(out, q, a); });
+  DISPATCH_FLOAT_TYPES(q.scalar_type(), "paged_decode_quant", [&] { decode_impl<scalar_t>(out, q, a); });
 }
 
 TORCH_LIBRARY_FRAGMENT(iterserve, m) {
