@@ -20,7 +20,6 @@
 
 namespace {
 
-using iterserve::kGroup;
 using iterserve::kV;
 using iterserve::pairs;
 
@@ -30,66 +29,53 @@ struct Part {
   const at::Tensor* b;
 };
 
-// One pool task: grouped rows [r0, r1), all under one slot, by blocks [b0, b1) of one weight (item: a slot's A
-// in the shrink, a B part in the expand).
+// One pool task: grouped rows [r0, r1), all under one slot: their shrink, then each of the slot's B parts.
 struct Task {
-  int64_t item, r0, r1, b0, b1;
+  int64_t slot, r0, r1;
 };
 
-constexpr int64_t kTaskRows = 64;  // rows a task: a prompt chunk's rows split across the pool, a decode step's not
+// Rows a task: enough tasks for every thread to get two in a decode step, up to 64 rows in a prompt's chunk.
+int64_t task_rows(int64_t rows) {
+  const int64_t threads = iterserve::ChunkPool::get().threads(), per = (rows + 2 * threads - 1) / (2 * threads);
+  return std::clamp<int64_t>((per + 7) / 8 * 8, 8, 64);
+}
 
-// Tasks over the grouped rows [start[s], start[s + 1]) of item i's slot s = slot_of[i], by its blocks[i] blocks.
-std::vector<Task> tasks_of(const std::vector<int64_t>& start, const std::vector<int64_t>& slot_of,
-                           const std::vector<int64_t>& blocks) {
+// The tasks over the grouped rows [start[s], start[s + 1]) of each slot s.
+std::vector<Task> tasks_of(const std::vector<int64_t>& start) {
+  const int64_t S = static_cast<int64_t>(start.size()) - 1, per = task_rows(start[S]);
   std::vector<Task> tasks;
-  for (size_t i = 0; i < blocks.size(); ++i) {
-    const int64_t s = slot_of[i];
-    for (int64_t r = start[s]; r < start[s + 1]; r += kTaskRows)
-      for (int64_t b = 0; b < blocks[i]; b += kGroup)
-        tasks.push_back({static_cast<int64_t>(i), r, std::min(start[s + 1], r + kTaskRows), b,
-                         std::min(blocks[i], b + kGroup)});
-  }
+  for (int64_t s = 0; s < S; ++s)
+    for (int64_t r = start[s]; r < start[s + 1]; r += per) tasks.push_back({s, r, std::min(start[s + 1], r + per)});
   return tasks;
 }
 
-// x [rows, K] as the kernel reads it (see packed_linear): bf16 k-pairs padded as `packed`'s K, or float32.
+// x's rows rows[r0, r1) as the kernel reads them, from xk on (a thread's own buffer): bf16 k-pairs padded to the
+// packed weight's 2 Kw columns, or float32; returns the row stride in elements.
 template <typename T>
-at::Tensor kernel_rows(const at::Tensor& x, const at::Tensor& packed) {
-  if constexpr (pairs<T>()) {
-    const int64_t Kw = packed.size(1);
-    return Kw * 2 != x.size(1) ? at::constant_pad_nd(x, {0, Kw * 2 - x.size(1)}) : x.contiguous();
+int64_t gather_rows(const at::Tensor& x, const int64_t* rows, int64_t n, int64_t Kw, std::vector<char>& buf) {
+  const int64_t K = x.size(1), width = pairs<T>() ? 2 * Kw : K, size = pairs<T>() ? sizeof(T) : sizeof(float);
+  buf.resize(n * width * size);
+  const T* xp = x.data_ptr<T>();
+  for (int64_t r = 0; r < n; ++r) {
+    const T* src = xp + rows[r] * x.stride(0);
+    if constexpr (pairs<T>()) {
+      T* dst = reinterpret_cast<T*>(buf.data()) + r * width;
+      std::copy(src, src + K, dst);
+      std::fill(dst + K, dst + width, T(0));
+    } else {
+      float* dst = reinterpret_cast<float*>(buf.data()) + r * width;
+      for (int64_t k = 0; k < K; ++k) dst[k] = static_cast<float>(src[k]);
+    }
   }
-  return x.to(at::kFloat).contiguous();
+  return width;
 }
 
-// Rows [r0, r1) of xk (kernel_rows), from its column k0 on, @ blocks [b0, b1) of w's blocks from block w0 on,
-// into y[r - r0, b * kV + c] for the columns below N, y's row stride.
+// n rows of x (row stride xs elements, as gather_rows left them) @ w's blocks [0, blocks) into y [n, N].
 template <typename T>
-void run_rows(const at::Tensor& xk, int64_t k0, int64_t r0, int64_t r1, const at::Tensor& w, int64_t w0, int64_t b0,
-              int64_t b1, T* y, int64_t N) {
-  const int64_t x_bytes = xk.stride(0) * xk.element_size(), xs = pairs<T>() ? xk.stride(0) / 2 : xk.stride(0);
-  const int64_t bstride = w.numel() / w.size(0);
-  const char* x = static_cast<const char*>(xk.data_ptr()) + r0 * x_bytes + k0 * xk.element_size();
-  iterserve::run_blocks<T>(x, x_bytes, xs, r1 - r0, w.data_ptr<T>() + w0 * bstride, bstride, w.size(1), b0, b1,
-                           nullptr, y, N);
-}
-
-// shrunk [grouped rows, width] = each slot's grouped rows of xk @ its A^T (columns past its rank stay zero).
-template <typename T>
-void shrink(const at::Tensor& xk, const std::vector<const at::Tensor*>& a, const std::vector<int64_t>& start,
-            at::Tensor& shrunk) {
-  const int64_t S = static_cast<int64_t>(a.size()), width = shrunk.size(1);
-  std::vector<int64_t> slot_of(S), blocks(S, 0);
-  for (int64_t s = 0; s < S; ++s) {
-    slot_of[s] = s;
-    if (a[s]) blocks[s] = std::min(a[s]->size(0), (width + kV - 1) / kV);  // columns no B part reads: not needed
-  }
-  const auto tasks = tasks_of(start, slot_of, blocks);
-  T* y = shrunk.data_ptr<T>();
-  iterserve::parallel_chunks(static_cast<int64_t>(tasks.size()), 1, [&](int64_t t0, int64_t t1) {
-    for (const Task* t = &tasks[t0]; t != &tasks[0] + t1; ++t)
-      run_rows<T>(xk, 0, t->r0, t->r1, *a[t->item], 0, t->b0, t->b1, y + t->r0 * width, width);
-  });
+void run_rows(const char* x, int64_t xs, int64_t n, const at::Tensor& w, int64_t blocks, T* y, int64_t N) {
+  const int64_t size = pairs<T>() ? sizeof(T) : sizeof(float);
+  iterserve::run_blocks<T>(x, xs * size, pairs<T>() ? xs / 2 : xs, n, w.data_ptr<T>(), w.numel() / w.size(0),
+                           w.size(1), 0, blocks, nullptr, y, N);
 }
 
 // o[c] += d[c] for c < n, rounded as torch's out + y rounds it: in float32, once to T.
@@ -107,29 +93,6 @@ void add_to(T* o, const T* d, int64_t n) {
     }
   }
   for (; c < n; ++c) o[c] = static_cast<T>(static_cast<float>(o[c]) + static_cast<float>(d[c]));
-}
-
-// out[rows[r]] += each B part's product of grouped row r's shrunk ranks, rounded to T, in its own columns.
-template <typename T>
-void expand(const at::Tensor& sk, const std::vector<Part>& parts, const std::vector<int64_t>& start,
-            const std::vector<int64_t>& rows, at::Tensor& out) {
-  std::vector<int64_t> slot_of, blocks;
-  for (const Part& p : parts) {
-    slot_of.push_back(p.slot);
-    blocks.push_back(p.b->size(0));
-  }
-  const auto tasks = tasks_of(start, slot_of, blocks);
-  const int64_t N = out.size(1);
-  T* op = out.data_ptr<T>();
-  iterserve::parallel_chunks(static_cast<int64_t>(tasks.size()), 1, [&](int64_t t0, int64_t t1) {
-    alignas(64) T y[kTaskRows * kGroup * kV];  // a task's product, [rows, n]: tasks never share it
-    for (const Task* t = &tasks[t0]; t != &tasks[0] + t1; ++t) {
-      const Part& p = parts[t->item];
-      const int64_t c0 = t->b0 * kV, n = std::min((t->b1 - t->b0) * kV, p.cols - c0);
-      run_rows<T>(sk, p.rank0, t->r0, t->r1, *p.b, t->b0, 0, t->b1 - t->b0, y, n);
-      for (int64_t r = t->r0; r < t->r1; ++r) add_to(op + rows[r] * N + p.col0 + c0, y + (r - t->r0) * n, n);
-    }
-  });
 }
 
 // Checks each slot's A and each B part against x, out and each other; the B parts, and the shrunk rows' width
@@ -175,7 +138,41 @@ std::vector<Part> checked_parts(const at::Tensor& x, const at::Tensor& out, cons
   return out_parts;
 }
 
+// A thread's buffers for its tasks: the rows as the kernel reads them, their shrunk ranks (in T, and in float32
+// for a kernel that reads float32) and a B part's product.
+template <typename T>
+struct Buffers {
+  std::vector<char> x;
+  std::vector<T> shrunk, y;
+  std::vector<float> shrunk_f;
+};
+
+// One task: its rows' shrink by the slot's A into `width` ranks (zero past the slot's rank, where A's zero padding
+// leaves the products), rounded to T, then each of the slot's B parts from its first rank column into out.
+template <typename T>
+void run_task(const Task& t, at::Tensor& out, const at::Tensor& x, const at::Tensor& a, const std::vector<Part>& parts,
+              const std::vector<int64_t>& rows, int64_t width, Buffers<T>& buf) {
+  const int64_t n = t.r1 - t.r0, N = out.size(1);
+  const int64_t xs = gather_rows<T>(x, rows.data() + t.r0, n, a.size(1), buf.x);
+  buf.shrunk.assign(n * width, T(0));
+  run_rows<T>(buf.x.data(), xs, n, a, std::min(a.size(0), (width + kV - 1) / kV), buf.shrunk.data(), width);
+  const char* sk = reinterpret_cast<const char*>(buf.shrunk.data());
+  if constexpr (!pairs<T>() && !std::is_same_v<T, float>) {
+    buf.shrunk_f.assign(buf.shrunk.begin(), buf.shrunk.end());
+    sk = reinterpret_cast<const char*>(buf.shrunk_f.data());
+  }
+  const int64_t size = pairs<T>() ? sizeof(T) : sizeof(float);
+  T* op = out.data_ptr<T>();
+  for (const Part& p : parts) {
+    if (p.slot != t.slot) continue;
+    buf.y.resize(n * p.cols);
+    run_rows<T>(sk + p.rank0 * size, width, n, *p.b, p.b->size(0), buf.y.data(), p.cols);
+    for (int64_t r = 0; r < n; ++r) add_to(op + rows[t.r0 + r] * N + p.col0, buf.y.data() + r * p.cols, p.cols);
+  }
+}
+
 // lora_add_ on the rows grouped by slot: grouped row i is out's row rows[i], slot s's rows start at start[s].
+// One pool run: a task's rows need only their own shrunk ranks.
 template <typename T>
 void lora_add_impl(at::Tensor& out, const at::Tensor& x, const std::vector<const at::Tensor*>& a,
                    const std::vector<at::Tensor>& b, const std::vector<int64_t>& parts,
@@ -183,13 +180,12 @@ void lora_add_impl(at::Tensor& out, const at::Tensor& x, const std::vector<const
   int64_t width = 0;
   const auto ps = checked_parts<T>(x, out, a, b, parts, width);
   if (rows.empty()) return;
-  const bool same = static_cast<int64_t>(rows.size()) == x.size(0) && std::is_sorted(rows.begin(), rows.end());
-  const at::Tensor xg = same ? x : x.index_select(0, at::tensor(rows, at::kLong));
-  const at::Tensor* a0 = *std::find_if(a.begin(), a.end(), [](const at::Tensor* t) { return t != nullptr; });
-  // Zero past each slot's rank, where the products of A's zero padding leave it (and B's k padding is zero).
-  at::Tensor shrunk = at::zeros({static_cast<int64_t>(rows.size()), width}, out.options());
-  shrink<T>(kernel_rows<T>(xg, *a0), a, start, shrunk);
-  expand<T>(pairs<T>() ? shrunk : shrunk.to(at::kFloat), ps, start, rows, out);
+  const at::Tensor xc = x.stride(1) == 1 ? x : x.contiguous();
+  const auto tasks = tasks_of(start);
+  iterserve::parallel_chunks(static_cast<int64_t>(tasks.size()), 1, [&](int64_t t0, int64_t t1) {
+    thread_local Buffers<T> buf;
+    for (int64_t t = t0; t < t1; ++t) run_task<T>(tasks[t], out, xc, *a[tasks[t].slot], ps, rows, width, buf);
+  });
 }
 
 }  // namespace
