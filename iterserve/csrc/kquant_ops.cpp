@@ -17,8 +17,10 @@
 //
 // Weights of linear layers (all these types but Q4_0/Q4_1) are re-laid out at load ("tiled", gguf_weight.py):
 // per tile of 16 rows and block, dword i of the 16 rows' blocks side by side (64 bytes), the block padded to
-// whole dwords. The AVX-512 decoders (kquant_avx512.h) then read with plain loads what they otherwise gather.
+// whole dwords. The AVX-512 decoders (kquant_avx512.h) then read with plain loads what they otherwise gather, and
+// the AVX2 ones (kquant_avx2.h) take such tiles only.
 
+#include "kquant_avx2.h"
 #include "kquant_avx512.h"
 #include "kquant_blocks.h"
 #include "ops.h"
@@ -146,6 +148,16 @@ bool fused_tile_fast(int64_t type, bool tiled, const uint8_t* rows, int64_t row_
 #endif
 }
 
+// Unit u of the tile's columns, by the widest decoder built for `isa` that takes this type and layout.
+void decode_any(int64_t isa, int64_t type, bool tiled, const uint8_t* rows, int64_t row_bytes, int64_t cols,
+                int64_t u, int64_t k, Tile& t) {
+  if (isa == kAvx512Vnni && decode_tile_fast(type, tiled, rows, row_bytes, cols, u, k, t)) return;
+#if defined(__AVX2__) && defined(__F16C__) && defined(__FMA__)
+  if (isa == kAvx2 && tiled && avx2::decode_tile(type, rows, u, k, t)) return;
+#endif
+  decode_tile(type, tiled, rows, row_bytes, cols, u, k, t);
+}
+
 void tile_rows(int64_t isa, int64_t type, const Tile& t, const Activations& x, int64_t u, int64_t m, float* acc) {
 #if defined(__AVX512VNNI__) && defined(__AVX512BW__)
   if (isa == kAvx512Vnni)
@@ -235,8 +247,7 @@ at::Tensor kgemm(const at::Tensor& x, at::TensorList ws, at::IntArrayRef types, 
         const bool fused = isa == kAvx512Vnni && fused_tile_fast(types[part], tiled, rows, row_bytes, cols, k, act, m,
                                                                  acc.data());
         for (int64_t u = 0; u < units && !fused; ++u) {
-          if (!(isa == kAvx512Vnni && decode_tile_fast(types[part], tiled, rows, row_bytes, cols, u, k, tile)))
-            decode_tile(types[part], tiled, rows, row_bytes, cols, u, k, tile);
+          decode_any(isa, types[part], tiled, rows, row_bytes, cols, u, k, tile);
           tile_rows(isa, types[part], tile, act, u, m, acc.data());
         }
         for (int64_t r = 0; r < m; ++r)
