@@ -216,8 +216,11 @@ void decode_unit(const uint8_t* p, Tile& t) {
     if constexpr (D::kBlock == kUnit) {  // unrolled: each code's bit positions become constants
 #pragma GCC unroll 64
       for (int c = 0; c < kUnit / 4; ++c) store(c);
-    } else {
-      for (int c = 0; c < t.len / 4; ++c) store(c);
+    } else {  // a block's codes unrolled: its fifth-bit byte is loaded once, the bit positions are constants
+      for (int b = 0; b < t.len / 32; ++b) {
+#pragma GCC unroll 8
+        for (int i = 0; i < 8; ++i) store(8 * b + i);
+      }
     }
   }
 }

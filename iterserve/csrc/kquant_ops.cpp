@@ -98,23 +98,39 @@ void rows_scalar(const Tile& t, const Activations& x, int64_t u, int64_t r0, int
 }
 
 #if defined(__AVX2__) && defined(__F16C__) && defined(__FMA__)
-// AVX2: 8 columns a register. vpmaddubsw wants unsigned x signed: |q| times x with q's sign (|q| <= 128,
-// |x| <= 127: a pair's sum stays within int16).
-void rows_avx2(const Tile& t, const Activations& x, int64_t u, int64_t r0, int64_t mr, float* acc) {
+// AVX2: 8 columns a register. vpmaddubsw wants unsigned x signed. Codes that `bias` makes unsigned and below 64
+// (every type but Q8_0) go in as they are, bias * sum(x) taken back off, and two of its int16 sums still fit
+// (2 * 2 * 63 * 127 < 32768); Q8_0's take |q| times x with q's sign (|q| <= 128, |x| <= 127: a pair fits).
+void rows_avx2(const Tile& t, const Activations& x, int64_t u, int64_t mr, float* acc, int bias) {
   const __m256i flip = _mm256_set1_epi8(static_cast<char>(0x80)), ones = _mm256_set1_epi16(1);
+  const __m256i shift = _mm256_set1_epi8(static_cast<char>(128 - bias));
   for (int64_t r = 0; r < mr; ++r) {
-    const int8_t* xr = x.a.row(r0 + r) + u * kUnit;
+    const int8_t* xr = x.a.row(r) + u * kUnit;
     __m256 out[2] = {_mm256_loadu_ps(acc + r * kCols), _mm256_loadu_ps(acc + r * kCols + 8)};
     for (int64_t g = 0; g < t.len / kGroup; ++g) {
       const int64_t ga = u * kGroups + g;
-      const float ad = x.d(r0 + r, ga), e = ad * static_cast<float>(x.sum(r0 + r, ga));
+      const float ad = x.d(r, ga), e = ad * static_cast<float>(x.sum(r, ga));
+      __m256i xb[4];
+      for (int j = 0; j < 4; ++j) xb[j] = _mm256_set1_epi32(load_i32(xr + g * kGroup + 4 * j));
       for (int h = 0; h < 2; ++h) {
-        __m256i dot = _mm256_setzero_si256();
-        for (int j = 0; j < 4; ++j) {
-          const __m256i v = _mm256_load_si256(reinterpret_cast<const __m256i*>(t.q + (g * 4 + j) * 64 + h * 32));
-          const __m256i q = _mm256_xor_si256(v, flip), xb = _mm256_set1_epi32(load_i32(xr + g * kGroup + 4 * j));
-          const __m256i prod = _mm256_maddubs_epi16(_mm256_sign_epi8(q, q), _mm256_sign_epi8(xb, q));
-          dot = _mm256_add_epi32(dot, _mm256_madd_epi16(prod, ones));
+        const uint8_t* q = t.q + g * 4 * 64 + h * 32;
+        __m256i dot;
+        if (bias < 128) {
+          __m256i p[4];
+          for (int j = 0; j < 4; ++j) {
+            const __m256i v = _mm256_sub_epi8(_mm256_load_si256(reinterpret_cast<const __m256i*>(q + j * 64)), shift);
+            p[j] = _mm256_maddubs_epi16(v, xb[j]);
+          }
+          dot = _mm256_add_epi32(_mm256_madd_epi16(_mm256_add_epi16(p[0], p[1]), ones),
+                                 _mm256_madd_epi16(_mm256_add_epi16(p[2], p[3]), ones));
+          dot = _mm256_sub_epi32(dot, _mm256_set1_epi32(bias * x.sum(r, ga)));
+        } else {
+          dot = _mm256_setzero_si256();
+          for (int j = 0; j < 4; ++j) {
+            const __m256i v = _mm256_xor_si256(_mm256_load_si256(reinterpret_cast<const __m256i*>(q + j * 64)), flip);
+            const __m256i prod = _mm256_maddubs_epi16(_mm256_sign_epi8(v, v), _mm256_sign_epi8(xb[j], v));
+            dot = _mm256_add_epi32(dot, _mm256_madd_epi16(prod, ones));
+          }
         }
         const __m256 s = _mm256_mul_ps(_mm256_load_ps(t.s[g] + 8 * h), _mm256_set1_ps(ad));
         out[h] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot), s, out[h]);
@@ -164,7 +180,7 @@ void tile_rows(int64_t isa, int64_t type, const Tile& t, const Activations& x, i
     return pairs(type) ? rows_avx512_any<true>(t, x, u, m, acc) : rows_avx512_any<false>(t, x, u, m, acc);
 #endif
 #if defined(__AVX2__) && defined(__F16C__) && defined(__FMA__)
-  if (isa == kAvx2) return rows_avx2(t, x, u, 0, m, acc);
+  if (isa == kAvx2) return rows_avx2(t, x, u, m, acc, code_bias(type));
 #endif
   rows_scalar(t, x, u, 0, m, acc);
 }
