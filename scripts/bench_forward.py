@@ -123,6 +123,8 @@ def main() -> None:
     tune_allocator()
     batches = [int(b) for b in args.batches.split(",")]
     chunks = [int(c) for c in args.prefill.split(",") if c]
+    if min(batches + chunks) < 1:
+        ap.error("--batches and --prefill take lengths of at least 1 ('' for no prefill chunk)")
     wanted = args.paths.split(",")
     paths: dict[str, AttentionBackend] = {}
     ops = cpu_kernels()
