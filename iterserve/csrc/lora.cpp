@@ -4,7 +4,7 @@
 // multiplied by their kernel (linear.h's run_blocks) on the kernels' thread pool. A fused layer (qkv, gate/up)
 // holds an adapter's parts side by side: their A one above the other, their B block-diagonal. B comes as its
 // parts, each multiplying only its own ranks of the shrunk rows into its own output columns, so that the expand
-// never multiplies B's zero blocks.
+// never multiplies B's zero blocks. A call is one pool run: a task takes some rows of one slot through both.
 
 #include <torch/extension.h>
 
