@@ -1,7 +1,8 @@
-// The AVX2 decoders of the GGUF matmul (kquant_ops.cpp): kquant_avx512.h's decoders of a tiled weight, 8 columns
-// a register. A tile's 16 columns are two halves of 32 bytes in each 64-byte chunk of the tiled blocks, decoded
-// one after the other into the same Tile the portable decoder fills, to the bit (the scales are the same exact
-// float32 products); rows_avx2 then multiplies it.
+// The AVX2 side of the GGUF matmul (kquant_ops.cpp): kquant_avx512.h's decoders of a tiled weight, 8 columns a
+// register, and the int8 dots. A tile's 16 columns are two halves of 32 bytes in each 64-byte chunk of the tiled
+// blocks, decoded one after the other into the same Tile the portable decoder fills, to the bit (the scales are
+// the same exact float32 products), which `rows` multiplies; a single row takes the codes from the decoder's
+// registers instead, in the same dots and float steps.
 #pragma once
 
 #include "kquant.h"
@@ -63,7 +64,8 @@ struct Q4K {
         const __m256i hi = byte_lanes(s2, j - 4);
         sc = _mm256_or_si256(_mm256_and_si256(hi, m4),
                              _mm256_slli_epi32(_mm256_srli_epi32(byte_lanes(s0, j - 4), 6), 4));
-        mn = _mm256_or_si256(_mm256_srli_epi32(hi, 4), _mm256_slli_epi32(_mm256_srli_epi32(byte_lanes(s1, j - 4), 6), 4));
+        mn = _mm256_or_si256(_mm256_srli_epi32(hi, 4),
+                             _mm256_slli_epi32(_mm256_srli_epi32(byte_lanes(s1, j - 4), 6), 4));
       }
       const __m256 sv = _mm256_mul_ps(d, to_float(sc));
       const __m256 ov = _mm256_sub_ps(_mm256_setzero_ps(), _mm256_mul_ps(dmin, to_float(mn)));
@@ -225,12 +227,121 @@ void decode_unit(const uint8_t* p, Tile& t) {
   }
 }
 
+// -- the int8 dots ---------------------------------------------------------------------------------------------
+
+// One group of 16 inputs of 8 columns: w[j] holds inputs 4j..4j+3 of each column (codes + bias, unsigned), xg the
+// row's 16 int8 values. vpmaddubsw wants unsigned x signed. Codes below 64 (bias < 128: every type but Q8_0) go
+// in as they are, bias * sum(x) taken back off, and two of its int16 sums still fit (2 * 2 * 63 * 127 < 32768);
+// Q8_0's (bias 128) take |q| times x with q's sign (|q| <= 128, |x| <= 127: a pair fits). Exact either way.
+[[gnu::always_inline]] inline __m256i group_dot(const __m256i* w, const __m256i* xb, int bias, int32_t sum) {
+  const __m256i ones = _mm256_set1_epi16(1);
+  if (bias < 128) {
+    const __m256i p01 = _mm256_add_epi16(_mm256_maddubs_epi16(w[0], xb[0]), _mm256_maddubs_epi16(w[1], xb[1]));
+    const __m256i p23 = _mm256_add_epi16(_mm256_maddubs_epi16(w[2], xb[2]), _mm256_maddubs_epi16(w[3], xb[3]));
+    const __m256i dot = _mm256_add_epi32(_mm256_madd_epi16(p01, ones), _mm256_madd_epi16(p23, ones));
+    return _mm256_sub_epi32(dot, _mm256_set1_epi32(bias * sum));
+  }
+  __m256i dot = _mm256_setzero_si256();
+  for (int j = 0; j < 4; ++j) {
+    const __m256i q = _mm256_xor_si256(w[j], _mm256_set1_epi8(static_cast<char>(0x80)));
+    const __m256i prod = _mm256_maddubs_epi16(_mm256_sign_epi8(q, q), _mm256_sign_epi8(xb[j], q));
+    dot = _mm256_add_epi32(dot, _mm256_madd_epi16(prod, ones));
+  }
+  return dot;
+}
+
+// Row r's 16 inputs of group ga, each group of 4 broadcast.
+inline void group_rows(const Activations& x, int64_t r, int64_t ga, __m256i* xb) {
+  const int8_t* xr = x.a.row(r) + ga * kGroup;
+  for (int j = 0; j < 4; ++j) xb[j] = _mm256_set1_epi32(load_i32(xr + 4 * j));
+}
+
+// out += dot * (s * a_d) + o * (a_d * sum(x)): the group's float steps for one row and 8 columns.
+[[gnu::always_inline]] inline __m256 group_step(__m256i dot, const float* s, const float* o, const Activations& x,
+                                                int64_t r, int64_t ga, __m256 out) {
+  const float ad = x.d(r, ga), e = ad * static_cast<float>(x.sum(r, ga));
+  out = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot), _mm256_mul_ps(_mm256_loadu_ps(s), _mm256_set1_ps(ad)), out);
+  return _mm256_fmadd_ps(_mm256_loadu_ps(o), _mm256_set1_ps(e), out);
+}
+
+// acc[r][c] for rows [0, mr) += the tile (unit u, codes + 128) times the rows; `bias` makes the type's codes unsigned.
+inline void rows(const Tile& t, const Activations& x, int64_t u, int64_t mr, float* acc, int bias) {
+  const __m256i shift = _mm256_set1_epi8(static_cast<char>(128 - bias));  // the tile's codes + 128 -> codes + bias
+  for (int64_t r = 0; r < mr; ++r) {
+    __m256 out[2] = {_mm256_loadu_ps(acc + r * kCols), _mm256_loadu_ps(acc + r * kCols + 8)};
+    for (int64_t g = 0; g < t.len / kGroup; ++g) {
+      const int64_t ga = u * kGroups + g;
+      __m256i xb[4];
+      group_rows(x, r, ga, xb);
+      for (int h = 0; h < 2; ++h) {
+        __m256i w[4];
+        for (int j = 0; j < 4; ++j)
+          w[j] = _mm256_sub_epi8(_mm256_load_si256(reinterpret_cast<const __m256i*>(t.q + (g * 4 + j) * 64 + h * 32)),
+                                 shift);
+        out[h] = group_step(group_dot(w, xb, bias, x.sum(r, ga)), t.s[g] + 8 * h, t.o[g] + 8 * h, x, r, ga, out[h]);
+      }
+    }
+    _mm256_storeu_ps(acc + r * kCols, out[0]);
+    _mm256_storeu_ps(acc + r * kCols + 8, out[1]);
+  }
+}
+
+// -- decoded in registers -------------------------------------------------------------------------------------
+
+// Half h of the tiled weight's 16 columns times one row (a batch-1 decode step), every unit decoded in registers
+// and multiplied at once: per group the same integer dots and float steps, in the same order, as rows (a row's
+// result does not depend on which of the two multiplied it). More rows decode a tile once: at 4 rows decoding
+// again for each was slower.
+template <class D>
+void fused_half(const uint8_t* tile, int64_t k, const Activations& x, int h, float* acc) {
+  alignas(32) float s[kGroups][kCols], o[kGroups][kCols];
+  __m256 out = _mm256_loadu_ps(acc + 8 * h);
+  for (int64_t u = 0; u * kUnit < k; ++u) {
+    const int64_t len = std::min(kUnit, k - u * kUnit);
+    const uint8_t* p = tile + u * unit_stride<D>() * kCols;
+    const Half src{p, h};
+    D::scales(src, p, len, &s[0][0], &o[0][0]);
+#pragma GCC unroll 8
+    for (int b = 0; b < len / 32; ++b) {
+      __m256i w[8];
+      for (int j = 0; j < 8; ++j) w[j] = D::codes(src, p, 8 * b + j);
+      for (int gg = 0; gg < 2; ++gg) {
+        const int64_t ga = u * kGroups + 2 * b + gg;
+        __m256i xb[4];
+        group_rows(x, 0, ga, xb);
+        out = group_step(group_dot(w + 4 * gg, xb, D::kBias, x.sum(0, ga)), s[2 * b + gg], o[2 * b + gg], x, 0, ga,
+                         out);
+      }
+    }
+  }
+  _mm256_storeu_ps(acc + 8 * h, out);
+}
+
 // The tiled weight's unit u into the tile; false for a type without an AVX2 decoder (left to decode_tile).
 inline bool decode_tile(int64_t type, const uint8_t* tile, int64_t u, int64_t k, Tile& t) {
   t.len = std::min(kUnit, k - u * kUnit);
   auto run = [&](auto d) {
     using D = decltype(d);
     decode_unit<D>(tile + u * unit_stride<D>() * kCols, t);
+    return true;
+  };
+  switch (type) {
+    case kQ2_K: return run(Q2K{});
+    case kQ3_K: return run(Q3K{});
+    case kQ4_K: return run(Q4K{});
+    case kQ5_K: return run(Q5K{});
+    case kQ6_K: return run(Q6K{});
+    case kQ5_0: return run(Q5Blocks<false>{});
+    case kQ5_1: return run(Q5Blocks<true>{});
+    case kQ8_0: return run(Q80{});
+    default: return false;
+  }
+}
+
+// The whole tile (all of its units) times x's one row into acc; false for a type without a decoder.
+inline bool fused_tile(int64_t type, const uint8_t* tile, int64_t k, const Activations& x, float* acc) {
+  auto run = [&](auto d) {
+    for (int h = 0; h < 2; ++h) fused_half<decltype(d)>(tile, k, x, h, acc);
     return true;
   };
   switch (type) {

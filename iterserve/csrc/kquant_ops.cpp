@@ -97,51 +97,6 @@ void rows_scalar(const Tile& t, const Activations& x, int64_t u, int64_t r0, int
   }
 }
 
-#if defined(__AVX2__) && defined(__F16C__) && defined(__FMA__)
-// AVX2: 8 columns a register. vpmaddubsw wants unsigned x signed. Codes that `bias` makes unsigned and below 64
-// (every type but Q8_0) go in as they are, bias * sum(x) taken back off, and two of its int16 sums still fit
-// (2 * 2 * 63 * 127 < 32768); Q8_0's take |q| times x with q's sign (|q| <= 128, |x| <= 127: a pair fits).
-void rows_avx2(const Tile& t, const Activations& x, int64_t u, int64_t mr, float* acc, int bias) {
-  const __m256i flip = _mm256_set1_epi8(static_cast<char>(0x80)), ones = _mm256_set1_epi16(1);
-  const __m256i shift = _mm256_set1_epi8(static_cast<char>(128 - bias));
-  for (int64_t r = 0; r < mr; ++r) {
-    const int8_t* xr = x.a.row(r) + u * kUnit;
-    __m256 out[2] = {_mm256_loadu_ps(acc + r * kCols), _mm256_loadu_ps(acc + r * kCols + 8)};
-    for (int64_t g = 0; g < t.len / kGroup; ++g) {
-      const int64_t ga = u * kGroups + g;
-      const float ad = x.d(r, ga), e = ad * static_cast<float>(x.sum(r, ga));
-      __m256i xb[4];
-      for (int j = 0; j < 4; ++j) xb[j] = _mm256_set1_epi32(load_i32(xr + g * kGroup + 4 * j));
-      for (int h = 0; h < 2; ++h) {
-        const uint8_t* q = t.q + g * 4 * 64 + h * 32;
-        __m256i dot;
-        if (bias < 128) {
-          __m256i p[4];
-          for (int j = 0; j < 4; ++j) {
-            const __m256i v = _mm256_sub_epi8(_mm256_load_si256(reinterpret_cast<const __m256i*>(q + j * 64)), shift);
-            p[j] = _mm256_maddubs_epi16(v, xb[j]);
-          }
-          dot = _mm256_add_epi32(_mm256_madd_epi16(_mm256_add_epi16(p[0], p[1]), ones),
-                                 _mm256_madd_epi16(_mm256_add_epi16(p[2], p[3]), ones));
-          dot = _mm256_sub_epi32(dot, _mm256_set1_epi32(bias * x.sum(r, ga)));
-        } else {
-          dot = _mm256_setzero_si256();
-          for (int j = 0; j < 4; ++j) {
-            const __m256i v = _mm256_xor_si256(_mm256_load_si256(reinterpret_cast<const __m256i*>(q + j * 64)), flip);
-            const __m256i prod = _mm256_maddubs_epi16(_mm256_sign_epi8(v, v), _mm256_sign_epi8(xb[j], v));
-            dot = _mm256_add_epi32(dot, _mm256_madd_epi16(prod, ones));
-          }
-        }
-        const __m256 s = _mm256_mul_ps(_mm256_load_ps(t.s[g] + 8 * h), _mm256_set1_ps(ad));
-        out[h] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot), s, out[h]);
-        out[h] = _mm256_fmadd_ps(_mm256_load_ps(t.o[g] + 8 * h), _mm256_set1_ps(e), out[h]);
-      }
-    }
-    _mm256_storeu_ps(acc + r * kCols, out[0]);
-    _mm256_storeu_ps(acc + r * kCols + 8, out[1]);
-  }
-}
-#endif
 
 
 // The SIMD decoders built here for this type (AVX-512); false when there is none.
@@ -174,13 +129,22 @@ void decode_any(int64_t isa, int64_t type, bool tiled, const uint8_t* rows, int6
   decode_tile(type, tiled, rows, row_bytes, cols, u, k, t);
 }
 
+// The whole tile times one row decoded in registers (AVX2); false leaves it to the tile path.
+bool fused_tile_avx2(int64_t type, const uint8_t* tile, int64_t k, const Activations& x, int64_t m, float* acc) {
+#if defined(__AVX2__) && defined(__F16C__) && defined(__FMA__)
+  return m == 1 && avx2::fused_tile(type, tile, k, x, acc);
+#else
+  return false;
+#endif
+}
+
 void tile_rows(int64_t isa, int64_t type, const Tile& t, const Activations& x, int64_t u, int64_t m, float* acc) {
 #if defined(__AVX512VNNI__) && defined(__AVX512BW__)
   if (isa == kAvx512Vnni)
     return pairs(type) ? rows_avx512_any<true>(t, x, u, m, acc) : rows_avx512_any<false>(t, x, u, m, acc);
 #endif
 #if defined(__AVX2__) && defined(__F16C__) && defined(__FMA__)
-  if (isa == kAvx2) return rows_avx2(t, x, u, m, acc, code_bias(type));
+  if (isa == kAvx2) return avx2::rows(t, x, u, m, acc, code_bias(type));
 #endif
   rows_scalar(t, x, u, 0, m, acc);
 }
@@ -260,8 +224,10 @@ at::Tensor kgemm(const at::Tensor& x, at::TensorList ws, at::IntArrayRef types, 
         const int64_t row_bytes = tiled ? 0 : w.size(1);
         const uint8_t* rows = w.data_ptr<uint8_t>() + (tiled ? col / kCols * w.size(1) * w.size(2) : col * row_bytes);
         std::fill(acc.begin(), acc.end(), 0.f);
-        const bool fused = isa == kAvx512Vnni && fused_tile_fast(types[part], tiled, rows, row_bytes, cols, k, act, m,
-                                                                 acc.data());
+        const bool fused = isa == kAvx512Vnni ? fused_tile_fast(types[part], tiled, rows, row_bytes, cols, k, act, m,
+                                                                acc.data())
+                                              : isa == kAvx2 && tiled && fused_tile_avx2(types[part], rows, k, act, m,
+                                                                                         acc.data());
         for (int64_t u = 0; u < units && !fused; ++u) {
           decode_any(isa, types[part], tiled, rows, row_bytes, cols, u, k, tile);
           tile_rows(isa, types[part], tile, act, u, m, acc.data());
