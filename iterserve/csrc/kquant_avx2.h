@@ -317,44 +317,36 @@ void fused_half(const uint8_t* tile, int64_t k, const Activations& x, int h, flo
   _mm256_storeu_ps(acc + 8 * h, out);
 }
 
-// The tiled weight's unit u into the tile; false for a type without an AVX2 decoder (left to decode_tile).
-inline bool decode_tile(int64_t type, const uint8_t* tile, int64_t u, int64_t k, Tile& t) {
-  t.len = std::min(kUnit, k - u * kUnit);
-  auto run = [&](auto d) {
-    using D = decltype(d);
-    decode_unit<D>(tile + u * unit_stride<D>() * kCols, t);
-    return true;
-  };
+// Calls f with the type's decoder (a default-constructed tag); false for a type without one.
+template <class F>
+bool with_decoder(int64_t type, const F& f) {
   switch (type) {
-    case kQ2_K: return run(Q2K{});
-    case kQ3_K: return run(Q3K{});
-    case kQ4_K: return run(Q4K{});
-    case kQ5_K: return run(Q5K{});
-    case kQ6_K: return run(Q6K{});
-    case kQ5_0: return run(Q5Blocks<false>{});
-    case kQ5_1: return run(Q5Blocks<true>{});
-    case kQ8_0: return run(Q80{});
+    case kQ2_K: f(Q2K{}); return true;
+    case kQ3_K: f(Q3K{}); return true;
+    case kQ4_K: f(Q4K{}); return true;
+    case kQ5_K: f(Q5K{}); return true;
+    case kQ6_K: f(Q6K{}); return true;
+    case kQ5_0: f(Q5Blocks<false>{}); return true;
+    case kQ5_1: f(Q5Blocks<true>{}); return true;
+    case kQ8_0: f(Q80{}); return true;
     default: return false;
   }
 }
 
+// The tiled weight's unit u into the tile; false for a type without an AVX2 decoder (left to decode_tile).
+inline bool decode_tile(int64_t type, const uint8_t* tile, int64_t u, int64_t k, Tile& t) {
+  t.len = std::min(kUnit, k - u * kUnit);
+  return with_decoder(type, [&](auto d) {
+    using D = decltype(d);
+    decode_unit<D>(tile + u * unit_stride<D>() * kCols, t);
+  });
+}
+
 // The whole tile (all of its units) times x's one row into acc; false for a type without a decoder.
 inline bool fused_tile(int64_t type, const uint8_t* tile, int64_t k, const Activations& x, float* acc) {
-  auto run = [&](auto d) {
+  return with_decoder(type, [&](auto d) {
     for (int h = 0; h < 2; ++h) fused_half<decltype(d)>(tile, k, x, h, acc);
-    return true;
-  };
-  switch (type) {
-    case kQ2_K: return run(Q2K{});
-    case kQ3_K: return run(Q3K{});
-    case kQ4_K: return run(Q4K{});
-    case kQ5_K: return run(Q5K{});
-    case kQ6_K: return run(Q6K{});
-    case kQ5_0: return run(Q5Blocks<false>{});
-    case kQ5_1: return run(Q5Blocks<true>{});
-    case kQ8_0: return run(Q80{});
-    default: return false;
-  }
+  });
 }
 #endif
 
