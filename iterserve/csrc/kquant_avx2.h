@@ -213,7 +213,8 @@ void decode_unit(const uint8_t* p, Tile& t) {
     const Half src{p, h};
     D::scales(src, p, t.len, &t.s[0][0] + 8 * h, &t.o[0][0] + 8 * h);
     auto store = [&](int c) {
-      _mm256_store_si256(reinterpret_cast<__m256i*>(t.q + c * 64 + 32 * h), _mm256_add_epi8(D::codes(src, p, c), bias));
+      const __m256i q = _mm256_add_epi8(D::codes(src, p, c), bias);
+      _mm256_store_si256(reinterpret_cast<__m256i*>(t.q + c * 64 + 32 * h), q);
     };
     if constexpr (D::kBlock == kUnit) {  // unrolled: each code's bit positions become constants
 #pragma GCC unroll 64
@@ -229,10 +230,11 @@ void decode_unit(const uint8_t* p, Tile& t) {
 
 // -- the int8 dots ---------------------------------------------------------------------------------------------
 
-// One group of 16 inputs of 8 columns: w[j] holds inputs 4j..4j+3 of each column (codes + bias, unsigned), xg the
-// row's 16 int8 values. vpmaddubsw wants unsigned x signed. Codes below 64 (bias < 128: every type but Q8_0) go
-// in as they are, bias * sum(x) taken back off, and two of its int16 sums still fit (2 * 2 * 63 * 127 < 32768);
-// Q8_0's (bias 128) take |q| times x with q's sign (|q| <= 128, |x| <= 127: a pair fits). Exact either way.
+// One group of 16 inputs of 8 columns: w[j] holds inputs 4j..4j+3 of each column (codes + bias, unsigned), xb[j]
+// the row's int8 inputs 4j..4j+3 broadcast. vpmaddubsw wants unsigned x signed. Codes below 64 (bias < 128: every
+// type but Q8_0) go in as they are, bias * sum(x) taken back off, and two of its int16 sums still fit
+// (2 * 2 * 63 * 127 < 32768); Q8_0's (bias 128) take |q| times x with q's sign (|q| <= 128, |x| <= 127: a pair
+// fits). Exact either way.
 [[gnu::always_inline]] inline __m256i group_dot(const __m256i* w, const __m256i* xb, int bias, int32_t sum) {
   const __m256i ones = _mm256_set1_epi16(1);
   if (bias < 128) {
@@ -264,7 +266,7 @@ inline void group_rows(const Activations& x, int64_t r, int64_t ga, __m256i* xb)
   return _mm256_fmadd_ps(_mm256_loadu_ps(o), _mm256_set1_ps(e), out);
 }
 
-// acc[r][c] for rows [0, mr) += the tile (unit u, codes + 128) times the rows; `bias` makes the type's codes unsigned.
+// acc[r][c] for rows [0, mr) += the tile (unit u, codes + 128) times the rows; `bias` makes the codes unsigned.
 inline void rows(const Tile& t, const Activations& x, int64_t u, int64_t mr, float* acc, int bias) {
   const __m256i shift = _mm256_set1_epi8(static_cast<char>(128 - bias));  // the tile's codes + 128 -> codes + bias
   for (int64_t r = 0; r < mr; ++r) {
