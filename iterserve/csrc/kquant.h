@@ -19,6 +19,13 @@ enum Type : int64_t {
   kQ4_0 = 2, kQ4_1 = 3, kQ5_0 = 6, kQ5_1 = 7, kQ8_0 = 8, kQ2_K = 10, kQ3_K = 11, kQ4_K = 12, kQ5_K = 13, kQ6_K = 14
 };
 
+// A tiled unit's decoders read its bytes out of order (scales first), which the hardware prefetcher does not
+// follow: the unit kPrefetchUnits past the one at p (units of `bytes`) is asked for by hand, into L2.
+constexpr int64_t kPrefetchUnits = 2;
+inline void prefetch_ahead(const uint8_t* p, int64_t bytes) {
+  for (int64_t i = 0; i < bytes; i += 64) __builtin_prefetch(p + kPrefetchUnits * bytes + i, 0, 2);
+}
+
 struct Tile {
   alignas(64) uint8_t q[kUnit * kCols];  // code + 128, [input / 4][column][input % 4]
   alignas(64) float s[kGroups][kCols];

@@ -302,6 +302,7 @@ void fused_half(const uint8_t* tile, int64_t k, const Activations& x, int h, flo
     const int64_t len = std::min(kUnit, k - u * kUnit);
     const uint8_t* p = tile + u * unit_stride<D>() * kCols;
     const Half src{p, h};
+    if (h == 0) prefetch_ahead(p, unit_stride<D>() * kCols);  // the second half finds the units in L2
     D::scales(src, p, len, &s[0][0], &o[0][0]);
 #pragma GCC unroll 8
     for (int b = 0; b < len / 32; ++b) {
@@ -340,7 +341,9 @@ inline bool decode_tile(int64_t type, const uint8_t* tile, int64_t u, int64_t k,
   t.len = std::min(kUnit, k - u * kUnit);
   return with_decoder(type, [&](auto d) {
     using D = decltype(d);
-    decode_unit<D>(tile + u * unit_stride<D>() * kCols, t);
+    const uint8_t* p = tile + u * unit_stride<D>() * kCols;
+    prefetch_ahead(p, unit_stride<D>() * kCols);
+    decode_unit<D>(p, t);
   });
 }
 

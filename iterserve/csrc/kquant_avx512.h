@@ -354,7 +354,10 @@ void fused_rows(const Source<Src>& at, int64_t k, const Activations& x, int64_t 
     const int64_t len = std::min(kUnit, k - u * kUnit);
     const uint8_t* p = at.p + u * unit_stride<D, Src>() * (Src::kTiled ? kCols : 1);
     Src src = at.src;
-    if constexpr (Src::kTiled) src = TileLoads{p};
+    if constexpr (Src::kTiled) {
+      src = TileLoads{p};
+      prefetch_ahead(p, unit_stride<D, Src>() * kCols);
+    }
     D::scales(src, p, len, s, o);
     if constexpr (D::kBlock == kUnit) {
 #pragma GCC unroll 8
@@ -403,6 +406,7 @@ inline bool decode_tile_avx512(int64_t type, bool tiled, const uint8_t* rows, in
     using D = decltype(d);
     if (tiled) {
       const uint8_t* p = rows + u * unit_stride<D, TileLoads>() * kCols;
+      prefetch_ahead(p, unit_stride<D, TileLoads>() * kCols);
       decode_unit_avx512<D>(TileLoads{p}, p, t);
     } else {
       const Source<Gather> at = row_source(rows, row_bytes, cols);
