@@ -370,7 +370,7 @@ void fused_rows(const Source<Src>& at, int64_t k, const Activations& x, int64_t 
 }
 
 constexpr int64_t kFusedRows = 8;   // rows multiplied per pass over the weight in registers
-constexpr int64_t kFusedMost = 16;  // up to this many rows decode in registers, more decode a tile once
+constexpr int64_t kFusedMost = 32;  // up to this many rows decode in registers, more decode a tile once
 
 template <class D, class Src>
 void fused_any(const Source<Src>& at, int64_t k, const Activations& x, int64_t m, float* acc) {

@@ -10,7 +10,7 @@
 // 16 columns x 4 inputs per 64 bytes, as vpdpbusd consumes them) and multiplies it with every row of the
 // activations, quantized to int8 per block of 32 (quant_rows.h):
 //   sum_i w_i x_i ~= a_d * (s * sum_i q_i a_i + o * sum_i a_i)      per group of 16
-// so each super-block is decoded once per call, whatever the number of rows. With AVX-512 and up to 16 rows
+// so each super-block is decoded once per call, whatever the number of rows. With AVX-512 and up to 32 rows
 // (decode steps) the codes go from the decoder's registers straight into vpdpbusd instead: the weight is read
 // once and nothing is stored, in the same integer dots and float steps per row, so a row's result does not
 // depend on the row count.
@@ -109,7 +109,7 @@ bool decode_tile_fast(int64_t type, bool tiled, const uint8_t* rows, int64_t row
 #endif
 }
 
-// The whole tile times the m rows decoded in registers (AVX-512, up to 16 rows); false leaves it to the tile path.
+// The whole tile times the m rows decoded in registers (AVX-512, up to 32 rows); false leaves it to the tile path.
 bool fused_tile_fast(int64_t type, bool tiled, const uint8_t* rows, int64_t row_bytes, int64_t cols, int64_t k,
                      const Activations& x, int64_t m, float* acc) {
 #if defined(__AVX512VNNI__) && defined(__AVX512BW__)
