@@ -19,6 +19,23 @@ enum Type : int64_t {
   kQ4_0 = 2, kQ4_1 = 3, kQ5_0 = 6, kQ5_1 = 7, kQ8_0 = 8, kQ2_K = 10, kQ3_K = 11, kQ4_K = 12, kQ5_K = 13, kQ6_K = 14
 };
 
+// Calls f with the decoder (a default-constructed tag) that a vector width's set (kquant_avx2.h, kquant_avx512.h)
+// has for `type`; false for a type without one.
+template <class Q2K, class Q3K, class Q4K, class Q5K, class Q6K, class Q50, class Q51, class Q80, class F>
+bool decoder_of(int64_t type, const F& f) {
+  switch (type) {
+    case kQ2_K: f(Q2K{}); return true;
+    case kQ3_K: f(Q3K{}); return true;
+    case kQ4_K: f(Q4K{}); return true;
+    case kQ5_K: f(Q5K{}); return true;
+    case kQ6_K: f(Q6K{}); return true;
+    case kQ5_0: f(Q50{}); return true;
+    case kQ5_1: f(Q51{}); return true;
+    case kQ8_0: f(Q80{}); return true;
+    default: return false;
+  }
+}
+
 // A tiled unit's decoders read its bytes out of order (scales first), which the hardware prefetcher does not
 // follow: the unit kPrefetchUnits past the one at p (units of `bytes`) is asked for by hand, into L2.
 constexpr int64_t kPrefetchUnits = 2;

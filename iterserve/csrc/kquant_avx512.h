@@ -384,17 +384,7 @@ void fused_any(const Source<Src>& at, int64_t k, const Activations& x, int64_t m
 // Calls f with the type's decoder (a default-constructed tag); false for a type without one.
 template <class F>
 bool with_decoder(int64_t type, const F& f) {
-  switch (type) {
-    case kQ2_K: f(Q2K{}); return true;
-    case kQ3_K: f(Q3K{}); return true;
-    case kQ4_K: f(Q4K{}); return true;
-    case kQ5_K: f(Q5K{}); return true;
-    case kQ6_K: f(Q6K{}); return true;
-    case kQ5_0: f(Q5Blocks<false>{}); return true;
-    case kQ5_1: f(Q5Blocks<true>{}); return true;
-    case kQ8_0: f(Q80{}); return true;
-    default: return false;
-  }
+  return decoder_of<Q2K, Q3K, Q4K, Q5K, Q6K, Q5Blocks<false>, Q5Blocks<true>, Q80>(type, f);
 }
 
 // The columns' unit u into the tile; false leaves the type to decode_tile. A tiled weight's `rows` is its
