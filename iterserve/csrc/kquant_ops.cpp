@@ -97,8 +97,6 @@ void rows_scalar(const Tile& t, const Activations& x, int64_t u, int64_t r0, int
   }
 }
 
-
-
 // The SIMD decoders built here for this type (AVX-512); false when there is none.
 bool decode_tile_fast(int64_t type, bool tiled, const uint8_t* rows, int64_t row_bytes, int64_t cols, int64_t u,
                       int64_t k, Tile& t) {
