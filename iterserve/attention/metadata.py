@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -120,6 +121,8 @@ class AttentionMetadata:
     _seq_lens: np.ndarray | None = field(default=None, repr=False)  # each token's sequence length after the step
     _decode_rows: torch.Tensor | None = field(default=None, repr=False)
     _by_window: dict[int | None, AttentionMetadata] = field(default_factory=dict, repr=False)
+    # hybrid SWA memory: this step's metadata over the windowed layers' own pool and tables, given a window
+    _window_pool: Callable[..., AttentionMetadata] | None = field(default=None, repr=False)
 
     def decode_tables(self) -> tuple[torch.Tensor, torch.Tensor]:
         """The decode sequences' block tables and context lengths (built whenever a step has decodes)."""
@@ -144,8 +147,13 @@ class AttentionMetadata:
         models whose layers differ in window (Gemma 3's local and global layers) pass each layer its own.
 
         Built once per window and step, then shared by the layers with that window; slots, tables and rows
-        are the same objects, only the masks differ.
+        are the same objects, only the masks differ, except where the windowed layers keep their K/V in a pool
+        of their own (``window_tables`` given to :meth:`build`): their slots and tables are that pool's.
         """
+        if window is not None and self._window_pool is not None:
+            if window not in self._by_window:
+                self._by_window[window] = self._window_pool(sliding_window=window)
+            return self._by_window[window]
         if window == self.sliding_window:
             return self
         if window not in self._by_window:
@@ -178,6 +186,7 @@ class AttentionMetadata:
         sliding_window: int | None = None,
         max_decode_query: int = 1,
         decode_prompts_up_to: int = 0,
+        window_tables: list[list[int]] | None = None,
     ) -> AttentionMetadata:
         """Describe a batch of sequences; decode sequences (query length 1) must come first.
 
@@ -192,7 +201,8 @@ class AttentionMetadata:
         call per sequence per layer. Prompt chunks of sequences
         that hold at most ``decode_prompts_up_to`` tokens after the step are attended the same way (a
         backend whose decode kernel beats its prefill path on short contexts asks for it), as long as
-        only such sequences come before them.
+        only such sequences come before them. ``window_tables`` are the sequences' tables in the windowed
+        layers' pool (hybrid SWA memory), which :meth:`with_window` serves those layers.
         """
         cached = np.asarray(num_cached, dtype=np.int64)
         qlens = np.asarray(query_lens, dtype=np.int64)
@@ -212,6 +222,11 @@ class AttentionMetadata:
             block_size=block_size, sliding_window=sliding_window, num_decode_tokens=num_decodes,
             _seq_lens=(cached + qlens)[seq_of_token],
         )
+        if window_tables is not None:
+            meta._window_pool = functools.partial(
+                cls.build, block_size=block_size, block_tables=window_tables, num_cached=num_cached,
+                query_lens=query_lens, device=device, max_decode_query=max_decode_query,
+                decode_prompts_up_to=decode_prompts_up_to)
         if num_decodes:
             ctx = pos[:num_decodes] + 1
             max_blocks = int((ctx.max() + block_size - 1) // block_size)

@@ -20,6 +20,8 @@ def add_vllm_serve_args(p: argparse.ArgumentParser) -> None:
                         "(sets --kv-cache-memory)")
     g.add_argument("--enable-prefix-caching", dest="enable_prefix_caching", action=argparse.BooleanOptionalAction,
                    default=argparse.SUPPRESS, help="vLLM's name of --prefix-caching / --no-prefix-caching")
+    g.add_argument("--disable-hybrid-kv-cache-manager", dest="hybrid_swa_memory", action="store_false",
+                   default=argparse.SUPPRESS, help="vLLM's name of --no-hybrid-swa-memory")
     g.add_argument("--enable-auto-tool-choice", action="store_true",
                    help="always on here: tool_choice='auto' parses the model's <tool_call> blocks")
     g.add_argument("--tool-call-parser", choices=["hermes"], default=None,

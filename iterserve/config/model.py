@@ -116,6 +116,19 @@ class ModelConfig:
     def is_moe_layer(self, layer: int) -> bool:
         return is_moe_layer(self, layer)
 
+    def layer_windows(self) -> list[int | None]:
+        """Each layer's sliding window (None: it attends to the whole context); Gemma 3 names each layer's kind."""
+        types = self.extra.get("layer_types")
+        if types is None:
+            return [self.sliding_window] * self.num_layers
+        return [self.sliding_window if t == "sliding_attention" else None for t in types]
+
+    @property
+    def mixes_windows(self) -> bool:
+        """Whether some layers attend to a sliding window and others to the whole context (Gemma 3)."""
+        windows = self.layer_windows()
+        return any(w is None for w in windows) and any(w is not None for w in windows)
+
     def _parameters(self, active: bool) -> int:
         h = self.hidden_size
         attn = h * self.q_size + 2 * h * self.kv_size + self.q_size * h

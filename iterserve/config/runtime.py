@@ -107,6 +107,11 @@ class EngineConfig:
                                        flag="--prefix-caching")
     kv_cache_memory: str | int = _opt("2GiB", "KV pool size, e.g. 2GiB or 512MiB")
     num_kv_blocks: int | None = _opt(None, "KV pool size in blocks (overrides --kv-cache-memory)")
+    hybrid_swa_memory: bool = _opt(True, "a model whose layers mix sliding-window and full attention (Gemma 3) keeps "
+                                         "its windowed layers' K/V in a pool of their own and frees the blocks that "
+                                         "fall out of the window")
+    swa_full_tokens_ratio: float = _opt(0.8, "hybrid SWA memory: tokens the windowed layers' pool holds per token of "
+                                             "the full layers' pool (at most what max_num_seqs windows need)")
     kv_cache_dtype: KVCacheDtype = _opt("auto", "KV cache storage: auto (the model's dtype); fp8 (= fp8_e4m3) or "
                                                 "fp8_e5m2, one byte per value; int8, one byte per value and a "
                                                 "float16 scale per token and KV head. The 1-byte kinds hold about "
@@ -160,6 +165,9 @@ class EngineConfig:
                 or not 0 <= self.max_logprobs <= MAX_LOGPROBS:
             raise ValueError(f"max_logprobs must be an integer in [0, {MAX_LOGPROBS}] (the sampler returns at most "
                              f"{MAX_LOGPROBS} alternatives), got {self.max_logprobs!r}")
+        ratio = self.swa_full_tokens_ratio
+        if isinstance(ratio, bool) or not isinstance(ratio, (int, float)) or not 0 < ratio <= 1:
+            raise ValueError(f"swa_full_tokens_ratio must be a number in (0, 1], got {ratio!r}")
         if not isinstance(self.step_history, int) or self.step_history < 0:
             raise ValueError(f"step_history must be an integer >= 0, got {self.step_history!r}")
         self.scheduler_config(self.max_model_len)  # the scheduler's fields are checked where they are defined

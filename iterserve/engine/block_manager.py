@@ -13,6 +13,11 @@ its prefill runs. They join the prefix cache only when the step commits them: no
 that is still being computed. An announced block that never enters the cache (its sequence aborted,
 preempted or failed first) is withdrawn with a BlockRemoved, so a router never keeps a block nobody holds.
 
+A model whose layers mix sliding-window and full attention keeps its windowed layers' blocks in a
+:class:`~iterserve.engine.window_blocks.WindowBlocks` pool (``window``): every allocation covers both pools or
+neither, its blocks that fall out of the window go back to that pool, and a prefix hit is as long as that
+pool still holds the last window of.
+
 A forked sequence (n > 1) shares its parent's whole block table; the first time either writes
 into a shared, partly filled block, :meth:`BlockManager.allocate` gives the writer a private copy
 (copy-on-write) and queues the (source, destination) pair for the model runner to copy.
@@ -26,6 +31,7 @@ from dataclasses import dataclass, field
 from iterserve.engine.kv_events import MEDIUM_GPU, AllBlocksCleared, BlockRemoved, BlockStored, external_hash
 from iterserve.engine.messages import KV_CACHED, KV_FIRST_ROW, KV_HELD, KV_SHARED
 from iterserve.engine.sequence import Sequence
+from iterserve.engine.window_blocks import WindowBlocks
 
 
 @dataclass
@@ -60,6 +66,7 @@ class BlockManager:
     num_blocks: int
     block_size: int
     enable_prefix_caching: bool = True
+    window: WindowBlocks | None = None  # the windowed layers' pool (hybrid SWA memory); None: one pool
     blocks: list[Block] = field(init=False)
     free_queue: OrderedDict[int, None] = field(init=False)  # LRU order: evict from the front
     cached: dict[int, Block] = field(init=False)  # chain hash -> block
@@ -115,6 +122,9 @@ class BlockManager:
                 break
             hits.append(block)
             parent = h
+        if self.window is not None:  # as many as the windowed layers' pool holds the last window of
+            hits = hits[:self.window.longest_hit([b.hash for b in hits if b.hash is not None],
+                                                 [b.token_ids for b in hits])]
         return hits
 
     def _register_full_blocks(self, seq: Sequence, num_tokens: int) -> None:
@@ -226,6 +236,14 @@ class BlockManager:
         shared = self._shared_write_block(seq) if num_new_tokens else None
         if need + (shared is not None) > len(self.free_queue) - reusable_free:
             return False
+        if self.window is not None:
+            window, writes = self.window, bool(num_new_tokens)
+            window.release_behind(seq)
+            window_hits = window.hit_blocks([b.hash for b in hits if b.hash is not None], [b.token_ids for b in hits])
+            hit_tokens = len(hits) * self.block_size
+            if window.needed(seq, target, writes, window_hits, hit_tokens) > window.num_free_blocks:
+                return False
+            window.take(seq, target, writes, window_hits, hit_tokens)
         if shared is not None:  # copy-on-write: the next token lands in a block a sibling also holds
             i = computed // self.block_size
             copy = self._take_free_block()
@@ -257,6 +275,8 @@ class BlockManager:
         for block_id in parent.block_table:
             self.blocks[block_id].ref_count += 1
         child.block_table = list(parent.block_table)
+        if self.window is not None:
+            self.window.fork(parent, child)
         child.block_hashes = list(parent.block_hashes)
         child.num_hashed_blocks = parent.num_hashed_blocks
 
@@ -287,6 +307,8 @@ class BlockManager:
             if block.ref_count == 0:  # empty now: handed out before any block that still caches something
                 self.free_queue.move_to_end(block.block_id, last=False)
         self.cached.clear()
+        if self.window is not None:
+            self.window.reset()
         self.announced.clear()  # the clear covers them; their commit announces them again
         if self.events is not None:
             self.events.append(AllBlocksCleared())
@@ -296,10 +318,17 @@ class BlockManager:
         copies, self.pending_copies = self.pending_copies, []
         return copies
 
+    def take_window_copies(self) -> list[tuple[int, int]]:
+        """The window pool's copy-on-write pairs queued since the last call (none without one)."""
+        return self.window.take_copies() if self.window is not None else []
+
     def commit(self, seq: Sequence) -> None:
         """After a step computed tokens of ``seq``: publish newly filled blocks to the prefix cache."""
         if self.enable_prefix_caching:
+            hashed = seq.num_hashed_blocks
             self._register_full_blocks(seq, seq.num_computed_tokens)
+            if self.window is not None and seq.num_hashed_blocks > hashed:
+                self.window.register(seq, hashed, seq.num_hashed_blocks)
 
     def free(self, seq: Sequence) -> None:
         """Drop ``seq``'s references; unreferenced blocks join the free queue, tail blocks first in
@@ -309,6 +338,8 @@ class BlockManager:
             for h in [h for h, owner in self.announced.items() if owner == id(seq)]:
                 self._withdraw(h)
         self._release(seq.block_table)
+        if self.window is not None:
+            self.window.free(seq)
         seq.block_table = []
         seq.block_hashes = []
         seq.num_hashed_blocks = 0
@@ -320,6 +351,8 @@ class BlockManager:
         if len(seq.block_table) > keep:
             self._release(seq.block_table[keep:])
             del seq.block_table[keep:]
+        if self.window is not None:
+            self.window.trim(seq)
 
     def _release(self, block_ids: list[int]) -> None:
         for block_id in reversed(block_ids):
@@ -357,3 +390,5 @@ class BlockManager:
         held = [b.block_id for b in self.blocks if b.ref_count != 0]
         if held or len(self.free_queue) != self.num_blocks:
             raise AssertionError(f"KV blocks still referenced: {held[:16]}")
+        if self.window is not None:
+            self.window.check_no_leaks()

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 from iterserve.config import EngineConfig, ModelConfig, parse_dtype
@@ -19,12 +20,14 @@ def token_bytes(model_config: ModelConfig, kv_cache_dtype: str, dtype_bytes: int
 class Capacity:
     """What the KV pool holds; a pure function of the config and the model's shape."""
 
-    kv_bytes_per_token: int
+    kv_bytes_per_token: int  # of the full pool: every layer's, or with a window pool the full layers' alone
     num_blocks: int
     block_size: int
     total_tokens: int
     max_model_len: int
     max_full_length_seqs: int
+    window_blocks: int = 0  # the sliding-window layers' own pool, null block included (0: no such pool)
+    window_bytes_per_token: int = 0
 
     @classmethod
     def of(cls, config: EngineConfig, model_config: ModelConfig, dtype_bytes: int | None = None,
@@ -35,13 +38,25 @@ class Capacity:
         token holds only its KV heads, so the same memory holds more tokens. A speculative ``draft``
         model keeps its K/V in the same blocks, so a token costs both models' bytes. A quantized
         ``kv_cache_dtype`` costs one byte per value, int8 a float16 scale per token and KV head too.
+        A model whose layers mix sliding-window and full attention (hybrid SWA memory) splits the memory
+        between the full layers' pool and the windowed layers' (:func:`window_pool_blocks`).
         """
         bs = config.block_size
         shard = model_config.tensor_parallel_shard(config.tensor_parallel_size)
         itemsize = dtype_bytes or parse_dtype(config.dtype).itemsize
-        per_token = token_bytes(shard, config.kv_cache_dtype, itemsize) + (
-            token_bytes(draft, config.kv_cache_dtype, itemsize) if draft else 0)
-        num_blocks = config.num_kv_blocks or parse_size(config.kv_cache_memory) // (bs * per_token)
+        layer_bytes = token_bytes(shard, config.kv_cache_dtype, itemsize) // shard.num_layers
+        draft_bytes = token_bytes(draft, config.kv_cache_dtype, itemsize) if draft else 0
+        windowed = sum(w is not None for w in shard.layer_windows()) if uses_window_pool(config, model_config) else 0
+        per_token = layer_bytes * (shard.num_layers - windowed) + draft_bytes
+        memory = parse_size(config.kv_cache_memory)
+        window_blocks = window_pool_blocks(config, model_config, memory, per_token, layer_bytes * windowed) \
+            if windowed else 0
+        num_blocks = config.num_kv_blocks or (memory - window_blocks * bs * layer_bytes * windowed) // (bs * per_token)
+        if num_blocks < 1 and window_blocks:
+            raise ValueError(f"KV cache memory {config.kv_cache_memory!r} does not hold the sliding-window layers' "
+                             f"{window_blocks - 1} blocks one sequence needs (a window and a step's chunk) and a "
+                             f"block of the full layers; raise kv_cache_memory, lower max_num_batched_tokens or "
+                             f"turn hybrid_swa_memory off")
         if num_blocks < 1:
             raise ValueError(f"KV cache memory {config.kv_cache_memory!r} does not hold a single block of {bs} tokens")
         capacity = num_blocks * bs
@@ -55,4 +70,30 @@ class Capacity:
                 f"max_model_len {max_len} needs more KV cache than the pool holds ({capacity} tokens in "
                 f"{num_blocks} blocks); raise kv_cache_memory/num_kv_blocks or lower max_model_len"
             )
-        return cls(per_token, num_blocks, bs, capacity, max_len, capacity // max_len)
+        return cls(per_token, num_blocks, bs, capacity, max_len, capacity // max_len, window_blocks,
+                   layer_bytes * windowed)
+
+
+def uses_window_pool(config: EngineConfig, model_config: ModelConfig) -> bool:
+    """Hybrid SWA memory: on unless turned off, for a model whose layers mix sliding-window and full attention,
+    with blocks allocated as tokens arrive (a reservation holds a sequence's whole length anyway)."""
+    return config.hybrid_swa_memory and model_config.mixes_windows and config.kv_allocation == "paged"
+
+
+def window_pool_blocks(config: EngineConfig, model_config: ModelConfig, memory: int, full_bytes: int,
+                       window_bytes: int) -> int:
+    """Blocks of the windowed layers' pool (the null block included): ``swa_full_tokens_ratio`` tokens per
+    token of the full pool, as SGLang splits it, but no more than ``max_num_seqs`` sequences' windows and a
+    step's tokens can use, and no fewer than one sequence needs (a window and a step's chunk) to progress alone,
+    unless the full pool holds fewer (a sequence never holds more blocks in the window pool than in the full one).
+    ``full_bytes`` and ``window_bytes`` are a token's bytes in each pool."""
+    bs, window = config.block_size, model_config.sliding_window
+    assert window is not None
+    chunk = min(config.max_num_batched_tokens, config.max_model_len or config.max_num_batched_tokens)
+    used = config.max_num_seqs * (-(-window // bs) + 2) + -(-config.max_num_batched_tokens // bs)
+    alone = -(-(window - 1 + chunk) // bs) + 2
+    if config.num_kv_blocks:
+        full = config.num_kv_blocks
+    else:
+        full = int(memory // (bs * (full_bytes + config.swa_full_tokens_ratio * window_bytes)))
+    return min(full, max(alone, min(used, math.ceil(config.swa_full_tokens_ratio * full)))) + 1

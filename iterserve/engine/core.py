@@ -42,6 +42,7 @@ from iterserve.engine.spec_decode.proposer import Proposer, Speculator
 from iterserve.engine.spec_decode.stats import SpecDecodeStats
 from iterserve.engine.structured_output import GrammarMatcher, GrammarPool
 from iterserve.engine.validation import check_prompt
+from iterserve.engine.window_blocks import WindowBlocks
 from iterserve.errors import SamplingParamsError, TensorParallelError
 from iterserve.models.loader import LoadedModel
 from iterserve.outputs import RequestMetrics
@@ -97,8 +98,9 @@ class EngineCore:
             self.model_name = self.executor.model_name
             self.capacity = self.executor.capacity
             self.max_model_len = self.capacity.max_model_len
-            bs, num_blocks = config.block_size, self.capacity.num_blocks
-            self.block_manager = BlockManager(num_blocks, bs, config.enable_prefix_caching)
+            bs, num_blocks, window_blocks = config.block_size, self.capacity.num_blocks, self.capacity.window_blocks
+            window = WindowBlocks(window_blocks, bs, self.model_config.sliding_window or 0) if window_blocks else None
+            self.block_manager = BlockManager(num_blocks, bs, config.enable_prefix_caching, window)
             self.scheduler = Scheduler(config.scheduler_config(self.max_model_len), self.block_manager, clock)
             spec = config.speculative_config
             self.speculator = (Speculator.build(spec, self.block_manager, self.executor, self.max_model_len,
@@ -135,6 +137,9 @@ class EngineCore:
             c.kv_bytes_per_token, kv_dtype, c.num_blocks, bs, c.total_tokens,
             c.max_full_length_seqs, c.max_model_len,
         )
+        if window_blocks:
+            logger.info("hybrid SWA memory: the sliding-window layers keep %d bytes/token in a pool of their own, "
+                        "%d blocks, freed as they fall out of the window", c.window_bytes_per_token, window_blocks - 1)
 
     # -- requests -------------------------------------------------------------------------------
 
@@ -272,7 +277,7 @@ class EngineCore:
         self._publish_kv_events()  # the blocks this step fills, before the forward pass that fills them
         try:
             self._inject_fault(sched)
-            result = self.executor.execute_model(sched.scheduled, sched.block_copies)
+            result = self.executor.execute_model(sched.scheduled, sched.block_copies, sched.window_copies)
             update = self.scheduler.update_from_output(sched, result)
         except TensorParallelError:
             raise  # a lost rank is fatal: failing this step's requests and going on would fail every step

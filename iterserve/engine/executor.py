@@ -81,8 +81,10 @@ class Executor(ABC):
     worker: Worker  # this process's worker, where the executor has one
 
     @abstractmethod
-    def execute_model(self, scheduled: list[ScheduledSeq], block_copies: list[tuple[int, int]]) -> SampleResult:
-        """One step: copy ``block_copies`` (copy-on-write), run the forward pass of ``scheduled``, sample."""
+    def execute_model(self, scheduled: list[ScheduledSeq], block_copies: list[tuple[int, int]],
+                      window_copies: list[tuple[int, int]] | None = None) -> SampleResult:
+        """One step: copy ``block_copies`` and ``window_copies`` (copy-on-write in the full and the windowed
+        layers' pools), run the forward pass of ``scheduled``, sample."""
 
     def add_lora(self, lora: LoRARequest) -> None:
         """Load (or find loaded) and check the LoRA adapter a new request names; ValueError if it cannot run."""
@@ -117,8 +119,9 @@ class UniProcExecutor(Executor):
     def __init__(self, worker: Worker) -> None:
         self._use(worker)
 
-    def execute_model(self, scheduled: list[ScheduledSeq], block_copies: list[tuple[int, int]]) -> SampleResult:
-        return self.worker.execute_model(scheduled, block_copies)
+    def execute_model(self, scheduled: list[ScheduledSeq], block_copies: list[tuple[int, int]],
+                      window_copies: list[tuple[int, int]] | None = None) -> SampleResult:
+        return self.worker.execute_model(scheduled, block_copies, window_copies)
 
     def add_lora(self, lora: LoRARequest) -> None:
         self.worker.runner.add_lora(lora)
@@ -219,10 +222,11 @@ class MultiprocExecutor(Executor):
         self._guard(lambda: dist.barrier(group=self._steps))
         self._steps.set_timeout(STEP_SEND_TIMEOUT)
 
-    def execute_model(self, scheduled: list[ScheduledSeq], block_copies: list[tuple[int, int]]) -> SampleResult:
+    def execute_model(self, scheduled: list[ScheduledSeq], block_copies: list[tuple[int, int]],
+                      window_copies: list[tuple[int, int]] | None = None) -> SampleResult:
         """Prepare the step's inputs here, send them to the workers, run this rank's forward pass, sample here."""
         runner = self.worker.runner
-        prepared = runner.prepare(scheduled, block_copies)
+        prepared = runner.prepare(scheduled, block_copies, window_copies)
 
         def step() -> torch.Tensor:
             dist.broadcast_object_list([prepared.inputs], src=0, group=self._steps)

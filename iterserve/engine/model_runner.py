@@ -39,6 +39,8 @@ class StepInputs:
     block_copies: list[tuple[int, int]] = field(default_factory=list)
     max_decode_query: int = 1  # 1 + the most drafts a sequence verifies: those are attended like decodes
     loras: list[LoRARequest | None] = field(default_factory=list)  # per scheduled sequence, its adapter if any
+    window_tables: list[list[int]] | None = None  # the windowed layers' tables, with hybrid SWA memory
+    window_copies: list[tuple[int, int]] = field(default_factory=list)  # copy-on-write in that pool
 
 
 @dataclass
@@ -61,14 +63,18 @@ class ModelRunner:
 
     def __init__(self, model: LlamaModel, num_blocks: int, block_size: int, seed: int = 0,
                  draft: LlamaModel | None = None, kv_cache_dtype: str = "auto",
-                 lora: LoRAManager | None = None) -> None:
+                 lora: LoRAManager | None = None, window_blocks: int = 0) -> None:
+        """``window_blocks``: the sliding-window layers' own pool (hybrid SWA memory; 0: they share the pool)."""
         self.model = model
         self.device = model.device
         self.block_size = block_size
         self.attn_backend = select_backend(self.device, model.dtype)  # chosen once; passed to the model each step
         self.decoder = NativeDecoder.for_device(self.device)  # a step of decodes in one C++ call, where it can
         self.kv_caches: list[KVCache] = model.allocate_kv_cache(num_blocks, block_size, self.attn_backend,
-                                                                kv_cache_dtype)
+                                                                kv_cache_dtype, window_blocks)
+        windowed = [bool(window_blocks) and w is not None for w in model.config.layer_windows()]
+        self.window_caches = [c for c, w in zip(self.kv_caches, windowed) if w]  # in the windowed layers' pool
+        self.full_caches = [c for c, w in zip(self.kv_caches, windowed) if not w]  # in the full pool
         self.sampler = Sampler(torch.Generator(device=self.device).manual_seed(seed))
         self.draft = (DraftModel(draft, num_blocks, block_size, self.attn_backend, kv_cache_dtype, self.decoder)
                       if draft is not None else None)
@@ -76,17 +82,19 @@ class ModelRunner:
         self._forward_start = 0.0  # when the last forward pass began: a grammar's step budget is relative to it
 
     @torch.inference_mode()
-    def execute(self, scheduled: list[ScheduledSeq],
-                block_copies: list[tuple[int, int]] | None = None) -> tuple[list[ScheduledSeq], SampleResult]:
+    def execute(self, scheduled: list[ScheduledSeq], block_copies: list[tuple[int, int]] | None = None,
+                window_copies: list[tuple[int, int]] | None = None) -> tuple[list[ScheduledSeq], SampleResult]:
         """Run one step. Returns the sequences that produced a token (in order) and the samples."""
-        prepared = self.prepare(scheduled, block_copies)
+        prepared = self.prepare(scheduled, block_copies, window_copies)
         return prepared.sampled, self.sample(prepared, self.forward(prepared.inputs))
 
     @torch.inference_mode()
-    def prepare(self, scheduled: list[ScheduledSeq], block_copies: list[tuple[int, int]] | None = None) -> PreparedStep:
+    def prepare(self, scheduled: list[ScheduledSeq], block_copies: list[tuple[int, int]] | None = None,
+                window_copies: list[tuple[int, int]] | None = None) -> PreparedStep:
         """Flatten the scheduled sequences into one step's inputs.
 
-        ``block_copies`` (copy-on-write of blocks shared by forked sequences) are done first. A
+        ``block_copies`` and ``window_copies`` (copy-on-write of blocks shared by forked sequences, in the
+        full and the windowed layers' pools) are done first. A
         sequence that forks now is followed in the samples by its children, each drawing from the
         same logits row. Prompt positions of requests that asked for prompt logprobs get logits too.
         """
@@ -124,6 +132,7 @@ class ModelRunner:
             [s.seq.num_computed_tokens for s in scheduled], [s.num_tokens for s in scheduled], logits_rows,
             list(block_copies or []), 1 + max((len(s.spec_token_ids) for s in scheduled), default=0),
             [s.seq.lora for s in scheduled] if self.lora is not None else [],
+            [list(s.seq.window_table) for s in scheduled] if self.window_caches else None, list(window_copies or []),
         )
         seqs = sampling_seqs(scheduled)
         drafts = [s.spec_token_ids for s in sampled for _ in range(1 + len(s.seq.forks))]
@@ -163,10 +172,13 @@ class ModelRunner:
         tensor-parallel worker)."""
         self._forward_start = time.perf_counter()
         self.copy_blocks(inputs.block_copies)
+        copy_kv_blocks(self.window_caches, inputs.window_copies, self.device)
         meta = AttentionMetadata.build(
             block_size=self.block_size, block_tables=inputs.block_tables, num_cached=inputs.num_cached,
-            query_lens=inputs.query_lens, device=self.device, sliding_window=self.model.config.sliding_window,
+            query_lens=inputs.query_lens, device=self.device,
+            sliding_window=None if inputs.window_tables is not None else self.model.config.sliding_window,
             max_decode_query=inputs.max_decode_query, decode_prompts_up_to=self.attn_backend.decode_prompts_up_to,
+            window_tables=inputs.window_tables,
         )
         dev = self.device
         lora = (self.lora.batch(inputs.loras, inputs.query_lens, dev)
@@ -195,9 +207,9 @@ class ModelRunner:
         self.lora.add(lora)
 
     def copy_blocks(self, copies: list[tuple[int, int]]) -> None:
-        """Copy whole KV blocks, every layer (the draft model's too): a forked sequence's private copy of a
-        shared block."""
-        copy_kv_blocks(self.kv_caches, copies, self.device)
+        """Copy whole KV blocks, every layer of the full pool (the draft model's too): a forked sequence's private
+        copy of a shared block."""
+        copy_kv_blocks(self.full_caches, copies, self.device)
         if self.draft is not None:
             copy_kv_blocks(self.draft.kv_caches, copies, self.device)
 

@@ -71,6 +71,7 @@ class SchedulerOutput:
     prefix_hit_tokens: int = 0  # prompt tokens served from the prefix cache at admission
     prefix_query_tokens: int = 0  # tokens of the sequences admitted (the hit rate's denominator)
     block_copies: list[tuple[int, int]] = field(default_factory=list)  # copy-on-write (src, dst) before the step
+    window_copies: list[tuple[int, int]] = field(default_factory=list)  # the same in the windowed layers' pool
 
     @property
     def num_tokens(self) -> int:
@@ -221,7 +222,7 @@ class Scheduler:
             budget -= num_new
 
         out.scheduled = decodes + verifies + prefills
-        out.block_copies = bm.take_copies()
+        out.block_copies, out.window_copies = bm.take_copies(), bm.take_window_copies()
         for s in out.scheduled:  # drafts are announced once accepted, when committed
             bm.announce(s.seq, s.num_tokens - len(s.spec_token_ids))
         return out

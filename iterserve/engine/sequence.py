@@ -57,6 +57,8 @@ class Sequence:
     block_table: list[int] = field(default_factory=list)
     block_hashes: list[int] = field(default_factory=list)
     num_hashed_blocks: int = 0
+    window_table: list[int] = field(default_factory=list)  # its windowed layers' blocks (hybrid SWA memory)
+    window_start: int = 0  # window_table's entries before this one fell out of the window (the null block)
     spec_token_ids: list[int] = field(default_factory=list)  # drafts proposed for the next step to verify
     finish_reason: str | None = None
     stop_reason: str | int | None = None

@@ -44,7 +44,8 @@ class Worker:
                                     self.draft.config if self.draft else None)
         lora = LoRAManager(loaded.model, config.max_loras, config.max_lora_rank) if config.enable_lora else None
         self.runner = ModelRunner(loaded.model, self.capacity.num_blocks, config.block_size, config.seed,
-                                  self.draft.model if self.draft else None, config.kv_cache_dtype, lora)
+                                  self.draft.model if self.draft else None, config.kv_cache_dtype, lora,
+                                  self.capacity.window_blocks)
 
     @classmethod
     def load(cls, config: EngineConfig, device: str | None, parallel: ParallelState | None = None) -> Worker:
@@ -60,9 +61,10 @@ class Worker:
             release_free_heap()  # memory held is the weights', not the load's transients
         return cls(config, loaded)
 
-    def execute_model(self, scheduled: list[ScheduledSeq], block_copies: list[tuple[int, int]]) -> SampleResult:
+    def execute_model(self, scheduled: list[ScheduledSeq], block_copies: list[tuple[int, int]],
+                      window_copies: list[tuple[int, int]] | None = None) -> SampleResult:
         """One whole step in this process: inputs, forward pass, samples."""
-        return self.runner.execute(scheduled, block_copies)[1]
+        return self.runner.execute(scheduled, block_copies, window_copies)[1]
 
     def forward(self, inputs: StepInputs) -> torch.Tensor:
         """The forward pass of inputs prepared elsewhere (on rank 0)."""

@@ -5,7 +5,8 @@ float32, four of them per layer (before and after attention, before and after th
 normed before the residual add); q/k norms; a GELU-tanh MLP; attention scaled by ``query_pre_attn_scalar**-0.5``;
 and layers that alternate between local ones (a sliding window, RoPE base ``rope_local_base_freq``) and global
 ones (the whole context, RoPE base ``rope_theta`` with its scaling). Each layer hands the attention backend its
-own window (:meth:`AttentionMetadata.with_window`); every layer keeps every position's K/V in the paged cache.
+own window (:meth:`AttentionMetadata.with_window`); with hybrid SWA memory the local layers keep their K/V in a
+pool of their own that lets go of what falls out of the window (:mod:`iterserve.engine.window_blocks`).
 The layers run in Python (no native decode loop: ``csrc/decoder.cpp`` has Llama's layer order).
 """
 
@@ -23,14 +24,6 @@ from iterserve.distributed.parallel_state import ParallelState
 from iterserve.models.linear import LinearDelta
 from iterserve.models.llama import MLP, Attention, LlamaModel, RMSNorm, rope_inv_freq
 from iterserve.models.native_decoder import NativeDecoder, NativeStack
-
-
-def layer_windows(config: ModelConfig) -> list[int | None]:
-    """Each layer's sliding window (None: it attends to the whole context)."""
-    types = config.extra.get("layer_types")
-    if types is None:
-        return [config.sliding_window] * config.num_layers
-    return [config.sliding_window if t == "sliding_attention" else None for t in types]
 
 
 class GemmaRMSNorm(RMSNorm):
@@ -133,7 +126,7 @@ class Gemma3Model(LlamaModel):
     def make_layers(self, ps: ParallelState) -> nn.ModuleList:
         types = self.config.extra["layer_types"]
         return nn.ModuleList(Gemma3DecoderLayer(self.config, ps, t == "sliding_attention", w)
-                             for t, w in zip(types, layer_windows(self.config)))
+                             for t, w in zip(types, self.config.layer_windows()))
 
     def make_norm(self) -> nn.Module:
         return GemmaRMSNorm(self.config.hidden_size, self.config.rms_norm_eps)

@@ -204,15 +204,16 @@ class LlamaModel(nn.Module):
         return self.embed_tokens.weight.device
 
     def allocate_kv_cache(self, num_blocks: int, block_size: int, backend: AttentionBackend | None = None,
-                          kv_cache_dtype: str = "auto") -> list[KVCache]:
+                          kv_cache_dtype: str = "auto", window_blocks: int = 0) -> list[KVCache]:
         """One K and V pool per layer, holding this rank's KV heads only, K laid out as ``backend`` reads it
-        fastest (rows, which every backend reads, without one), stored in ``kv_cache_dtype``."""
+        fastest (rows, which every backend reads, without one), stored in ``kv_cache_dtype``; a sliding-window
+        layer's pool holds ``window_blocks`` blocks where that is given (hybrid SWA memory)."""
         c = self.config.tensor_parallel_shard(self.parallel.world_size)
         grouped = backend is not None and backend.ops.keys_in_groups(self.dtype, c.head_dim, block_size)
         return [
-            KVCache.allocate(num_blocks, block_size, c.num_kv_heads, c.head_dim, self.dtype, self.device, grouped,
-                             kv_cache_dtype)
-            for _ in range(c.num_layers)
+            KVCache.allocate(window_blocks if window_blocks and window is not None else num_blocks, block_size,
+                             c.num_kv_heads, c.head_dim, self.dtype, self.device, grouped, kv_cache_dtype)
+            for window in self.config.layer_windows()
         ]
 
     def native_stack(self) -> NativeStack | None:

@@ -95,7 +95,8 @@ class CostModelExecutor(Executor):
         """The core's proposer: every draft the sequences may take."""
         return [[FILLER] * limit for limit in limits]
 
-    def execute_model(self, scheduled: list[ScheduledSeq], block_copies: list[tuple[int, int]]) -> SampleResult:
+    def execute_model(self, scheduled: list[ScheduledSeq], block_copies: list[tuple[int, int]],
+                      window_copies: list[tuple[int, int]] | None = None) -> SampleResult:
         seconds = self.cost.step_time(step_shape(scheduled))
         self.clock.advance(seconds)
         self.busy_s += seconds

@@ -43,10 +43,12 @@ def dense_reference(q, k, v, window=None):
     return torch.einsum("hqk,khd->qhd", scores.softmax(-1), v)
 
 
-def run_steps(backend, lengths, chunks, window=None, seed=0, built_with="same"):
+def run_steps(backend, lengths, chunks, window=None, seed=0, built_with="same", window_pool=False):
     """Feed sequences through paged attention in the given per-step chunk sizes; compare each
     produced row with the dense reference. ``built_with`` other than "same" builds each step's metadata with
-    that window and hands the layer its own through ``with_window`` (a model whose layers differ in window)."""
+    that window and hands the layer its own through ``with_window`` (a model whose layers differ in window).
+    ``window_pool``: the layer reads its own tables (hybrid SWA memory), in which every block a window behind
+    the step's first query points at block 0, full of values no query may see."""
     g = torch.Generator().manual_seed(seed)
     seqs = [(torch.randn(n, H, D, generator=g), torch.randn(n, KVH, D, generator=g),
              torch.randn(n, KVH, D, generator=g))
@@ -54,6 +56,9 @@ def run_steps(backend, lengths, chunks, window=None, seed=0, built_with="same"):
     cache = KVCache.allocate(64, BS, KVH, D, torch.float32, "cpu")
     # scattered, non-contiguous block tables
     perm = torch.randperm(64, generator=g).tolist()
+    if window_pool:
+        perm.remove(0)
+        cache.k[0], cache.v[0] = 1e3, 1e3
     tables, nxt = [], 0
     for n in lengths:
         nb = -(-n // BS)
@@ -70,11 +75,14 @@ def run_steps(backend, lengths, chunks, window=None, seed=0, built_with="same"):
             qs.append(seqs[s][0][a:b])
             ks.append(seqs[s][1][a:b])
             vs.append(seqs[s][2][a:b])
+        freed = [[0 if (i + 1) * BS <= done[s] - window + 1 else b for i, b in enumerate(tables[s])]
+                 for s in order] if window_pool else None
         meta = AttentionMetadata.build(block_size=BS, block_tables=[tables[s] for s in order],
                                        num_cached=[done[s] for s in order],
                                        query_lens=[step_chunks[s] for s in order],
                                        sliding_window=window if built_with == "same" else built_with,
-                                       decode_prompts_up_to=backend.decode_prompts_up_to).with_window(window)
+                                       decode_prompts_up_to=backend.decode_prompts_up_to,
+                                       window_tables=freed).with_window(window)
         out = backend.forward(torch.cat(qs), torch.cat(ks), torch.cat(vs), cache, meta, D**-0.5)
         row = 0
         for s in order:
@@ -108,6 +116,12 @@ def test_sliding_window_in_prefill_and_decode(backend):
 def test_a_layers_own_window_over_the_steps_metadata(backend, window, built_with):
     run_steps(backend, [12, 6], [[9, 5], [1, 1], [1, 0], [1, 0]], window=window, built_with=built_with)
     run_steps(backend, [9, 8], [[3, 2], [4, 0], [1, 5], [1, 1]], window=window, built_with=built_with)
+
+
+def test_a_windowed_layers_own_pool_never_sees_the_blocks_behind_its_window(backend):
+    run_steps(backend, [14, 6], [[9, 5], [1, 1], [3, 0], [1, 0]], window=4, built_with=None, window_pool=True)
+    run_steps(backend, [13, 11], [[2, 3], [5, 0], [1, 6], [1, 1], [1, 1], [3, 0]], window=3, built_with=None,
+              window_pool=True)
 
 
 def test_metadata_per_window_is_built_once():

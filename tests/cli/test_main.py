@@ -90,6 +90,8 @@ def test_vllm_serve_flags_are_taken_with_their_meaning(served, monkeypatch, capl
     said = " ".join(r.getMessage() for r in caplog.records)
     assert "--gpu-memory-utilization 0.25: the KV cache gets 2.00 GiB" in said and "Hermes" in said
     assert main(["serve", "--enable-prefix-caching"]) == 0 and served[-1][0].enable_prefix_caching
+    assert served[-1][0].hybrid_swa_memory
+    assert main(["serve", "--disable-hybrid-kv-cache-manager"]) == 0 and not served[-1][0].hybrid_swa_memory
     assert main(["serve", "--gpu-memory-utilization", "1.5"]) == 2
 
 

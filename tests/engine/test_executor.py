@@ -115,7 +115,7 @@ class CountingExecutor(Executor):
         self.steps: list[list[int]] = []  # the tokens each step computed, per scheduled sequence
         self.closed = False
 
-    def execute_model(self, scheduled, block_copies):
+    def execute_model(self, scheduled, block_copies, window_copies=None):
         self.steps.append([s.num_tokens for s in scheduled])
         rows = len(sampling_seqs(scheduled))
         return SampleResult([len(self.steps)] * rows, [None] * rows)

@@ -326,10 +326,10 @@ def test_the_event_stream_matches_the_cache_through_preemption_aborts_and_a_fail
     forward = core.executor.execute_model
     seen_in_forward: list[set[int]] = []
 
-    def execute_model(scheduled, copies):
+    def execute_model(scheduled, copies, window_copies):
         seen_in_forward.append(set(recorder.index))  # published before the forward pass
         assert {external_hash(h) for h in core.block_manager.announced} <= recorder.index
-        return forward(scheduled, copies)
+        return forward(scheduled, copies, window_copies)
 
     core.executor.execute_model = execute_model  # type: ignore[method-assign]
     params = SamplingParams(max_tokens=10, ignore_eos=True)

@@ -159,6 +159,38 @@ def test_gemma3_greedy_alone_batched_and_chunked(gemma3_folder):
     assert engine_greedy(folder, PROMPTS, max_num_batched_tokens=7, enable_prefix_caching=False) == want
 
 
+def test_gemma3_window_pool_frees_blocks_and_keeps_the_tokens(gemma3_folder):
+    """Hybrid SWA memory: the sliding layers' pool, smaller than one sequence, serves long sequences in chunks,
+    under preemption, from the prefix cache, with n-gram drafts and with forks, giving transformers' tokens."""
+    folder, hf = gemma3_folder
+    long_prompts = prompts(40, 33, 47, 26)
+    want = hf_greedy(hf, long_prompts)
+    # an 8-token window in 4-token blocks: a step's 16-token chunk and the window before it span 8 blocks
+    small = {"num_kv_blocks": 24, "max_num_batched_tokens": 16, "max_num_seqs": 4, "swa_full_tokens_ratio": 0.3}
+    llm = LLM(model=str(folder), dtype="float32", device="cpu", block_size=4, **small)
+    core = llm.engine
+    window = core.block_manager.window
+    assert window is not None and core.capacity.window_blocks == window.num_blocks
+    assert window.num_blocks - 1 == 8  # where a sequence spans 13 blocks: only freeing lets it finish
+    params = SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS, ignore_eos=True, detokenize=False)
+    for _ in range(2):  # the second time from the prefix cache, as far as the window pool still holds
+        outs = llm.generate([{"prompt_token_ids": p} for p in long_prompts], params, use_tqdm=False)
+        assert [list(o.outputs[0].token_ids) for o in outs] == want
+    assert core.num_preemptions > 0 and core.prefix_hit_tokens > 0  # 24 full blocks hold two sequences at once
+    core.block_manager.check_no_leaks()
+    assert engine_greedy(folder, long_prompts, hybrid_swa_memory=False, max_num_batched_tokens=16) == want
+    spec = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1, "prompt_lookup_max": 2}
+    assert engine_greedy(folder, long_prompts, speculative_config=spec) == want
+    forked = SamplingParams(n=2, temperature=0.8, seed=3, max_tokens=NEW_TOKENS, ignore_eos=True, detokenize=False)
+    got = []
+    for kwargs in ({}, {"hybrid_swa_memory": False}):  # forks share window blocks and copy the one they write
+        llm = LLM(model=str(folder), dtype="float32", device="cpu", block_size=4, num_kv_blocks=96, **kwargs)
+        got.append([[list(c.token_ids) for c in o.outputs]
+                    for o in llm.generate([{"prompt_token_ids": p} for p in long_prompts], forked, use_tqdm=False)])
+        llm.engine.block_manager.check_no_leaks()
+    assert got[0] == got[1]
+
+
 def assert_logits_match(folder, hf, backend) -> None:
     """A 26-token prompt in one forward pass: every position's logits."""
     model = load_model(str(folder), dtype="float32", device="cpu").model

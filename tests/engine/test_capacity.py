@@ -1,0 +1,55 @@
+"""How the KV memory splits between the full layers' pool and the sliding-window layers' (hybrid SWA memory)."""
+
+from __future__ import annotations
+
+import pytest
+
+from iterserve.config import EngineConfig, ModelConfig, get_preset
+from iterserve.config.units import parse_size
+from iterserve.engine.capacity import Capacity
+
+GEMMA3_1B = ModelConfig.from_hf_config({  # its hub config: 22 layers in a 512-token window, 4 global ones
+    "architectures": ["Gemma3ForCausalLM"], "model_type": "gemma3_text", "hidden_size": 1152,
+    "intermediate_size": 6912, "num_hidden_layers": 26, "num_attention_heads": 4, "num_key_value_heads": 1,
+    "head_dim": 256, "vocab_size": 262144, "sliding_window": 512, "sliding_window_pattern": 6, "rope_scaling": None,
+    "rope_local_base_freq": 10000, "rope_theta": 1000000, "max_position_embeddings": 32768,
+    "final_logit_softcapping": None, "attn_logit_softcapping": None, "query_pre_attn_scalar": 256})
+
+
+def held_bytes(c: Capacity) -> int:
+    return c.block_size * (c.num_blocks * c.kv_bytes_per_token + c.window_blocks * c.window_bytes_per_token)
+
+
+@pytest.mark.parametrize(("max_num_seqs", "gain"), [(256, 1.15), (16, 5.0)])
+def test_the_window_pool_leaves_the_full_layers_more_tokens_in_the_same_memory(max_num_seqs, gain):
+    settings = {"kv_cache_memory": "2GiB", "max_model_len": 8192, "max_num_seqs": max_num_seqs}
+    one = Capacity.of(EngineConfig(**settings, hybrid_swa_memory=False), GEMMA3_1B, 2)
+    two = Capacity.of(EngineConfig(**settings), GEMMA3_1B, 2)
+    assert one.window_blocks == 0 and one.kv_bytes_per_token == 26 * 2 * 256 * 2
+    assert two.kv_bytes_per_token == 4 * 2 * 256 * 2 and two.window_bytes_per_token == 22 * 2 * 256 * 2
+    assert two.total_tokens >= gain * one.total_tokens
+    assert parse_size("2GiB") - 16 * two.kv_bytes_per_token < held_bytes(two) <= parse_size("2GiB")
+    # the windowed layers' pool: 0.8 tokens per full-pool token, or every sequence's window and a step's chunk
+    windows = max_num_seqs * (512 // 16 + 2) + 2048 // 16
+    share = (two.window_blocks - 1) / two.num_blocks
+    assert (0.8 <= share <= 0.81) if max_num_seqs == 256 else two.window_blocks - 1 == windows
+
+
+def test_a_tiny_full_pool_caps_the_window_pool_and_a_tiny_ratio_keeps_room_for_one_sequence():
+    tiny = Capacity.of(EngineConfig(num_kv_blocks=40, max_model_len=512), GEMMA3_1B, 2)
+    assert tiny.window_blocks - 1 == 40  # a sequence never holds more window blocks than full ones
+    lean = Capacity.of(EngineConfig(num_kv_blocks=4000, swa_full_tokens_ratio=0.01), GEMMA3_1B, 2)
+    assert lean.window_blocks - 1 == -(-(511 + 2048) // 16) + 2  # a window and a whole step's chunk
+
+
+def test_one_pool_for_models_without_mixed_windows_or_with_reserved_blocks():
+    for model in (get_preset("smollm2-135m"), get_preset("mistral-7b")):  # no window, and the same one everywhere
+        assert Capacity.of(EngineConfig(max_model_len=2048), model, 2).window_blocks == 0
+    reserved = Capacity.of(EngineConfig(max_model_len=2048, kv_allocation="reserved"), GEMMA3_1B, 2)
+    assert reserved.window_blocks == 0 and reserved.kv_bytes_per_token == 26 * 1024
+
+
+def test_the_ratio_is_checked():
+    for bad in (0, 1.5, "half", True):
+        with pytest.raises(ValueError, match="swa_full_tokens_ratio"):
+            EngineConfig(swa_full_tokens_ratio=bad)
