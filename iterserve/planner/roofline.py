@@ -97,9 +97,19 @@ def kv_bytes_per_token(cfg: ModelConfig, kv_dtype: str = "bf16") -> int:
     return cfg.kv_bytes_per_token(dtype_bytes(kv_dtype)) + scales
 
 
+def attended_keys(cfg: ModelConfig, context: int) -> int:
+    """Keys one query at ``context`` attends to, summed over the layers: a sliding-window layer sees its window."""
+    return sum(context if w is None else min(context, w) for w in cfg.layer_windows())
+
+
 def attention_flops_per_token(cfg: ModelConfig, context: int) -> int:
-    """Q.K^T and P.V for one query attending ``context`` keys in every layer: 4 L H d C."""
-    return 4 * cfg.num_layers * cfg.num_heads * cfg.head_dim * context
+    """Q.K^T and P.V for one query attending ``context`` keys in every layer (a windowed layer's window): 4 L H d C."""
+    return 4 * cfg.num_heads * cfg.head_dim * attended_keys(cfg, context)
+
+
+def kv_read_bytes(cfg: ModelConfig, context: int, kv_dtype: str = "bf16") -> int:
+    """The K/V one decoding sequence at ``context`` reads: every layer's cached tokens, a windowed layer's window."""
+    return kv_bytes_per_token(cfg, kv_dtype) * attended_keys(cfg, context) // cfg.num_layers
 
 
 @dataclass(frozen=True)
@@ -136,9 +146,9 @@ def decode_cost(
     ``quantization``'s formats: they change the bytes read, not the FLOPs)."""
     check_positive(batch, "batch size")
     check_context(cfg, context)
-    kv = kv_bytes_per_token(cfg, kv_dtype or dtype)
     flops = batch * (2 * matmul_parameters(cfg) + attention_flops_per_token(cfg, context))
-    return Cost(flops=flops, bytes=streamed_weight_bytes(cfg, dtype, quantization, batch) + batch * context * kv)
+    return Cost(flops=flops, bytes=streamed_weight_bytes(cfg, dtype, quantization, batch)
+                + batch * kv_read_bytes(cfg, context, kv_dtype or dtype))
 
 
 def prefill_cost(
@@ -153,7 +163,9 @@ def prefill_cost(
     check_positive(batch, "batch size")
     check_context(cfg, prompt_len, "prompt length")
     n = prompt_len
-    attn = 2 * cfg.num_layers * cfg.num_heads * cfg.head_dim * n * (n + 1)
+    pairs = sum(n * (n + 1) // 2 if w is None or n <= w else w * (w + 1) // 2 + (n - w) * w
+                for w in cfg.layer_windows())  # (query, key) pairs of causal attention within each layer's window
+    attn = 4 * cfg.num_heads * cfg.head_dim * pairs
     per_seq = 2 * layer_matmul_parameters(cfg) * n + 2 * cfg.vocab_size * cfg.hidden_size + attn
     kv = kv_bytes_per_token(cfg, kv_dtype or dtype)
     return Cost(flops=batch * per_seq,
@@ -217,7 +229,7 @@ def decode_knee(
     with all of them bounds the knee from above, and a bisection settles it.
     """
     ratio = hw.ops_per_byte(dtype)
-    k = context * kv_bytes_per_token(cfg, kv_dtype or dtype)
+    k = kv_read_bytes(cfg, context, kv_dtype or dtype)
     f = 2 * matmul_parameters(cfg) + attention_flops_per_token(cfg, context)
     denom = f - ratio * k
     if denom <= 0:
@@ -418,7 +430,7 @@ def build_plan(
     ratio = hw.ops_per_byte(dtype)
     knee_no_kv = max(1, math.ceil(ratio * streamed_weight_bytes(cfg, dtype, q) / (2 * matmul_parameters(cfg))))
     per_seq_flops = 2 * matmul_parameters(cfg) + attention_flops_per_token(cfg, context)
-    limit = per_seq_flops / (context * kv_bytes_per_token(cfg, kv_dtype))
+    limit = per_seq_flops / kv_read_bytes(cfg, context, kv_dtype or dtype)
 
     if batches is None:
         batches = default_batches(cfg, hw, context, dtype, kv_dtype, q)

@@ -21,7 +21,7 @@ from iterserve.planner.roofline import (
     check_context,
     check_positive,
     decode_cost,
-    kv_bytes_per_token,
+    kv_read_bytes,
     matmul_parameters,
     roofline,
     streamed_weight_bytes,
@@ -44,8 +44,8 @@ def verify_cost(cfg: ModelConfig, batch: int, context: int, num_speculative_toke
     check_context(cfg, context)
     queries = batch * (1 + num_speculative_tokens)
     flops = queries * (2 * matmul_parameters(cfg) + attention_flops_per_token(cfg, context))
-    kv = kv_bytes_per_token(cfg, kv_dtype or dtype)
-    return Cost(flops=flops, bytes=streamed_weight_bytes(cfg, dtype, quantization, queries) + batch * context * kv)
+    return Cost(flops=flops, bytes=streamed_weight_bytes(cfg, dtype, quantization, queries)
+                + batch * kv_read_bytes(cfg, context, kv_dtype or dtype))
 
 
 @dataclass(frozen=True)
