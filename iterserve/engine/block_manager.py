@@ -97,7 +97,9 @@ class BlockManager:
 
     @property
     def usage(self) -> float:
-        return self.num_used_blocks / self.num_blocks
+        """The fraction of the pool held; with a window pool, of the fuller of the two (the one that binds)."""
+        full = self.num_used_blocks / self.num_blocks
+        return full if self.window is None else max(full, self.window.usage)
 
     def blocks_needed(self, num_tokens: int) -> int:
         return -(-num_tokens // self.block_size)

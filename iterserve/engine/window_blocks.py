@@ -49,6 +49,10 @@ class WindowBlocks:
     def num_free_blocks(self) -> int:
         return len(self.free_queue)
 
+    @property
+    def usage(self) -> float:
+        return 1 - len(self.free_queue) / (self.num_blocks - 1)
+
     def first_seen(self, num_computed: int) -> int:
         """The first logical block a query at position ``num_computed`` (or later) sees."""
         return max(0, num_computed - self.window + 1) // self.block_size

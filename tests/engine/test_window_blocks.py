@@ -62,6 +62,7 @@ def test_an_allocation_the_window_pool_cannot_hold_changes_neither_pool():
     bm = pools(window_blocks=4)  # three usable blocks
     a = seq(12, "a")
     compute(bm, a, 12)
+    assert bm.usage == 1.0  # the window pool is full: it binds, though the full pool holds 3 of 32 blocks
     b = seq(8, "b")
     full_free = bm.num_free_blocks
     assert not bm.allocate(b, 8)
