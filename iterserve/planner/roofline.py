@@ -279,7 +279,10 @@ def kv_capacity(
     """KV memory left after the weights, in tokens and in sequences of ``context`` tokens.
 
     Memory is handed out in blocks of ``block_size`` tokens, so a sequence holds
-    ``ceil(context / block_size)`` blocks. Activation workspace is not subtracted.
+    ``ceil(context / block_size)`` blocks, but only its window's in a sliding-window layer that shares the
+    memory with full ones (vLLM's hybrid allocator, iterserve's hybrid SWA memory): ``kv_tokens`` counts
+    tokens held in every layer, ``max_seqs`` the sequences those window savings let in. Activation workspace
+    is not subtracted.
     """
     if not 0 < gpu_memory_utilization <= 1:
         raise ValueError(f"gpu memory utilization must be in (0, 1], got {gpu_memory_utilization!r}")
@@ -299,6 +302,8 @@ def kv_capacity(
     budget = usable - weights
     blocks = budget // (kv * block_size)
     per_seq_blocks = -(-context // block_size)
+    windows = cfg.layer_windows() if cfg.mixes_windows else [None] * cfg.num_layers
+    layer_blocks = sum(per_seq_blocks if w is None else min(per_seq_blocks, -(-w // block_size) + 1) for w in windows)
     return MemoryPlan(
         memory_bytes=hw.memory_bytes,
         usable_bytes=usable,
@@ -309,7 +314,7 @@ def kv_capacity(
         kv_blocks=blocks,
         kv_tokens=blocks * block_size,
         context=context,
-        max_seqs=blocks // per_seq_blocks,
+        max_seqs=blocks * cfg.num_layers // layer_blocks,
     )
 
 

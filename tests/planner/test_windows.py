@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 from iterserve.config import get_preset
+from iterserve.planner.hardware import get_accelerator
 from iterserve.planner.roofline import (
     attended_keys,
     attention_flops_per_token,
     decode_cost,
     kv_bytes_per_token,
+    kv_capacity,
     prefill_cost,
 )
 from tests.engine.test_capacity import GEMMA3_1B
@@ -35,3 +37,10 @@ def test_prefill_pairs_stop_growing_quadratically_past_the_window():
     pairs = w * (w + 1) // 2 + (n - w) * w
     flops = prefill_cost(mistral, n).flops - prefill_cost(mistral.replace(sliding_window=None), n).flops
     assert flops == 4 * mistral.num_layers * mistral.num_heads * mistral.head_dim * (pairs - n * (n + 1) // 2)
+
+
+def test_gemma3_sequences_hold_a_window_of_blocks_in_its_local_layers():
+    plan = kv_capacity(GEMMA3_1B, get_accelerator("L4"), 8192)
+    blocks_per_layer = 4 * 512 + 22 * (512 // 16 + 1)  # 512 blocks in a global layer, the window's 33 in a local one
+    assert plan.max_seqs == plan.kv_blocks * 26 // blocks_per_layer > 4 * plan.kv_tokens // 8192
+    assert kv_capacity(GEMMA3_1B, get_accelerator("L4"), 512).max_seqs == plan.kv_tokens // 512  # within the window
