@@ -8,7 +8,9 @@
 // prompt chunk takes the Python path (SDPA's).
 // A step's LoRA adapters come as each linear layer's packed weights per adapter (LoRABatch.native, flattened by
 // CpuBackend.decode_layers) and are added by the kernel LoRABatch.add calls (lora_add_, lora.cpp), so a row gets the same
-// values on either path. The stack is a torch custom class (torch.classes.iterserve.DecoderStack).
+// values on either path. Gemma 3's layers (iterserve/models/gemma3.py) run here too, in their own order: four norms a
+// layer in float32 with (1 + w) weights, q/k norms, GELU-tanh, and each local layer its window, its RoPE and, with
+// hybrid SWA memory, its own pool's tables. The stack is a torch custom class (torch.classes.iterserve.DecoderStack).
 
 #include "ops.h"
 
@@ -115,20 +117,39 @@ struct Layer {
   at::Tensor input_norm, post_norm;
   c10::optional<at::Tensor> q_norm, k_norm;
   std::vector<Linear> linears;  // qkv, o, gate_up, down
+  c10::optional<at::Tensor> pre_ffn_norm, post_ffn_norm;  // Gemma 3's norms around the MLP
+  int64_t window;  // Gemma 3: this layer's sliding window (0: global)
+};
+
+// Gemma 3's RMSNorm with its (1 + w) weight given in float32, by the ops and in the order GemmaRMSNorm.normed uses.
+at::Tensor gemma_norm(const at::Tensor& x, const at::Tensor& w1, double eps) {
+  at::Tensor x32 = x.to(at::kFloat);
+  x32 = x32 * at::rsqrt(x32.pow(2).mean(-1, true) + eps);
+  return (x32 * w1).to(x.scalar_type());
+}
+
+// Where a decode step's new K/V go and what it attends: the slots, the tables and the context lengths.
+struct Paging {
+  const at::Tensor &slot_blocks, &slot_offsets, &block_tables, &context_lens;
 };
 
 // A torch custom class (torch.classes.iterserve.DecoderStack), built once per model: add_layer, then that
 // layer's four linear layers with add_linear, layer after layer; forward runs a decode step.
 class DecoderStack : public torch::CustomClassHolder {
  public:
-  DecoderStack(int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, double eps, double scale)
-      : heads_(num_heads), kv_heads_(num_kv_heads), dim_(head_dim), eps_(eps), scale_(scale) {}
+  DecoderStack(int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, double eps, double scale, bool gemma)
+      : heads_(num_heads), kv_heads_(num_kv_heads), dim_(head_dim), eps_(eps), scale_(scale), gemma_(gemma) {}
 
+  // A layer's norms (Gemma 3: all four and the q/k norms, as float32 (1 + w)) and its sliding window (Gemma 3).
   void add_layer(const at::Tensor& input_norm, const at::Tensor& post_norm, const c10::optional<at::Tensor>& q_norm,
-                 const c10::optional<at::Tensor>& k_norm) {
+                 const c10::optional<at::Tensor>& k_norm, const c10::optional<at::Tensor>& pre_ffn_norm,
+                 const c10::optional<at::Tensor>& post_ffn_norm, int64_t window) {
     TORCH_CHECK(q_norm.has_value() == k_norm.has_value(), "QK-norm needs both weights");
+    TORCH_CHECK(!gemma_ || (q_norm.has_value() && pre_ffn_norm.has_value() && post_ffn_norm.has_value()),
+                "a Gemma 3 layer needs its q/k norms and its norms around the MLP");
     TORCH_CHECK(layers_.empty() || layers_.back().linears.size() == 4, "the last layer lacks its linear layers");
-    layers_.push_back(Layer{input_norm.contiguous(), post_norm.contiguous(), q_norm, k_norm, {}});
+    layers_.push_back(Layer{input_norm.contiguous(), post_norm.contiguous(), q_norm, k_norm, {}, pre_ffn_norm,
+                            post_ffn_norm, window});
   }
 
   // The last added layer's next linear layer (qkv, o, gate_up, down in turn); see make_linear.
@@ -139,8 +160,10 @@ class DecoderStack : public torch::CustomClassHolder {
   }
 
   // x [tokens, hidden], every token a decode (one query over its sequence's cached context) -> the last
-  // layer's output and the residual stream before it, as iterserve.models.llama.DecoderLayer returns them.
-  // The LoRA weights come flat, with two counts per linear layer (lora_rows).
+  // layer's output and the residual stream before it, as iterserve.models.llama.DecoderLayer returns them
+  // (Gemma 3, whose layers add their own residuals: the output twice). The LoRA weights come flat, with two counts per linear layer
+  // (lora_rows). Gemma 3's local layers take the local RoPE and their window's paging (`local`: cos, sin, slot
+  // blocks, slot offsets, block tables, context lengths).
   std::tuple<at::Tensor, at::Tensor> forward(at::Tensor x, const at::Tensor& cos, const at::Tensor& sin,
                                              const std::vector<at::Tensor>& k_caches,
                                              const std::vector<at::Tensor>& v_caches, const at::Tensor& slot_blocks,
@@ -150,14 +173,27 @@ class DecoderStack : public torch::CustomClassHolder {
                                              const std::vector<at::Tensor>& v_scales, const OptionalTensors& lora_a,
                                              const std::vector<at::Tensor>& lora_b, const std::vector<int64_t>& lora_parts,
                                              const std::vector<int64_t>& lora_counts,
-                                             const c10::optional<at::Tensor>& lora_slots) const {
+                                             const c10::optional<at::Tensor>& lora_slots,
+                                             const std::vector<at::Tensor>& local) const {
     TORCH_CHECK(k_caches.size() == layers_.size() && v_caches.size() == layers_.size(),
                 "one K and one V cache per layer expected");
     TORCH_CHECK(layers_.empty() || layers_.back().linears.size() == 4, "the last layer lacks its linear layers");
     TORCH_CHECK(lora_counts.empty() || lora_counts.size() == 8 * layers_.size(),
                 "LoRA weights for 4 linear layers per decoder layer expected");
-    const LoRARows lora = lora_rows(lora_a, lora_b, lora_parts, lora_counts, lora_slots);
+    TORCH_CHECK(!gemma_ || local.size() == 6, "Gemma 3's local layers need their RoPE and paging (6 tensors)");
     TORCH_CHECK(block_tables.size(0) == x.size(0), "every token of a decode-only step is a decode");
+    const Paging global{slot_blocks, slot_offsets, block_tables, context_lens};
+    const Caches caches{k_caches, v_caches, k_scales, v_scales};
+    if (gemma_) {
+      const Paging windowed{local[2], local[3], local[4], local[5]};
+      for (size_t l = 0; l < layers_.size(); ++l) {
+        const bool is_local = layers_[l].window > 0;
+        x = gemma_layer(l, x, is_local ? local[0] : cos, is_local ? local[1] : sin, is_local ? windowed : global,
+                        caches);
+      }
+      return {x, x};
+    }
+    const LoRARows lora = lora_rows(lora_a, lora_b, lora_parts, lora_counts, lora_slots);
     const int64_t n = x.size(0), q_size = heads_ * dim_, kv_size = kv_heads_ * dim_;
     at::Tensor residual;
     for (size_t l = 0; l < layers_.size(); ++l) {
@@ -179,18 +215,7 @@ class DecoderStack : public torch::CustomClassHolder {
         k = rms_norm(k, *L.k_norm, eps_);
       }
       rope_(q, k, cos, sin);
-      at::Tensor attn = at::empty({n, heads_, dim_}, q.options());
-      if (is_quantized(k_caches[l])) {  // kv_cache_dtype fp8 / int8 (kv_quant_decode.cpp); int8 caches come with scales
-        const auto ks = k_scales.empty() ? c10::optional<at::Tensor>() : k_scales[l];
-        const auto vs = v_scales.empty() ? c10::optional<at::Tensor>() : v_scales[l];
-        write_kv_quant(k, v, k_caches[l], v_caches[l], ks, vs, slot_blocks, slot_offsets);
-        paged_decode_quant(attn, q, k_caches[l], v_caches[l], ks, vs, block_tables, context_lens, scale_,
-                           sliding_window, 0);
-      } else {
-        write_kv(k, v, k_caches[l], v_caches[l], slot_blocks, slot_offsets);
-        paged_decode(attn, q, k_caches[l], v_caches[l], block_tables, context_lens, scale_, sliding_window);
-      }
-      const at::Tensor attn_out = attn.view({n, q_size});
+      const at::Tensor attn_out = attend(l, q, k, v, global, sliding_window, caches).view({n, q_size});
       x = lora.add(L.linears[1](attn_out), attn_out, 4 * l + 1);
       fused_add_rms_norm(x, residual, L.post_norm, eps_);
       const at::Tensor act = silu_and_mul(lora.add(L.linears[2](x), x, 4 * l + 2));
@@ -200,8 +225,48 @@ class DecoderStack : public torch::CustomClassHolder {
   }
 
  private:
+  struct Caches {
+    const std::vector<at::Tensor>&k, &v, &k_scales, &v_scales;
+  };
+
+  // Write layer l's new K/V and attend with the paged decode kernel of its cache's kind (kv_quant_decode.cpp for
+  // fp8 / int8, whose int8 caches come with scales).
+  at::Tensor attend(size_t l, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const Paging& p,
+                    int64_t window, const Caches& c) const {
+    at::Tensor attn = at::empty({q.size(0), heads_, dim_}, q.options());
+    if (is_quantized(c.k[l])) {
+      const auto ks = c.k_scales.empty() ? c10::optional<at::Tensor>() : c.k_scales[l];
+      const auto vs = c.v_scales.empty() ? c10::optional<at::Tensor>() : c.v_scales[l];
+      write_kv_quant(k, v, c.k[l], c.v[l], ks, vs, p.slot_blocks, p.slot_offsets);
+      paged_decode_quant(attn, q, c.k[l], c.v[l], ks, vs, p.block_tables, p.context_lens, scale_, window, 0);
+    } else {
+      write_kv(k, v, c.k[l], c.v[l], p.slot_blocks, p.slot_offsets);
+      paged_decode(attn, q, c.k[l], c.v[l], p.block_tables, p.context_lens, scale_, window);
+    }
+    return attn;
+  }
+
+  // Gemma 3's layer l as Gemma3DecoderLayer.forward runs it (no LoRA: Gemma 3 takes none).
+  at::Tensor gemma_layer(size_t l, const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin, const Paging& p,
+                         const Caches& c) const {
+    const Layer& L = layers_[l];
+    const int64_t n = x.size(0), q_size = heads_ * dim_, kv_size = kv_heads_ * dim_;
+    const at::Tensor qkv = L.linears[0](gemma_norm(x, L.input_norm, eps_));
+    at::Tensor q = gemma_norm(qkv.narrow(1, 0, q_size).view({n, heads_, dim_}), *L.q_norm, eps_);
+    at::Tensor k = gemma_norm(qkv.narrow(1, q_size, kv_size).view({n, kv_heads_, dim_}), *L.k_norm, eps_);
+    const at::Tensor v = qkv.narrow(1, q_size + kv_size, kv_size).view({n, kv_heads_, dim_});
+    rope_(q, k, cos, sin);
+    const at::Tensor attn_out = attend(l, q, k, v, p, L.window, c).view({n, q_size});
+    const at::Tensor h = x + gemma_norm(L.linears[1](attn_out), L.post_norm, eps_);
+    const at::Tensor gate_up = L.linears[2](gemma_norm(h, *L.pre_ffn_norm, eps_));
+    const int64_t width = gate_up.size(1) / 2;
+    const at::Tensor act = at::gelu(gate_up.narrow(1, 0, width), "tanh") * gate_up.narrow(1, width, width);
+    return h + gemma_norm(L.linears[3](act), *L.post_ffn_norm, eps_);
+  }
+
   int64_t heads_, kv_heads_, dim_;
   double eps_, scale_;
+  bool gemma_;
   std::vector<Layer> layers_;
 };
 
@@ -209,7 +274,7 @@ class DecoderStack : public torch::CustomClassHolder {
 
 TORCH_LIBRARY_FRAGMENT(iterserve, m) {
   m.class_<DecoderStack>("DecoderStack")
-      .def(torch::init<int64_t, int64_t, int64_t, double, double>())
+      .def(torch::init<int64_t, int64_t, int64_t, double, double, bool>())
       .def("add_layer", &DecoderStack::add_layer)
       .def("add_linear", &DecoderStack::add_linear)
       .def("forward", &DecoderStack::forward);

@@ -7,7 +7,7 @@ and layers that alternate between local ones (a sliding window, RoPE base ``rope
 ones (the whole context, RoPE base ``rope_theta`` with its scaling). Each layer hands the attention backend its
 own window (:meth:`AttentionMetadata.with_window`); with hybrid SWA memory the local layers keep their K/V in a
 pool of their own that lets go of what falls out of the window (:mod:`iterserve.engine.window_blocks`).
-The layers run in Python (no native decode loop: ``csrc/decoder.cpp`` has Llama's layer order).
+A step of decodes runs the layers in one C++ call (``csrc/decoder.cpp``'s Gemma 3 order), other steps in Python.
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ from iterserve.config import ModelConfig
 from iterserve.distributed.parallel_state import ParallelState
 from iterserve.models.linear import LinearDelta
 from iterserve.models.llama import MLP, Attention, LlamaModel, RMSNorm, rope_inv_freq
-from iterserve.models.native_decoder import NativeDecoder, NativeStack
+from iterserve.models.native_decoder import NativeDecoder, NativeLayer, NativeStack
 
 
 class GemmaRMSNorm(RMSNorm):
@@ -137,7 +137,25 @@ class Gemma3Model(LlamaModel):
     supports_lora = False  # its layers take no LoRA rows (adapters are refused when they load)
 
     def native_stack(self) -> NativeStack | None:
-        return None  # csrc/decoder.cpp runs Llama's layer order only
+        """The layers as ``csrc/decoder.cpp`` runs them in Gemma 3's order; None where a linear layer has no C++
+        kernel or the model is sharded (its all-reduces are Python's)."""
+        if self.parallel.world_size > 1:
+            return None
+        described = []
+        for layer in typing.cast(list[Gemma3DecoderLayer], self.layers):
+            attn, mlp = layer.self_attn, layer.mlp
+            qkv, o, gate_up, down = (p.method.native(p) for p in (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj,
+                                                                   mlp.down_proj))
+            if qkv is None or o is None or gate_up is None or down is None:
+                return None
+            w1 = [1.0 + typing.cast(GemmaRMSNorm, n).weight.float() for n in (  # as GemmaRMSNorm.normed weighs
+                layer.input_layernorm, layer.post_attention_layernorm, attn.q_norm, attn.k_norm,
+                layer.pre_feedforward_layernorm, layer.post_feedforward_layernorm)]
+            described.append(NativeLayer(w1[0], w1[1], w1[2], w1[3], qkv, o, gate_up, down, w1[4], w1[5],
+                                         attn.window or 0))
+        c = self.config
+        return NativeStack(c.num_heads, c.num_kv_heads, c.head_dim, c.rms_norm_eps,
+                           float(c.extra["query_pre_attn_scalar"]) ** -0.5, described, gemma=True)
 
     @torch.inference_mode()
     def forward(
@@ -149,15 +167,20 @@ class Gemma3Model(LlamaModel):
         backend: AttentionBackend,
         logits_indices: torch.Tensor | None = None,  # rows whose next token is sampled
         lora: LinearDelta | None = None,  # never given: supports_lora is False
-        decoder: NativeDecoder | None = None,  # unused: no native loop runs Gemma 3's layers
+        decoder: NativeDecoder | None = None,  # runs a step of decodes in one C++ call
     ) -> torch.Tensor:
         """Float32 logits ``[len(logits_indices), vocab]`` (all rows when None), as :meth:`LlamaModel.forward`."""
         x = self.embed_tokens(input_ids)
         x = x * torch.tensor(self.config.hidden_size**0.5, dtype=x.dtype)  # the scale rounded to the dtype first
         (cos_full, sin_full), (cos_local, sin_local) = self.rotary(positions, x.dtype)
-        for layer, cache in zip(typing.cast(list[Gemma3DecoderLayer], self.layers), kv_caches):
+        local = (cos_local, sin_local, meta.with_window(self.config.sliding_window))
+        out = (decoder(self, x, cos_full, sin_full, kv_caches, meta.with_window(None), local=local)
+               if decoder is not None else None)  # a step of decodes in one C++ call
+        for layer, cache in zip(typing.cast(list[Gemma3DecoderLayer], self.layers) if out is None else [], kv_caches):
             cos, sin = (cos_local, sin_local) if layer.sliding else (cos_full, sin_full)
             x = layer(x, cos, sin, cache, meta, backend)
+        if out is not None:
+            x = out[0]
         if logits_indices is not None:
             x = x[logits_indices]
         logits = self.lm_head(typing.cast(GemmaRMSNorm, self.norm).normed(x))

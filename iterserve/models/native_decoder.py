@@ -52,16 +52,20 @@ class NativeLinear:
 
 @dataclass(frozen=True)
 class NativeLayer:
-    """One Llama-order decoder layer: its norms' weights and its four linear layers."""
+    """One decoder layer: its norms' weights and its four linear layers (Gemma 3's: its norms as float32 (1 + w),
+    two more around the MLP, and its sliding window)."""
 
     input_norm: torch.Tensor
     post_attention_norm: torch.Tensor
-    q_norm: torch.Tensor | None  # QK-norm (Qwen3): both or neither
+    q_norm: torch.Tensor | None  # QK-norm (Qwen3, Gemma 3): both or neither
     k_norm: torch.Tensor | None
     qkv: NativeLinear
     o: NativeLinear
     gate_up: NativeLinear
     down: NativeLinear
+    pre_feedforward_norm: torch.Tensor | None = None
+    post_feedforward_norm: torch.Tensor | None = None
+    window: int = 0  # Gemma 3: a local layer's window (its RoPE and paging are the step's local ones); 0: global
 
 
 @dataclass(frozen=True)
@@ -74,6 +78,7 @@ class NativeStack:
     eps: float
     scale: float
     layers: list[NativeLayer]
+    gemma: bool = False  # Gemma 3's layer order (iterserve/models/gemma3.py); Llama's otherwise
 
 
 class NativeModel(Protocol):
@@ -96,9 +101,10 @@ def build_stack(ops: CpuOps, spec: NativeStack) -> Any:
             params = [{LinearKind.COLUMN_BLOCKED: lin.amx_min_rows, LinearKind.QUANTIZED: lin.bits}.get(lin.kind, 0)]
         stack.add_linear(lin.kind.value, lin.weights, lin.out_features, params, lin.bias)
 
-    stack = ops.decoder_stack(spec.num_heads, spec.num_kv_heads, spec.head_dim, spec.eps, spec.scale)
+    stack = ops.decoder_stack(spec.num_heads, spec.num_kv_heads, spec.head_dim, spec.eps, spec.scale, spec.gemma)
     for layer in spec.layers:
-        stack.add_layer(layer.input_norm, layer.post_attention_norm, layer.q_norm, layer.k_norm)
+        stack.add_layer(layer.input_norm, layer.post_attention_norm, layer.q_norm, layer.k_norm,
+                        layer.pre_feedforward_norm, layer.post_feedforward_norm, layer.window)
         for lin in (layer.qkv, layer.o, layer.gate_up, layer.down):
             add_linear(lin)
     return stack
@@ -119,10 +125,12 @@ class NativeDecoder:
         return cls(ops) if ops is not None and torch.device(device).type == "cpu" else None
 
     def __call__(self, model: NativeModel, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                 kv_caches: list[KVCache], meta: AttentionMetadata,
-                 lora: NativeLoRA | None = None) -> tuple[torch.Tensor, torch.Tensor] | None:
+                 kv_caches: list[KVCache], meta: AttentionMetadata, lora: NativeLoRA | None = None,
+                 local: tuple[torch.Tensor, torch.Tensor, AttentionMetadata] | None = None,
+                 ) -> tuple[torch.Tensor, torch.Tensor] | None:
         """All of ``model``'s decoder layers: ``(output, residual)`` as the last layer returns them; None where
-        the step has a prompt token or the model no descriptor (the layers then run one by one)."""
+        the step has a prompt token or the model no descriptor (the layers then run one by one). ``local``: Gemma
+        3's local layers' cos, sin and metadata (their window, and their own pool's tables where they have one)."""
         if not meta.num_decode_tokens or meta.num_decode_tokens != x.shape[0]:
             return None
         if model not in self._stacks:
@@ -135,10 +143,15 @@ class NativeDecoder:
         lora_a, lora_b, lora_parts, lora_slots = lora or ([], [], [], None)
         # the class's schema takes no list of lists: every linear layer's entries in a row, with two counts a layer
         counts = [n for a, b in zip(lora_a, lora_b, strict=True) for n in (len(a), len(b))]
+        paged: list[torch.Tensor] = []
+        if local is not None:
+            local_cos, local_sin, local_meta = local
+            paged = [local_cos[:, 0], local_sin[:, 0], local_meta.slot_blocks, local_meta.slot_offsets,
+                     *local_meta.decode_tables()]
         out: tuple[torch.Tensor, torch.Tensor] = stack.forward(
             x, cos[:, 0], sin[:, 0], [c.k for c in kv_caches], [c.v for c in kv_caches], meta.slot_blocks,
             meta.slot_offsets, tables, context_lens, meta.sliding_window or 0,
             [c.k_scale for c in kv_caches if c.k_scale is not None],
             [c.v_scale for c in kv_caches if c.v_scale is not None], [t for per in lora_a for t in per],
-            [t for per in lora_b for t in per], [n for per in lora_parts for n in per], counts, lora_slots)
+            [t for per in lora_b for t in per], [n for per in lora_parts for n in per], counts, lora_slots, paged)
         return out

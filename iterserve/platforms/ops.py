@@ -146,10 +146,11 @@ class CpuOps(ReferenceOps):
         out: torch.Tensor = self.extension.krows(raw, type_id, rows, k, dtype, part_rows)
         return out
 
-    def decoder_stack(self, num_heads: int, num_kv_heads: int, head_dim: int, eps: float, scale: float) -> Any:
-        """An empty ``csrc/decoder.cpp`` ``DecoderStack`` (:func:`iterserve.models.native_decoder.build_stack`
-        adds the layers)."""
-        return self.extension.DecoderStack(num_heads, num_kv_heads, head_dim, eps, scale)
+    def decoder_stack(self, num_heads: int, num_kv_heads: int, head_dim: int, eps: float, scale: float,
+                      gemma: bool = False) -> Any:
+        """An empty ``csrc/decoder.cpp`` ``DecoderStack`` in Llama's or Gemma 3's layer order
+        (:func:`iterserve.models.native_decoder.build_stack` adds the layers)."""
+        return self.extension.DecoderStack(num_heads, num_kv_heads, head_dim, eps, scale, gemma)
 
 
 def _rotate_half(x: torch.Tensor) -> torch.Tensor:

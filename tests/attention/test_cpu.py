@@ -38,6 +38,11 @@ CONFIGS = {
     "mistral-sliding-window": tiny(architecture="mistral", sliding_window=6),
     "qwen2-qkv-bias": tiny(architecture="qwen2", attention_bias=True, tie_word_embeddings=True),
     "qwen3-qk-norm": tiny(architecture="qwen3", qk_norm=True, head_dim=32),
+    # Gemma 3's layer order, norms and GELU; a local layer (its window, its RoPE) between two global ones
+    "gemma3-local-global": tiny(architecture="gemma3", qk_norm=True, sliding_window=6, tie_word_embeddings=True,
+                                extra={"layer_types": ["full_attention", "sliding_attention", "full_attention"],
+                                       "query_pre_attn_scalar": 20.0, "rope_local_base_freq": 500.0,
+                                       "final_logit_softcapping": None}),
 }
 
 
@@ -73,10 +78,11 @@ def gguf_blocks(model: LlamaModel) -> None:
                 for j, (t, rows) in enumerate(parts)}
 
 
-def decode_step(model: LlamaModel, decoder: NativeDecoder | None, seed: int = 1):
+def decode_step(model: LlamaModel, decoder: NativeDecoder | None, seed: int = 1, window_pool: bool = False):
     """One step of three decodes (contexts 9, 1 and 20 over blocks out of order) and a sequence verifying 3
     speculated tokens, with ``decoder`` (None: the layers one by one): its logits and every layer's K and V cache
-    after it."""
+    after it. ``window_pool``: the windowed layers read tables of their own (hybrid SWA memory), the blocks a
+    window behind each sequence's first query at the null block 0."""
     cfg = model.config
     g = torch.Generator().manual_seed(seed)
     caches = model.allocate_kv_cache(24, 4)
@@ -85,8 +91,11 @@ def decode_step(model: LlamaModel, decoder: NativeDecoder | None, seed: int = 1)
         c.v.normal_(generator=g)
     tables = [[7, 3, 11], [5], [0, 9, 2, 14, 8, 1], [4, 6, 10, 12]]
     cached, qlens = [8, 1, 19, 10], [1, 1, 1, 3]
+    window_tables = [[0 if (i + 1) * 4 <= c - cfg.sliding_window + 1 else 23 - b for i, b in enumerate(t)]
+                     for t, c in zip(tables, cached)] if window_pool else None
     meta = AttentionMetadata.build(block_size=4, block_tables=tables, num_cached=cached, query_lens=qlens,
-                                   sliding_window=cfg.sliding_window, max_decode_query=3)
+                                   sliding_window=None if window_pool else cfg.sliding_window, max_decode_query=3,
+                                   window_tables=window_tables)
     assert meta.num_decode_tokens == 6 and not meta.prefills
     ids = torch.randint(0, cfg.vocab_size, (6,), generator=g)
     positions = torch.tensor([8, 1, 19, 10, 11, 12])
@@ -104,6 +113,15 @@ def test_native_decode_loop_equals_the_layers_one_by_one(family, method, dtype):
     logits, kv = decode_step(model, native)
     assert native._stacks[model] is not None, "the native loop ran"
     want_logits, want_kv = decode_step(model, None)
+    assert torch.equal(logits, want_logits)
+    assert all(torch.equal(a, b) for a, b in zip(kv, want_kv, strict=True))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_gemma3_native_loop_over_a_window_pool_equals_the_layers_one_by_one(dtype):
+    model = model_with(CONFIGS["gemma3-local-global"], "packed", dtype)
+    logits, kv = decode_step(model, NativeDecoder(OPS), window_pool=True)
+    want_logits, want_kv = decode_step(model, None, window_pool=True)
     assert torch.equal(logits, want_logits)
     assert all(torch.equal(a, b) for a, b in zip(kv, want_kv, strict=True))
 

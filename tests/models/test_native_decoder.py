@@ -61,12 +61,13 @@ def test_build_stack_gives_each_kind_its_weight_and_param():
     gguf = NativeLinear(LinearKind.GGUF, w[:2], 6, None, type_ids=[12, 14], part_rows=[4, 2])
     norms = [torch.full((2,), float(i)) for i in range(4)]
     layers = [NativeLayer(norms[0], norms[1], None, None, dense, blocked, quantized, gguf),
-              NativeLayer(norms[2], norms[3], norms[0], norms[1], gguf, dense, dense, dense)]
+              NativeLayer(norms[2], norms[3], norms[0], norms[1], gguf, dense, dense, dense, norms[1], norms[2], 6)]
     ops = Recorder()
     assert build_stack(ops, NativeStack(4, 2, 8, 1e-6, 0.125, layers)) is ops  # type: ignore[arg-type]
-    assert ops.made == (4, 2, 8, 1e-6, 0.125)
+    assert ops.made == (4, 2, 8, 1e-6, 0.125, False)
     first, second = ops.layers
-    assert first == (norms[0], norms[1], None, None) and second == (norms[2], norms[3], norms[0], norms[1])
+    assert first == (norms[0], norms[1], None, None, None, None, 0)
+    assert second == (norms[2], norms[3], norms[0], norms[1], norms[1], norms[2], 6)  # Gemma 3's MLP norms, window
     assert len(ops.linears) == 8  # four a layer, each its kind, weights, out_features, params and bias
     assert ops.linears[0] == (0, [w[0]], 4, [0], None)
     assert ops.linears[1] == (1, [w[1]], 4, [16], bias)
