@@ -334,13 +334,13 @@ def test_every_op_is_one_registered_torch_op():
 @needs_build
 def test_decoder_stack_rejects_a_malformed_layer():
     """DecoderStack takes a layer's norms, then its four linear layers; anything else is a clear error."""
-    stack = OPS.DecoderStack(2, 1, 4, 1e-5, 0.5)
+    stack = OPS.DecoderStack(2, 1, 4, 1e-5, 0.5, False)
     w, norm = torch.ones(16, 8), torch.ones(8)
     with pytest.raises(RuntimeError, match="add_linear needs a layer with room"):
         stack.add_linear(0, [w], 16, [0], None)
     with pytest.raises(RuntimeError, match="QK-norm needs both weights"):
-        stack.add_layer(norm, norm, torch.ones(4), None)
-    stack.add_layer(norm, norm, None, None)
+        stack.add_layer(norm, norm, torch.ones(4), None, None, None, 0)
+    stack.add_layer(norm, norm, None, None, None, None, 0)
     with pytest.raises(RuntimeError, match="unknown linear kind 7"):
         stack.add_linear(7, [w], 16, [0], None)
     with pytest.raises(RuntimeError, match="one weight and one param"):
@@ -348,4 +348,7 @@ def test_decoder_stack_rejects_a_malformed_layer():
     with pytest.raises(RuntimeError, match="a type id and a row count per part"):
         stack.add_linear(3, [w], 16, [12], None)
     with pytest.raises(RuntimeError, match="the last layer lacks its linear layers"):
-        stack.add_layer(norm, norm, None, None)
+        stack.add_layer(norm, norm, None, None, None, None, 0)
+    gemma = OPS.DecoderStack(2, 1, 4, 1e-5, 0.5, True)
+    with pytest.raises(RuntimeError, match="a Gemma 3 layer needs its q/k norms and its norms around the MLP"):
+        gemma.add_layer(norm, norm, torch.ones(4), torch.ones(4), norm, None, 6)
