@@ -239,13 +239,10 @@ class BlockManager:
         if need + (shared is not None) > len(self.free_queue) - reusable_free:
             return False
         if self.window is not None:
-            window, writes = self.window, bool(num_new_tokens)
-            window.release_behind(seq)
-            window_hits = window.hit_blocks([b.hash for b in hits if b.hash is not None], [b.token_ids for b in hits])
-            hit_tokens = len(hits) * self.block_size
-            if window.needed(seq, target, writes, window_hits, hit_tokens) > window.num_free_blocks:
+            self.window.release_behind(seq)
+            window_hits = self.window.hit_blocks([b.hash for b in hits if b.hash is not None]) if hits else []
+            if not self.window.allocate(seq, target, bool(num_new_tokens), window_hits, len(hits) * self.block_size):
                 return False
-            window.take(seq, target, writes, window_hits, hit_tokens)
         if shared is not None:  # copy-on-write: the next token lands in a block a sibling also holds
             i = computed // self.block_size
             copy = self._take_free_block()

@@ -62,18 +62,18 @@ class WindowBlocks:
     def longest_hit(self, hashes: list[int], chunks: list[tuple[int, ...]]) -> int:
         """How many of a prefix's full-pool hits (their chain hashes and tokens) this pool can serve: the most
         ``n`` whose last window of blocks, from :meth:`first_seen` of ``n`` blocks' tokens on, is cached here."""
-        here = [self._find(h, chunk) is not None for h, chunk in zip(hashes, chunks)]
+        here = [self._holds(h, chunk) for h, chunk in zip(hashes, chunks)]
         for n in range(len(hashes), 0, -1):
             if all(here[self.first_seen(n * self.block_size):n]):
                 return n
         return 0
 
-    def _find(self, h: int, chunk: tuple[int, ...]) -> int | None:
+    def _holds(self, h: int, chunk: tuple[int, ...]) -> bool:
         block = self.cached.get(h)
-        return block if block is not None and self.tokens[block] == chunk else None
+        return block is not None and self.tokens[block] == chunk
 
-    def hit_blocks(self, hashes: list[int], chunks: list[tuple[int, ...]]) -> list[int]:
-        """The cached blocks a hit of ``len(hashes)`` blocks takes (see :meth:`longest_hit`)."""
+    def hit_blocks(self, hashes: list[int]) -> list[int]:
+        """The cached blocks a hit of ``len(hashes)`` blocks takes (checked by :meth:`longest_hit`)."""
         first = self.first_seen(len(hashes) * self.block_size)
         return [self.cached[h] for h in hashes[first:]]
 
@@ -106,17 +106,15 @@ class WindowBlocks:
             table[i] = NULL_BLOCK
         seq.window_start = max(seq.window_start, first)
 
-    def needed(self, seq: Sequence, target_tokens: int, writes: bool, hits: list[int], hit_tokens: int) -> int:
-        """Free blocks :meth:`take` needs to cover ``target_tokens`` (after :meth:`release_behind`); ``hits``
-        (from :meth:`hit_blocks`, for a sequence holding none yet) cover its first ``hit_tokens``, and those
-        nobody holds count as taken from the free queue."""
+    def allocate(self, seq: Sequence, target_tokens: int, writes: bool, hits: list[int], hit_tokens: int) -> bool:
+        """Cover ``target_tokens`` of ``seq`` (after :meth:`release_behind`), its first ``hit_tokens`` from the
+        cached ``hits`` (:meth:`hit_blocks`, for a sequence holding none yet), and make the block its next token
+        goes into its own where it ``writes``; False, changing nothing, when the pool cannot."""
         covered = len(seq.window_table) or (self.first_seen(hit_tokens) + len(hits) if hits else 0)
         blocks = max(0, -(-target_tokens // self.block_size) - covered)
-        return blocks + (writes and self._shared_write_block(seq) is not None) + sum(self.refs[b] == 0 for b in hits)
-
-    def take(self, seq: Sequence, target_tokens: int, writes: bool, hits: list[int], hit_tokens: int) -> None:
-        """Cover ``target_tokens`` of ``seq`` (its first ``hit_tokens`` from the cached ``hits``) and make the
-        block its next token goes into its own; the caller checked :meth:`needed`."""
+        shared = self._shared_write_block(seq) if writes else None
+        if blocks + (shared is not None) + sum(self.refs[b] == 0 for b in hits) > len(self.free_queue):
+            return False
         if hits:
             first = self.first_seen(hit_tokens)
             seq.window_table, seq.window_start = [NULL_BLOCK] * first, first
@@ -125,7 +123,6 @@ class WindowBlocks:
                     del self.free_queue[block]
                 self.refs[block] += 1
                 seq.window_table.append(block)
-        shared = self._shared_write_block(seq) if writes else None
         if shared is not None:
             copy = self._take_free_block()
             self.refs[shared] -= 1
@@ -133,6 +130,7 @@ class WindowBlocks:
             self.pending_copies.append((shared, copy))
         while len(seq.window_table) * self.block_size < target_tokens:
             seq.window_table.append(self._take_free_block())
+        return True
 
     def _take_free_block(self) -> int:
         block, _ = self.free_queue.popitem(last=False)

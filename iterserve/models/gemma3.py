@@ -22,7 +22,7 @@ from iterserve.attention import AttentionBackend, AttentionMetadata, KVCache
 from iterserve.config import ModelConfig
 from iterserve.distributed.parallel_state import ParallelState
 from iterserve.models.linear import LinearDelta
-from iterserve.models.llama import MLP, Attention, LlamaModel, RMSNorm, rope_inv_freq
+from iterserve.models.llama import MLP, Attention, LlamaModel, RMSNorm, native_linears, rope_inv_freq
 from iterserve.models.native_decoder import NativeDecoder, NativeLayer, NativeStack
 
 
@@ -143,16 +143,14 @@ class Gemma3Model(LlamaModel):
             return None
         described = []
         for layer in typing.cast(list[Gemma3DecoderLayer], self.layers):
-            attn, mlp = layer.self_attn, layer.mlp
-            qkv, o, gate_up, down = (p.method.native(p) for p in (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj,
-                                                                   mlp.down_proj))
-            if qkv is None or o is None or gate_up is None or down is None:
+            attn = layer.self_attn
+            linears = native_linears(attn, layer.mlp)
+            if linears is None:
                 return None
             w1 = [1.0 + typing.cast(GemmaRMSNorm, n).weight.float() for n in (  # as GemmaRMSNorm.normed weighs
                 layer.input_layernorm, layer.post_attention_layernorm, attn.q_norm, attn.k_norm,
                 layer.pre_feedforward_layernorm, layer.post_feedforward_layernorm)]
-            described.append(NativeLayer(w1[0], w1[1], w1[2], w1[3], qkv, o, gate_up, down, w1[4], w1[5],
-                                         attn.window or 0))
+            described.append(NativeLayer(w1[0], w1[1], w1[2], w1[3], *linears, w1[4], w1[5], attn.window or 0))
         c = self.config
         return NativeStack(c.num_heads, c.num_kv_heads, c.head_dim, c.rms_norm_eps,
                            float(c.extra["query_pre_attn_scalar"]) ** -0.5, described, gemma=True)
@@ -173,14 +171,16 @@ class Gemma3Model(LlamaModel):
         x = self.embed_tokens(input_ids)
         x = x * torch.tensor(self.config.hidden_size**0.5, dtype=x.dtype)  # the scale rounded to the dtype first
         (cos_full, sin_full), (cos_local, sin_local) = self.rotary(positions, x.dtype)
-        local = (cos_local, sin_local, meta.with_window(self.config.sliding_window))
-        out = (decoder(self, x, cos_full, sin_full, kv_caches, meta.with_window(None), local=local)
-               if decoder is not None else None)  # a step of decodes in one C++ call
-        for layer, cache in zip(typing.cast(list[Gemma3DecoderLayer], self.layers) if out is None else [], kv_caches):
-            cos, sin = (cos_local, sin_local) if layer.sliding else (cos_full, sin_full)
-            x = layer(x, cos, sin, cache, meta, backend)
+        out = None
+        if decoder is not None:  # a step of decodes in one C++ call
+            local = (cos_local, sin_local, meta.with_window(self.config.sliding_window))
+            out = decoder(self, x, cos_full, sin_full, kv_caches, meta.with_window(None), local=local)
         if out is not None:
             x = out[0]
+        else:
+            for layer, cache in zip(typing.cast(list[Gemma3DecoderLayer], self.layers), kv_caches):
+                cos, sin = (cos_local, sin_local) if layer.sliding else (cos_full, sin_full)
+                x = layer(x, cos, sin, cache, meta, backend)
         if logits_indices is not None:
             x = x[logits_indices]
         logits = self.lm_head(typing.cast(GemmaRMSNorm, self.norm).normed(x))

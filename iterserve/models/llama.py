@@ -28,7 +28,7 @@ from iterserve.distributed.layers import (
 from iterserve.distributed.parallel_state import ParallelState
 from iterserve.models.linear import LinearDelta
 from iterserve.models.moe import SparseMoeBlock
-from iterserve.models.native_decoder import NativeDecoder, NativeLayer, NativeLoRA, NativeStack
+from iterserve.models.native_decoder import NativeDecoder, NativeLayer, NativeLinear, NativeLoRA, NativeStack
 
 
 class RMSNorm(nn.Module):
@@ -157,6 +157,15 @@ class DecoderLayer(nn.Module):
         return (self.mlp(x, backend, lora) if isinstance(self.mlp, MLP) else self.mlp(x, backend)), residual
 
 
+def native_linears(attn: Attention, mlp: MLP) -> tuple[NativeLinear, NativeLinear, NativeLinear, NativeLinear] | None:
+    """A layer's qkv, o, gate/up and down as the native decode loop multiplies them; None if one has no C++ kernel."""
+    qkv, o, gate_up, down = (p.method.native(p) for p in (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj,
+                                                           mlp.down_proj))
+    if qkv is None or o is None or gate_up is None or down is None:
+        return None
+    return qkv, o, gate_up, down
+
+
 class LlamaModel(nn.Module):
     """Decoder stack plus LM head; weights are filled in by :mod:`iterserve.models.loader`.
 
@@ -225,14 +234,13 @@ class LlamaModel(nn.Module):
             return None
         described = []
         for layer in layers:
-            attn, mlp = layer.self_attn, typing.cast(MLP, layer.mlp)
-            qkv, o, gate_up, down = (p.method.native(p) for p in (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj,
-                                                                   mlp.down_proj))
-            if qkv is None or o is None or gate_up is None or down is None:
+            attn = layer.self_attn
+            linears = native_linears(attn, typing.cast(MLP, layer.mlp))
+            if linears is None:
                 return None
             q_norm, k_norm = (attn.q_norm.weight, attn.k_norm.weight) if attn.q_norm and attn.k_norm else (None, None)
             described.append(NativeLayer(layer.input_layernorm.weight, layer.post_attention_layernorm.weight, q_norm,
-                                         k_norm, qkv, o, gate_up, down))
+                                         k_norm, *linears))
         c = self.config
         return NativeStack(c.num_heads, c.num_kv_heads, c.head_dim, c.rms_norm_eps, c.head_dim**-0.5, described)
 
