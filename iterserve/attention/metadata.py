@@ -118,7 +118,7 @@ class AttentionMetadata:
     decode_block_tables: torch.Tensor | None = None  # [num_decodes, max_blocks]
     decode_context_lens: torch.Tensor | None = None  # [num_decodes] int64, tokens to attend to (incl. the new one)
     prefills: list[PrefillSpan] = field(default_factory=list)
-    _seq_lens: np.ndarray | None = field(default=None, repr=False)  # each token's sequence length after the step
+    _seq_lens: np.ndarray | None = field(default=None, repr=False)  # per token: see token_seq_lens
     _decode_rows: torch.Tensor | None = field(default=None, repr=False)
     _by_window: dict[int | None, AttentionMetadata] = field(default_factory=dict, repr=False)
     # hybrid SWA memory: this step's metadata over the windowed layers' own pool and tables, given a window
@@ -137,8 +137,9 @@ class AttentionMetadata:
 
     @functools.cached_property
     def token_seq_lens(self) -> torch.Tensor:
-        """``[num_tokens]`` int64: how many tokens the sequence of each token holds after this step (Phi-3's
-        longrope rotates a sequence by its length)."""
+        """``[num_tokens]`` int64: the sequence length by which each token is rotated (Phi-3's longrope picks its
+        factors by it): a prompt token's, its whole prompt, however the prompt is chunked; a later token's, its
+        position + 1, as when decoded alone (drafts verified together included)."""
         assert self._seq_lens is not None, "metadata built without sequence lengths"
         return torch.from_numpy(self._seq_lens).to(self.slot_mapping.device)
 
@@ -187,6 +188,7 @@ class AttentionMetadata:
         max_decode_query: int = 1,
         decode_prompts_up_to: int = 0,
         window_tables: list[list[int]] | None = None,
+        prompt_lens: list[int] | None = None,
     ) -> AttentionMetadata:
         """Describe a batch of sequences; decode sequences (query length 1) must come first.
 
@@ -202,7 +204,8 @@ class AttentionMetadata:
         that hold at most ``decode_prompts_up_to`` tokens after the step are attended the same way (a
         backend whose decode kernel beats its prefill path on short contexts asks for it), as long as
         only such sequences come before them. ``window_tables`` are the sequences' tables in the windowed
-        layers' pool (hybrid SWA memory), which :meth:`with_window` serves those layers.
+        layers' pool (hybrid SWA memory), which :meth:`with_window` serves those layers. ``prompt_lens`` (each
+        sequence's whole prompt; by default what it holds after the step) set :attr:`token_seq_lens`.
         """
         cached = np.asarray(num_cached, dtype=np.int64)
         qlens = np.asarray(query_lens, dtype=np.int64)
@@ -216,17 +219,18 @@ class AttentionMetadata:
         is_decode = ((qlens <= max_decode_query) & (cached > 0)) | (cached + qlens <= decode_prompts_up_to)
         num_decode_seqs = int(np.cumprod(is_decode).sum())
         num_decodes = int(qlens[:num_decode_seqs].sum())  # decode rows: one per token of those sequences
+        rotated = cached + qlens if prompt_lens is None else np.asarray(prompt_lens, dtype=np.int64)
         meta = cls(
             slot_mapping=torch.from_numpy(blocks * block_size + offsets).to(device),
             slot_blocks=torch.from_numpy(blocks).to(device), slot_offsets=torch.from_numpy(offsets).to(device),
             block_size=block_size, sliding_window=sliding_window, num_decode_tokens=num_decodes,
-            _seq_lens=(cached + qlens)[seq_of_token],
+            _seq_lens=np.maximum(rotated[seq_of_token], pos + 1),
         )
         if window_tables is not None:
             meta._window_pool = functools.partial(
                 cls.build, block_size=block_size, block_tables=window_tables, num_cached=num_cached,
                 query_lens=query_lens, device=device, max_decode_query=max_decode_query,
-                decode_prompts_up_to=decode_prompts_up_to)
+                decode_prompts_up_to=decode_prompts_up_to, prompt_lens=prompt_lens)
         if num_decodes:
             ctx = pos[:num_decodes] + 1
             max_blocks = int((ctx.max() + block_size - 1) // block_size)

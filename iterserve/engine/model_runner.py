@@ -41,6 +41,7 @@ class StepInputs:
     loras: list[LoRARequest | None] = field(default_factory=list)  # per scheduled sequence, its adapter if any
     window_tables: list[list[int]] | None = None  # the windowed layers' tables, with hybrid SWA memory
     window_copies: list[tuple[int, int]] = field(default_factory=list)  # copy-on-write in that pool
+    prompt_lens: list[int] | None = None  # per scheduled sequence (Phi-3's longrope rotates a prompt by its length)
 
 
 @dataclass
@@ -133,6 +134,7 @@ class ModelRunner:
             list(block_copies or []), 1 + max((len(s.spec_token_ids) for s in scheduled), default=0),
             [s.seq.lora for s in scheduled] if self.lora is not None else [],
             [list(s.seq.window_table) for s in scheduled] if self.window_caches else None, list(window_copies or []),
+            [len(s.seq.prompt_token_ids) for s in scheduled],
         )
         seqs = sampling_seqs(scheduled)
         drafts = [s.spec_token_ids for s in sampled for _ in range(1 + len(s.seq.forks))]
@@ -178,7 +180,7 @@ class ModelRunner:
             query_lens=inputs.query_lens, device=self.device,
             sliding_window=None if inputs.window_tables is not None else self.model.config.sliding_window,
             max_decode_query=inputs.max_decode_query, decode_prompts_up_to=self.attn_backend.decode_prompts_up_to,
-            window_tables=inputs.window_tables,
+            window_tables=inputs.window_tables, prompt_lens=inputs.prompt_lens,
         )
         dev = self.device
         lora = (self.lora.batch(inputs.loras, inputs.query_lens, dev)

@@ -100,6 +100,8 @@ def test_phi3_longrope_greedy_alone_and_batched(phi3_folder):
     assert [engine_greedy(folder, [p])[0] for p in PHI3_PROMPTS[:2]] == want[:2]
     assert engine_greedy(folder, PHI3_PROMPTS) == want
     assert engine_greedy(folder, PHI3_PROMPTS[1::2], max_num_batched_tokens=3) == want[1::2]  # chunks of short ones
+    # long prompts in chunks: a chunk within the original context is rotated by the whole prompt's length too
+    assert engine_greedy(folder, PHI3_PROMPTS[::2], max_num_batched_tokens=16) == want[::2]
 
 
 def test_phi3_longrope_set_follows_the_sequence_length():
