@@ -123,12 +123,6 @@ class ModelConfig:
             return [self.sliding_window] * self.num_layers
         return [self.sliding_window if t == "sliding_attention" else None for t in types]
 
-    @property
-    def mixes_windows(self) -> bool:
-        """Whether some layers attend to a sliding window and others to the whole context (Gemma 3)."""
-        windows = self.layer_windows()
-        return any(w is None for w in windows) and any(w is not None for w in windows)
-
     def _parameters(self, active: bool) -> int:
         h = self.hidden_size
         attn = h * self.q_size + 2 * h * self.kv_size + self.q_size * h

@@ -107,9 +107,9 @@ class EngineConfig:
                                        flag="--prefix-caching")
     kv_cache_memory: str | int = _opt("2GiB", "KV pool size, e.g. 2GiB or 512MiB")
     num_kv_blocks: int | None = _opt(None, "KV pool size in blocks (overrides --kv-cache-memory)")
-    hybrid_swa_memory: bool = _opt(True, "a model whose layers mix sliding-window and full attention (Gemma 3) keeps "
-                                         "its windowed layers' K/V in a pool of their own and frees the blocks that "
-                                         "fall out of the window")
+    hybrid_swa_memory: bool = _opt(True, "a model with sliding-window layers (Gemma 3, Mistral v0.1, Phi-3-mini-4k) "
+                                         "keeps their K/V in a pool of their own and frees the blocks that fall out "
+                                         "of the window")
     swa_full_tokens_ratio: float = _opt(0.8, "hybrid SWA memory: tokens the windowed layers' pool holds per token of "
                                              "the full layers' pool (at most what max_num_seqs windows need)")
     kv_cache_dtype: KVCacheDtype = _opt("auto", "KV cache storage: auto (the model's dtype); fp8 (= fp8_e4m3) or "

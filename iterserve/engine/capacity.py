@@ -29,6 +29,18 @@ class Capacity:
     window_blocks: int = 0  # the sliding-window layers' own pool, null block included (0: no such pool)
     window_bytes_per_token: int = 0
 
+    @property
+    def kv_blocks(self) -> int:
+        """The blocks that hold every layer's K/V: the full pool's, or the window pool's where every layer is
+        windowed (the full pool's blocks then only number a sequence's tokens)."""
+        return self.num_blocks if self.kv_bytes_per_token else self.window_blocks - 1
+
+    @property
+    def memory_bytes(self) -> int:
+        """What both pools hold, the window pool's null block included."""
+        return self.block_size * (self.num_blocks * self.kv_bytes_per_token
+                                  + self.window_blocks * self.window_bytes_per_token)
+
     @classmethod
     def of(cls, config: EngineConfig, model_config: ModelConfig, dtype_bytes: int | None = None,
            draft: ModelConfig | None = None) -> Capacity:
@@ -49,6 +61,8 @@ class Capacity:
         windowed = sum(w is not None for w in shard.layer_windows()) if uses_window_pool(config, model_config) else 0
         per_token = layer_bytes * (shard.num_layers - windowed) + draft_bytes
         memory = parse_size(config.kv_cache_memory)
+        if windowed and not per_token:
+            return cls.windows_only(config, model_config, memory, layer_bytes * windowed)
         window_blocks = window_pool_blocks(config, model_config, memory, per_token, layer_bytes * windowed) \
             if windowed else 0
         num_blocks = config.num_kv_blocks or (memory - window_blocks * bs * layer_bytes * windowed) // (bs * per_token)
@@ -73,11 +87,44 @@ class Capacity:
         return cls(per_token, num_blocks, bs, capacity, max_len, capacity // max_len, window_blocks,
                    layer_bytes * windowed)
 
+    @classmethod
+    def windows_only(cls, config: EngineConfig, model_config: ModelConfig, memory: int, window_bytes: int) -> Capacity:
+        """Every layer attends to the same sliding window (Mistral v0.1, Phi-3-mini-4k): the window pool holds all
+        the K/V (``num_kv_blocks`` blocks where given) and a sequence holds a window of it however long it grows.
+        The full pool's blocks hold no memory; they number the sequences' blocks for the prefix cache, as many as
+        the window pool's sequences can number at ``max_model_len``."""
+        bs, window = config.block_size, model_config.sliding_window
+        assert window is not None
+        context = model_config.max_position_embeddings
+        max_len = config.max_model_len or context
+        if max_len > context:
+            raise ValueError(f"max_model_len {max_len} exceeds the model's maximum context ({context})")
+        blocks = config.num_kv_blocks or memory // (bs * window_bytes)
+        alone = one_sequence_blocks(config, window, max_len)
+        if blocks < alone:
+            raise ValueError(f"the KV pool holds {blocks} blocks of {bs} tokens where one sequence needs {alone} (its "
+                             f"{window}-token window and a step's chunk); raise kv_cache_memory/num_kv_blocks or lower "
+                             f"max_num_batched_tokens")
+        per_seq = min(-(-max_len // bs), -(-window // bs) + 1)  # a max_model_len sequence's blocks in the window
+        full = max(blocks, -(-blocks * -(-max_len // bs) // per_seq))
+        return cls(0, full, bs, full * bs, max_len, blocks // per_seq, blocks + 1, window_bytes)
+
 
 def uses_window_pool(config: EngineConfig, model_config: ModelConfig) -> bool:
-    """Hybrid SWA memory: on unless turned off, for a model whose layers mix sliding-window and full attention,
-    with blocks allocated as tokens arrive (a reservation holds a sequence's whole length anyway)."""
-    return config.hybrid_swa_memory and model_config.mixes_windows and config.kv_allocation == "paged"
+    """Hybrid SWA memory: on unless turned off, for a model with sliding-window layers whose window is shorter than
+    its sequences can grow, with blocks allocated as tokens arrive (a reservation holds a sequence's whole length
+    anyway)."""
+    window = model_config.sliding_window
+    longest = config.max_model_len or model_config.max_position_embeddings
+    return (config.hybrid_swa_memory and config.kv_allocation == "paged" and window is not None and window < longest
+            and any(w is not None for w in model_config.layer_windows()))
+
+
+def one_sequence_blocks(config: EngineConfig, window: int, max_len: int) -> int:
+    """The window pool's blocks one sequence of up to ``max_len`` tokens needs to progress alone: its window and a
+    step's chunk."""
+    chunk = min(config.max_num_batched_tokens, max_len)
+    return min(-(-(window - 1 + chunk) // config.block_size) + 2, -(-max_len // config.block_size))
 
 
 def window_pool_blocks(config: EngineConfig, model_config: ModelConfig, memory: int, full_bytes: int,
@@ -89,9 +136,8 @@ def window_pool_blocks(config: EngineConfig, model_config: ModelConfig, memory: 
     ``full_bytes`` and ``window_bytes`` are a token's bytes in each pool."""
     bs, window = config.block_size, model_config.sliding_window
     assert window is not None
-    chunk = min(config.max_num_batched_tokens, config.max_model_len or config.max_num_batched_tokens)
     used = config.max_num_seqs * (-(-window // bs) + 2) + -(-config.max_num_batched_tokens // bs)
-    alone = -(-(window - 1 + chunk) // bs) + 2
+    alone = one_sequence_blocks(config, window, config.max_model_len or model_config.max_position_embeddings)
     if config.num_kv_blocks:
         full = config.num_kv_blocks
     else:

@@ -132,12 +132,18 @@ class EngineCore:
         c = self.capacity
         kv_dtype = str(self.executor.dtype).removeprefix("torch.") if config.kv_cache_dtype == "auto" \
             else config.kv_cache_dtype
-        logger.info(
-            "KV cache: %d bytes/token (%s), %d blocks x %d tokens = %d tokens; %d sequences of max_model_len=%d fit",
-            c.kv_bytes_per_token, kv_dtype, c.num_blocks, bs, c.total_tokens,
-            c.max_full_length_seqs, c.max_model_len,
-        )
-        if window_blocks:
+        if window_blocks and not c.kv_bytes_per_token:
+            logger.info("KV cache: every layer attends to a %d-token window: %d bytes/token (%s), %d blocks x %d "
+                        "tokens freed as they fall out of the window; %d sequences of max_model_len=%d fit",
+                        self.model_config.sliding_window, c.window_bytes_per_token, kv_dtype, window_blocks - 1, bs,
+                        c.max_full_length_seqs, c.max_model_len)
+        else:
+            logger.info(
+                "KV cache: %d bytes/token (%s), %d blocks x %d tokens = %d tokens; %d sequences of max_model_len=%d "
+                "fit", c.kv_bytes_per_token, kv_dtype, c.num_blocks, bs, c.total_tokens,
+                c.max_full_length_seqs, c.max_model_len,
+            )
+        if window_blocks and c.kv_bytes_per_token:
             logger.info("hybrid SWA memory: the sliding-window layers keep %d bytes/token in a pool of their own, "
                         "%d blocks, freed as they fall out of the window", c.window_bytes_per_token, window_blocks - 1)
 

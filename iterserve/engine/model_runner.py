@@ -182,6 +182,8 @@ class ModelRunner:
             max_decode_query=inputs.max_decode_query, decode_prompts_up_to=self.attn_backend.decode_prompts_up_to,
             window_tables=inputs.window_tables, prompt_lens=inputs.prompt_lens,
         )
+        if inputs.window_tables is not None and not self.full_caches:  # every layer reads the window pool alone
+            meta = meta.with_window(self.model.config.sliding_window)
         dev = self.device
         lora = (self.lora.batch(inputs.loras, inputs.query_lens, dev)
                 if self.lora is not None and any(inputs.loras) else None)

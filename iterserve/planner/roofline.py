@@ -279,8 +279,8 @@ def kv_capacity(
     """KV memory left after the weights, in tokens and in sequences of ``context`` tokens.
 
     Memory is handed out in blocks of ``block_size`` tokens, so a sequence holds
-    ``ceil(context / block_size)`` blocks, but only its window's in a sliding-window layer that shares the
-    memory with full ones (vLLM's hybrid allocator, iterserve's hybrid SWA memory): ``kv_tokens`` counts
+    ``ceil(context / block_size)`` blocks, but only its window's in a sliding-window layer (vLLM's sliding-window
+    and hybrid allocators, iterserve's hybrid SWA memory): ``kv_tokens`` counts
     tokens held in every layer, ``max_seqs`` the sequences those window savings let in. Activation workspace
     is not subtracted.
     """
@@ -302,8 +302,8 @@ def kv_capacity(
     budget = usable - weights
     blocks = budget // (kv * block_size)
     per_seq_blocks = -(-context // block_size)
-    windows = cfg.layer_windows() if cfg.mixes_windows else [None] * cfg.num_layers
-    layer_blocks = sum(per_seq_blocks if w is None else min(per_seq_blocks, -(-w // block_size) + 1) for w in windows)
+    layer_blocks = sum(per_seq_blocks if w is None else min(per_seq_blocks, -(-w // block_size) + 1)
+                       for w in cfg.layer_windows())
     return MemoryPlan(
         memory_bytes=hw.memory_bytes,
         usable_bytes=usable,

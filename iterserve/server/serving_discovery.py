@@ -168,9 +168,9 @@ def cache_config_info(engine: EngineCoreClient) -> dict[str, str]:
     engine's values; a field this engine has no counterpart for has vLLM's value when unused."""
     config, cap = engine.config, engine.capacity
     return {"block_size": str(cap.block_size), "cache_dtype": config.resolved_dtype,
-            "enable_prefix_caching": str(config.enable_prefix_caching), "num_gpu_blocks": str(cap.num_blocks),
+            "enable_prefix_caching": str(config.enable_prefix_caching), "num_gpu_blocks": str(cap.kv_blocks),
             "num_gpu_blocks_override": str(config.num_kv_blocks), "num_cpu_blocks": "None",
-            "kv_cache_memory_bytes": str(cap.num_blocks * cap.block_size * cap.kv_bytes_per_token),
+            "kv_cache_memory_bytes": str(cap.memory_bytes),
             "prefix_caching_hash_algo": "builtin", "sliding_window": str(engine.model_config.sliding_window),
             "is_attention_free": "False", "calculate_kv_scales": "False", "cpu_offload_gb": "0",
             "swap_space_bytes": "0"}

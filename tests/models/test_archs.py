@@ -73,7 +73,7 @@ def hf_greedy(hf, prompts: list[list[int]], n: int = NEW_TOKENS) -> list[list[in
 
 
 def engine_greedy(folder, prompts: list[list[int]], **kwargs) -> list[list[int]]:
-    llm = LLM(model=str(folder), dtype="float32", device="cpu", num_kv_blocks=64, block_size=4, **kwargs)
+    llm = LLM(model=str(folder), dtype="float32", device="cpu", **{"num_kv_blocks": 64, "block_size": 4, **kwargs})
     params = SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS, ignore_eos=True, detokenize=False)
     outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
     return [list(o.outputs[0].token_ids) for o in outs]
@@ -102,6 +102,32 @@ def test_phi3_longrope_greedy_alone_and_batched(phi3_folder):
     assert engine_greedy(folder, PHI3_PROMPTS[1::2], max_num_batched_tokens=3) == want[1::2]  # chunks of short ones
     # long prompts in chunks: a chunk within the original context is rotated by the whole prompt's length too
     assert engine_greedy(folder, PHI3_PROMPTS[::2], max_num_batched_tokens=16) == want[::2]
+
+
+def test_phi3_window_pool_holds_a_window_of_each_sequence(phi3_folder):
+    """Every layer in one 8-token window: 8 blocks of 4 tokens serve sequences of up to 15 blocks, in chunks, under
+    preemption, from the prefix cache and with n-gram drafts, giving transformers' tokens."""
+    folder, hf = phi3_folder
+    long_prompts = prompts(40, 33, 47, 26)  # longer than the original context from the start, as PHI3_PROMPTS says
+    want = hf_greedy(hf, long_prompts)
+    llm = LLM(model=str(folder), dtype="float32", device="cpu", block_size=4, num_kv_blocks=8,
+              max_num_batched_tokens=16, max_num_seqs=4)
+    core = llm.engine
+    window = core.block_manager.window
+    assert window is not None and window.num_blocks - 1 == 8 and core.capacity.window_blocks == 9
+    assert core.capacity.kv_bytes_per_token == 0 and core.block_manager.num_blocks > 8  # blocks only numbered
+    params = SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS, ignore_eos=True, detokenize=False)
+    for _ in range(2):
+        outs = llm.generate([{"prompt_token_ids": p} for p in long_prompts], params, use_tqdm=False)
+        assert [list(o.outputs[0].token_ids) for o in outs] == want
+    assert core.num_preemptions > 0 and core.prefix_hit_tokens > 0
+    core.block_manager.check_no_leaks()
+    spec = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1, "prompt_lookup_max": 2}
+    assert engine_greedy(folder, long_prompts, speculative_config=spec, num_kv_blocks=8,
+                         max_num_batched_tokens=16) == want
+    with pytest.raises(ValueError, match="max_model_len"):  # one pool of 8 blocks holds no such sequence
+        LLM(model=str(folder), dtype="float32", device="cpu", block_size=4, num_kv_blocks=8, max_model_len=64,
+            hybrid_swa_memory=False)
 
 
 def test_phi3_longrope_set_follows_the_sequence_length():
