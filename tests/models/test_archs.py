@@ -122,6 +122,14 @@ def test_phi3_window_pool_holds_a_window_of_each_sequence(phi3_folder):
         assert [list(o.outputs[0].token_ids) for o in outs] == want
     assert core.num_preemptions > 0 and core.prefix_hit_tokens > 0
     core.block_manager.check_no_leaks()
+    for i, p in enumerate(long_prompts):  # aborted mid-prompt and mid-output, the others finish: nothing leaks
+        core.add_request(p, params, request_id=str(i))
+    for _ in range(3):
+        core.step()
+    assert core.abort_request("0") and core.abort_request("3")
+    while core.has_unfinished_requests():
+        core.step()
+    core.block_manager.check_no_leaks()
     spec = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1, "prompt_lookup_max": 2}
     assert engine_greedy(folder, long_prompts, speculative_config=spec, num_kv_blocks=8,
                          max_num_batched_tokens=16) == want
