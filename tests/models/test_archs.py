@@ -6,6 +6,8 @@ from __future__ import annotations
 import json
 import math
 
+import gguf
+import numpy as np
 import pytest
 import torch
 import transformers
@@ -16,6 +18,7 @@ from iterserve.config import ModelConfig
 from iterserve.models.gemma3 import Gemma3Model
 from iterserve.models.loader import load_model, load_model_config
 from iterserve.models.phi3 import Phi3Model, Phi3RotaryEmbedding
+from iterserve.quantization.model import weight_formats
 
 VOCAB, NEW_TOKENS = 320, 12
 
@@ -244,6 +247,68 @@ def test_gemma3_logits_on_the_reference_backend(gemma3_folder):
 
     assert_logits_match(*gemma3_folder, ReferenceBackend())
     assert_logits_match(*gemma3_folder, select_backend("cpu"))
+
+
+def write_gemma3_gguf(path, hf, matrices: str = "F32", pattern: bool = True) -> None:
+    """The model as llama.cpp's converter writes Gemma 3 (its ``Gemma3Model``): gguf-py's tensor names, every norm
+    weight stored as ``1 + w``, the metadata it writes, and a vocabulary. ``matrices``: F32, Q8_0, or Q8_0's values
+    in F32 (``Q8_0-as-F32``: the float reference of the Q8_0 file)."""
+    c = hf.config
+    w = gguf.GGUFWriter(str(path), "gemma3")
+    w.add_context_length(c.max_position_embeddings)
+    w.add_embedding_length(c.hidden_size)
+    w.add_block_count(c.num_hidden_layers)
+    w.add_feed_forward_length(c.intermediate_size)
+    w.add_head_count(c.num_attention_heads)
+    w.add_head_count_kv(c.num_key_value_heads)
+    w.add_key_length(c.head_dim)
+    w.add_value_length(c.head_dim)
+    w.add_layer_norm_rms_eps(c.rms_norm_eps)
+    w.add_rope_freq_base(1_000_000.0)
+    w.add_rope_scaling_type(gguf.RopeScalingType.LINEAR)
+    w.add_rope_scaling_factor(4.0)
+    w.add_sliding_window(c.sliding_window)
+    if pattern:  # one flag a layer (without it llama.cpp takes one global layer in six)
+        w.add_sliding_window_pattern([t == "sliding_attention" for t in c.layer_types])
+    w.add_tokenizer_model("llama")
+    w.add_token_list(["<pad>", "<eos>", "<bos>", "<unk>"] + [f"t{i}" for i in range(4, VOCAB)])
+    w.add_token_scores([0.0] * VOCAB)
+    w.add_token_types([3, 3, 3, 2] + [1] * (VOCAB - 4))
+    names = gguf.get_tensor_name_map(gguf.MODEL_ARCH.GEMMA3, c.num_hidden_layers)
+    for name, t in hf.state_dict().items():
+        if name == "lm_head.weight":
+            continue  # tied to the embedding
+        data = (t + 1 if name.endswith("norm.weight") else t).numpy().astype(np.float32)
+        gname = names.get_name(name, try_suffixes=(".weight",))
+        q8 = gguf.GGMLQuantizationType.Q8_0
+        if matrices == "F32" or data.ndim != 2 or "embed" in name:
+            w.add_tensor(gname, data)
+        elif matrices == "Q8_0":
+            w.add_tensor(gname, gguf.quants.quantize(data, q8), raw_dtype=q8)
+        else:
+            w.add_tensor(gname, gguf.quants.dequantize(gguf.quants.quantize(data, q8), q8))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+
+
+def test_gemma3_gguf_as_llama_cpp_writes_it(tmp_path):
+    """A Gemma 3 GGUF in float32 gives transformers' greedy tokens, in Q8_0 blocks kept as stored those of its
+    values in float32; a file without a pattern has one global layer in six. llama.cpp scales attention by the head
+    size (the 27B model aside), so the model here has ``query_pre_attn_scalar == head_dim``."""
+    hf = save(tmp_path, transformers.Gemma3ForCausalLM, gemma3_config(query_pre_attn_scalar=16))
+    for matrices in ("F32", "Q8_0", "Q8_0-as-F32"):
+        write_gemma3_gguf(tmp_path / f"{matrices}.gguf", hf, matrices)
+    assert engine_greedy(tmp_path / "F32.gguf", PROMPTS) == hf_greedy(hf, PROMPTS)
+    assert engine_greedy(tmp_path / "Q8_0.gguf", PROMPTS, quantization="gguf") == \
+        engine_greedy(tmp_path / "Q8_0-as-F32.gguf", PROMPTS)
+    stored = load_model(str(tmp_path / "Q8_0.gguf"), dtype="float32", device="cpu", quantization="gguf").model
+    assert {f.fmt: f.tensors for f in weight_formats(stored)}["Q8_0"] == 4 * 4  # q/k/v, o, gate/up, down a layer
+    write_gemma3_gguf(tmp_path / "six.gguf", hf, pattern=False)
+    config = load_model_config(str(tmp_path / "six.gguf"))
+    assert config.architecture == "gemma3" and config.extra["query_pre_attn_scalar"] == 16
+    assert config.extra["layer_types"] == ["sliding_attention"] * 4  # layer 5 would be the first global one
 
 
 def test_gemma3_config_and_weights(gemma3_folder):

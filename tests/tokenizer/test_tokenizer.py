@@ -326,6 +326,33 @@ def test_sentencepiece_gguf_matches_transformers(tiny_sentencepiece_gguf):
     )
 
 
+def test_gemma3_sentencepiece_gguf_matches_transformers(tmp_path):
+    """Gemma's vocabulary as llama.cpp writes it: no merges, scores that do not rank them (file order does), a token
+    of two spaces stored as spaces, no prefix space; transformers' GGUF Gemma tokenizer is the reference."""
+    pieces = ["▁", "e", "l", "o", "h", "w", "r", "d", "  ", "ll", "▁h", "▁w", "llo", "▁he", "or", "▁hello", "orl",
+              "▁wor", "▁world", "H", "▁H", "▁Hello"]
+    tokens = ["<pad>", "<eos>", "<bos>", "<unk>", "<mask>", "<start_of_turn>", "<end_of_turn>",
+              *(f"<0x{b:02X}>" for b in range(256)), *pieces]
+    types = [3, 3, 3, 2, 3, 3, 3, *[6] * 256, *[1] * len(pieces)]
+    scores = [0.0] * 263 + [float(i % 5) for i in range(len(pieces))]  # not the merge order
+    path = _write_gguf(tmp_path / "tiny-gemma3.gguf", {
+        "tokenizer.ggml.model": ("llama", S), "tokenizer.ggml.tokens": (tokens, A),
+        "tokenizer.ggml.scores": (scores, A), "tokenizer.ggml.token_type": (types, A),
+        "tokenizer.ggml.bos_token_id": (2, U32), "tokenizer.ggml.eos_token_id": (1, U32),
+        "tokenizer.ggml.unknown_token_id": (3, U32), "tokenizer.ggml.padding_token_id": (0, U32),
+        "tokenizer.ggml.add_bos_token": (True, B),
+    }, arch="gemma3")
+    ours = Tokenizer.from_gguf(path)
+    theirs = AutoTokenizer.from_pretrained(str(tmp_path), gguf_file=path.name)
+    a, b = json.loads(ours.backend.to_str()), json.loads(theirs.backend_tokenizer.to_str())
+    assert {k: a[k] for k in ("normalizer", "pre_tokenizer", "decoder", "model")} == \
+        {k: b[k] for k in ("normalizer", "pre_tokenizer", "decoder", "model")}
+    for text in ["hello world", " Hello   world\n", "<start_of_turn>héllo wörld<end_of_turn>", "", "   ", "日本 H"]:
+        ids = ours.encode(text)
+        assert ids == theirs.encode(text) and ids[0] == 2
+        assert ours.decode(ids) == theirs.decode(ids, skip_special_tokens=True)
+
+
 @pytest.mark.parametrize("pre", sorted(GGUF_PRE_TOKENIZER_SPLITS))  # every name the table claims
 def test_byte_level_gguf_with_llama3_split_matches_transformers(smollm_reader, tmp_path, pre):
     """SmolLM2's first 6000 tokens, but `pre` asks for another split regex and the file asks for BOS."""

@@ -11,7 +11,8 @@ import gguf
 
 from iterserve.config import ModelConfig
 
-_GGUF_ARCHS = {"llama": "llama", "mistral": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "qwen3moe": "qwen3"}
+_GGUF_ARCHS = {"llama": "llama", "mistral": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "qwen3moe": "qwen3",
+               "gemma3": "gemma3"}
 
 
 def open_gguf(path: str | os.PathLike[str]) -> gguf.GGUFReader:
@@ -40,7 +41,7 @@ def interleaves_rope(reader: gguf.GGUFReader) -> bool:
 
 
 def gguf_config(reader: gguf.GGUFReader, name: str = "") -> ModelConfig:
-    """A ModelConfig from GGUF metadata (llama, qwen2, qwen3 architectures)."""
+    """A ModelConfig from GGUF metadata (llama, qwen2, qwen3 and gemma3 architectures)."""
     arch = gguf_field(reader, "general.architecture")
     if arch not in _GGUF_ARCHS:
         raise ValueError(
@@ -60,6 +61,9 @@ def gguf_config(reader: gguf.GGUFReader, name: str = "") -> ModelConfig:
         rope_scaling = {"rope_type": "linear", "factor": g("rope.scaling.factor")}
     elif g("rope.scaling.type") not in (None, "none"):
         raise ValueError(f"unsupported RoPE scaling {g('rope.scaling.type')!r} in GGUF file")
+    if arch == "gemma3":
+        return ModelConfig.from_hf_config(gemma3_hf_config(reader, g, rope_scaling, vocab, has_output),
+                                          name or gguf_field(reader, "general.name", ""))
     return gguf_moe_config(ModelConfig(
         architecture=_GGUF_ARCHS[arch],
         vocab_size=int(vocab),
@@ -80,6 +84,37 @@ def gguf_config(reader: gguf.GGUFReader, name: str = "") -> ModelConfig:
         eos_token_id=gguf_field(reader, "tokenizer.ggml.eos_token_id"),
         name=name or gguf_field(reader, "general.name", ""),
     ), g)
+
+
+def gemma3_hf_config(reader: gguf.GGUFReader, g: Callable[..., Any], rope_scaling: dict[str, Any] | None,
+                     vocab: int, has_output: bool) -> dict[str, Any]:
+    """Gemma 3's ``config.json`` rebuilt from what llama.cpp writes (its ``Gemma3Model`` conversion) and assumes
+    (``llama_model_gemma3``): five local layers to one global unless ``attention.sliding_window_pattern`` says
+    otherwise (a period or one flag a layer), the local RoPE base 10,000 unless ``rope.freq_base_swa``, and
+    attention scaled by ``head_dim`` except in the 62-layer 27B model (``hidden / heads``)."""
+    layers, hidden, heads = int(g("block_count")), int(g("embedding_length")), int(g("attention.head_count"))
+    head_dim, window = int(g("attention.key_length", 256)), g("attention.sliding_window")
+    pattern = g("attention.sliding_window_pattern", 6)
+    if window is None:
+        types = ["full_attention"] * layers
+    elif isinstance(pattern, list):
+        types = ["sliding_attention" if local else "full_attention" for local in pattern]
+    else:
+        types = ["sliding_attention" if i % int(pattern) < int(pattern) - 1 else "full_attention"
+                 for i in range(layers)]
+    return {
+        "architectures": ["Gemma3ForCausalLM"], "vocab_size": int(vocab), "hidden_size": hidden,
+        "intermediate_size": int(g("feed_forward_length")), "num_hidden_layers": layers,
+        "num_attention_heads": heads, "num_key_value_heads": int(g("attention.head_count_kv", heads)),
+        "head_dim": head_dim, "max_position_embeddings": int(g("context_length", 131072)),
+        "rms_norm_eps": float(g("attention.layer_norm_rms_epsilon", 1e-6)),
+        "rope_theta": float(g("rope.freq_base", 1_000_000.0)), "rope_scaling": rope_scaling,
+        "rope_local_base_freq": float(g("rope.freq_base_swa", 10_000.0)), "sliding_window": window,
+        "layer_types": types, "query_pre_attn_scalar": hidden // heads if layers == 62 else head_dim,
+        "final_logit_softcapping": g("final_logit_softcapping"), "tie_word_embeddings": not has_output,
+        "bos_token_id": gguf_field(reader, "tokenizer.ggml.bos_token_id"),
+        "eos_token_id": gguf_field(reader, "tokenizer.ggml.eos_token_id"),
+    }
 
 
 def gguf_moe_config(config: ModelConfig, field: Callable[..., Any]) -> ModelConfig:

@@ -37,6 +37,9 @@ _GGUF_NAMES = {
     "ffn_gate_inp": "mlp.gate", "ffn_gate_exps": "mlp.experts.gate_proj",
     "ffn_up_exps": "mlp.experts.up_proj", "ffn_down_exps": "mlp.experts.down_proj",
 }
+# Gemma 3's four norms a layer: its ffn_norm comes before the MLP, and the two sublayers' outputs have their own
+_GEMMA3_NAMES = {**_GGUF_NAMES, "ffn_norm": "pre_feedforward_layernorm",
+                 "post_attention_norm": "post_attention_layernorm", "post_ffw_norm": "post_feedforward_layernorm"}
 
 
 @dataclass
@@ -61,12 +64,13 @@ def gguf_to_hf_name(name: str, config: ModelConfig, permute: bool) -> tuple[str,
     if name == "output.weight":
         return "lm_head.weight", None
     _, layer, kind, suffix = name.split(".", 3)
-    if kind not in _GGUF_NAMES:
+    names = _GEMMA3_NAMES if config.architecture == "gemma3" else _GGUF_NAMES
+    if kind not in names:
         raise ValueError(f"unexpected GGUF tensor {name!r}")
     heads = None
     if permute and kind in ("attn_q", "attn_k"):
         heads = config.num_heads if kind == "attn_q" else config.num_kv_heads
-    return f"layers.{layer}.{_GGUF_NAMES[kind]}.{suffix}", heads
+    return f"layers.{layer}.{names[kind]}.{suffix}", heads
 
 
 def dequantized(t: Any) -> np.ndarray:
@@ -99,6 +103,8 @@ def gguf_tensors(reader: gguf.GGUFReader, config: ModelConfig, keep_blocks: bool
         w = dequantized(t)
         if heads is not None:
             w = unpermute_rope(w, heads)
+        if config.architecture == "gemma3" and t.name.endswith("norm.weight"):
+            w = w - 1.0  # llama.cpp stores Gemma's norm weights as 1 + w, the factor they multiply by
         yield hf, torch.from_numpy(np.array(w))  # copy: GGUF data is a read-only memmap
 
 

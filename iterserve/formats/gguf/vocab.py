@@ -11,7 +11,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import gguf
-from tokenizers import AddedToken, Regex, decoders, models, pre_tokenizers, processors
+from tokenizers import AddedToken, Regex, decoders, models, normalizers, pre_tokenizers, processors
 from tokenizers import Tokenizer as BackendTokenizer
 
 from iterserve.formats.gguf.reader import gguf_field
@@ -39,7 +39,8 @@ GGUF_PRE_TOKENIZER_SPLITS = {
 
 # SentencePiece vocabularies whose GGUF needs a pipeline other than Llama's; transformers has
 # per-architecture builders for these that we do not replicate.
-_UNSUPPORTED_SENTENCEPIECE_ARCHS = frozenset({"gemma", "gemma2", "gemma3", "phi3"})
+_UNSUPPORTED_SENTENCEPIECE_ARCHS = frozenset({"phi3"})
+_GEMMA_ARCHS = frozenset({"gemma", "gemma2", "gemma3"})
 
 
 @dataclass
@@ -76,7 +77,7 @@ def gguf_vocabulary(reader: gguf.GGUFReader, name: str) -> GGUFVocabulary:
         scores = field("tokenizer.ggml.scores")
         if merges is None and scores is None:
             raise ValueError(f"{name}: a 'llama' tokenizer needs tokenizer.ggml.merges or tokenizer.ggml.scores")
-        backend = _sentencepiece_backend(tokens, merges, scores)
+        backend = _gemma_backend(tokens) if arch in _GEMMA_ARCHS else _sentencepiece_backend(tokens, merges, scores)
         # Older files have no flag; llama.cpp adds BOS to a SentencePiece vocabulary unless told not to.
         add_bos = True if add_bos is None else add_bos
     else:
@@ -146,6 +147,22 @@ def _sentencepiece_backend(
     backend.decoder = decoders.Sequence([
         decoders.Replace("\u2581", " "), decoders.ByteFallback(), decoders.Fuse(), decoders.Strip(" ", 1, 0),
     ])
+    return backend
+
+
+def _gemma_backend(tokens: list[str]) -> BackendTokenizer:
+    """Gemma's SentencePiece vocabulary as transformers builds it from a GGUF (``GemmaTokenizer``): spaces become
+    "\u2581" before BPE, with no prefix space; a token of spaces alone, stored as spaces, is spelled in "\u2581";
+    the file has no merges and its order, not its scores, ranks the ones rebuilt from the vocabulary."""
+    spelled = ["\u2581" * len(t) if " " in t and not t.strip() else t for t in tokens]
+    vocab = {token: index for index, token in enumerate(spelled)}
+    backend = BackendTokenizer(models.BPE(
+        vocab=vocab, merges=_merges_from_scores(vocab, {t: -i for i, t in enumerate(spelled)}), fuse_unk=True,
+        unk_token="<unk>", byte_fallback=True, dropout=None,
+    ))
+    backend.normalizer = normalizers.Replace(" ", "\u2581")
+    backend.pre_tokenizer = pre_tokenizers.Split(pattern=" ", behavior="merged_with_previous", invert=False)
+    backend.decoder = decoders.Sequence([decoders.Replace("\u2581", " "), decoders.ByteFallback(), decoders.Fuse()])
     return backend
 
 
