@@ -141,6 +141,19 @@ def test_phi3_window_pool_holds_a_window_of_each_sequence(phi3_folder):
             hybrid_swa_memory=False)
 
 
+def test_phi3_gguf_as_llama_cpp_writes_it(phi3_folder, tmp_path):
+    """A Phi-3 GGUF (fused q/k/v and gate/up, longrope's factors as tensors) gives transformers' greedy tokens in
+    float32, and in Q8_0 blocks kept as stored those of its values in float32."""
+    _, hf = phi3_folder
+    for matrices in ("F32", "Q8_0", "Q8_0-as-F32"):
+        write_gguf(tmp_path / f"{matrices}.gguf", hf, "phi3", phi3_metadata(hf), matrices)
+    config = load_model_config(str(tmp_path / "F32.gguf"))
+    assert config.architecture == "phi3" and config.sliding_window == 8 and config.rope_scaling is not None
+    assert engine_greedy(tmp_path / "F32.gguf", PHI3_PROMPTS) == hf_greedy(hf, PHI3_PROMPTS)
+    assert engine_greedy(tmp_path / "Q8_0.gguf", PHI3_PROMPTS, quantization="gguf") == \
+        engine_greedy(tmp_path / "Q8_0-as-F32.gguf", PHI3_PROMPTS)
+
+
 def test_phi3_longrope_set_follows_the_sequence_length():
     """The short factors while a sequence fits in the original context, the long ones for all of its tokens once
     it is longer; both scaled by sqrt(1 + ln(128 / 16) / ln(16))."""
@@ -249,38 +262,32 @@ def test_gemma3_logits_on_the_reference_backend(gemma3_folder):
     assert_logits_match(*gemma3_folder, select_backend("cpu"))
 
 
-def write_gemma3_gguf(path, hf, matrices: str = "F32", pattern: bool = True) -> None:
-    """The model as llama.cpp's converter writes Gemma 3 (its ``Gemma3Model``): gguf-py's tensor names, every norm
-    weight stored as ``1 + w``, the metadata it writes, and a vocabulary. ``matrices``: F32, Q8_0, or Q8_0's values
-    in F32 (``Q8_0-as-F32``: the float reference of the Q8_0 file)."""
+def write_gguf(path, hf, arch: str, metadata, matrices: str = "F32") -> None:
+    """The model as llama.cpp's converter writes it: gguf-py's tensor names, ``metadata(writer)``'s keys, a
+    vocabulary, and for Gemma 3 every norm weight stored as ``1 + w``. ``matrices``: F32, Q8_0, or Q8_0's values in
+    F32 (``Q8_0-as-F32``: the float reference of the Q8_0 file)."""
     c = hf.config
-    w = gguf.GGUFWriter(str(path), "gemma3")
+    w = gguf.GGUFWriter(str(path), arch)
     w.add_context_length(c.max_position_embeddings)
     w.add_embedding_length(c.hidden_size)
     w.add_block_count(c.num_hidden_layers)
     w.add_feed_forward_length(c.intermediate_size)
     w.add_head_count(c.num_attention_heads)
     w.add_head_count_kv(c.num_key_value_heads)
-    w.add_key_length(c.head_dim)
-    w.add_value_length(c.head_dim)
     w.add_layer_norm_rms_eps(c.rms_norm_eps)
-    w.add_rope_freq_base(1_000_000.0)
-    w.add_rope_scaling_type(gguf.RopeScalingType.LINEAR)
-    w.add_rope_scaling_factor(4.0)
     w.add_sliding_window(c.sliding_window)
-    if pattern:  # one flag a layer (without it llama.cpp takes one global layer in six)
-        w.add_sliding_window_pattern([t == "sliding_attention" for t in c.layer_types])
+    metadata(w)
     w.add_tokenizer_model("llama")
     w.add_token_list(["<pad>", "<eos>", "<bos>", "<unk>"] + [f"t{i}" for i in range(4, VOCAB)])
     w.add_token_scores([0.0] * VOCAB)
     w.add_token_types([3, 3, 3, 2] + [1] * (VOCAB - 4))
-    names = gguf.get_tensor_name_map(gguf.MODEL_ARCH.GEMMA3, c.num_hidden_layers)
+    names = gguf.get_tensor_name_map(gguf.MODEL_ARCH[arch.upper()], c.num_hidden_layers)
+    q8 = gguf.GGMLQuantizationType.Q8_0
     for name, t in hf.state_dict().items():
-        if name == "lm_head.weight":
-            continue  # tied to the embedding
-        data = (t + 1 if name.endswith("norm.weight") else t).numpy().astype(np.float32)
+        if name == "lm_head.weight" and c.tie_word_embeddings:
+            continue
+        data = (t + 1 if arch == "gemma3" and name.endswith("norm.weight") else t).numpy().astype(np.float32)
         gname = names.get_name(name, try_suffixes=(".weight",))
-        q8 = gguf.GGMLQuantizationType.Q8_0
         if matrices == "F32" or data.ndim != 2 or "embed" in name:
             w.add_tensor(gname, data)
         elif matrices == "Q8_0":
@@ -293,19 +300,51 @@ def write_gemma3_gguf(path, hf, matrices: str = "F32", pattern: bool = True) -> 
     w.close()
 
 
+def phi3_metadata(hf):
+    """Phi-3's keys as llama.cpp's converter writes them: longrope's factors as two tensors."""
+    scaling, c = hf.config.rope_parameters, hf.config
+    original = scaling["original_max_position_embeddings"]
+
+    def add(w: gguf.GGUFWriter) -> None:
+        w.add_rope_dimension_count(c.hidden_size // c.num_attention_heads)
+        w.add_rope_freq_base(scaling["rope_theta"])
+        w.add_rope_scaling_orig_ctx_len(original)
+        scale = c.max_position_embeddings / original
+        w.add_rope_scaling_attn_factors((1 + math.log(scale) / math.log(original)) ** 0.5)
+        w.add_tensor("rope_factors_long.weight", np.array(scaling["long_factor"], np.float32))
+        w.add_tensor("rope_factors_short.weight", np.array(scaling["short_factor"], np.float32))
+    return add
+
+
+def gemma3_metadata(hf, pattern: bool = True):
+    """Gemma 3's keys as llama.cpp's converter writes them, with one sliding-window flag a layer where ``pattern``
+    (without it llama.cpp takes one global layer in six)."""
+    c = hf.config
+
+    def add(w: gguf.GGUFWriter) -> None:
+        w.add_key_length(c.head_dim)
+        w.add_value_length(c.head_dim)
+        w.add_rope_freq_base(1_000_000.0)
+        w.add_rope_scaling_type(gguf.RopeScalingType.LINEAR)
+        w.add_rope_scaling_factor(4.0)
+        if pattern:
+            w.add_sliding_window_pattern([t == "sliding_attention" for t in c.layer_types])
+    return add
+
+
 def test_gemma3_gguf_as_llama_cpp_writes_it(tmp_path):
     """A Gemma 3 GGUF in float32 gives transformers' greedy tokens, in Q8_0 blocks kept as stored those of its
     values in float32; a file without a pattern has one global layer in six. llama.cpp scales attention by the head
     size (the 27B model aside), so the model here has ``query_pre_attn_scalar == head_dim``."""
     hf = save(tmp_path, transformers.Gemma3ForCausalLM, gemma3_config(query_pre_attn_scalar=16))
     for matrices in ("F32", "Q8_0", "Q8_0-as-F32"):
-        write_gemma3_gguf(tmp_path / f"{matrices}.gguf", hf, matrices)
+        write_gguf(tmp_path / f"{matrices}.gguf", hf, "gemma3", gemma3_metadata(hf), matrices)
     assert engine_greedy(tmp_path / "F32.gguf", PROMPTS) == hf_greedy(hf, PROMPTS)
     assert engine_greedy(tmp_path / "Q8_0.gguf", PROMPTS, quantization="gguf") == \
         engine_greedy(tmp_path / "Q8_0-as-F32.gguf", PROMPTS)
     stored = load_model(str(tmp_path / "Q8_0.gguf"), dtype="float32", device="cpu", quantization="gguf").model
     assert {f.fmt: f.tensors for f in weight_formats(stored)}["Q8_0"] == 4 * 4  # q/k/v, o, gate/up, down a layer
-    write_gemma3_gguf(tmp_path / "six.gguf", hf, pattern=False)
+    write_gguf(tmp_path / "six.gguf", hf, "gemma3", gemma3_metadata(hf, pattern=False))
     config = load_model_config(str(tmp_path / "six.gguf"))
     assert config.architecture == "gemma3" and config.extra["query_pre_attn_scalar"] == 16
     assert config.extra["layer_types"] == ["sliding_attention"] * 4  # layer 5 would be the first global one

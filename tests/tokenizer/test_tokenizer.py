@@ -326,6 +326,23 @@ def test_sentencepiece_gguf_matches_transformers(tiny_sentencepiece_gguf):
     )
 
 
+def test_phi3_sentencepiece_gguf_matches_transformers(tiny_sentencepiece_gguf, tmp_path):
+    """Phi-3's vocabulary is Llama's, but its prefix space comes from a normalizer: text starting with spaces
+    keeps one more than Llama's pre-tokenizer gives it (transformers' GGUF Phi-3 tokenizer is the reference)."""
+    reader = gguf.GGUFReader(str(tiny_sentencepiece_gguf))
+    keys = ("tokenizer.ggml.model", "tokenizer.ggml.tokens", "tokenizer.ggml.scores", "tokenizer.ggml.token_type",
+            "tokenizer.ggml.bos_token_id", "tokenizer.ggml.eos_token_id", "tokenizer.ggml.unknown_token_id")
+    kinds = (S, A, A, A, U32, U32, U32)
+    path = _write_gguf(tmp_path / "tiny-phi3.gguf", {k: (reader.fields[k].contents(), t) for k, t in zip(keys, kinds)},
+                       arch="phi3")
+    ours, llama = Tokenizer.from_gguf(path), Tokenizer.from_gguf(tiny_sentencepiece_gguf)
+    theirs = AutoTokenizer.from_pretrained(str(tmp_path), gguf_file=path.name)
+    assert json.loads(ours.backend.to_str()) == json.loads(theirs.backend_tokenizer.to_str())
+    for text in ["hello world", "  Hello  world\n", "héllo <|user|> wörld", ""]:
+        assert ours.encode(text) == theirs.encode(text)
+    assert len(ours.encode("  hello")) == len(llama.encode("  hello")) + 1
+
+
 def test_gemma3_sentencepiece_gguf_matches_transformers(tmp_path):
     """Gemma's vocabulary as llama.cpp writes it: no merges, scores that do not rank them (file order does), a token
     of two spaces stored as spaces, no prefix space; transformers' GGUF Gemma tokenizer is the reference."""

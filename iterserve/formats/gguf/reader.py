@@ -8,11 +8,12 @@ from collections.abc import Callable
 from typing import Any
 
 import gguf
+import numpy as np
 
 from iterserve.config import ModelConfig
 
 _GGUF_ARCHS = {"llama": "llama", "mistral": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "qwen3moe": "qwen3",
-               "gemma3": "gemma3"}
+               "gemma3": "gemma3", "phi3": "phi3"}
 
 
 def open_gguf(path: str | os.PathLike[str]) -> gguf.GGUFReader:
@@ -41,7 +42,7 @@ def interleaves_rope(reader: gguf.GGUFReader) -> bool:
 
 
 def gguf_config(reader: gguf.GGUFReader, name: str = "") -> ModelConfig:
-    """A ModelConfig from GGUF metadata (llama, qwen2, qwen3 and gemma3 architectures)."""
+    """A ModelConfig from GGUF metadata (llama, qwen2, qwen3, gemma3 and phi3 architectures)."""
     arch = gguf_field(reader, "general.architecture")
     if arch not in _GGUF_ARCHS:
         raise ValueError(
@@ -61,9 +62,10 @@ def gguf_config(reader: gguf.GGUFReader, name: str = "") -> ModelConfig:
         rope_scaling = {"rope_type": "linear", "factor": g("rope.scaling.factor")}
     elif g("rope.scaling.type") not in (None, "none"):
         raise ValueError(f"unsupported RoPE scaling {g('rope.scaling.type')!r} in GGUF file")
-    if arch == "gemma3":
-        return ModelConfig.from_hf_config(gemma3_hf_config(reader, g, rope_scaling, vocab, has_output),
-                                          name or gguf_field(reader, "general.name", ""))
+    if arch in ("gemma3", "phi3"):
+        hf = gemma3_hf_config(reader, g, rope_scaling, vocab, has_output) if arch == "gemma3" \
+            else phi3_hf_config(reader, g, vocab, has_output)
+        return ModelConfig.from_hf_config(hf, name or gguf_field(reader, "general.name", ""))
     return gguf_moe_config(ModelConfig(
         architecture=_GGUF_ARCHS[arch],
         vocab_size=int(vocab),
@@ -112,6 +114,35 @@ def gemma3_hf_config(reader: gguf.GGUFReader, g: Callable[..., Any], rope_scalin
         "rope_local_base_freq": float(g("rope.freq_base_swa", 10_000.0)), "sliding_window": window,
         "layer_types": types, "query_pre_attn_scalar": hidden // heads if layers == 62 else head_dim,
         "final_logit_softcapping": g("final_logit_softcapping"), "tie_word_embeddings": not has_output,
+        "bos_token_id": gguf_field(reader, "tokenizer.ggml.bos_token_id"),
+        "eos_token_id": gguf_field(reader, "tokenizer.ggml.eos_token_id"),
+    }
+
+
+def phi3_hf_config(reader: gguf.GGUFReader, g: Callable[..., Any], vocab: int, has_output: bool) -> dict[str, Any]:
+    """Phi-3's ``config.json`` rebuilt from what llama.cpp writes (its ``Phi3MiniModel`` conversion): longrope's
+    factors as the ``rope_factors_long``/``rope_factors_short`` tensors, the rotated share of a head as
+    ``rope.dimension_count``, no window written as 0 (Phi-4)."""
+    hidden, heads = int(g("embedding_length")), int(g("attention.head_count"))
+    factors = {t.name: [float(x) for x in np.asarray(t.data, dtype=np.float32)] for t in reader.tensors
+               if t.name in ("rope_factors_long.weight", "rope_factors_short.weight")}
+    context = int(g("context_length", 4096))
+    original = int(g("rope.scaling.original_context_length", context))
+    rope_scaling = None
+    if factors:
+        rope_scaling = {"rope_type": "longrope", "long_factor": factors["rope_factors_long.weight"],
+                        "short_factor": factors["rope_factors_short.weight"],
+                        "original_max_position_embeddings": original,
+                        "attention_factor": g("rope.scaling.attn_factor")}
+    return {
+        "architectures": ["Phi3ForCausalLM"], "vocab_size": int(vocab), "hidden_size": hidden,
+        "intermediate_size": int(g("feed_forward_length")), "num_hidden_layers": int(g("block_count")),
+        "num_attention_heads": heads, "num_key_value_heads": int(g("attention.head_count_kv", heads)),
+        "max_position_embeddings": context, "original_max_position_embeddings": original,
+        "rms_norm_eps": float(g("attention.layer_norm_rms_epsilon", 1e-5)),
+        "rope_theta": float(g("rope.freq_base", 10000.0)), "rope_scaling": rope_scaling,
+        "partial_rotary_factor": int(g("rope.dimension_count", hidden // heads)) / (hidden // heads),
+        "sliding_window": g("attention.sliding_window") or None, "tie_word_embeddings": not has_output,
         "bos_token_id": gguf_field(reader, "tokenizer.ggml.bos_token_id"),
         "eos_token_id": gguf_field(reader, "tokenizer.ggml.eos_token_id"),
     }

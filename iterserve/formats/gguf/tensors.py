@@ -40,6 +40,10 @@ _GGUF_NAMES = {
 # Gemma 3's four norms a layer: its ffn_norm comes before the MLP, and the two sublayers' outputs have their own
 _GEMMA3_NAMES = {**_GGUF_NAMES, "ffn_norm": "pre_feedforward_layernorm",
                  "post_attention_norm": "post_attention_layernorm", "post_ffw_norm": "post_feedforward_layernorm"}
+# Phi-3's checkpoints fuse q/k/v and gate/up, and llama.cpp keeps them fused
+_PHI3_NAMES = {**_GGUF_NAMES, "attn_qkv": "self_attn.qkv_proj", "ffn_up": "mlp.gate_up_proj"}
+_NAMES = {"gemma3": _GEMMA3_NAMES, "phi3": _PHI3_NAMES}
+ROPE_FACTORS = ("rope_factors_long.weight", "rope_factors_short.weight")  # Phi-3's longrope: config, not weights
 
 
 @dataclass
@@ -64,7 +68,7 @@ def gguf_to_hf_name(name: str, config: ModelConfig, permute: bool) -> tuple[str,
     if name == "output.weight":
         return "lm_head.weight", None
     _, layer, kind, suffix = name.split(".", 3)
-    names = _GEMMA3_NAMES if config.architecture == "gemma3" else _GGUF_NAMES
+    names = _NAMES.get(config.architecture, _GGUF_NAMES)
     if kind not in names:
         raise ValueError(f"unexpected GGUF tensor {name!r}")
     heads = None
@@ -89,6 +93,8 @@ def gguf_tensors(reader: gguf.GGUFReader, config: ModelConfig, keep_blocks: bool
     kept = gguf_block_tensors((t.name, t.tensor_type.name, len(t.shape)) for t in reader.tensors) if keep_blocks \
         else {}
     for t in reader.tensors:
+        if t.name in ROPE_FACTORS:
+            continue
         hf, heads = gguf_to_hf_name(t.name, config, permute)
         if t.name in kept and len(t.shape) == 3:  # a MoE layer's experts: [experts, n, k], expert-major
             experts, n, k = int(t.shape[2]), int(t.shape[1]), int(t.shape[0])

@@ -37,9 +37,7 @@ GGUF_PRE_TOKENIZER_SPLITS = {
     "qwen2": _QWEN2_SPLIT,  # Qwen2, Qwen2.5, Qwen3
 }
 
-# SentencePiece vocabularies whose GGUF needs a pipeline other than Llama's; transformers has
-# per-architecture builders for these that we do not replicate.
-_UNSUPPORTED_SENTENCEPIECE_ARCHS = frozenset({"phi3"})
+# SentencePiece vocabularies that transformers builds otherwise than Llama's (its GGUF Gemma tokenizer)
 _GEMMA_ARCHS = frozenset({"gemma", "gemma2", "gemma3"})
 
 
@@ -72,12 +70,14 @@ def gguf_vocabulary(reader: gguf.GGUFReader, name: str) -> GGUFVocabulary:
         backend = _byte_level_backend(tokens, merges or [], field("tokenizer.ggml.pre"))
     elif kind == "llama":
         arch = field("general.architecture")
-        if arch in _UNSUPPORTED_SENTENCEPIECE_ARCHS:
-            raise ValueError(f"{name}: the SentencePiece tokenizer of architecture {arch!r} is not supported")
         scores = field("tokenizer.ggml.scores")
         if merges is None and scores is None:
             raise ValueError(f"{name}: a 'llama' tokenizer needs tokenizer.ggml.merges or tokenizer.ggml.scores")
         backend = _gemma_backend(tokens) if arch in _GEMMA_ARCHS else _sentencepiece_backend(tokens, merges, scores)
+        if arch == "phi3":  # its prefix space comes from a normalizer (transformers' GGUF Phi-3 tokenizer)
+            backend.normalizer = normalizers.Sequence([normalizers.Prepend("\u2581"),
+                                                       normalizers.Replace(" ", "\u2581")])
+            backend.pre_tokenizer = None
         # Older files have no flag; llama.cpp adds BOS to a SentencePiece vocabulary unless told not to.
         add_bos = True if add_bos is None else add_bos
     else:
