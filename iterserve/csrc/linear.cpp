@@ -128,21 +128,21 @@ inline void tile_pairs(const uint32_t* x, int64_t xs, const c10::BFloat16* p, in
 }
 #endif
 
-// y[m, c0 + c] = out[m, c] + bias[c0 + c] for the tile's rows and real columns, rounded to T.
-template <typename T>
+// y[m, c0 + c] = out[m, c] + bias[c0 + c] for the tile's rows and real columns, rounded to Y.
+template <typename Y>
 inline void store_rows(const float* out, int64_t out_stride, int rows, int64_t c0, int64_t cols, const float* bias,
-                       T* y, int64_t N) {
+                       Y* y, int64_t N) {
   for (int m = 0; m < rows; ++m) {
-    T* yr = y + m * N + c0;
+    Y* yr = y + m * N + c0;
     const float* o = out + m * out_stride;
-    for (int64_t c = 0; c < cols; ++c) yr[c] = static_cast<T>(o[c] + (bias ? bias[c0 + c] : 0.f));
+    for (int64_t c = 0; c < cols; ++c) yr[c] = static_cast<Y>(o[c] + (bias ? bias[c0 + c] : 0.f));
   }
 }
 
 // Rows [0, MR) against blocks [b0, b0 + nb) into y (plus bias), through a float tile of NB blocks.
-template <typename T, int MR, int NB = nb_for(MR)>
+template <typename T, int MR, int NB = nb_for(MR), typename Y>
 void rows_tile(const void* xin, int64_t xs, const T* packed, int64_t bstride, int64_t K, int64_t b0, int nb,
-               const float* bias, T* y, int64_t N, const char* ahead, int64_t ahead_lines) {
+               const float* bias, Y* y, int64_t N, const char* ahead, int64_t ahead_lines) {
   alignas(64) float out[MR * NB * kV];
   const T* p = packed + b0 * bstride;
   if constexpr (pairs<T>()) {
@@ -210,8 +210,9 @@ inline void amx_tile(const c10::BFloat16* x, int64_t x_row_bytes, const c10::BFl
 }
 
 // One thread's blocks [b0, b1) for every row, 16 rows at a time, on AMX tiles.
+template <typename Y>
 void run_blocks_amx(const char* x, int64_t x_row_bytes, int64_t M, const c10::BFloat16* packed, int64_t bstride,
-                    int64_t K2, int64_t b0, int64_t b1, const float* bias, c10::BFloat16* y, int64_t N) {
+                    int64_t K2, int64_t b0, int64_t b1, const float* bias, Y* y, int64_t N) {
   alignas(64) float out[kAmxRows * kAmxNB * 16];
   int configured = 0;
   for (int64_t g = b0; g < b1; g += kGroup) {
@@ -232,9 +233,9 @@ void run_blocks_amx(const char* x, int64_t x_row_bytes, int64_t M, const c10::BF
 #endif
 
 // One thread's blocks [b0, b1) for up to 8 rows: the weight streams through once, a register tile at a time.
-template <typename T, int MR>
+template <typename T, int MR, typename Y>
 void rows_walk(const void* x, int64_t xs, const T* packed, int64_t bstride, int64_t K, int64_t b0, int64_t b1,
-               const float* bias, T* y, int64_t N) {
+               const float* bias, Y* y, int64_t N) {
   constexpr int NB = nb_for(MR);
   for (int64_t b = b0; b < b1; b += NB)
     rows_tile<T, MR>(x, xs, packed, bstride, K, b, static_cast<int>(std::min<int64_t>(NB, b1 - b)), bias, y, N,
@@ -265,11 +266,11 @@ namespace iterserve {
 // fetch of the next tile into L2, so that the memory stays busy while the later row groups compute (see
 // tile): one row group streaming a whole group alone, then the others computing alone, serializes reading
 // and computing.
-template <typename T>
+template <typename T, typename Y>
 void run_blocks(const char* x, int64_t x_row_bytes, int64_t xs, int64_t M, const T* packed, int64_t bstride,
-                int64_t K, int64_t b0, int64_t b1, const float* bias, T* y, int64_t N) {
+                int64_t K, int64_t b0, int64_t b1, const float* bias, Y* y, int64_t N) {
   if (M <= kMaxMR) {
-    with_rows(M, [&]<int MR>() { rows_walk<T, MR>(x, xs, packed, bstride, K, b0, b1, bias, y, N); });
+    with_rows(M, [&]<int MR>() { rows_walk<T, MR, Y>(x, xs, packed, bstride, K, b0, b1, bias, y, N); });
     return;
   }
   constexpr int NB = nb_for(kMaxMR);
@@ -289,12 +290,17 @@ void run_blocks(const char* x, int64_t x_row_bytes, int64_t xs, int64_t M, const
   }
 }
 
-template void run_blocks<float>(const char*, int64_t, int64_t, int64_t, const float*, int64_t, int64_t, int64_t,
-                                int64_t, const float*, float*, int64_t);
-template void run_blocks<c10::BFloat16>(const char*, int64_t, int64_t, int64_t, const c10::BFloat16*, int64_t,
-                                        int64_t, int64_t, int64_t, const float*, c10::BFloat16*, int64_t);
-template void run_blocks<c10::Half>(const char*, int64_t, int64_t, int64_t, const c10::Half*, int64_t, int64_t,
-                                    int64_t, int64_t, const float*, c10::Half*, int64_t);
+template void run_blocks<float, float>(const char*, int64_t, int64_t, int64_t, const float*, int64_t, int64_t,
+                                       int64_t, int64_t, const float*, float*, int64_t);
+template void run_blocks<c10::BFloat16, c10::BFloat16>(const char*, int64_t, int64_t, int64_t, const c10::BFloat16*,
+                                                       int64_t, int64_t, int64_t, int64_t, const float*,
+                                                       c10::BFloat16*, int64_t);
+template void run_blocks<c10::Half, c10::Half>(const char*, int64_t, int64_t, int64_t, const c10::Half*, int64_t,
+                                               int64_t, int64_t, int64_t, const float*, c10::Half*, int64_t);
+template void run_blocks<c10::BFloat16, float>(const char*, int64_t, int64_t, int64_t, const c10::BFloat16*, int64_t,
+                                               int64_t, int64_t, int64_t, const float*, float*, int64_t);
+template void run_blocks<c10::Half, float>(const char*, int64_t, int64_t, int64_t, const c10::Half*, int64_t,
+                                           int64_t, int64_t, int64_t, const float*, float*, int64_t);
 
 }  // namespace iterserve
 
@@ -318,7 +324,7 @@ inline int64_t balanced_chunk(int64_t blocks, int64_t threads, int64_t per, int6
   return best;
 }
 
-template <typename T>
+template <typename T, typename Y>
 void packed_linear_impl(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& bias, at::Tensor& y,
                         int64_t amx_min_rows) {
   const int64_t M = x.size(0), K = x.size(1), N = y.size(1);
@@ -337,7 +343,7 @@ void packed_linear_impl(const at::Tensor& x, const at::Tensor& packed, const at:
   const at::Tensor bf = bias.defined() ? bias.to(at::kFloat).contiguous() : bias;
   const float* bp = bf.defined() ? bf.data_ptr<float>() : nullptr;
   const T* wp = packed.data_ptr<T>();
-  T* yp = y.data_ptr<T>();
+  Y* yp = y.data_ptr<Y>();
   // Up to 8 rows (memory-bound): chunks of whole register tiles, at least four per thread so that a thread that
   // starts late or runs slower leaves less of the weight to the others, at most kGroup blocks, split so that no
   // thread gets more blocks than it must. Chunks of 4 blocks (o and down of SmolLM2, 36 blocks) left 8 rows a
@@ -363,7 +369,7 @@ void packed_linear_impl(const at::Tensor& x, const at::Tensor& packed, const at:
       }
     }
 #endif
-    run_blocks<T>(xp, x_row_bytes, xs, M, wp, bstride, Kw, b0, b1, bp, yp, N);
+    run_blocks<T, Y>(xp, x_row_bytes, xs, M, wp, bstride, Kw, b0, b1, bp, yp, N);
   });
 }
 
@@ -388,9 +394,10 @@ at::Tensor pack_linear_weight(const at::Tensor& w) {
   return padded.view({blocks, kV, K}).transpose(1, 2).contiguous();
 }
 
-// x [M, K] @ W^T (+ bias) -> [M, N] in x's dtype, W given as pack_linear_weight(W).
+// x [M, K] @ W^T (+ bias) -> [M, N] in x's dtype (float32 with float_out: logits not rounded to bf16, whose
+// steps tie close candidates), W given as pack_linear_weight(W).
 at::Tensor packed_linear(const at::Tensor& x, const at::Tensor& packed, int64_t N, const c10::optional<at::Tensor>& bias,
-                         int64_t amx_min_rows) {
+                         int64_t amx_min_rows, bool float_out) {
   TORCH_CHECK(x.dim() == 2 && x.stride(1) == 1, "packed_linear: x [rows, K] with contiguous rows expected");
   TORCH_CHECK(packed.scalar_type() == x.scalar_type() && packed.is_contiguous(), "packed_linear: weight dtype != x");
   TORCH_CHECK(packed.size(0) == (N + kV - 1) / kV && (packed.size(1) == x.size(1) || (packed.dim() == 4 &&
@@ -398,18 +405,26 @@ at::Tensor packed_linear(const at::Tensor& x, const at::Tensor& packed, int64_t 
               "packed_linear: weight packed for another shape or vector width");
   const at::Tensor b = bias.has_value() ? *bias : at::Tensor();
   TORCH_CHECK(!b.defined() || b.numel() == N, "packed_linear: bias must have N elements");
-  at::Tensor y = at::empty({x.size(0), N}, x.options());
+  const bool to_float = float_out && x.scalar_type() != at::kFloat;
+  at::Tensor y = at::empty({x.size(0), N}, to_float ? x.options().dtype(at::kFloat) : x.options());
   if (x.size(0) == 0) return y;
   AT_DISPATCH_SWITCH(x.scalar_type(), "packed_linear",
-                     AT_DISPATCH_CASE(at::kFloat, [&] { packed_linear_impl<scalar_t>(x, packed, b, y, amx_min_rows); })
-                     AT_DISPATCH_CASE(at::kBFloat16, [&] { packed_linear_impl<scalar_t>(x, packed, b, y, amx_min_rows); })
-                     AT_DISPATCH_CASE(at::kHalf, [&] { packed_linear_impl<scalar_t>(x, packed, b, y, amx_min_rows); }));
+    AT_DISPATCH_CASE(at::kFloat, [&] { packed_linear_impl<scalar_t, scalar_t>(x, packed, b, y, amx_min_rows); })
+    AT_DISPATCH_CASE(at::kBFloat16, [&] {
+      if (to_float) packed_linear_impl<scalar_t, float>(x, packed, b, y, amx_min_rows);
+      else packed_linear_impl<scalar_t, scalar_t>(x, packed, b, y, amx_min_rows);
+    })
+    AT_DISPATCH_CASE(at::kHalf, [&] {
+      if (to_float) packed_linear_impl<scalar_t, float>(x, packed, b, y, amx_min_rows);
+      else packed_linear_impl<scalar_t, scalar_t>(x, packed, b, y, amx_min_rows);
+    }));
   return y;
 }
 
 TORCH_LIBRARY_FRAGMENT(iterserve, m) {
   m.def("pack_linear_weight(Tensor w) -> Tensor");
-  m.def("packed_linear(Tensor x, Tensor packed, int N, Tensor? bias=None, int amx_min_rows=8) -> Tensor");
+  m.def("packed_linear(Tensor x, Tensor packed, int N, Tensor? bias=None, int amx_min_rows=8, bool float_out=False) "
+        "-> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(iterserve, CPU, m) {

@@ -35,10 +35,11 @@ constexpr int64_t kPairAlign = 1;
 #endif
 
 // One thread's blocks [b0, b1) of a packed weight for the M rows of x, into y[m, b * kV + c] (plus bias) for
-// the columns below N, the row stride of y. x as the kernel reads it: bf16 k-pairs as 32-bit words (xs words a
-// row) for a k-pair weight, else float32 (xs floats a row); K: the weight's k (or k-pair) count.
-template <typename T>
+// the columns below N, the row stride of y (in T, or float32 for the LM head's logits). x as the kernel reads it:
+// bf16 k-pairs as 32-bit words (xs words a row) for a k-pair weight, else float32 (xs floats a row); K: the
+// weight's k (or k-pair) count.
+template <typename T, typename Y = T>
 void run_blocks(const char* x, int64_t x_row_bytes, int64_t xs, int64_t M, const T* packed, int64_t bstride,
-                int64_t K, int64_t b0, int64_t b1, const float* bias, T* y, int64_t N);
+                int64_t K, int64_t b0, int64_t b1, const float* bias, Y* y, int64_t N);
 
 }  // namespace iterserve

@@ -39,7 +39,7 @@ void write_kv_quant(const at::Tensor& k, const at::Tensor& v, at::Tensor k_cache
 
 // linear.cpp
 at::Tensor packed_linear(const at::Tensor& x, const at::Tensor& packed, int64_t N, const c10::optional<at::Tensor>& bias,
-                         int64_t amx_min_rows);
+                         int64_t amx_min_rows, bool float_out = false);
 
 // lora.cpp
 at::Tensor lora_add_(at::Tensor out, const at::Tensor& x, const std::vector<c10::optional<at::Tensor>>& a,

@@ -163,7 +163,8 @@ class ParallelLMHead(LinearBase):
         self.rows.load(self.weight, name, tensor)
 
     def forward(self, x: torch.Tensor, delta: LinearDelta | None = None) -> torch.Tensor:
-        logits = self.ps.gather_last_dim(self.matmul(x))
+        """Float32 logits (the method's ``logits``: where its kernel sums in float32, not rounded to bf16)."""
+        logits = self.ps.gather_last_dim(self.method.logits(self, x))
         return logits[..., :self.rows.vocab_size] if self.ps.is_parallel else logits
 
 

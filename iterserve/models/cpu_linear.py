@@ -61,6 +61,10 @@ class PackedLinear(LinearMethod):
         packed = typing.cast(torch.Tensor, layer.packed)  # a buffer: get_buffer's lookup would cost every call
         return self.ops.packed_linear(x, packed, layer.out_features, layer.bias, AMX_MIN_ROWS)
 
+    def logits(self, layer: LinearBase, x: torch.Tensor) -> torch.Tensor:
+        packed = typing.cast(torch.Tensor, layer.packed)
+        return self.ops.packed_linear(x, packed, layer.out_features, layer.bias, AMX_MIN_ROWS, float_out=True)
+
     def native(self, layer: LinearBase) -> NativeLinear:
         return NativeLinear(LinearKind.COLUMN_BLOCKED, [layer.get_buffer("packed")], layer.out_features, layer.bias,
                             amx_min_rows=AMX_MIN_ROWS)

@@ -62,6 +62,11 @@ class LinearMethod:
         """``x [rows, in_features] -> [rows, out_features]``: ``x @ layer.weight^T``, plus the bias if any."""
         raise NotImplementedError
 
+    def logits(self, layer: LinearBase, x: torch.Tensor) -> torch.Tensor:
+        """``apply`` in float32, for the LM head: a method whose kernel accumulates in float32 returns its sums
+        unrounded (bf16's steps of 0.125 at a logit of 25 tie close candidates); by default ``apply``'s, widened."""
+        return self.apply(layer, x).float()
+
     def dense_weight(self, layer: LinearBase) -> torch.Tensor:
         """The layer's ``[out, in]`` weight as ``F.linear`` takes it, rebuilt from the method's own format
         if it released the plain one (for inspection and tests, not for the hot path)."""

@@ -109,9 +109,9 @@ class CpuOps(ReferenceOps):
         return out
 
     def packed_linear(self, x: torch.Tensor, packed: torch.Tensor, out_features: int, bias: torch.Tensor | None,
-                      amx_min_rows: int) -> torch.Tensor:
-        """``x @ W^T (+ bias)`` with ``W`` from :meth:`pack_linear_weight`."""
-        out: torch.Tensor = self.extension.packed_linear(x, packed, out_features, bias, amx_min_rows)
+                      amx_min_rows: int, float_out: bool = False) -> torch.Tensor:
+        """``x @ W^T (+ bias)`` with ``W`` from :meth:`pack_linear_weight`; in float32 with ``float_out``."""
+        out: torch.Tensor = self.extension.packed_linear(x, packed, out_features, bias, amx_min_rows, float_out)
         return out
 
     def lora_add_(self, out: torch.Tensor, x: torch.Tensor, a: list[torch.Tensor | None], b: list[torch.Tensor],

@@ -52,6 +52,24 @@ def test_packed_linear_matches_f_linear(dtype, k, n, bias):
 
 
 @needs_build
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_float_out_gives_the_sums_before_rounding(dtype):
+    """The LM head's logits (``float_out``): the float32 sums the bf16/fp16 output rounds, bit for bit, on the vector
+    path and AMX tiles, and within float32's error of the exact products; a row alone as in a batch."""
+    g = torch.Generator().manual_seed(3)
+    k, n = 576, 1000
+    w, b = torch.randn(n, k, generator=g).to(dtype), torch.randn(n, generator=g).to(dtype)
+    packed = OPS.pack_linear_weight(w)
+    x = torch.randn(9, k, generator=g).to(dtype)
+    for amx_min_rows in (1, 1 << 30):
+        logits = OPS.packed_linear(x, packed, n, b, amx_min_rows, True)
+        assert logits.dtype == torch.float32
+        assert torch.equal(logits.to(dtype), OPS.packed_linear(x, packed, n, b, amx_min_rows))
+        close(logits, reference(x, w, b), torch.float32, k)
+        assert torch.equal(OPS.packed_linear(x[4:5], packed, n, b, amx_min_rows, True), logits[4:5])
+
+
+@needs_build
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_a_row_gets_the_same_bits_alone_or_in_any_batch(dtype):
     """Each row's sums run in one order whatever the other rows: batching never changes a greedy token."""
@@ -98,6 +116,19 @@ def test_a_model_on_the_packed_kernel_matches_transformers(family):
     ids = torch.randint(0, ours.config.vocab_size, (12,), generator=torch.Generator().manual_seed(0))
     got = run_ours(ours, ids, [7, 3, 1, 1])
     torch.testing.assert_close(got, hf(ids[None]).logits[0], atol=2e-5, rtol=1e-4)
+
+
+@needs_build
+def test_a_bf16_model_on_the_packed_kernel_gives_logits_not_rounded_to_bf16():
+    """The LM head hands back its float32 sums: the logits of a bf16 model are not on bf16's grid."""
+    _, ours = hf_pair(FAMILIES["smollm2-tied"])
+    ours = ours.to(torch.bfloat16)
+    process_weights(ours, lambda layer: PackedLinear(OPS))
+    ids = torch.randint(0, ours.config.vocab_size, (12,), generator=torch.Generator().manual_seed(0))
+    logits = run_ours(ours, ids, [7, 3, 1, 1])
+    assert logits.dtype == torch.float32 and not torch.equal(logits, logits.bfloat16().float())
+    x = torch.randn(3, ours.config.hidden_size).to(torch.bfloat16)
+    assert torch.equal(ours.lm_head(x).bfloat16(), ours.lm_head.matmul(x))  # the same sums, rounded
 
 
 class Slow(LinearMethod):
