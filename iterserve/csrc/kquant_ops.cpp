@@ -182,7 +182,8 @@ void check_weight(const at::Tensor& w, int64_t type, int64_t k) {
 
 // x [M, K] (float32/bfloat16/float16) times the weights `ws` (GGUF types `types`, each [n_i, row bytes])
 // stacked by rows -> [M, sum n_i] in x's dtype.
-at::Tensor kgemm(const at::Tensor& x, at::TensorList ws, at::IntArrayRef types, at::IntArrayRef ns, int64_t isa) {
+at::Tensor kgemm(const at::Tensor& x, at::TensorList ws, at::IntArrayRef types, at::IntArrayRef ns, int64_t isa,
+                 bool float_out) {
   TORCH_CHECK(x.dim() == 2 && x.stride(1) == 1 && x.device().is_cpu(), "x must be a 2-D CPU tensor, rows contiguous");
   TORCH_CHECK(ws.size() == types.size() && ws.size() == ns.size() && !ws.empty(), "one type and row count per weight");
   const int64_t m = x.size(0), k = x.size(1);
@@ -200,7 +201,7 @@ at::Tensor kgemm(const at::Tensor& x, at::TensorList ws, at::IntArrayRef types, 
   TORCH_CHECK(isa >= kScalar && isa <= best_isa(), "isa ", isa, " is not built for this machine (best: ", best_isa(),
               ")");
   const int64_t n = first_col.back();
-  at::Tensor out = at::empty({m, n}, x.options());
+  at::Tensor out = at::empty({m, n}, float_out ? x.options().dtype(at::kFloat) : x.options());
   if (m == 0 || n == 0 || k == 0) return out;
   thread_local QuantizedRows buffer;
   QuantizedRows& a = buffer;
@@ -209,7 +210,7 @@ at::Tensor kgemm(const at::Tensor& x, at::TensorList ws, at::IntArrayRef types, 
   Activations act{a, {}, k / kGroup};
   sums_of_16(a, k, act.sum16);
   const int64_t units = (k + kUnit - 1) / kUnit;
-  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, x.scalar_type(), "kgemm", [&] {
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, out.scalar_type(), "kgemm", [&] {
     scalar_t* op = out.data_ptr<scalar_t>();
     iterserve::parallel_chunks(first_tile.back(), 4, [&](int64_t begin, int64_t end) {
       Tile tile;
@@ -287,7 +288,7 @@ at::Tensor krows(const at::Tensor& w, int64_t type, const at::Tensor& ids, int64
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(iterserve, m) {
-  m.def("kgemm(Tensor x, Tensor[] w, int[] types, int[] n, int isa=0) -> Tensor");
+  m.def("kgemm(Tensor x, Tensor[] w, int[] types, int[] n, int isa=0, bool float_out=False) -> Tensor");
   m.def("krows(Tensor w, int type, Tensor ids, int k, ScalarType dtype, int rows=-1) -> Tensor");
 }
 

@@ -47,7 +47,9 @@ at::Tensor lora_add_(at::Tensor out, const at::Tensor& x, const std::vector<c10:
                      const c10::optional<at::Tensor>& row_slots);
 
 // quant_ops.cpp
-at::Tensor qgemm(const at::Tensor& x, const at::Tensor& w, int64_t n, int64_t bits, int64_t isa);
+at::Tensor qgemm(const at::Tensor& x, const at::Tensor& w, int64_t n, int64_t bits, int64_t isa,
+                 bool float_out = false);
 
 // kquant_ops.cpp
-at::Tensor kgemm(const at::Tensor& x, at::TensorList ws, at::IntArrayRef types, at::IntArrayRef ns, int64_t isa);
+at::Tensor kgemm(const at::Tensor& x, at::TensorList ws, at::IntArrayRef types, at::IntArrayRef ns, int64_t isa,
+                 bool float_out = false);

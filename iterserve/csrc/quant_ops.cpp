@@ -219,7 +219,7 @@ constexpr int64_t kRowGroup = 16;
 
 // x [M, K] (float32/bfloat16/float16) times the packed weight [tiles, blocks, tile_block_bytes] ->
 // [M, n] in x's dtype.
-at::Tensor qgemm(const at::Tensor& x, const at::Tensor& w, int64_t n, int64_t bits, int64_t isa) {
+at::Tensor qgemm(const at::Tensor& x, const at::Tensor& w, int64_t n, int64_t bits, int64_t isa, bool float_out) {
   TORCH_CHECK(bits == 4 || bits == 8, "bits must be 4 or 8, got ", bits);
   TORCH_CHECK(x.dim() == 2 && x.stride(1) == 1, "x must be a 2-D tensor with contiguous rows");
   TORCH_CHECK(w.dim() == 3 && w.scalar_type() == at::kByte && w.is_contiguous(), "w must be a packed uint8 tensor");
@@ -233,7 +233,7 @@ at::Tensor qgemm(const at::Tensor& x, const at::Tensor& w, int64_t n, int64_t bi
   TORCH_CHECK(isa >= kScalar && isa <= best_isa(), "isa ", isa, " is not built for this machine (best: ",
               best_isa(), ")");
   const int64_t m = x.size(0), tiles = w.size(0);
-  at::Tensor out = at::empty({m, n}, x.options());
+  at::Tensor out = at::empty({m, n}, float_out ? x.options().dtype(at::kFloat) : x.options());
   if (m == 0 || n == 0) return out;
   // One buffer per calling thread, reused: no allocation per call (a decode step makes one call per layer).
   // Named through a reference: a lambda run on another thread would name that thread's own instance.
@@ -244,7 +244,7 @@ at::Tensor qgemm(const at::Tensor& x, const at::Tensor& w, int64_t n, int64_t bi
   });
   const uint8_t* wp = w.data_ptr<uint8_t>();
   const int64_t tile_bytes = w.size(1) * w.size(2);
-  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, x.scalar_type(), "qgemm", [&] {
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, out.scalar_type(), "qgemm", [&] {
     scalar_t* op = out.data_ptr<scalar_t>();
     // The kernels' pool (parallel.h), not torch's OpenMP team: a CPU engine gives its threads to the pool.
     // Twelve tiles (192 columns) a chunk: a thread streams that many contiguous tiles between claims, few
@@ -305,7 +305,7 @@ at::Tensor qrows(const at::Tensor& w, const at::Tensor& ids, int64_t n, int64_t 
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(iterserve, m) {
-  m.def("qgemm(Tensor x, Tensor w, int n, int bits, int isa=0) -> Tensor");
+  m.def("qgemm(Tensor x, Tensor w, int n, int bits, int isa=0, bool float_out=False) -> Tensor");
   m.def("qrows(Tensor w, Tensor ids, int n, int k, int bits, ScalarType dtype) -> Tensor");
   m.def("quant_best_isa() -> int", &best_isa);
 }

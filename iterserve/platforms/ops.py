@@ -123,9 +123,10 @@ class CpuOps(ReferenceOps):
 
     # -- quantized matmuls (csrc/quant_ops.cpp) ----------------------------------------------------------------
 
-    def qgemm(self, x: torch.Tensor, data: torch.Tensor, n: int, bits: int, isa: int) -> torch.Tensor:
-        """``x [rows, k] @ W^T`` for ``W`` in 4/8-bit quantized blocks."""
-        out: torch.Tensor = self.extension.qgemm(x, data, n, bits, isa)
+    def qgemm(self, x: torch.Tensor, data: torch.Tensor, n: int, bits: int, isa: int,
+              float_out: bool = False) -> torch.Tensor:
+        """``x [rows, k] @ W^T`` for ``W`` in 4/8-bit quantized blocks; in float32 with ``float_out``."""
+        out: torch.Tensor = self.extension.qgemm(x, data, n, bits, isa, float_out)
         return out
 
     def qrows(self, data: torch.Tensor, rows: torch.Tensor, n: int, k: int, bits: int,
@@ -135,9 +136,10 @@ class CpuOps(ReferenceOps):
         return out
 
     def kgemm(self, x: torch.Tensor, raws: list[torch.Tensor], type_ids: list[int], part_rows: list[int],
-              isa: int) -> torch.Tensor:
-        """``x [rows, k] @ W^T`` for ``W`` in GGUF blocks as stored, one part per tensor of ``raws``."""
-        out: torch.Tensor = self.extension.kgemm(x, raws, type_ids, part_rows, isa)
+              isa: int, float_out: bool = False) -> torch.Tensor:
+        """``x [rows, k] @ W^T`` for ``W`` in GGUF blocks as stored, one part per tensor of ``raws``; in float32
+        with ``float_out``."""
+        out: torch.Tensor = self.extension.kgemm(x, raws, type_ids, part_rows, isa, float_out)
         return out
 
     def krows(self, raw: torch.Tensor, type_id: int, rows: torch.Tensor, k: int, dtype: torch.dtype,

@@ -180,14 +180,14 @@ def _dequantize_part(p: GGUFPart, k: int, rows: torch.Tensor | None = None) -> t
     return torch.from_numpy(np.ascontiguousarray(values).reshape(-1, k)).to(p.raw.device)
 
 
-def linear(x: torch.Tensor, w: GGUFWeight, isa: int = 0) -> torch.Tensor:
-    """``x @ w.T`` for ``x [..., k]``: the C++ kernel on the CPU (``isa`` as in
+def linear(x: torch.Tensor, w: GGUFWeight, isa: int = 0, float_out: bool = False) -> torch.Tensor:
+    """``x @ w.T`` for ``x [..., k]``: the C++ kernel on the CPU (``isa`` and ``float_out`` as in
     :func:`iterserve.quantization.packed.linear`), else dequantize then matmul."""
     ops = ops_of(x)
     if not isinstance(ops, CpuOps):
         return F.linear(x, dequantize(w, x.dtype))
     raws, ns = [p.raw for p in w.parts], [p.rows for p in w.parts]
     if x.dim() == 2 and x.stride(1) == 1:
-        return ops.kgemm(x, raws, w.type_ids, ns, isa)
+        return ops.kgemm(x, raws, w.type_ids, ns, isa, float_out)
     rows = x.reshape(-1, x.shape[-1]).contiguous()
-    return ops.kgemm(rows, raws, w.type_ids, ns, isa).view(*x.shape[:-1], w.n)
+    return ops.kgemm(rows, raws, w.type_ids, ns, isa, float_out).view(*x.shape[:-1], w.n)

@@ -144,6 +144,11 @@ class QuantizedLinear(LinearMethod):
         out = linear(x, layer.qweight)
         return out if layer.bias is None else out + layer.bias
 
+    def logits(self, layer: LinearBase, x: torch.Tensor) -> torch.Tensor:
+        assert layer.qweight is not None, "process_weights packs the weight first"
+        out = linear(x, layer.qweight, float_out=True).float()  # float32 sums where the kernel runs
+        return out if layer.bias is None else out + layer.bias
+
     def dense_weight(self, layer: LinearBase) -> torch.Tensor:
         assert layer.qweight is not None, "process_weights packs the weight first"
         return dequantize(layer.qweight, layer.weight.dtype)

@@ -192,21 +192,22 @@ def quantize_int8(w: torch.Tensor) -> BlockWeight:
 # -- matmul --------------------------------------------------------------------------------------------
 
 
-def linear(x: torch.Tensor, w: QuantizedWeight, isa: int = 0) -> torch.Tensor:
+def linear(x: torch.Tensor, w: QuantizedWeight, isa: int = 0, float_out: bool = False) -> torch.Tensor:
     """``x @ w.T`` for ``x [..., k]``: the C++ kernel on the CPU, else dequantize then matmul (CUDA, or
-    ``ITERSERVE_CPU_KERNELS=0``). ``isa`` forces one kernel (1 scalar, 2 AVX2, 3 AVX-512 VNNI; 0 the best).
+    ``ITERSERVE_CPU_KERNELS=0``). ``isa`` forces one kernel (1 scalar, 2 AVX2, 3 AVX-512 VNNI; 0 the best);
+    ``float_out`` returns the kernel's float32 sums unrounded (the LM head's logits).
 
     A decode step makes one call per linear layer (121 for SmolLM2) on a few rows, so the common case, 2-D
     rows on the CPU, goes straight to the op: a general path would cost more than the op itself."""
     if isinstance(w, GGUFWeight):
-        return gguf_weight.linear(x, w, isa)
+        return gguf_weight.linear(x, w, isa, float_out)
     ops = ops_of(x)
     if not isinstance(ops, CpuOps):
         return F.linear(x, dequantize(w, x.dtype))
     if x.dim() == 2 and x.stride(1) == 1:
-        return ops.qgemm(x, w.data, w.n, w.bits, isa)
+        return ops.qgemm(x, w.data, w.n, w.bits, isa, float_out)
     rows = x.reshape(-1, x.shape[-1]).contiguous()
-    return ops.qgemm(rows, w.data, w.n, w.bits, isa).view(*x.shape[:-1], w.n)
+    return ops.qgemm(rows, w.data, w.n, w.bits, isa, float_out).view(*x.shape[:-1], w.n)
 
 
 def best_isa() -> int:

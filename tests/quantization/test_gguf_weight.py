@@ -98,6 +98,17 @@ def test_kernel_on_float_activations_is_within_int8_rounding(isa, fmt, monkeypat
         assert ((out.float() - expected).norm() / expected.norm()).item() < 1e-2
 
 
+@needs_build
+def test_float_out_gives_the_sums_before_rounding(monkeypatch):
+    """The LM head's logits (a Q6_K output.weight, as in Q4_K_M files): float32 sums, rounded as without it."""
+    use_kernels(monkeypatch, OPS)
+    w, _ = weight("Q6_K", 48, 512)
+    x = torch.randn(3, 512, generator=torch.Generator().manual_seed(4)).to(torch.bfloat16)
+    logits = P.linear(x, w, float_out=True)
+    assert logits.dtype == torch.float32 and torch.equal(logits.bfloat16(), P.linear(x, w))
+    assert not torch.equal(logits, logits.bfloat16().float())
+
+
 @pytest.mark.parametrize("fmt,padded", [("Q2_K", 84), ("Q3_K", 112), ("Q4_K", 144), ("Q5_K", 176), ("Q6_K", 212),
                                         ("Q5_0", 24), ("Q5_1", 24), ("Q8_0", 36)])
 def test_tiles_hold_the_rows_bytes(fmt, padded, monkeypatch):

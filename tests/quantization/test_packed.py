@@ -141,6 +141,17 @@ def test_kernel_keeps_the_activation_dtype(dtype):
 
 
 @needs_build
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_float_out_gives_the_sums_before_rounding(dtype):
+    """The LM head's logits: float32 sums that the activation dtype's output rounds, bit for bit."""
+    w, _ = packed_weight("Q4_0", 20, 64)
+    x = torch.randn(5, 64, generator=torch.Generator().manual_seed(1)).to(dtype)
+    logits = P.linear(x, w, float_out=True)
+    assert logits.dtype == torch.float32 and torch.equal(logits.to(dtype), P.linear(x, w))
+    assert not torch.equal(logits, logits.to(dtype).float())
+
+
+@needs_build
 def test_kernel_refuses_mismatched_shapes():
     w, _ = packed_weight("Q4_1", 32, 64)
     with pytest.raises(RuntimeError, match="x has 96 inputs"):
