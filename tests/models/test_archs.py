@@ -19,6 +19,7 @@ from iterserve.models.gemma3 import Gemma3Model
 from iterserve.models.loader import load_model, load_model_config
 from iterserve.models.phi3 import Phi3Model, Phi3RotaryEmbedding
 from iterserve.quantization.model import weight_formats
+from tests.models.gguf_files import finish, write_shape
 
 VOCAB, NEW_TOKENS = 320, 12
 
@@ -268,13 +269,7 @@ def write_gguf(path, hf, arch: str, metadata, matrices: str = "F32") -> None:
     F32 (``Q8_0-as-F32``: the float reference of the Q8_0 file)."""
     c = hf.config
     w = gguf.GGUFWriter(str(path), arch)
-    w.add_context_length(c.max_position_embeddings)
-    w.add_embedding_length(c.hidden_size)
-    w.add_block_count(c.num_hidden_layers)
-    w.add_feed_forward_length(c.intermediate_size)
-    w.add_head_count(c.num_attention_heads)
-    w.add_head_count_kv(c.num_key_value_heads)
-    w.add_layer_norm_rms_eps(c.rms_norm_eps)
+    write_shape(w, c)
     w.add_sliding_window(c.sliding_window)
     metadata(w)
     w.add_tokenizer_model("llama")
@@ -294,10 +289,7 @@ def write_gguf(path, hf, arch: str, metadata, matrices: str = "F32") -> None:
             w.add_tensor(gname, gguf.quants.quantize(data, q8), raw_dtype=q8)
         else:
             w.add_tensor(gname, gguf.quants.dequantize(gguf.quants.quantize(data, q8), q8))
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.write_tensors_to_file()
-    w.close()
+    finish(w)
 
 
 def phi3_metadata(hf):

@@ -16,6 +16,7 @@ from iterserve.formats.gguf.tensors import gguf_tensors as read_gguf_tensors
 from iterserve.models.checkpoint import empty_model, load_hf_state_dict
 from iterserve.models.moe import mix_experts, route
 from iterserve.quantization.model import streamed_weight_bytes, weight_formats
+from tests.models.gguf_files import finish, write_shape
 from tests.models.test_llama import CPU, run_ours
 from tests.models.test_moe import VOCAB, hf_model
 
@@ -64,14 +65,8 @@ def write_gguf(path: Path, hf, experts_type=Q.F32) -> Path:
     llama = cfg.model_type == "mixtral"
     arch = "llama" if llama else "qwen3moe"
     w = gguf.GGUFWriter(str(path), arch)
-    w.add_embedding_length(cfg.hidden_size)
-    w.add_feed_forward_length(cfg.intermediate_size)
-    w.add_block_count(cfg.num_hidden_layers)
-    w.add_head_count(cfg.num_attention_heads)
-    w.add_head_count_kv(cfg.num_key_value_heads)
+    write_shape(w, cfg)
     w.add_key_length(cfg.head_dim or cfg.hidden_size // cfg.num_attention_heads)
-    w.add_context_length(cfg.max_position_embeddings)
-    w.add_layer_norm_rms_eps(cfg.rms_norm_eps)
     w.add_rope_freq_base(cfg.rope_parameters["rope_theta"])
     w.add_vocab_size(VOCAB)
     w.add_expert_count(cfg.num_local_experts if llama else cfg.num_experts)
@@ -84,10 +79,7 @@ def write_gguf(path: Path, hf, experts_type=Q.F32) -> Path:
             w.add_tensor(name, gguf.quants.quantize(x, experts_type), raw_dtype=experts_type)
         else:
             w.add_tensor(name, np.ascontiguousarray(x, dtype=np.float32))
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.write_tensors_to_file()
-    w.close()
+    finish(w)
     return path
 
 
