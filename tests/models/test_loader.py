@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 
+import gguf
 import pytest
 import torch
 import transformers
@@ -170,6 +171,22 @@ def test_truncated_gguf(tmp_path):
         cut.write_bytes(f.read(src.stat().st_size // 3))
     with pytest.raises(ValueError, match="truncated.gguf"):
         load_model(str(cut))
+
+
+@pytest.mark.parametrize("arch", ["llama", "gemma3", "phi3"])
+def test_gguf_without_the_shape_is_refused_in_one_line(tmp_path, arch):
+    """A file whose metadata lacks a key the architecture needs names the key (no KeyError from deep inside)."""
+    path = tmp_path / f"{arch}-bare.gguf"
+    w = gguf.GGUFWriter(str(path), arch)
+    w.add_embedding_length(64)
+    w.add_head_count(4)
+    w.add_token_list(["a", "b"])
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    with pytest.raises(ValueError, match=rf"{arch}-bare.gguf: its metadata lacks {arch}\.(block_count|feed_forward)"):
+        load_model(str(path))
 
 
 def test_unsupported_architecture(tmp_path):

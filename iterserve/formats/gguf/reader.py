@@ -12,6 +12,8 @@ import numpy as np
 
 from iterserve.config import ModelConfig
 
+REQUIRED = object()  # the default of a metadata key a model cannot do without
+
 _GGUF_ARCHS = {"llama": "llama", "mistral": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "qwen3moe": "qwen3",
                "gemma3": "gemma3", "phi3": "phi3"}
 
@@ -52,14 +54,19 @@ def gguf_config(reader: gguf.GGUFReader, name: str = "") -> ModelConfig:
         raise ValueError("GGUF files with per-frequency RoPE factors (rope_freqs.weight) are not supported yet")
 
     def g(key: str, default: Any = None) -> Any:
-        return gguf_field(reader, f"{arch}.{key}", default)
+        value = gguf_field(reader, f"{arch}.{key}", default)
+        if value is REQUIRED:
+            raise ValueError(f"{name or 'GGUF file'}: its metadata lacks {arch}.{key}, which a {arch} model needs")
+        return value
 
-    hidden, heads = g("embedding_length"), g("attention.head_count")
-    vocab = g("vocab_size") or len(reader.fields["tokenizer.ggml.tokens"].data)
+    hidden, heads = g("embedding_length", REQUIRED), g("attention.head_count", REQUIRED)
+    vocab = g("vocab_size") or len(gguf_field(reader, "tokenizer.ggml.tokens") or ())
+    if not vocab:
+        raise ValueError(f"{name or 'GGUF file'}: its metadata has neither {arch}.vocab_size nor a vocabulary")
     has_output = any(t.name == "output.weight" for t in reader.tensors)
     rope_scaling = None
     if g("rope.scaling.type") == "linear":
-        rope_scaling = {"rope_type": "linear", "factor": g("rope.scaling.factor")}
+        rope_scaling = {"rope_type": "linear", "factor": g("rope.scaling.factor", REQUIRED)}
     elif g("rope.scaling.type") not in (None, "none"):
         raise ValueError(f"unsupported RoPE scaling {g('rope.scaling.type')!r} in GGUF file")
     if arch in ("gemma3", "phi3"):
@@ -70,8 +77,8 @@ def gguf_config(reader: gguf.GGUFReader, name: str = "") -> ModelConfig:
         architecture=_GGUF_ARCHS[arch],
         vocab_size=int(vocab),
         hidden_size=int(hidden),
-        intermediate_size=int(g("feed_forward_length")),
-        num_layers=int(g("block_count")),
+        intermediate_size=int(g("feed_forward_length", REQUIRED)),
+        num_layers=int(g("block_count", REQUIRED)),
         num_heads=int(heads),
         num_kv_heads=int(g("attention.head_count_kv", heads)),
         head_dim=int(g("attention.key_length", hidden // heads)),
@@ -94,7 +101,8 @@ def gemma3_hf_config(reader: gguf.GGUFReader, g: Callable[..., Any], rope_scalin
     (``llama_model_gemma3``): five local layers to one global unless ``attention.sliding_window_pattern`` says
     otherwise (a period or one flag a layer), the local RoPE base 10,000 unless ``rope.freq_base_swa``, and
     attention scaled by ``head_dim`` except in the 62-layer 27B model (``hidden / heads``)."""
-    layers, hidden, heads = int(g("block_count")), int(g("embedding_length")), int(g("attention.head_count"))
+    layers, hidden = int(g("block_count", REQUIRED)), int(g("embedding_length", REQUIRED))
+    heads = int(g("attention.head_count", REQUIRED))
     head_dim, window = int(g("attention.key_length", 256)), g("attention.sliding_window")
     pattern = g("attention.sliding_window_pattern", 6)
     if window is None:
@@ -106,7 +114,7 @@ def gemma3_hf_config(reader: gguf.GGUFReader, g: Callable[..., Any], rope_scalin
                  for i in range(layers)]
     return {
         "architectures": ["Gemma3ForCausalLM"], "vocab_size": int(vocab), "hidden_size": hidden,
-        "intermediate_size": int(g("feed_forward_length")), "num_hidden_layers": layers,
+        "intermediate_size": int(g("feed_forward_length", REQUIRED)), "num_hidden_layers": layers,
         "num_attention_heads": heads, "num_key_value_heads": int(g("attention.head_count_kv", heads)),
         "head_dim": head_dim, "max_position_embeddings": int(g("context_length", 131072)),
         "rms_norm_eps": float(g("attention.layer_norm_rms_epsilon", 1e-6)),
@@ -123,7 +131,7 @@ def phi3_hf_config(reader: gguf.GGUFReader, g: Callable[..., Any], vocab: int, h
     """Phi-3's ``config.json`` rebuilt from what llama.cpp writes (its ``Phi3MiniModel`` conversion): longrope's
     factors as the ``rope_factors_long``/``rope_factors_short`` tensors, the rotated share of a head as
     ``rope.dimension_count``, no window written as 0 (Phi-4)."""
-    hidden, heads = int(g("embedding_length")), int(g("attention.head_count"))
+    hidden, heads = int(g("embedding_length", REQUIRED)), int(g("attention.head_count", REQUIRED))
     factors = {t.name: [float(x) for x in np.asarray(t.data, dtype=np.float32)] for t in reader.tensors
                if t.name in ("rope_factors_long.weight", "rope_factors_short.weight")}
     context = int(g("context_length", 4096))
@@ -136,7 +144,8 @@ def phi3_hf_config(reader: gguf.GGUFReader, g: Callable[..., Any], vocab: int, h
                         "attention_factor": g("rope.scaling.attn_factor")}
     return {
         "architectures": ["Phi3ForCausalLM"], "vocab_size": int(vocab), "hidden_size": hidden,
-        "intermediate_size": int(g("feed_forward_length")), "num_hidden_layers": int(g("block_count")),
+        "intermediate_size": int(g("feed_forward_length", REQUIRED)),
+        "num_hidden_layers": int(g("block_count", REQUIRED)),
         "num_attention_heads": heads, "num_key_value_heads": int(g("attention.head_count_kv", heads)),
         "max_position_embeddings": context, "original_max_position_embeddings": original,
         "rms_norm_eps": float(g("attention.layer_norm_rms_epsilon", 1e-5)),
