@@ -143,9 +143,10 @@ class EngineCore:
                 "fit", c.kv_bytes_per_token, kv_dtype, c.num_blocks, bs, c.total_tokens,
                 c.max_full_length_seqs, c.max_model_len,
             )
-        if window_blocks and c.kv_bytes_per_token:
-            logger.info("hybrid SWA memory: the sliding-window layers keep %d bytes/token in a pool of their own, "
-                        "%d blocks, freed as they fall out of the window", c.window_bytes_per_token, window_blocks - 1)
+            if window_blocks:
+                logger.info("hybrid SWA memory: the sliding-window layers keep %d bytes/token in a pool of their own, "
+                            "%d blocks, freed as they fall out of the window", c.window_bytes_per_token,
+                            window_blocks - 1)
 
     # -- requests -------------------------------------------------------------------------------
 

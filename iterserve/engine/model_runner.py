@@ -175,15 +175,16 @@ class ModelRunner:
         self._forward_start = time.perf_counter()
         self.copy_blocks(inputs.block_copies)
         copy_kv_blocks(self.window_caches, inputs.window_copies, self.device)
+        tables, window_tables = inputs.block_tables, inputs.window_tables
+        if window_tables is not None and not self.full_caches:  # every layer reads the window pool alone
+            tables, window_tables = window_tables, None
         meta = AttentionMetadata.build(
-            block_size=self.block_size, block_tables=inputs.block_tables, num_cached=inputs.num_cached,
+            block_size=self.block_size, block_tables=tables, num_cached=inputs.num_cached,
             query_lens=inputs.query_lens, device=self.device,
-            sliding_window=None if inputs.window_tables is not None else self.model.config.sliding_window,
+            sliding_window=None if window_tables is not None else self.model.config.sliding_window,
             max_decode_query=inputs.max_decode_query, decode_prompts_up_to=self.attn_backend.decode_prompts_up_to,
-            window_tables=inputs.window_tables, prompt_lens=inputs.prompt_lens,
+            window_tables=window_tables, prompt_lens=inputs.prompt_lens,
         )
-        if inputs.window_tables is not None and not self.full_caches:  # every layer reads the window pool alone
-            meta = meta.with_window(self.model.config.sliding_window)
         dev = self.device
         lora = (self.lora.batch(inputs.loras, inputs.query_lens, dev)
                 if self.lora is not None and any(inputs.loras) else None)

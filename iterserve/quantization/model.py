@@ -140,13 +140,14 @@ class QuantizedLinear(LinearMethod):
             _drop_float_weight(layer)
 
     def apply(self, layer: LinearBase, x: torch.Tensor) -> torch.Tensor:
-        assert layer.qweight is not None, "process_weights packs the weight first"
-        out = linear(x, layer.qweight)
-        return out if layer.bias is None else out + layer.bias
+        return self._product(layer, x, float_out=False)
 
     def logits(self, layer: LinearBase, x: torch.Tensor) -> torch.Tensor:
+        return self._product(layer, x, float_out=True).float()  # float32 sums where the kernel runs
+
+    def _product(self, layer: LinearBase, x: torch.Tensor, float_out: bool) -> torch.Tensor:
         assert layer.qweight is not None, "process_weights packs the weight first"
-        out = linear(x, layer.qweight, float_out=True).float()  # float32 sums where the kernel runs
+        out = linear(x, layer.qweight, float_out=float_out)
         return out if layer.bias is None else out + layer.bias
 
     def dense_weight(self, layer: LinearBase) -> torch.Tensor:

@@ -59,50 +59,58 @@ def gguf_config(reader: gguf.GGUFReader, name: str = "") -> ModelConfig:
             raise ValueError(f"{name or 'GGUF file'}: its metadata lacks {arch}.{key}, which a {arch} model needs")
         return value
 
-    hidden, heads = g("embedding_length", REQUIRED), g("attention.head_count", REQUIRED)
     vocab = g("vocab_size") or len(gguf_field(reader, "tokenizer.ggml.tokens") or ())
     if not vocab:
         raise ValueError(f"{name or 'GGUF file'}: its metadata has neither {arch}.vocab_size nor a vocabulary")
-    has_output = any(t.name == "output.weight" for t in reader.tensors)
+    heads = int(g("attention.head_count", REQUIRED))
+    shape = {  # what every architecture's metadata says, under config.json's names
+        "vocab_size": int(vocab), "hidden_size": int(g("embedding_length", REQUIRED)),
+        "intermediate_size": int(g("feed_forward_length", REQUIRED)),
+        "num_hidden_layers": int(g("block_count", REQUIRED)), "num_attention_heads": heads,
+        "num_key_value_heads": int(g("attention.head_count_kv", heads)),
+        "tie_word_embeddings": not any(t.name == "output.weight" for t in reader.tensors),
+        "bos_token_id": gguf_field(reader, "tokenizer.ggml.bos_token_id"),
+        "eos_token_id": gguf_field(reader, "tokenizer.ggml.eos_token_id"),
+    }
     rope_scaling = None
     if g("rope.scaling.type") == "linear":
         rope_scaling = {"rope_type": "linear", "factor": g("rope.scaling.factor", REQUIRED)}
     elif g("rope.scaling.type") not in (None, "none"):
         raise ValueError(f"unsupported RoPE scaling {g('rope.scaling.type')!r} in GGUF file")
     if arch in ("gemma3", "phi3"):
-        hf = gemma3_hf_config(reader, g, rope_scaling, vocab, has_output) if arch == "gemma3" \
-            else phi3_hf_config(reader, g, vocab, has_output)
+        hf = gemma3_hf_config(g, shape, rope_scaling) if arch == "gemma3" else phi3_hf_config(reader, g, shape)
         return ModelConfig.from_hf_config(hf, name or gguf_field(reader, "general.name", ""))
+    hidden = shape["hidden_size"]
     return gguf_moe_config(ModelConfig(
         architecture=_GGUF_ARCHS[arch],
-        vocab_size=int(vocab),
-        hidden_size=int(hidden),
-        intermediate_size=int(g("feed_forward_length", REQUIRED)),
-        num_layers=int(g("block_count", REQUIRED)),
-        num_heads=int(heads),
-        num_kv_heads=int(g("attention.head_count_kv", heads)),
+        vocab_size=shape["vocab_size"],
+        hidden_size=hidden,
+        intermediate_size=shape["intermediate_size"],
+        num_layers=shape["num_hidden_layers"],
+        num_heads=heads,
+        num_kv_heads=shape["num_key_value_heads"],
         head_dim=int(g("attention.key_length", hidden // heads)),
         max_position_embeddings=int(g("context_length", 2048)),
         rms_norm_eps=float(g("attention.layer_norm_rms_epsilon", 1e-5)),
         rope_theta=float(g("rope.freq_base", 10000.0)),
         rope_scaling=rope_scaling,
-        tie_word_embeddings=not has_output,
+        tie_word_embeddings=shape["tie_word_embeddings"],
         attention_bias=_GGUF_ARCHS[arch] == "qwen2",
         qk_norm=_GGUF_ARCHS[arch] == "qwen3",
-        bos_token_id=gguf_field(reader, "tokenizer.ggml.bos_token_id"),
-        eos_token_id=gguf_field(reader, "tokenizer.ggml.eos_token_id"),
+        bos_token_id=shape["bos_token_id"],
+        eos_token_id=shape["eos_token_id"],
         name=name or gguf_field(reader, "general.name", ""),
     ), g)
 
 
-def gemma3_hf_config(reader: gguf.GGUFReader, g: Callable[..., Any], rope_scaling: dict[str, Any] | None,
-                     vocab: int, has_output: bool) -> dict[str, Any]:
+def gemma3_hf_config(g: Callable[..., Any], shape: dict[str, Any],
+                     rope_scaling: dict[str, Any] | None) -> dict[str, Any]:
     """Gemma 3's ``config.json`` rebuilt from what llama.cpp writes (its ``Gemma3Model`` conversion) and assumes
     (``llama_model_gemma3``): five local layers to one global unless ``attention.sliding_window_pattern`` says
     otherwise (a period or one flag a layer), the local RoPE base 10,000 unless ``rope.freq_base_swa``, and
-    attention scaled by ``head_dim`` except in the 62-layer 27B model (``hidden / heads``)."""
-    layers, hidden = int(g("block_count", REQUIRED)), int(g("embedding_length", REQUIRED))
-    heads = int(g("attention.head_count", REQUIRED))
+    attention scaled by ``head_dim`` except in the 62-layer 27B model (``hidden / heads``). ``shape``: the keys
+    every architecture has (:func:`gguf_config`)."""
+    layers, hidden, heads = shape["num_hidden_layers"], shape["hidden_size"], shape["num_attention_heads"]
     head_dim, window = int(g("attention.key_length", 256)), g("attention.sliding_window")
     pattern = g("attention.sliding_window_pattern", 6)
     if window is None:
@@ -113,25 +121,21 @@ def gemma3_hf_config(reader: gguf.GGUFReader, g: Callable[..., Any], rope_scalin
         types = ["sliding_attention" if i % int(pattern) < int(pattern) - 1 else "full_attention"
                  for i in range(layers)]
     return {
-        "architectures": ["Gemma3ForCausalLM"], "vocab_size": int(vocab), "hidden_size": hidden,
-        "intermediate_size": int(g("feed_forward_length", REQUIRED)), "num_hidden_layers": layers,
-        "num_attention_heads": heads, "num_key_value_heads": int(g("attention.head_count_kv", heads)),
-        "head_dim": head_dim, "max_position_embeddings": int(g("context_length", 131072)),
+        **shape, "architectures": ["Gemma3ForCausalLM"], "head_dim": head_dim,
+        "max_position_embeddings": int(g("context_length", 131072)),
         "rms_norm_eps": float(g("attention.layer_norm_rms_epsilon", 1e-6)),
         "rope_theta": float(g("rope.freq_base", 1_000_000.0)), "rope_scaling": rope_scaling,
         "rope_local_base_freq": float(g("rope.freq_base_swa", 10_000.0)), "sliding_window": window,
         "layer_types": types, "query_pre_attn_scalar": hidden // heads if layers == 62 else head_dim,
-        "final_logit_softcapping": g("final_logit_softcapping"), "tie_word_embeddings": not has_output,
-        "bos_token_id": gguf_field(reader, "tokenizer.ggml.bos_token_id"),
-        "eos_token_id": gguf_field(reader, "tokenizer.ggml.eos_token_id"),
+        "final_logit_softcapping": g("final_logit_softcapping"),
     }
 
 
-def phi3_hf_config(reader: gguf.GGUFReader, g: Callable[..., Any], vocab: int, has_output: bool) -> dict[str, Any]:
+def phi3_hf_config(reader: gguf.GGUFReader, g: Callable[..., Any], shape: dict[str, Any]) -> dict[str, Any]:
     """Phi-3's ``config.json`` rebuilt from what llama.cpp writes (its ``Phi3MiniModel`` conversion): longrope's
     factors as the ``rope_factors_long``/``rope_factors_short`` tensors, the rotated share of a head as
-    ``rope.dimension_count``, no window written as 0 (Phi-4)."""
-    hidden, heads = int(g("embedding_length", REQUIRED)), int(g("attention.head_count", REQUIRED))
+    ``rope.dimension_count``, no window written as 0 (Phi-4). ``shape`` as for :func:`gemma3_hf_config`."""
+    head_dim = shape["hidden_size"] // shape["num_attention_heads"]
     factors = {t.name: [float(x) for x in np.asarray(t.data, dtype=np.float32)] for t in reader.tensors
                if t.name in ("rope_factors_long.weight", "rope_factors_short.weight")}
     context = int(g("context_length", 4096))
@@ -143,17 +147,12 @@ def phi3_hf_config(reader: gguf.GGUFReader, g: Callable[..., Any], vocab: int, h
                         "original_max_position_embeddings": original,
                         "attention_factor": g("rope.scaling.attn_factor")}
     return {
-        "architectures": ["Phi3ForCausalLM"], "vocab_size": int(vocab), "hidden_size": hidden,
-        "intermediate_size": int(g("feed_forward_length", REQUIRED)),
-        "num_hidden_layers": int(g("block_count", REQUIRED)),
-        "num_attention_heads": heads, "num_key_value_heads": int(g("attention.head_count_kv", heads)),
-        "max_position_embeddings": context, "original_max_position_embeddings": original,
+        **shape, "architectures": ["Phi3ForCausalLM"], "max_position_embeddings": context,
+        "original_max_position_embeddings": original,
         "rms_norm_eps": float(g("attention.layer_norm_rms_epsilon", 1e-5)),
         "rope_theta": float(g("rope.freq_base", 10000.0)), "rope_scaling": rope_scaling,
-        "partial_rotary_factor": int(g("rope.dimension_count", hidden // heads)) / (hidden // heads),
-        "sliding_window": g("attention.sliding_window") or None, "tie_word_embeddings": not has_output,
-        "bos_token_id": gguf_field(reader, "tokenizer.ggml.bos_token_id"),
-        "eos_token_id": gguf_field(reader, "tokenizer.ggml.eos_token_id"),
+        "partial_rotary_factor": int(g("rope.dimension_count", head_dim)) / head_dim,
+        "sliding_window": g("attention.sliding_window") or None,
     }
 
 
