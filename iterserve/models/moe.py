@@ -35,22 +35,32 @@ from torch import nn
 from iterserve.attention import AttentionBackend
 from iterserve.config import ModelConfig
 from iterserve.formats.gguf.tensors import ExpertBlocks
+from iterserve.models.cpu_linear import AMX_MIN_ROWS
+from iterserve.models.linear import LinearBase
+from iterserve.platforms import huge_pages
+from iterserve.platforms.ops import CpuOps
 from iterserve.quantization import gguf_weight
 from iterserve.quantization.gguf_weight import GGUFWeight
 
 
-class Router(nn.Module):
+class Router(LinearBase):
     """The ``gate`` linear layer: ``[experts, hidden]``, kept in float (it is small, and quantizing it would
-    change which experts run)."""
+    change which experts run); its method is chosen as every float layer's (packed on a CPU in bf16, so that a
+    row's routing does not depend on its batch)."""
 
     def __init__(self, hidden: int, experts: int) -> None:
-        super().__init__()
-        self.weight = nn.Parameter(torch.empty(experts, hidden))
+        super().__init__(hidden, experts, bias=False)
+
+    def logits(self, x: torch.Tensor) -> torch.Tensor:
+        """Each row's expert logits in float32 (a kernel that sums in float32 returns its sums unrounded)."""
+        return self.method.logits(self, x)
 
 
 class Experts(nn.Module):
     """Every expert's weights as one 3-D tensor per projection, ``[experts, out, in]``, or a projection's
-    experts each in GGUF blocks (``gate_up_blocks``, ``down_blocks``; its 3-D tensor is then empty)."""
+    experts each in GGUF blocks (``gate_up_blocks``, ``down_blocks``; its 3-D tensor is then empty), or on a
+    CPU with the C++ kernels each float expert packed for them (``gate_up_packed``, ``down_packed``: see
+    :meth:`pack`)."""
 
     def __init__(self, experts: int, hidden: int, width: int) -> None:
         super().__init__()
@@ -58,6 +68,10 @@ class Experts(nn.Module):
         self.down_proj = nn.Parameter(torch.empty(experts, hidden, width))
         self.gate_up_blocks: list[GGUFWeight] = []
         self.down_blocks: list[GGUFWeight] = []
+        self.gate_up_packed: list[torch.Tensor] = []
+        self.down_packed: list[torch.Tensor] = []
+        self._ops: CpuOps | None = None
+        self.shapes = {"gate_up": (2 * width, hidden), "down": (hidden, width)}  # each expert's [out, in]
         self._loading: dict[tuple[str, int | None], list[GGUFWeight]] = {}
 
     @property
@@ -68,12 +82,43 @@ class Experts(nn.Module):
     def gate_up(self, expert: int, x: torch.Tensor) -> torch.Tensor:
         if self.gate_up_blocks:
             return gguf_weight.linear(x, self.gate_up_blocks[expert])
+        if self._ops is not None and self.gate_up_packed:
+            return self._ops.packed_linear(x, self.gate_up_packed[expert], self.shapes["gate_up"][0], None,
+                                           AMX_MIN_ROWS)
         return F.linear(x, self.gate_up_proj[expert])
 
     def down(self, expert: int, h: torch.Tensor) -> torch.Tensor:
         if self.down_blocks:
             return gguf_weight.linear(h, self.down_blocks[expert])
+        if self._ops is not None and self.down_packed:
+            return self._ops.packed_linear(h, self.down_packed[expert], self.shapes["down"][0], None, AMX_MIN_ROWS)
         return F.linear(h, self.down_proj[expert])
+
+    @property
+    def packed_parts(self) -> list[tuple[torch.Tensor, int]]:
+        """Each packed expert projection and its parameter count (the packing pads its columns)."""
+        gate_up, down = self.shapes["gate_up"], self.shapes["down"]
+        return ([(t, gate_up[0] * gate_up[1]) for t in self.gate_up_packed]
+                + [(t, down[0] * down[1]) for t in self.down_packed])
+
+    @property
+    def nbytes(self) -> int:
+        """The bytes every expert's weights hold, in whatever form."""
+        return (sum(w.nbytes for w in self.qweights) + sum(t.nbytes for t, _ in self.packed_parts)
+                + sum(p.nbytes for p in (self.gate_up_proj, self.down_proj) if not p.is_meta))
+
+    def pack(self, ops: CpuOps) -> None:
+        """Each float expert re-laid out for the CPU kernel of the dense layers (``cpu_linear.PackedLinear``), its
+        3-D tensor released: the kernel streams an expert's weight once for the few rows routed to it, adds in one
+        order whatever their number (bf16 tokens then do not depend on batching), and widens bf16 where the CPU
+        has no bf16 arithmetic, which ``F.linear`` emulates several times slower."""
+        self._ops = ops
+        if not self.gate_up_blocks and not self.gate_up_proj.is_meta:
+            self.gate_up_packed = [huge_pages.copy(ops.pack_linear_weight(w)) for w in self.gate_up_proj.detach()]
+            self.gate_up_proj = _on_meta(self.gate_up_proj)
+        if not self.down_blocks and not self.down_proj.is_meta:
+            self.down_packed = [huge_pages.copy(ops.pack_linear_weight(w)) for w in self.down_proj.detach()]
+            self.down_proj = _on_meta(self.down_proj)
 
     def keep_blocks(self, param: str, part: int | None, weights: list[GGUFWeight]) -> None:
         """Hold every expert's ``param`` (``part`` 0 / 1: its gate / up rows) in blocks until :meth:`finish_blocks`."""
@@ -104,9 +149,15 @@ def _released(p: nn.Parameter) -> nn.Parameter:
     return nn.Parameter(torch.empty(0, dtype=p.dtype, device=p.device), requires_grad=False)
 
 
-def route(x: torch.Tensor, router: torch.Tensor, top_k: int, renormalise: bool) -> tuple[torch.Tensor, torch.Tensor]:
-    """Each row's ``top_k`` experts ``[rows, top_k]`` (most probable first) and their float32 weights."""
-    probs = torch.softmax(F.linear(x, router), dim=-1, dtype=torch.float32)
+def _on_meta(p: nn.Parameter) -> nn.Parameter:
+    """A weight whose memory a packed copy now holds: its shape and dtype stay (as a released linear weight's)."""
+    return nn.Parameter(torch.empty(p.shape, dtype=p.dtype, device="meta"), requires_grad=False)
+
+
+def route(logits: torch.Tensor, top_k: int, renormalise: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each row's ``top_k`` experts ``[rows, top_k]`` (most probable first) and their float32 weights, from the
+    router's logits."""
+    probs = torch.softmax(logits, dim=-1, dtype=torch.float32)
     weights, experts = torch.topk(probs, top_k, dim=-1)
     if renormalise:
         weights = weights / weights.sum(dim=-1, keepdim=True)
@@ -151,7 +202,7 @@ class SparseMoeBlock(nn.Module):
         self.experts = Experts(config.num_experts, config.hidden_size, config.expert_intermediate_size)
 
     def forward(self, x: torch.Tensor, backend: AttentionBackend) -> torch.Tensor:
-        weights, experts = route(x, self.gate.weight, self.top_k, self.renormalise)
+        weights, experts = route(self.gate.logits(x), self.top_k, self.renormalise)
         return mix_experts(x, weights, experts, self.num_experts, self.experts.gate_up, self.experts.down, backend)
 
 

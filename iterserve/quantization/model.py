@@ -31,7 +31,7 @@ from iterserve.distributed.layers import (
 from iterserve.models.cpu_linear import default_chooser
 from iterserve.models.linear import LinearBase, LinearMethod, MethodChooser, process_weights
 from iterserve.models.llama import LlamaModel
-from iterserve.models.moe import SparseMoeBlock
+from iterserve.models.moe import Experts, Router, SparseMoeBlock
 from iterserve.models.native_decoder import LinearKind, NativeLinear
 from iterserve.platforms.ops import cpu_kernels
 from iterserve.quantization.gguf_weight import GGUFWeight
@@ -174,7 +174,8 @@ QUANTIZED = QuantizedLinear()
 def quantize_model(model: LlamaModel, quantization: str | None,
                    fallback: MethodChooser | None = None) -> dict[str, str]:
     """After loading: give the linear layers that loaded blocks (all of them for int8) :class:`QuantizedLinear`
-    and the others ``fallback``'s method (by default :func:`iterserve.models.cpu_linear.default_chooser`'s); a tied
+    and the others ``fallback``'s method (by default :func:`iterserve.models.cpu_linear.default_chooser`'s, and float
+    experts then packed for the CPU kernels: :meth:`~iterserve.models.moe.Experts.pack`); a tied
     embedding and LM head share one packed weight. Logs and returns what :func:`process_weights` does."""
     embed, head, tied = model.embed_tokens, model.lm_head, model.config.tie_word_embeddings
     if _pack_blocks(embed) is not None and tied:
@@ -185,11 +186,16 @@ def quantize_model(model: LlamaModel, quantization: str | None,
     other = fallback or default_chooser()
 
     def choose(layer: LinearBase) -> LinearMethod:
-        if layer.qweight is not None or "weight_blocks" in layer.__dict__ or quantization == "int8":
+        int8 = quantization == "int8" and not isinstance(layer, Router)  # which experts run stays the float choice
+        if layer.qweight is not None or "weight_blocks" in layer.__dict__ or int8:
             return QUANTIZED
         return other(layer)
 
     chosen = process_weights(model, choose)
+    ops = cpu_kernels() if fallback is None else None  # float experts follow the CPU's default methods
+    for module in model.modules():
+        if ops is not None and isinstance(module, Experts) and module.down_proj.device.type == "cpu":
+            module.pack(ops)
     if tied and head.qweight is not None:
         embed.qweight = head.qweight  # int8: the embedding looks its rows up in the LM head's blocks
         _drop_float_weight(embed)
@@ -231,6 +237,9 @@ def weight_formats(model: nn.Module) -> list[WeightFormat]:
         for w in [q] if isinstance(q, GGUFWeight) else getattr(module, "qweights", []):
             for part in w.parts:
                 add(part.raw, part.type_name, part.rows * w.k, part.raw.numel())
+        if isinstance(module, Experts):
+            for t, params in module.packed_parts:
+                add(t, _dtype_name(t), params, t.nbytes)
         packed = getattr(module, "packed", None)  # a float weight re-laid out for the CPU kernel (cpu_linear)
         weight = getattr(module, "weight", None)
         if isinstance(packed, torch.Tensor) and isinstance(weight, torch.Tensor):
@@ -267,6 +276,5 @@ def streamed_weight_bytes(model: nn.Module, rows: int = 1) -> int:
                 total += w.nbytes
         elif isinstance(module, SparseMoeBlock):
             e = module.experts
-            held = sum(w.nbytes for w in e.qweights) + e.gate_up_proj.nbytes + e.down_proj.nbytes
-            total += held * (1 - (1 - module.top_k / module.num_experts) ** rows)
+            total += e.nbytes * (1 - (1 - module.top_k / module.num_experts) ** rows)
     return round(total)

@@ -2,18 +2,22 @@
 
 from __future__ import annotations
 
+import copy
 import json
 
 import pytest
 import torch
 import transformers
 
-from iterserve import LLM, SamplingParams
+from iterserve import LLM, SamplingParams, kernels
 from iterserve.attention import select_backend
 from iterserve.config import ModelConfig
 from iterserve.models.checkpoint import empty_model, load_hf_state_dict
+from iterserve.models.cpu_linear import PackedLinear
+from iterserve.models.linear import process_weights
 from iterserve.models.loader import load_model
 from iterserve.models.moe import SparseMoeBlock, mix_experts, route
+from iterserve.platforms import ops as platform_ops
 from tests.models.test_llama import run_ours
 
 CPU = select_backend("cpu")
@@ -120,18 +124,50 @@ def test_a_rows_result_does_not_depend_on_its_batch():
             p.copy_(torch.randn(p.shape, generator=g) * 0.2)
     x = torch.randn(9, 64, generator=g)
     together = block(x, CPU)
-    _, experts = route(x, block.gate.weight, 2, True)
+    _, experts = route(block.gate.logits(x), 2, True)
     for i in range(9):
         for batch, row in ((x[i:i + 1], 0), (torch.cat([x[i:i + 1], x[:i]]), 0), (torch.cat([x[:i], x[i:i + 1]]), i)):
-            assert torch.equal(route(batch, block.gate.weight, 2, True)[1][row], experts[i])
+            assert torch.equal(route(block.gate.logits(batch), 2, True)[1][row], experts[i])
             # the same experts added in the same order: only the matmuls' blocking (by row count) may round apart
             torch.testing.assert_close(block(batch, CPU)[row], together[i], atol=1e-5, rtol=1e-5)
 
 
+def packed_for_the_cpu(block: SparseMoeBlock) -> SparseMoeBlock:
+    """``block`` as the engine prepares it on a CPU with the kernels: router and experts packed for them."""
+    ops = platform_ops.cpu_kernels()
+    assert ops is not None
+    process_weights(block, lambda layer: PackedLinear(ops))
+    block.experts.pack(ops)
+    return block
+
+
+@pytest.mark.skipif(kernels.ops is None, reason="the C++ CPU kernels are not built")
+def test_packed_experts_match_f_linear_and_give_a_bf16_row_the_same_bits_in_any_batch():
+    """On a CPU the router and the float experts run the packed kernel (one order over k per row, whatever the
+    row count): float32 as ``F.linear`` gives, and a bf16 row's output the same bits whatever else is batched."""
+    cfg = ours_config(hf_config("mixtral"))
+    block = SparseMoeBlock(cfg)
+    g = torch.Generator().manual_seed(4)
+    with torch.no_grad():
+        for p in block.parameters():
+            p.copy_(torch.randn(p.shape, generator=g) * 0.2)
+    x = torch.randn(9, 64, generator=g)
+    plain, half = block(x, CPU), copy.deepcopy(block).to(torch.bfloat16)
+    packed_for_the_cpu(block)
+    assert block.experts.gate_up_proj.is_meta and len(block.experts.down_packed) == cfg.num_experts
+    torch.testing.assert_close(block(x, CPU), plain, atol=1e-5, rtol=1e-5)
+    block, xb = packed_for_the_cpu(half), x.to(torch.bfloat16)
+    together = block(xb, CPU)
+    for i in range(9):
+        alone, first, last = xb[i:i + 1], torch.cat([xb[i:i + 1], xb[:i]]), torch.cat([xb[:i], xb[i:i + 1]])
+        for batch, row in ((alone, 0), (first, 0), (last, i)):
+            assert torch.equal(block(batch, CPU)[row], together[i])
+
+
 def test_routing_renormalises_only_where_asked():
     x, router = torch.randn(5, 8), torch.randn(4, 8)
-    raw, idx = route(x, router, 2, renormalise=False)
-    norm, idx2 = route(x, router, 2, renormalise=True)
+    raw, idx = route(x @ router.T, 2, renormalise=False)
+    norm, idx2 = route(x @ router.T, 2, renormalise=True)
     assert torch.equal(idx, idx2) and raw.dtype == torch.float32
     assert (raw.sum(-1) < 1).all() and torch.allclose(norm.sum(-1), torch.ones(5))
     probs = torch.softmax(x @ router.T, -1)
@@ -152,7 +188,9 @@ def test_random_weights_and_the_python_decode_path():
     loaded = load_model("random:qwen3-30b-a3b?num_layers=2&vocab_size=256&hidden_size=64&num_heads=4&num_kv_heads=2"
                         "&head_dim=16&moe_intermediate_size=32&num_experts=8", dtype="float32", device="cpu")
     experts = loaded.model.layers[1].mlp.experts
-    assert experts.gate_up_proj.shape == (8, 64, 64) and experts.gate_up_proj.std() > 0.01
+    assert experts.gate_up_proj.shape == (8, 64, 64)
+    filled = experts.gate_up_packed[0] if experts.gate_up_packed else experts.gate_up_proj  # packed on a CPU
+    assert filled.std() > 0.01
     assert loaded.model.native_stack() is None
     assert loaded.config.num_parameters() == sum(p.numel() for p in loaded.model.parameters())
 
