@@ -453,7 +453,7 @@ def test_plan_dtype_auto_is_what_the_engine_runs_on_this_cpu(monkeypatch):
 
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     for native, expected in ((True, "bf16"), (False, "fp32")):
-        monkeypatch.setattr(dtypes, "cpu_has_native_bf16", lambda native=native: native)
+        monkeypatch.setattr(dtypes, "bf16_runs_fast", lambda native=native: native)
         assert plan._plan_dtype("auto", on_this_cpu=True) == expected
     assert plan._plan_dtype("auto", on_this_cpu=False) == "bf16"  # a named GPU runs bf16
     assert plan._plan_dtype(None, on_this_cpu=True) == "bf16" and plan._plan_dtype("fp16", False) == "fp16"

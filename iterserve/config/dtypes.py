@@ -1,7 +1,7 @@
 """The one dtype table: the spellings users write, each dtype's storage size and its torch dtype.
 
-torch is imported only by :func:`torch_dtype` and :func:`parse_dtype`, so the planner's arithmetic reads
-the table without it.
+torch is imported only by :func:`torch_dtype`, :func:`parse_dtype` and :func:`bf16_runs_fast`, so the planner's
+arithmetic reads the table without it.
 """
 
 from __future__ import annotations
@@ -72,8 +72,8 @@ def torch_dtype(name: object) -> torch.dtype:
 def parse_dtype(dtype: str | torch.dtype) -> torch.dtype:
     """Map a user-facing dtype name to a torch dtype, with a clear error for anything else.
 
-    ``auto`` is bfloat16 where the hardware computes in it (a CUDA device, a CPU with bf16
-    instructions) and float32 elsewhere, where bf16 would only be emulated.
+    ``auto`` is bfloat16 where it runs at full speed (:func:`bf16_runs_fast`) and float32 elsewhere,
+    where bf16 matmuls would only be emulated.
     """
     import torch
 
@@ -83,8 +83,7 @@ def parse_dtype(dtype: str | torch.dtype) -> torch.dtype:
         raise ValueError(f"unsupported dtype {dtype}; choose one of auto, float32, bfloat16, float16")
     key = str(dtype).lower()
     if key == "auto":
-        native = torch.cuda.is_available() or cpu_has_native_bf16()
-        return torch.bfloat16 if native else torch.float32
+        return torch.bfloat16 if bf16_runs_fast() else torch.float32
     try:
         canonical = canonical_dtype(key)
     except ValueError:
@@ -92,3 +91,15 @@ def parse_dtype(dtype: str | torch.dtype) -> torch.dtype:
     if canonical not in RUNNABLE_DTYPES:
         raise ValueError(f"unknown dtype {dtype!r}; choose one of auto, float32, bfloat16, float16")
     return torch_dtype(canonical)
+
+
+def bf16_runs_fast() -> bool:
+    """Whether bf16 runs at full speed here: on a CUDA device, on a CPU with bf16 instructions, and on any CPU
+    the C++ kernels built for, whose matmuls widen bf16 weights to float32 as they load them (half the bytes
+    of a float32 weight to stream, at float32's arithmetic). Not on PyTorch's reference path without bf16
+    instructions, where ``F.linear`` emulates bf16 several times slower than float32 (docs/benchmarks.md)."""
+    import torch
+
+    from iterserve.platforms.ops import cpu_kernels
+
+    return torch.cuda.is_available() or cpu_has_native_bf16() or cpu_kernels() is not None

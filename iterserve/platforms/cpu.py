@@ -4,9 +4,8 @@ from __future__ import annotations
 
 import platform
 
-# CPU flags (Linux /proc/cpuinfo) of bf16 matrix instructions. Without them torch emulates bf16: on a
-# 2-core AVX2 EPYC a 64 x 576 by 576 x 1536 F.linear ran at 14.8 GFLOP/s in bf16 against 104 in
-# float32, while AVX-512 bf16 machines run bf16 about twice as fast as float32.
+# CPU flags (Linux /proc/cpuinfo) of bf16 matrix instructions. Without them torch emulates bf16 matmuls, several
+# times slower than float32 (docs/benchmarks.md); the C++ kernels widen bf16 weights to float32 instead.
 _BF16_CPU_FLAGS = frozenset({"avx512_bf16", "amx_bf16", "bf16"})
 
 
