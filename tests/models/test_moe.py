@@ -115,18 +115,27 @@ def test_greedy_tokens_equal_transformers_generate_alone_and_batched(saved):
     assert [list(o.outputs[0].token_ids) for o in together] == expected, kind
 
 
-def test_a_rows_result_does_not_depend_on_its_batch():
-    cfg = ours_config(hf_config("mixtral"))
-    block = SparseMoeBlock(cfg)
-    g = torch.Generator().manual_seed(3)
+def random_block(seed: int) -> tuple[SparseMoeBlock, torch.Tensor]:
+    """A Mixtral-shaped MoE layer of seeded-random weights and 9 rows of input for it."""
+    block = SparseMoeBlock(ours_config(hf_config("mixtral")))
+    g = torch.Generator().manual_seed(seed)
     with torch.no_grad():
         for p in block.parameters():
             p.copy_(torch.randn(p.shape, generator=g) * 0.2)
-    x = torch.randn(9, 64, generator=g)
+    return block, torch.randn(9, 64, generator=g)
+
+
+def batches_holding(x: torch.Tensor, i: int) -> list[tuple[torch.Tensor, int]]:
+    """Row i alone, first of a batch, and last of one: each batch with the row's index in it."""
+    return [(x[i:i + 1], 0), (torch.cat([x[i:i + 1], x[:i]]), 0), (torch.cat([x[:i], x[i:i + 1]]), i)]
+
+
+def test_a_rows_result_does_not_depend_on_its_batch():
+    block, x = random_block(3)
     together = block(x, CPU)
     _, experts = route(block.gate.logits(x), 2, True)
     for i in range(9):
-        for batch, row in ((x[i:i + 1], 0), (torch.cat([x[i:i + 1], x[:i]]), 0), (torch.cat([x[:i], x[i:i + 1]]), i)):
+        for batch, row in batches_holding(x, i):
             assert torch.equal(route(block.gate.logits(batch), 2, True)[1][row], experts[i])
             # the same experts added in the same order: only the matmuls' blocking (by row count) may round apart
             torch.testing.assert_close(block(batch, CPU)[row], together[i], atol=1e-5, rtol=1e-5)
@@ -145,22 +154,15 @@ def packed_for_the_cpu(block: SparseMoeBlock) -> SparseMoeBlock:
 def test_packed_experts_match_f_linear_and_give_a_bf16_row_the_same_bits_in_any_batch():
     """On a CPU the router and the float experts run the packed kernel (one order over k per row, whatever the
     row count): float32 as ``F.linear`` gives, and a bf16 row's output the same bits whatever else is batched."""
-    cfg = ours_config(hf_config("mixtral"))
-    block = SparseMoeBlock(cfg)
-    g = torch.Generator().manual_seed(4)
-    with torch.no_grad():
-        for p in block.parameters():
-            p.copy_(torch.randn(p.shape, generator=g) * 0.2)
-    x = torch.randn(9, 64, generator=g)
+    block, x = random_block(4)
     plain, half = block(x, CPU), copy.deepcopy(block).to(torch.bfloat16)
     packed_for_the_cpu(block)
-    assert block.experts.gate_up_proj.is_meta and len(block.experts.down_packed) == cfg.num_experts
+    assert block.experts.gate_up_proj.is_meta and len(block.experts.down_packed) == block.num_experts
     torch.testing.assert_close(block(x, CPU), plain, atol=1e-5, rtol=1e-5)
     block, xb = packed_for_the_cpu(half), x.to(torch.bfloat16)
     together = block(xb, CPU)
     for i in range(9):
-        alone, first, last = xb[i:i + 1], torch.cat([xb[i:i + 1], xb[:i]]), torch.cat([xb[:i], xb[i:i + 1]])
-        for batch, row in ((alone, 0), (first, 0), (last, i)):
+        for batch, row in batches_holding(xb, i):
             assert torch.equal(block(batch, CPU)[row], together[i])
 
 
