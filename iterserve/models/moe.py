@@ -71,7 +71,6 @@ class Experts(nn.Module):
         self.gate_up_packed: list[torch.Tensor] = []
         self.down_packed: list[torch.Tensor] = []
         self._ops: CpuOps | None = None
-        self.shapes = {"gate_up": (2 * width, hidden), "down": (hidden, width)}  # each expert's [out, in]
         self._loading: dict[tuple[str, int | None], list[GGUFWeight]] = {}
 
     @property
@@ -83,7 +82,7 @@ class Experts(nn.Module):
         if self.gate_up_blocks:
             return gguf_weight.linear(x, self.gate_up_blocks[expert])
         if self._ops is not None and self.gate_up_packed:
-            return self._ops.packed_linear(x, self.gate_up_packed[expert], self.shapes["gate_up"][0], None,
+            return self._ops.packed_linear(x, self.gate_up_packed[expert], self.gate_up_proj.shape[1], None,
                                            AMX_MIN_ROWS)
         return F.linear(x, self.gate_up_proj[expert])
 
@@ -91,15 +90,15 @@ class Experts(nn.Module):
         if self.down_blocks:
             return gguf_weight.linear(h, self.down_blocks[expert])
         if self._ops is not None and self.down_packed:
-            return self._ops.packed_linear(h, self.down_packed[expert], self.shapes["down"][0], None, AMX_MIN_ROWS)
+            return self._ops.packed_linear(h, self.down_packed[expert], self.down_proj.shape[1], None, AMX_MIN_ROWS)
         return F.linear(h, self.down_proj[expert])
 
     @property
     def packed_parts(self) -> list[tuple[torch.Tensor, int]]:
-        """Each packed expert projection and its parameter count (the packing pads its columns)."""
-        gate_up, down = self.shapes["gate_up"], self.shapes["down"]
-        return ([(t, gate_up[0] * gate_up[1]) for t in self.gate_up_packed]
-                + [(t, down[0] * down[1]) for t in self.down_packed])
+        """Each packed expert projection and its parameter count (the packing pads its columns; the released 3-D
+        tensor keeps the shape)."""
+        return ([(t, self.gate_up_proj[0].numel()) for t in self.gate_up_packed]
+                + [(t, self.down_proj[0].numel()) for t in self.down_packed])
 
     @property
     def nbytes(self) -> int:
