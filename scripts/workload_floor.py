@@ -3,6 +3,7 @@ shapes, each decode step at least one read of the weights, and every decode's K/
 bandwidth; all measured here and now.
 
     .venv/bin/python scripts/workload_floor.py wl64.jsonl --dtype bfloat16 [--threads 2] [--engine-runs 5]
+        [--rate-dtype float32]  # where torch emulates bf16 matmuls
 
 The workload is ``scripts/workload_jsonl.py``'s file (prompt token ids and output lengths), all requests at once.
 Each prompt passes once through each layer's matmuls, and the LM head gives its first output token. Every later
@@ -48,12 +49,13 @@ class Floor:
     decode_rows: list[int]  # the rows of each decode step of the fewest steps
     kv_bytes: int  # the K/V its decodes read
     rows: int
-    dtype: torch.dtype
+    dtype: torch.dtype  # the weights' (their bytes per step)
+    rate_dtype: torch.dtype  # the one F.linear is timed in
 
     def __post_init__(self) -> None:
         self.shapes = list(dict.fromkeys([*self.layer_shapes, self.head_shape]))
-        self.operands = {(k, n): (torch.randn(self.rows, k).to(self.dtype), torch.randn(n, k).to(self.dtype))
-                         for k, n in self.shapes}
+        t = self.rate_dtype
+        self.operands = {(k, n): (torch.randn(self.rows, k).to(t), torch.randn(n, k).to(t)) for k, n in self.shapes}
         self.weight_bytes = sum(k * n for k, n in [*self.layer_shapes * self.layers, self.head_shape])
         self.weight_bytes *= self.dtype.itemsize
 
@@ -96,6 +98,8 @@ def main() -> None:
     ap.add_argument("workload")
     ap.add_argument("--model", default="smollm2-135m")
     ap.add_argument("--dtype", default="bfloat16")
+    ap.add_argument("--rate-dtype", help="time F.linear in this dtype (default --dtype): float32 where torch "
+                    "emulates bf16 matmuls (no avx512_bf16 or AMX), so that the floor takes torch's best rate")
     ap.add_argument("--threads", type=int, default=torch.get_num_threads())
     ap.add_argument("--rows", type=int, default=64)
     ap.add_argument("--rounds", type=int, default=5, help="rounds over the shapes; each shape's median is taken")
@@ -115,9 +119,10 @@ def main() -> None:
     decodes = [r["output_len"] - 1 for r in requests]  # the first output token comes from the prompt's pass
     floor = Floor(cfg.num_layers, [(h, q + 2 * kv), (q, h), (h, 2 * ff), (ff, h)], (h, cfg.vocab_size),
                   prompt_tokens, len(requests), [sum(d >= t for d in decodes) for t in range(1, max(decodes) + 1)],
-                  kv_tokens * cfg.kv_bytes_per_token(dtype.itemsize), args.rows, dtype)
-    print(f"{len(requests)} requests: {prompt_tokens} prompt + {output_tokens} output tokens, {args.dtype}, "
-          f"{args.threads} threads")
+                  kv_tokens * cfg.kv_bytes_per_token(dtype.itemsize), args.rows, dtype,
+                  getattr(torch, args.rate_dtype or args.dtype))
+    print(f"{len(requests)} requests: {prompt_tokens} prompt + {output_tokens} output tokens, {args.dtype} "
+          f"(F.linear in {floor.rate_dtype}), {args.threads} threads")
 
     def measure() -> tuple[float, tuple[float, float, float], dict[Shape, float], float]:
         torch.set_num_threads(args.threads)  # an engine leaves torch one thread (kernels.run_on_pool)
