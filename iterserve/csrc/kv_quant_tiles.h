@@ -66,8 +66,23 @@ inline __m512 sum16(const float (*v)[16]) {
 }
 #endif
 
+#if defined(__AVX2__) && defined(__FMA__)
+// Lane j of the result is the sum of v[j]'s eight lanes: sum16's add tree at AVX2's width.
+inline __m256 sum8(const float (*v)[8]) {
+  __m256 b[4], c[2];
+  for (int i = 0; i < 4; ++i) {
+    const __m256 x = _mm256_load_ps(v[2 * i]), y = _mm256_load_ps(v[2 * i + 1]);
+    b[i] = _mm256_add_ps(_mm256_unpacklo_ps(x, y), _mm256_unpackhi_ps(x, y));
+  }
+  for (int i = 0; i < 2; ++i)
+    c[i] = _mm256_add_ps(_mm256_shuffle_ps(b[2 * i], b[2 * i + 1], 0x44),
+                         _mm256_shuffle_ps(b[2 * i], b[2 * i + 1], 0xEE));
+  return _mm256_add_ps(_mm256_permute2f128_ps(c[0], c[1], 0x20), _mm256_permute2f128_ps(c[0], c[1], 0x31));
+}
+#endif
+
 // scores[g * stride + j] = q_g . rows[j] for the tile's n widened rows: on AVX-512 (dim a multiple of 16) sixteen
-// keys' partial sums reduced together, else one dot product per key.
+// keys' partial sums reduced together, on AVX2 (a multiple of 8) eight, else one dot product per key.
 inline void tile_scores(int64_t isa, const float* qf, const float* rows, int64_t n, int64_t dim, int64_t group,
                  int64_t stride, float* scores) {
 #if defined(__AVX512F__)
@@ -83,6 +98,23 @@ inline void tile_scores(int64_t isa, const float* qf, const float* rows, int64_t
           _mm512_store_ps(part[j], acc);
         }
         _mm512_storeu_ps(scores + g * stride + j0, sum16(part));
+      }
+    return;
+  }
+#endif
+#if defined(__AVX2__) && defined(__FMA__)
+  if (isa >= kAvx2 && dim % 8 == 0 && stride % 8 == 0) {
+    alignas(32) float part[8][8];
+    for (int64_t g = 0; g < group; ++g)
+      for (int64_t j0 = 0; j0 < n; j0 += 8) {
+        for (int64_t j = 0; j < 8; ++j) {
+          __m256 acc = _mm256_setzero_ps();
+          if (j0 + j < n)
+            for (int64_t i = 0; i < dim; i += 8)
+              acc = _mm256_fmadd_ps(_mm256_loadu_ps(qf + g * dim + i), _mm256_loadu_ps(rows + (j0 + j) * dim + i), acc);
+          _mm256_store_ps(part[j], acc);
+        }
+        _mm256_storeu_ps(scores + g * stride + j0, sum8(part));
       }
     return;
   }
@@ -109,6 +141,23 @@ void values_in_registers(const float* scores, const float* rows, int64_t n, int6
 }
 #endif
 
+#if defined(__AVX2__) && defined(__FMA__)
+// tile_values' axpys (the same fmadds in the same order) with 64 of head g's accumulators at a time in 8 registers.
+inline void values_in_registers_avx2(const float* scores, const float* rows, int64_t n, int64_t dim, int64_t group,
+                                     int64_t stride, float* acc) {
+  for (int64_t g = 0; g < group; ++g)
+    for (int64_t c = 0; c < dim; c += 64) {
+      __m256 r[8];
+      for (int v = 0; v < 8; ++v) r[v] = _mm256_loadu_ps(acc + g * dim + c + v * 8);
+      for (int64_t j = 0; j < n; ++j) {
+        const __m256 p = _mm256_set1_ps(scores[g * stride + j]);
+        for (int v = 0; v < 8; ++v) r[v] = _mm256_fmadd_ps(p, _mm256_loadu_ps(rows + j * dim + c + v * 8), r[v]);
+      }
+      for (int v = 0; v < 8; ++v) _mm256_storeu_ps(acc + g * dim + c + v * 8, r[v]);
+    }
+}
+#endif
+
 inline void axpy(float* y, float a, const float* x, int64_t n);
 
 // acc_g += sum_j scores[g * stride + j] * rows[j] for the tile's n widened V rows.
@@ -120,6 +169,9 @@ inline void tile_values(int64_t isa, const float* scores, const float* rows, int
     else values_in_registers<8>(scores, rows, n, group, stride, acc);
     return;
   }
+#endif
+#if defined(__AVX2__) && defined(__FMA__)
+  if (isa >= kAvx2 && dim % 64 == 0) return values_in_registers_avx2(scores, rows, n, dim, group, stride, acc);
 #endif
   for (int64_t g = 0; g < group; ++g)
     for (int64_t j = 0; j < n; ++j) axpy(acc + g * dim, scores[g * stride + j], rows + j * dim, dim);
