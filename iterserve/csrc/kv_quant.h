@@ -4,12 +4,12 @@
 // whatever the batch). The stored bytes match iterserve/attention/kv_quant.py's quantize exactly (same clamps,
 // same round-to-nearest-even).
 //
-// Three paths, the widest that `isa` allows (tests force each): isa 1-2 widen each tile of rows to float32 in L1;
-// isa 3 (AVX-512, head_dim % 64 == 0) widens in registers and scores in float32; isa 4 (AVX512-BF16 + VBMI, a
-// bf16 query) takes the bf16 cache's arithmetic: each 64 stored bytes become 64 exact bf16 values in registers
-// (two byte-table lookups; every float8 and int8 value is exact in bf16), dotted with the query by vdpbf16ps
-// (exact products, float32 sums) and weighed by the softmax weights rounded to bf16 two keys at a time, as
-// attention_bf16.h's group_values_pairs.
+// Three paths, the widest that `isa` allows (tests force each): isa 1 (and a head_dim not a multiple of 64) widens
+// each tile of rows to float32 in L1; isa 2-3 (AVX2, AVX-512) widen in registers and score in float32; isa 4
+// (AVX512-BF16 + VBMI, a bf16 query) takes the bf16 cache's arithmetic: each 64 stored bytes become 64 exact bf16
+// values in registers (two byte-table lookups; every float8 and int8 value is exact in bf16), dotted with the
+// query by vdpbf16ps (exact products, float32 sums) and weighed by the softmax weights rounded to bf16 two keys at
+// a time, as attention_bf16.h's group_values_pairs.
 //
 // Widening to float32: e5m2 is the top byte of a float16 (x << 8); e4m3 becomes a float16 as
 // ((x & 0x80) << 8) | ((x & 0x7F) << 7) times 2^8 (the exponent biases differ by 8), exact for every finite

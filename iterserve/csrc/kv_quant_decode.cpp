@@ -24,7 +24,7 @@ namespace {
 using namespace iterserve_kv_quant;
 
 // How a tile's bytes become numbers: widened a tile at a time into L1 (any isa, any dim), widened in registers
-// to float32 (AVX-512, dim % 64 == 0), or to bf16 for vdpbf16ps (a bf16 query, isa 4, dim % 64 == 0).
+// to float32 (AVX2 or AVX-512, dim % 64 == 0), or to bf16 for vdpbf16ps (a bf16 query, isa 4, dim % 64 == 0).
 enum Path : int { kWidenTile = 0, kInRegisters = 1, kDpbf16 = 2 };
 
 struct DecodeArgs {
@@ -41,11 +41,20 @@ struct DecodeArgs {
 #if defined(KV_QUANT_DPBF16)
     if (bf16_query && isa >= kAvx512Bf16 && dim % 64 == 0) return kDpbf16;
 #endif
-#if defined(__AVX512F__) && defined(__AVX2__)
-    if (isa >= kAvx512 && dim % 64 == 0) return kInRegisters;
+#if defined(KV_QUANT_FUSED_AVX2)
+    if (isa >= kAvx2 && dim % 64 == 0) return kInRegisters;
 #endif
     return kWidenTile;
   }
+#if defined(KV_QUANT_FUSED_AVX2)
+  // The register kernels (kInRegisters) of this isa for a group of up to 4 heads.
+  const FusedKernels& fused_kernels(int64_t heads) const {
+#if defined(__AVX512F__) && defined(__AVX2__)
+    if (isa >= kAvx512) return fused(kind, heads);
+#endif
+    return fused_avx2(kind, heads);
+  }
+#endif
   // What the fused e4m3 path's K and V are off by (load16): the query is multiplied by it and the output divided.
   float widen_factor() const { return path == kInRegisters && kind == kE4m3 ? 256.f : 1.f; }
   int64_t first_key(int64_t s) const { return window > 0 ? std::max<int64_t>(0, ctx[s] - window) : 0; }
@@ -79,12 +88,12 @@ void tile(const DecodeArgs& a, const float* qf, int64_t n, float* acc, Scratch& 
                                                           scores + g * kTile);
   }
 #endif
-#if defined(__AVX512F__) && defined(__AVX2__)
+#if defined(KV_QUANT_FUSED_AVX2)
   const bool fused = a.path != kWidenTile;
   if (a.path == kInRegisters)
     for (int64_t g = 0; g < group; g += 4)
-      ::fused(a.kind, std::min<int64_t>(4, group - g)).scores(qf + g * dim, dim, w.krows, w.k_scale, n,
-                                                               scores + g * kTile);
+      a.fused_kernels(std::min<int64_t>(4, group - g)).scores(qf + g * dim, dim, w.krows, w.k_scale, n,
+                                                              scores + g * kTile);
 #else
   constexpr bool fused = false;
 #endif
@@ -102,7 +111,7 @@ void tile(const DecodeArgs& a, const float* qf, int64_t n, float* acc, Scratch& 
       for (int64_t i = 0; i < dim; ++i) acc[g * dim + i] *= correction;
     w.m[g] = new_m;
   }
-#if defined(__AVX512F__) && defined(__AVX2__)
+#if defined(KV_QUANT_FUSED_AVX2)
   if (fused) {
     if (a.v.scale)  // int8: each weight times its value row's scale, so the bytes widen unscaled
       for (int64_t g = 0; g < group; ++g)
@@ -115,7 +124,7 @@ void tile(const DecodeArgs& a, const float* qf, int64_t n, float* acc, Scratch& 
         continue;
       }
 #endif
-      ::fused(a.kind, heads).values(scores + g * kTile, w.vrows, n, dim, acc + g * dim);
+      a.fused_kernels(heads).values(scores + g * kTile, w.vrows, n, dim, acc + g * dim);
     }
     return;
   }

@@ -1,11 +1,97 @@
-// The in-register loops of quantized decode attention (kv_quant_decode.cpp): AVX-512 widening 16 stored bytes
-// to float32 for the float32 arithmetic (isa 3), and AVX512-BF16 + VBMI widening 64 bytes to exact bf16 for
-// vdpbf16ps (isa 4), each for groups of up to 4 heads.
+// The in-register loops of quantized decode attention (kv_quant_decode.cpp): AVX2 + F16C widening 8 stored bytes
+// to float32 (isa 2) and AVX-512 widening 16 (isa 3) for the float32 arithmetic, and AVX512-BF16 + VBMI widening
+// 64 bytes to exact bf16 for vdpbf16ps (isa 4), each for groups of up to 4 heads.
 #pragma once
 
 #include "kv_quant_tiles.h"
 
 namespace iterserve_kv_quant {
+
+#if defined(__AVX2__) && defined(__F16C__) && defined(__FMA__)
+#define KV_QUANT_FUSED_AVX2 1
+
+// What the register paths of isa 2 and 3 fill in for a group of heads.
+struct FusedKernels {
+  void (*scores)(const float*, int64_t, const uint8_t* const*, const float*, int64_t, float*);
+  void (*values)(const float*, const uint8_t* const*, int64_t, int64_t, float*);
+};
+
+// 8 stored bytes -> 8 floats in registers, as load16 below (e4m3 as its value / 256).
+template <Kind K>
+inline __m256 load8(const uint8_t* p) {
+  const __m128i b = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(p));
+  if constexpr (K == kInt8) {
+    return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(b));
+  } else if constexpr (K == kE5m2) {
+    return _mm256_cvtph_ps(_mm_slli_epi16(_mm_cvtepu8_epi16(b), 8));
+  } else {
+    return _mm256_cvtph_ps(
+        _mm_and_si128(_mm_slli_epi16(_mm_cvtepi8_epi16(b), 7), _mm_set1_epi16(static_cast<int16_t>(0xBF80))));
+  }
+}
+
+// fused_scores (below) at AVX2's width: eight keys' partial sums reduced together; dim % 32 == 0.
+template <Kind K, int G>
+void fused_scores_avx2(const float* qf, int64_t dim, const uint8_t* const* rows, const float* k_scale, int64_t n,
+                       float* scores) {
+  alignas(32) float part[G][8][8];
+  for (int64_t j0 = 0; j0 < n; j0 += 8) {
+    for (int64_t j = 0; j < 8; ++j) {
+      __m256 acc[G][2];
+      for (int g = 0; g < G; ++g) acc[g][0] = acc[g][1] = _mm256_setzero_ps();
+      if (j0 + j < n) {
+        const uint8_t* r = rows[j0 + j];
+        for (int64_t i = 0; i < dim; i += 32) {
+          __m256 k[4];
+          for (int t = 0; t < 4; ++t) k[t] = load8<K>(r + i + 8 * t);
+          for (int g = 0; g < G; ++g)
+            for (int t = 0; t < 4; ++t)
+              acc[g][t & 1] = _mm256_fmadd_ps(_mm256_loadu_ps(qf + g * dim + i + 8 * t), k[t], acc[g][t & 1]);
+        }
+      }
+      for (int g = 0; g < G; ++g) _mm256_store_ps(part[g][j], _mm256_add_ps(acc[g][0], acc[g][1]));
+    }
+    for (int g = 0; g < G; ++g) {
+      __m256 s = sum8(part[g]);
+      if constexpr (K == kInt8) s = _mm256_mul_ps(s, _mm256_loadu_ps(k_scale + j0));
+      _mm256_storeu_ps(scores + g * kTile + j0, s);
+    }
+  }
+}
+
+// fused_values (below) at AVX2's width, R registers of each head's sums at a time so that the G x R sums and R
+// widened values fit AVX2's 16 registers; dim % 64 == 0.
+template <Kind K, int G>
+void fused_values_avx2(const float* p, const uint8_t* const* rows, int64_t n, int64_t dim, float* acc) {
+  constexpr int R = G == 1 ? 8 : G == 2 ? 4 : 2;
+  for (int64_t i = 0; i < dim; i += 8 * R) {
+    __m256 a[G][R];
+    for (int g = 0; g < G; ++g)
+      for (int t = 0; t < R; ++t) a[g][t] = _mm256_loadu_ps(acc + g * dim + i + 8 * t);
+    for (int64_t j = 0; j < n; ++j) {
+      __m256 v[R];
+      for (int t = 0; t < R; ++t) v[t] = load8<K>(rows[j] + i + 8 * t);
+      for (int g = 0; g < G; ++g) {
+        const __m256 pj = _mm256_set1_ps(p[g * kTile + j]);
+        for (int t = 0; t < R; ++t) a[g][t] = _mm256_fmadd_ps(pj, v[t], a[g][t]);
+      }
+    }
+    for (int g = 0; g < G; ++g)
+      for (int t = 0; t < R; ++t) _mm256_storeu_ps(acc + g * dim + i + 8 * t, a[g][t]);
+  }
+}
+
+template <Kind K>
+constexpr FusedKernels kFusedAvx2[4] = {
+    {fused_scores_avx2<K, 1>, fused_values_avx2<K, 1>}, {fused_scores_avx2<K, 2>, fused_values_avx2<K, 2>},
+    {fused_scores_avx2<K, 3>, fused_values_avx2<K, 3>}, {fused_scores_avx2<K, 4>, fused_values_avx2<K, 4>}};
+
+// The AVX2 register kernels for up to 4 heads of a kind.
+inline const FusedKernels& fused_avx2(Kind kind, int64_t heads) {
+  return kind == kInt8 ? kFusedAvx2<kInt8>[heads - 1]
+                       : kind == kE5m2 ? kFusedAvx2<kE5m2>[heads - 1] : kFusedAvx2<kE4m3>[heads - 1];
+}
+#endif
 
 #if defined(__AVX512F__) && defined(__AVX2__)
 // 16 stored bytes -> 16 floats in registers, without the row's scale: int8 as the integer, e5m2 exactly, e4m3 as
@@ -75,11 +161,6 @@ void fused_values(const float* p, const uint8_t* const* rows, int64_t n, int64_t
       for (int t = 0; t < 4; ++t) _mm512_storeu_ps(acc + g * dim + i + 16 * t, a[g][t]);
   }
 }
-
-struct FusedKernels {
-  void (*scores)(const float*, int64_t, const uint8_t* const*, const float*, int64_t, float*);
-  void (*values)(const float*, const uint8_t* const*, int64_t, int64_t, float*);
-};
 
 template <Kind K>
 constexpr FusedKernels kFused[4] = {{fused_scores<K, 1>, fused_values<K, 1>}, {fused_scores<K, 2>, fused_values<K, 2>},
