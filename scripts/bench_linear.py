@@ -75,19 +75,28 @@ def methods_for(w: torch.Tensor, rows: int) -> dict[str, Callable[[torch.Tensor]
     return out
 
 
-def bench_shape(k: int, n: int, dtype: torch.dtype, rows: int, working_set: int, repeats: int) -> dict[str, float]:
-    """Median seconds per call of each method for x [rows, k] @ W [n, k]^T."""
+def bench_shape(k: int, n: int, dtype: torch.dtype, rows: int, working_set: int, repeats: int,
+                threads: int) -> dict[str, float]:
+    """Median seconds per call of each method for x [rows, k] @ W [n, k]^T: torch's on ``threads`` OpenMP
+    threads, the kernels on their pool of as many with torch at one thread, as the engine runs them
+    (``kernels.run_on_pool``: an OpenMP team spinning after its last region slows the pool's threads)."""
     w0 = torch.randn(n, k, dtype=torch.float32).div_(k**0.5).to(dtype)
     copies = max(2, -(-working_set // w0.nbytes))
     x = torch.randn(rows, k).to(dtype)
     results: dict[str, float] = {}
     for name, factory in methods_for(w0, rows).items():
-        fns = [factory(w0.clone()) for _ in range(copies)]
+        torch.set_num_threads(1 if name.startswith("packed") else threads)
+        try:
+            fns = [factory(w0.clone()) for _ in range(copies)]
+        except RuntimeError as e:  # oneDNN's packed bf16 needs AVX-512 BW/VL/DQ or AVX-NE-CONVERT
+            print(f"{name} skipped for {dtype}: {str(e).splitlines()[0]}")
+            continue
         for fn in fns[:2]:
             fn(x)  # warm-up: first calls pick the kernel for the shape
         per_pass = [_timed(lambda fns=fns: [fn(x) for fn in fns]) for _ in range(repeats)]
         results[name] = statistics.median(per_pass) / copies
         del fns
+    torch.set_num_threads(threads)
     return results
 
 
@@ -104,6 +113,9 @@ def main() -> None:
     if args.threads:
         torch.set_num_threads(args.threads)
     threads = torch.get_num_threads()
+    if kernels.ops is not None:
+        kernels.run_on_pool(threads)
+        torch.set_num_threads(threads)
     peak = read_gbs(threads)
     print(f"model={args.model} threads={threads} streaming read: {read_gbs(1):.1f} GB/s at 1 thread, "
           f"{peak:.1f} GB/s at {threads}")
@@ -116,7 +128,7 @@ def main() -> None:
         dtype = getattr(torch, dtype_name)
         for layer, (k, n) in shapes.items():
             for rows in (int(r) for r in args.rows.split(",")):
-                res = bench_shape(k, n, dtype, rows, args.working_set_mb * 2**20, args.repeats)
+                res = bench_shape(k, n, dtype, rows, args.working_set_mb * 2**20, args.repeats, threads)
                 best = min(res.values())
                 for name, t in res.items():
                     gbs = n * k * dtype.itemsize / t / 1e9
