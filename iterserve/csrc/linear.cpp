@@ -5,7 +5,7 @@
 // x[m, k] and accumulates rows x NB blocks in registers, so there is no horizontal reduction and each
 // weight element feeds every row while it is in a register: the weight streams from memory once per
 // call, at the read bandwidth, for 1 row as for 8. More rows take the weight a register tile at a time,
-// 8 rows after 8 while the tile is in cache.
+// 8 rows after 8 (6 on AVX2) while the tile is in cache.
 //
 // Arithmetic is float32 (bf16/fp16 weights widen on load) with one rounding to the output dtype. With
 // AVX512-BF16 (the compiler's __AVX512BF16__) a bf16 weight is packed as k-pairs, [K/2, 16, 2] per block,
@@ -40,6 +40,9 @@ using iterserve::kV;
 using iterserve::pairs;
 using Vec = at::vec::Vectorized<float>;
 constexpr int kMaxMR = 8;  // rows per register tile
+// Rows per register tile when more than kMaxMR rows take the weight a tile at a time: within AVX2's 16 registers
+// 6 rows x 2 blocks keep 12 independent sums in flight and load 8 values per 12 FMAs, 8 rows x 1 block 8 and 9 per 8.
+constexpr int kBigMR = kV == 16 ? kMaxMR : 6;
 // k steps a tile asks for its weight ahead of use, from 4 rows up: the hardware prefetcher alone leaves a tile
 // of several rows waiting on memory, while at one row it keeps up on its own.
 constexpr int64_t kAhead = 32;
@@ -57,7 +60,7 @@ inline Vec load_w(const T* p) {
 }
 
 // Blocks per register tile: MR x NB accumulators plus NB weight vectors stay within 32 (16 on AVX2) registers.
-constexpr int nb_for(int mr) { return kV == 16 ? (mr <= 4 ? 4 : 3) : (mr <= 2 ? 4 : mr <= 4 ? 2 : 1); }
+constexpr int nb_for(int mr) { return kV == 16 ? (mr <= 4 ? 4 : 3) : (mr <= 2 ? 4 : mr <= 6 ? 2 : 1); }
 
 // `lines` cache lines from `ahead`, fetched into L2 over the first k steps of a tile, as few per step as cover them.
 struct AheadLines {
@@ -273,16 +276,16 @@ void run_blocks(const char* x, int64_t x_row_bytes, int64_t xs, int64_t M, const
     with_rows(M, [&]<int MR>() { rows_walk<T, MR, Y>(x, xs, packed, bstride, K, b0, b1, bias, y, N); });
     return;
   }
-  constexpr int NB = nb_for(kMaxMR);
-  const int64_t row_groups = (M + kMaxMR - 1) / kMaxMR, block_lines = bstride * static_cast<int64_t>(sizeof(T)) / 64;
+  constexpr int NB = nb_for(kBigMR);
+  const int64_t row_groups = (M + kBigMR - 1) / kBigMR, block_lines = bstride * static_cast<int64_t>(sizeof(T)) / 64;
   for (int64_t b = b0; b < b1; b += NB) {
     const int nb = static_cast<int>(std::min<int64_t>(NB, b1 - b));
     const char* next = reinterpret_cast<const char*>(packed + (b + NB) * bstride);
     const int64_t next_lines = pairs<T>() ? std::clamp<int64_t>(b1 - b - NB, 0, NB) * block_lines : 0;
     const int64_t per = (next_lines + row_groups - 1) / row_groups;
-    for (int64_t r = 0, i = 0; r < M; r += kMaxMR, ++i) {
+    for (int64_t r = 0, i = 0; r < M; r += kBigMR, ++i) {
       const int64_t from = std::min(next_lines, i * per), lines = std::min(next_lines, from + per) - from;
-      with_rows(std::min<int64_t>(kMaxMR, M - r), [&]<int MR>() {
+      with_rows(std::min<int64_t>(kBigMR, M - r), [&]<int MR>() {
         rows_tile<T, MR, NB>(x + r * x_row_bytes, xs, packed, bstride, K, b, nb, bias, y + r * N, N, next + from * 64,
                              lines);
       });
@@ -354,7 +357,7 @@ void packed_linear_impl(const at::Tensor& x, const at::Tensor& packed, const at:
   // must (a chunk's first tile is the one no earlier tile fetched ahead, so the longest such chunks): the
   // small-row chunk sizes, doubled, can leave one thread most of a projection's chunks.
   if (M > kMaxMR) {
-    int64_t unit = nb_for(kMaxMR);
+    int64_t unit = nb_for(kBigMR);
 #ifdef ITERSERVE_AMX
     if (pairs<T>() && M >= amx_min_rows) unit = kAmxNB;
 #endif
