@@ -131,7 +131,7 @@ void tile(const DecodeArgs& a, const float* qf, int64_t n, float* acc, Scratch& 
 #endif
   for (int64_t j = 0; j < n; ++j)
     widen_row(a.isa, w.vrows[j], w.rows + j * dim, dim, a.kind, a.v.scale ? w.v_scale[j] : 1.f);
-  tile_values(a.isa, scores, w.rows, n, dim, group, kTile, acc);
+  tile_values(scores, w.rows, n, dim, group, kTile, acc);
 }
 
 // Attention of the `group` query heads (qf: widened, scaled) of sequence s over KV head h, keys [lo, hi): acc

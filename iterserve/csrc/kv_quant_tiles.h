@@ -1,5 +1,5 @@
 // The float32 loops of quantized decode attention (kv_quant_decode.cpp) on a tile of rows widened into L1
-// (isa 1-3, any head dim), the softmax's helpers, and where a head's rows lie in a pool.
+// (isa 1, or a head dim not a multiple of 64), the softmax's helpers, and where a head's rows lie in a pool.
 #pragma once
 
 #include <ATen/cpu/vec/functional.h>
@@ -123,65 +123,18 @@ inline void tile_scores(int64_t isa, const float* qf, const float* rows, int64_t
     for (int64_t j = 0; j < n; ++j) scores[g * stride + j] = dot(qf + g * dim, rows + j * dim, dim);
 }
 
-#if defined(__AVX512F__)
-// acc_g += sum_j scores[g * stride + j] * rows[j] with head g's NV accumulator vectors held in registers.
-template <int NV>
-void values_in_registers(const float* scores, const float* rows, int64_t n, int64_t group, int64_t stride,
-                         float* acc) {
-  constexpr int64_t dim = NV * 16;
-  for (int64_t g = 0; g < group; ++g) {
-    __m512 r[NV];
-    for (int v = 0; v < NV; ++v) r[v] = _mm512_loadu_ps(acc + g * dim + v * 16);
-    for (int64_t j = 0; j < n; ++j) {
-      const __m512 p = _mm512_set1_ps(scores[g * stride + j]);
-      for (int v = 0; v < NV; ++v) r[v] = _mm512_fmadd_ps(p, _mm512_loadu_ps(rows + j * dim + v * 16), r[v]);
-    }
-    for (int v = 0; v < NV; ++v) _mm512_storeu_ps(acc + g * dim + v * 16, r[v]);
-  }
-}
-#endif
-
-#if defined(__AVX2__) && defined(__FMA__)
-// tile_values' axpys (the same fmadds in the same order) with 64 of head g's accumulators at a time in 8 registers.
-inline void values_in_registers_avx2(const float* scores, const float* rows, int64_t n, int64_t dim, int64_t group,
-                                     int64_t stride, float* acc) {
-  for (int64_t g = 0; g < group; ++g)
-    for (int64_t c = 0; c < dim; c += 64) {
-      __m256 r[8];
-      for (int v = 0; v < 8; ++v) r[v] = _mm256_loadu_ps(acc + g * dim + c + v * 8);
-      for (int64_t j = 0; j < n; ++j) {
-        const __m256 p = _mm256_set1_ps(scores[g * stride + j]);
-        for (int v = 0; v < 8; ++v) r[v] = _mm256_fmadd_ps(p, _mm256_loadu_ps(rows + j * dim + c + v * 8), r[v]);
-      }
-      for (int v = 0; v < 8; ++v) _mm256_storeu_ps(acc + g * dim + c + v * 8, r[v]);
-    }
-}
-#endif
-
-inline void axpy(float* y, float a, const float* x, int64_t n);
-
-// acc_g += sum_j scores[g * stride + j] * rows[j] for the tile's n widened V rows.
-inline void tile_values(int64_t isa, const float* scores, const float* rows, int64_t n, int64_t dim, int64_t group,
-                 int64_t stride, float* acc) {
-#if defined(__AVX512F__)
-  if (isa >= kAvx512 && (dim == 64 || dim == 128)) {
-    if (dim == 64) values_in_registers<4>(scores, rows, n, group, stride, acc);
-    else values_in_registers<8>(scores, rows, n, group, stride, acc);
-    return;
-  }
-#endif
-#if defined(__AVX2__) && defined(__FMA__)
-  if (isa >= kAvx2 && dim % 64 == 0) return values_in_registers_avx2(scores, rows, n, dim, group, stride, acc);
-#endif
-  for (int64_t g = 0; g < group; ++g)
-    for (int64_t j = 0; j < n; ++j) axpy(acc + g * dim, scores[g * stride + j], rows + j * dim, dim);
-}
-
 inline void axpy(float* y, float a, const float* x, int64_t n) {
   int64_t i = 0;
   const Vec va(a);
   for (; i + Vec::size() <= n; i += Vec::size()) at::vec::fmadd(va, Vec::loadu(x + i), Vec::loadu(y + i)).store(y + i);
   for (; i < n; ++i) y[i] += a * x[i];
+}
+
+// acc_g += sum_j scores[g * stride + j] * rows[j] for the tile's n widened V rows.
+inline void tile_values(const float* scores, const float* rows, int64_t n, int64_t dim, int64_t group, int64_t stride,
+                        float* acc) {
+  for (int64_t g = 0; g < group; ++g)
+    for (int64_t j = 0; j < n; ++j) axpy(acc + g * dim, scores[g * stride + j], rows + j * dim, dim);
 }
 
 // One pool of a quantized cache, [blocks, kv_heads, block_size, head_dim] bytes, and for int8 its float16 scales
