@@ -1,8 +1,8 @@
 // The AVX2 side of the GGUF matmul (kquant_ops.cpp): kquant_avx512.h's decoders of a tiled weight, 8 columns a
 // register, and the int8 dots. A tile's 16 columns are two halves of 32 bytes in each 64-byte chunk of the tiled
 // blocks, decoded one after the other into the same Tile the portable decoder fills, to the bit (the scales are
-// the same exact float32 products), which `rows` multiplies; a single row takes the codes from the decoder's
-// registers instead, in the same dots and float steps.
+// the same exact float32 products), which rows_of multiplies; a single row takes the codes from the decoder's
+// registers instead. Both take kquant_avx512.h's float steps per 32-block, so each ISA gives a row the same result.
 #pragma once
 
 #include "kquant.h"
@@ -47,9 +47,16 @@ inline void store_group(float* s, float* o, int g, __m256 sv, __m256 ov) {
   _mm256_storeu_ps(o + g * kCols, ov);
 }
 
+// What a type's codes are to the int8 dots: + Bias they are unsigned, at most Most; Pairs: the two groups of 16 of
+// a 32-block share scale and offset; Offset: whether the type has offsets at all (kquant_avx512.h's kPairs, kOffset).
+template <int Bias, int Most, bool Pairs, bool Offset>
+struct Codes {
+  static constexpr int kBias = Bias, kMost = Most;
+  static constexpr bool kPairs = Pairs, kOffset = Offset;
+};
+
 // Each type's decoder as kquant_avx512.h's (same bytes, same bit positions), on one half of the columns.
-struct Q4K {
-  static constexpr int kBias = 0;
+struct Q4K : Codes<0, 15, true, true> {
   static constexpr int64_t kBlock = 256, kStride = 144;
   static void scales(const Half& g, const uint8_t* p, int64_t, float* s, float* o) {
     const __m256i head = g.at(p), s0 = g.at(p + 4), s1 = g.at(p + 8), s2 = g.at(p + 12);
@@ -79,6 +86,7 @@ struct Q4K {
 };
 
 struct Q5K : Q4K {
+  static constexpr int kMost = 31;
   static constexpr int64_t kStride = 176;
   [[gnu::always_inline]] static __m256i codes(const Half& g, const uint8_t* p, int c) {
     const int j = c >> 4, hi = (c >> 3) & 1, i = c & 7;
@@ -87,8 +95,7 @@ struct Q5K : Q4K {
   }
 };
 
-struct Q6K {
-  static constexpr int kBias = 32;
+struct Q6K : Codes<32, 63, false, false> {
   static constexpr int64_t kBlock = 256, kStride = 210;
   static void scales(const Half& g, const uint8_t* p, int64_t, float* s, float* o) {
     const __m256 d = half_lanes(g.at(p + 208), 0);  // a tiled block has its last bytes padded to a dword
@@ -110,8 +117,7 @@ struct Q6K {
   }
 };
 
-struct Q3K {
-  static constexpr int kBias = 4;
+struct Q3K : Codes<4, 7, false, false> {
   static constexpr int64_t kBlock = 256, kStride = 110;
   static void scales(const Half& g, const uint8_t* p, int64_t, float* s, float* o) {
     const __m256 d = half_lanes(g.at(p + 108), 0);
@@ -133,8 +139,7 @@ struct Q3K {
   }
 };
 
-struct Q2K {
-  static constexpr int kBias = 0;
+struct Q2K : Codes<0, 3, false, true> {
   static constexpr int64_t kBlock = 256, kStride = 84;
   static void scales(const Half& g, const uint8_t* p, int64_t, float* s, float* o) {
     const __m256i head = g.at(p + 80);
@@ -157,8 +162,7 @@ struct Q2K {
 
 // Q5_0 / Q5_1 tiled: blocks padded to 24 bytes, qh from byte 4, qs from byte 8.
 template <bool kMin>
-struct Q5Blocks {
-  static constexpr int kBias = kMin ? 0 : 16;
+struct Q5Blocks : Codes<kMin ? 0 : 16, 31, true, kMin> {
   static constexpr int64_t kBlock = 32, kStride = 24;
   static void scales(const Half& g, const uint8_t* p, int64_t len, float* s, float* o) {
     for (int64_t b = 0; b < len / 32; ++b) {
@@ -183,8 +187,7 @@ struct Q5Blocks {
 };
 
 // Q8_0 tiled: blocks padded to 36 bytes, the codes from byte 4.
-struct Q80 {
-  static constexpr int kBias = 128;
+struct Q80 : Codes<128, 128, true, false> {
   static constexpr int64_t kBlock = 32, kStride = 36;
   static void scales(const Half& g, const uint8_t* p, int64_t len, float* s, float* o) {
     for (int64_t b = 0; b < len / 32; ++b) {
@@ -230,70 +233,99 @@ void decode_unit(const uint8_t* p, Tile& t) {
 
 // -- the int8 dots ---------------------------------------------------------------------------------------------
 
-// One group of 16 inputs of 8 columns: w[j] holds inputs 4j..4j+3 of each column (codes + bias, unsigned), xb[j]
-// the row's int8 inputs 4j..4j+3 broadcast. vpmaddubsw wants unsigned x signed. Codes below 64 (bias < 128: every
-// type but Q8_0) go in as they are, bias * sum(x) taken back off, and two of its int16 sums still fit
-// (2 * 2 * 63 * 127 < 32768); Q8_0's (bias 128) take |q| times x with q's sign (|q| <= 128, |x| <= 127: a pair
-// fits). Exact either way.
-[[gnu::always_inline]] inline __m256i group_dot(const __m256i* w, const __m256i* xb, int bias, int32_t sum) {
-  const __m256i ones = _mm256_set1_epi16(1);
-  if (bias < 128) {
-    const __m256i p01 = _mm256_add_epi16(_mm256_maddubs_epi16(w[0], xb[0]), _mm256_maddubs_epi16(w[1], xb[1]));
-    const __m256i p23 = _mm256_add_epi16(_mm256_maddubs_epi16(w[2], xb[2]), _mm256_maddubs_epi16(w[3], xb[3]));
-    const __m256i dot = _mm256_add_epi32(_mm256_madd_epi16(p01, ones), _mm256_madd_epi16(p23, ones));
-    return _mm256_sub_epi32(dot, _mm256_set1_epi32(bias * sum));
+// vpmaddubsw: the unsigned codes (+ Bias) times the signed inputs, two products to a 16-bit sum. Q8_0's codes
+// (Bias 128) go in as |q| with q's sign moved onto the input (|q| <= 128, |x| <= 127: a pair fits).
+template <class C>
+[[gnu::always_inline]] inline __m256i products(__m256i w, __m256i xb) {
+  if constexpr (C::kBias == 128) {
+    const __m256i q = _mm256_xor_si256(w, _mm256_set1_epi8(static_cast<char>(0x80)));
+    return _mm256_maddubs_epi16(_mm256_sign_epi8(q, q), _mm256_sign_epi8(xb, q));
+  } else {
+    return _mm256_maddubs_epi16(w, xb);
   }
-  __m256i dot = _mm256_setzero_si256();
-  for (int j = 0; j < 4; ++j) {
-    const __m256i q = _mm256_xor_si256(w[j], _mm256_set1_epi8(static_cast<char>(0x80)));
-    const __m256i prod = _mm256_maddubs_epi16(_mm256_sign_epi8(q, q), _mm256_sign_epi8(xb[j], q));
-    dot = _mm256_add_epi32(dot, _mm256_madd_epi16(prod, ones));
-  }
-  return dot;
 }
 
-// Row r's 16 inputs of group ga, each group of 4 broadcast.
-inline void group_rows(const Activations& x, int64_t r, int64_t ga, __m256i* xb) {
+// The int32 dot of N registers of codes (+ Bias) with the broadcast inputs, less Bias * sum(x), exactly: as many
+// 16-bit sums are added before widening as fit (each at most 2 * Most * 127).
+template <class C, int N>
+[[gnu::always_inline]] inline __m256i dot(const __m256i* w, const __m256i* xb, int32_t sum) {
+  constexpr int fit = C::kBias == 128 ? 1 : 32767 / (2 * C::kMost * 127), per = fit < N ? fit : N;
+  static_assert(per > 0 && N % per == 0);
+  __m256i total = _mm256_set1_epi32(C::kBias == 128 ? 0 : -C::kBias * sum);
+  for (int j = 0; j < N; j += per) {
+    __m256i p = products<C>(w[j], xb[j]);
+    for (int i = 1; i < per; ++i) p = _mm256_add_epi16(p, products<C>(w[j + i], xb[j + i]));
+    total = _mm256_add_epi32(total, _mm256_madd_epi16(p, _mm256_set1_epi16(1)));
+  }
+  return total;
+}
+
+// One row's share of a 32-block (groups ga, ga + 1 of 16 inputs) for 8 columns: codes + Bias in w[8], group g's
+// scales and offsets at s + g * kCols, o + g * kCols. The float steps of kquant_avx512.h's row_step, in its order:
+// Pairs take one step for both groups; else the groups' scaled dots (and offsets) are summed, then scaled by the
+// row's a_d once.
+template <class C>
+[[gnu::always_inline]] inline __m256 row_step(const __m256i* w, const Activations& x, int64_t r, int64_t ga,
+                                              const float* s, const float* o, __m256 out) {
   const int8_t* xr = x.a.row(r) + ga * kGroup;
-  for (int j = 0; j < 4; ++j) xb[j] = _mm256_set1_epi32(load_i32(xr + 4 * j));
-}
-
-// out += dot * (s * a_d) + o * (a_d * sum(x)): the group's float steps for one row and 8 columns.
-[[gnu::always_inline]] inline __m256 group_step(__m256i dot, const float* s, const float* o, const Activations& x,
-                                                int64_t r, int64_t ga, __m256 out) {
-  const float ad = x.d(r, ga), e = ad * static_cast<float>(x.sum(r, ga));
-  out = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot), _mm256_mul_ps(_mm256_loadu_ps(s), _mm256_set1_ps(ad)), out);
-  return _mm256_fmadd_ps(_mm256_loadu_ps(o), _mm256_set1_ps(e), out);
-}
-
-// acc[r][c] for rows [0, mr) += the tile (unit u, codes + 128) times the rows; `bias` makes the codes unsigned.
-inline void rows(const Tile& t, const Activations& x, int64_t u, int64_t mr, float* acc, int bias) {
-  const __m256i shift = _mm256_set1_epi8(static_cast<char>(128 - bias));  // the tile's codes + 128 -> codes + bias
-  for (int64_t r = 0; r < mr; ++r) {
-    __m256 out[2] = {_mm256_loadu_ps(acc + r * kCols), _mm256_loadu_ps(acc + r * kCols + 8)};
-    for (int64_t g = 0; g < t.len / kGroup; ++g) {
-      const int64_t ga = u * kGroups + g;
-      __m256i xb[4];
-      group_rows(x, r, ga, xb);
-      for (int h = 0; h < 2; ++h) {
-        __m256i w[4];
-        for (int j = 0; j < 4; ++j)
-          w[j] = _mm256_sub_epi8(_mm256_load_si256(reinterpret_cast<const __m256i*>(t.q + (g * 4 + j) * 64 + h * 32)),
-                                 shift);
-        out[h] = group_step(group_dot(w, xb, bias, x.sum(r, ga)), t.s[g] + 8 * h, t.o[g] + 8 * h, x, r, ga, out[h]);
-      }
+  __m256i xb[8];
+  for (int j = 0; j < 8; ++j) xb[j] = _mm256_set1_epi32(load_i32(xr + 4 * j));
+  const float ad = x.d(r, ga);
+  if constexpr (C::kPairs) {
+    const int32_t sum = x.a.sum[r * x.a.blocks + ga / 2];
+    const __m256 dot8 = _mm256_cvtepi32_ps(dot<C, 8>(w, xb, sum));
+    out = _mm256_fmadd_ps(dot8, _mm256_mul_ps(_mm256_loadu_ps(s), _mm256_set1_ps(ad)), out);
+    if constexpr (C::kOffset)
+      out = _mm256_fmadd_ps(_mm256_loadu_ps(o), _mm256_set1_ps(ad * static_cast<float>(sum)), out);
+    return out;
+  } else {
+    __m256 acc = _mm256_setzero_ps();
+    for (int h = 0; h < 2; ++h) {
+      const int32_t sum = x.sum(r, ga + h);
+      const __m256 dot4 = _mm256_cvtepi32_ps(dot<C, 4>(w + 4 * h, xb + 4 * h, sum));
+      const __m256 sh = _mm256_loadu_ps(s + h * kCols);
+      acc = h == 0 ? _mm256_mul_ps(dot4, sh) : _mm256_fmadd_ps(dot4, sh, acc);
+      if constexpr (C::kOffset)
+        acc = _mm256_fmadd_ps(_mm256_loadu_ps(o + h * kCols), _mm256_set1_ps(static_cast<float>(sum)), acc);
     }
-    _mm256_storeu_ps(acc + r * kCols, out[0]);
-    _mm256_storeu_ps(acc + r * kCols + 8, out[1]);
+    return _mm256_fmadd_ps(acc, _mm256_set1_ps(ad), out);
   }
+}
+
+// acc[r][c] for rows [r0, r0 + MR) += the tile (unit u, codes + 128) times the rows, a half of the columns at a
+// time: each 32-block's codes are loaded (and given the type's bias) once for the MR rows.
+template <class C, int MR>
+void rows_of(const Tile& t, const Activations& x, int64_t u, int64_t r0, float* acc) {
+  const __m256i shift = _mm256_set1_epi8(static_cast<char>(128 - C::kBias));
+  for (int h = 0; h < 2; ++h) {
+    __m256 out[MR];
+    for (int r = 0; r < MR; ++r) out[r] = _mm256_loadu_ps(acc + (r0 + r) * kCols + 8 * h);
+    for (int64_t g = 0; g < t.len / kGroup; g += 2) {
+      __m256i w[8];
+      for (int j = 0; j < 8; ++j)
+        w[j] = _mm256_sub_epi8(_mm256_load_si256(reinterpret_cast<const __m256i*>(t.q + (g * 4 + j) * 64 + 32 * h)),
+                               shift);
+      for (int r = 0; r < MR; ++r)
+        out[r] = row_step<C>(w, x, r0 + r, u * kGroups + g, t.s[g] + 8 * h, t.o[g] + 8 * h, out[r]);
+    }
+    for (int r = 0; r < MR; ++r) _mm256_storeu_ps(acc + (r0 + r) * kCols + 8 * h, out[r]);
+  }
+}
+
+template <class C>
+void rows_any(const Tile& t, const Activations& x, int64_t u, int64_t mr, float* acc) {
+  using Kernel = void (*)(const Tile&, const Activations&, int64_t, int64_t, float*);
+  static constexpr Kernel by_rows[] = {rows_of<C, 1>, rows_of<C, 2>, rows_of<C, 3>, rows_of<C, 4>};
+  constexpr int64_t most = sizeof(by_rows) / sizeof(by_rows[0]);
+  for (int64_t r = 0; r < mr; r += most) by_rows[std::min(most, mr - r) - 1](t, x, u, r, acc);
 }
 
 // -- decoded in registers -------------------------------------------------------------------------------------
 
 // Half h of the tiled weight's 16 columns times one row (a batch-1 decode step), every unit decoded in registers
-// and multiplied at once: per group the same integer dots and float steps, in the same order, as rows (a row's
-// result does not depend on which of the two multiplied it). More rows decode a tile once: at 4 rows decoding
-// again for each was slower.
+// and multiplied at once: per 32-block the same integer dots and float steps, in the same order, as rows_of (a
+// row's result does not depend on which of the two multiplied it). More rows decode a tile once: at 4 rows
+// decoding again for each was slower.
 template <class D>
 void fused_half(const uint8_t* tile, int64_t k, const Activations& x, int h, float* acc) {
   alignas(32) float s[kGroups][kCols], o[kGroups][kCols];
@@ -308,13 +340,7 @@ void fused_half(const uint8_t* tile, int64_t k, const Activations& x, int h, flo
     for (int b = 0; b < len / 32; ++b) {
       __m256i w[8];
       for (int j = 0; j < 8; ++j) w[j] = D::codes(src, p, 8 * b + j);
-      for (int gg = 0; gg < 2; ++gg) {
-        const int64_t ga = u * kGroups + 2 * b + gg;
-        __m256i xb[4];
-        group_rows(x, 0, ga, xb);
-        out = group_step(group_dot(w + 4 * gg, xb, D::kBias, x.sum(0, ga)), s[2 * b + gg], o[2 * b + gg], x, 0, ga,
-                         out);
-      }
+      out = row_step<D>(w, x, 0, u * kGroups + 2 * b, s[2 * b], o[2 * b], out);
     }
   }
   _mm256_storeu_ps(acc + 8 * h, out);
@@ -324,6 +350,19 @@ void fused_half(const uint8_t* tile, int64_t k, const Activations& x, int h, flo
 template <class F>
 bool with_decoder(int64_t type, const F& f) {
   return decoder_of<Q2K, Q3K, Q4K, Q5K, Q6K, Q5Blocks<false>, Q5Blocks<true>, Q80>(type, f);
+}
+
+// Calls f with the codes of `type` (its decoder's, or Q4_0's and Q4_1's, which the portable decoder tiles).
+template <class F>
+bool with_codes(int64_t type, const F& f) {
+  if (type == kQ4_0) return f(Codes<8, 15, true, false>{}), true;
+  if (type == kQ4_1) return f(Codes<0, 15, true, true>{}), true;
+  return with_decoder(type, f);
+}
+
+// acc[r][c] for rows [0, mr) += the tile (unit u, codes + 128) times the rows; false for a type without codes.
+inline bool rows(int64_t type, const Tile& t, const Activations& x, int64_t u, int64_t mr, float* acc) {
+  return with_codes(type, [&](auto c) { rows_any<decltype(c)>(t, x, u, mr, acc); });
 }
 
 // The tiled weight's unit u into the tile; false for a type without an AVX2 decoder (left to decode_tile).

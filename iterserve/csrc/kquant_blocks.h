@@ -40,18 +40,6 @@ inline bool tiles(int64_t type) { return type != kQ4_0 && type != kQ4_1 && layou
 // Types whose groups of 16 inputs share scale and offset in pairs (a 32-block): AVX-512 takes one float step a pair.
 inline bool pairs(int64_t type) { return type != kQ2_K && type != kQ3_K && type != kQ6_K; }
 
-// What makes the type's codes unsigned: minus the smallest.
-inline int code_bias(int64_t type) {
-  switch (type) {
-    case kQ4_0: return 8;
-    case kQ5_0: return 16;
-    case kQ3_K: return 4;
-    case kQ6_K: return 32;
-    case kQ8_0: return 128;
-    default: return 0;
-  }
-}
-
 // -- one block to codes, scales and offsets (scalar; the formulas and bit layouts of ggml's block_*) --------
 
 inline void decode_q4_0(const uint8_t* p, int8_t* q, float* s, float* o, bool with_min) {

@@ -142,7 +142,7 @@ void tile_rows(int64_t isa, int64_t type, const Tile& t, const Activations& x, i
     return pairs(type) ? rows_avx512_any<true>(t, x, u, m, acc) : rows_avx512_any<false>(t, x, u, m, acc);
 #endif
 #if defined(__AVX2__) && defined(__F16C__) && defined(__FMA__)
-  if (isa == kAvx2) return avx2::rows(t, x, u, m, acc, code_bias(type));
+  if (isa == kAvx2 && avx2::rows(type, t, x, u, m, acc)) return;
 #endif
   rows_scalar(t, x, u, 0, m, acc);
 }
