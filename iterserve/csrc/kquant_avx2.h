@@ -2,7 +2,7 @@
 // register, and the int8 dots. A tile's 16 columns are two halves of 32 bytes in each 64-byte chunk of the tiled
 // blocks, decoded one after the other into the same Tile the portable decoder fills, to the bit (the scales are
 // the same exact float32 products), which rows_of multiplies; a single row takes the codes from the decoder's
-// registers instead. Both take kquant_avx512.h's float steps per 32-block, so each ISA gives a row the same result.
+// registers instead; both in kquant_avx512.h's float steps per 32-block, in its order.
 #pragma once
 
 #include "kquant.h"
