@@ -18,15 +18,18 @@ HUGE_PAGE = 2 << 20
 
 
 def empty(shape: tuple[int, ...] | torch.Size, dtype: torch.dtype) -> torch.Tensor:
-    """A zero-filled CPU tensor; one of at least a huge page starts on a huge-page boundary of memory that
-    asked for huge pages. The tensor keeps its mapping alive."""
+    """A zero-filled CPU tensor; one of at least a huge page starts on a huge-page boundary, its whole huge
+    pages of memory that asked for them. The tensor keeps its mapping alive."""
     nbytes = math.prod(shape) * dtype.itemsize
     if nbytes < HUGE_PAGE or not hasattr(mmap, "MADV_HUGEPAGE"):
         return torch.zeros(shape, dtype=dtype)
-    buf = mmap.mmap(-1, nbytes + HUGE_PAGE)  # anonymous memory comes zeroed; the spare page aligns the start
-    buf.madvise(mmap.MADV_HUGEPAGE)
+    # private: shared anonymous memory is shmem, which transparent huge pages leave alone by default; anonymous
+    # memory comes zeroed; the spare page aligns the start
+    buf = mmap.mmap(-1, nbytes + HUGE_PAGE, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
     raw = torch.frombuffer(buf, dtype=torch.uint8)
     start = -raw.data_ptr() % HUGE_PAGE
+    # only whole huge pages ask: a tail on one would hold up to 2 MiB the tensor does not use
+    buf.madvise(mmap.MADV_HUGEPAGE, start, nbytes // HUGE_PAGE * HUGE_PAGE)
     return raw[start:start + nbytes].view(dtype).view(shape)
 
 

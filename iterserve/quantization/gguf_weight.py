@@ -23,6 +23,7 @@ import torch
 import torch.nn.functional as F
 
 from iterserve.formats.gguf.types import STORED_TYPES, type_id
+from iterserve.platforms import huge_pages
 from iterserve.platforms.ops import CpuOps, ops_of
 
 TILE = 16
@@ -139,9 +140,12 @@ class GGUFWeight:
         return GGUFWeight([p.tiled() for p in self.parts], self.k)
 
     def to(self, device: torch.device | str) -> GGUFWeight:
-        """On ``device``, each part one contiguous run (what the kernel reads)."""
-        return GGUFWeight([GGUFPart(p.raw.to(device).contiguous(), p.type_name, p.tiled_rows) for p in self.parts],
-                      self.k)
+        """On ``device``, each part one contiguous run (what the kernel reads); on the CPU a copy on huge pages,
+        since a decode step streams it whole."""
+        def place(raw: torch.Tensor) -> torch.Tensor:
+            return huge_pages.copy(raw) if torch.device(device).type == "cpu" else raw.to(device).contiguous()
+
+        return GGUFWeight([GGUFPart(place(p.raw), p.type_name, p.tiled_rows) for p in self.parts], self.k)
 
 
 def from_stored(raw: np.ndarray, type_name: str, n: int, k: int) -> GGUFWeight:

@@ -180,7 +180,7 @@ def quantize_model(model: LlamaModel, quantization: str | None,
     embed, head, tied = model.embed_tokens, model.lm_head, model.config.tie_word_embeddings
     if _pack_blocks(embed) is not None and tied:
         if isinstance(embed.qweight, GGUFWeight):  # tiled for the LM head's matmul; the lookup reads tiles too
-            embed.qweight = embed.qweight.tiled()
+            embed.qweight = embed.qweight.tiled().to(embed.weight.device)
         head.qweight, head.weight = embed.qweight, embed.weight
 
     other = fallback or default_chooser()

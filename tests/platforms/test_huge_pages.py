@@ -24,3 +24,39 @@ def test_copy_keeps_values_and_memory_outlives_the_mapping_object():
     assert torch.equal(out, src)
     out.mul_(2)  # still writable memory of its own
     assert torch.equal(out, src * 2)
+
+
+def mapping_of(ptr: int) -> dict[str, int]:
+    """The kB fields of /proc/self/smaps for the mapping that holds address ``ptr``."""
+    fields: dict[str, int] = {}
+    inside = False
+    with open("/proc/self/smaps") as f:
+        for line in f:
+            head = line.split()[0]
+            if "-" in head and not head.endswith(":"):
+                lo, hi = (int(a, 16) for a in head.split("-"))
+                inside = lo <= ptr < hi
+            elif inside and line.split()[-1] == "kB":
+                fields[head.rstrip(":")] = int(line.split()[1])
+    return fields
+
+
+def transparent_huge_pages() -> str:
+    """The kernel's mode for anonymous memory: always, madvise or never ("" where it has none)."""
+    try:
+        with open("/sys/kernel/mm/transparent_hugepage/enabled") as f:
+            return f.read().split("[")[1].split("]")[0]
+    except (OSError, IndexError):
+        return ""
+
+
+def test_a_tensor_gets_huge_pages_for_its_whole_ones_and_small_pages_past_them():
+    """2.5 MiB: one huge page where the kernel gives them on asking, the last half MiB on small pages (not a
+    second huge page of which three quarters would sit unused)."""
+    t = huge_pages.empty((5, 1 << 18), torch.int16)
+    t.fill_(1)
+    whole = mapping_of(t.data_ptr())
+    tail = mapping_of(t.data_ptr() + huge_pages.HUGE_PAGE)
+    assert tail["Rss"] <= 512 + 4 and tail.get("AnonHugePages", 0) == 0
+    if transparent_huge_pages() in ("always", "madvise"):
+        assert whole["AnonHugePages"] == 2048
