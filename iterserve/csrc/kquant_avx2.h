@@ -26,8 +26,10 @@ inline __m256 half_lanes(__m256i v, int shift) {
   return _mm256_cvtph_ps(_mm256_castsi256_si128(_mm256_permute4x64_epi64(_mm256_packus_epi32(w, w), 0x08)));
 }
 
+// Byte `byte` of each lane, zero-extended: one vpshufb (an index with its top bit set gives zero).
 inline __m256i byte_lanes(__m256i v, int byte) {
-  return _mm256_and_si256(_mm256_srli_epi32(v, 8 * byte), _mm256_set1_epi32(0xFF));
+  const __m256i at = _mm256_setr_epi32(0, 4, 8, 12, 0, 4, 8, 12);  // each lane's first byte in its 128 bits
+  return _mm256_shuffle_epi8(v, _mm256_add_epi32(at, _mm256_set1_epi32(static_cast<int32_t>(0x80808000u | byte))));
 }
 
 inline __m256i low_nibbles(__m256i v, bool high) {
@@ -60,22 +62,17 @@ struct Q4K : Codes<0, 15, true, true> {
   static constexpr int64_t kBlock = 256, kStride = 144;
   static void scales(const Half& g, const uint8_t* p, int64_t, float* s, float* o) {
     const __m256i head = g.at(p), s0 = g.at(p + 4), s1 = g.at(p + 8), s2 = g.at(p + 12);
-    const __m256 d = half_lanes(head, 0), dmin = half_lanes(head, 16);
-    const __m256i m6 = _mm256_set1_epi32(63), m4 = _mm256_set1_epi32(0x0F);
+    const __m256 d = half_lanes(head, 0), neg_dmin = _mm256_sub_ps(_mm256_setzero_ps(), half_lanes(head, 16));
+    // the eight 6-bit scales and mins a byte each, four to a lane, unpacked for all four at once
+    const __m256i low6 = _mm256_set1_epi8(0x3F), low4 = _mm256_set1_epi8(0x0F), top2 = _mm256_set1_epi8(0x30);
+    const __m256i sc[2] = {_mm256_and_si256(s0, low6), _mm256_or_si256(_mm256_and_si256(s2, low4),
+                                                                        _mm256_and_si256(_mm256_srli_epi32(s0, 2), top2))};
+    const __m256i mn[2] = {_mm256_and_si256(s1, low6),
+                           _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi32(s2, 4), low4),
+                                           _mm256_and_si256(_mm256_srli_epi32(s1, 2), top2))};
     for (int j = 0; j < 8; ++j) {
-      __m256i sc, mn;
-      if (j < 4) {
-        sc = _mm256_and_si256(byte_lanes(s0, j), m6);
-        mn = _mm256_and_si256(byte_lanes(s1, j), m6);
-      } else {
-        const __m256i hi = byte_lanes(s2, j - 4);
-        sc = _mm256_or_si256(_mm256_and_si256(hi, m4),
-                             _mm256_slli_epi32(_mm256_srli_epi32(byte_lanes(s0, j - 4), 6), 4));
-        mn = _mm256_or_si256(_mm256_srli_epi32(hi, 4),
-                             _mm256_slli_epi32(_mm256_srli_epi32(byte_lanes(s1, j - 4), 6), 4));
-      }
-      const __m256 sv = _mm256_mul_ps(d, to_float(sc));
-      const __m256 ov = _mm256_sub_ps(_mm256_setzero_ps(), _mm256_mul_ps(dmin, to_float(mn)));
+      const __m256 sv = _mm256_mul_ps(d, to_float(byte_lanes(sc[j / 4], j % 4)));
+      const __m256 ov = _mm256_mul_ps(neg_dmin, to_float(byte_lanes(mn[j / 4], j % 4)));  // -(dmin * m) exactly
       store_group(s, o, 2 * j, sv, ov);
       store_group(s, o, 2 * j + 1, sv, ov);
     }
