@@ -103,8 +103,9 @@ def _drop_float_weight(layer: Layer) -> None:
         layer.weight = nn.Parameter(torch.empty(0, dtype=w.dtype, device=w.device), requires_grad=False)
 
 
-def _pack_blocks(layer: Layer) -> QuantizedWeight | None:
-    """The layer's loaded blocks, fused in part order and packed (once); None when it loaded float."""
+def _pack_blocks(layer: Layer, tiled: bool) -> QuantizedWeight | None:
+    """The layer's loaded blocks, fused in part order and packed (once; GGUF blocks ``tiled`` for a matmul, which
+    row lookups read too); None when it loaded float."""
     if layer.qweight is not None:
         return layer.qweight
     parts: dict[int, BlockWeight | GGUFWeight] | None = layer.__dict__.pop("weight_blocks", None)
@@ -115,7 +116,7 @@ def _pack_blocks(layer: Layer) -> QuantizedWeight | None:
         if len(stored) != len(parts):
             raise ValueError("a fused layer's parts load either all as stored GGUF blocks or none")
         w = GGUFWeight.cat(typing.cast(list[GGUFWeight], stored))
-        layer.qweight = (w.tiled() if isinstance(layer, LinearBase) else w).to(layer.weight.device)
+        layer.qweight = (w.tiled() if tiled else w).to(layer.weight.device)
         return layer.qweight
     blocks = [typing.cast(BlockWeight, parts[i]) for i in sorted(parts)]
     if len({b.bits for b in blocks}) > 1:  # a 4-bit block is an 8-bit one with small quants
@@ -135,7 +136,7 @@ class QuantizedLinear(LinearMethod):
     name = "quantized"
 
     def process_weights(self, layer: LinearBase) -> None:
-        if _pack_blocks(layer) is None:
+        if _pack_blocks(layer, tiled=True) is None:
             layer.qweight = pack(quantize_int8(layer.weight.detach())).to(layer.weight.device)
             _drop_float_weight(layer)
 
@@ -178,9 +179,7 @@ def quantize_model(model: LlamaModel, quantization: str | None,
     experts then packed for the CPU kernels: :meth:`~iterserve.models.moe.Experts.pack`); a tied
     embedding and LM head share one packed weight. Logs and returns what :func:`process_weights` does."""
     embed, head, tied = model.embed_tokens, model.lm_head, model.config.tie_word_embeddings
-    if _pack_blocks(embed) is not None and tied:
-        if isinstance(embed.qweight, GGUFWeight):  # tiled for the LM head's matmul; the lookup reads tiles too
-            embed.qweight = embed.qweight.tiled().to(embed.weight.device)
+    if _pack_blocks(embed, tiled=tied) is not None and tied:  # tiled for the LM head's matmul
         head.qweight, head.weight = embed.qweight, embed.weight
 
     other = fallback or default_chooser()
