@@ -29,6 +29,18 @@ def random_blocks(type_name: str, n: int, k: int, seed: int = 0, scale: float = 
     return raw.reshape(n, -1)
 
 
+def filled_blocks(type_name: str, n: int, k: int, fill: int) -> np.ndarray:
+    """Like :func:`random_blocks`, every byte but the float16 scales ``fill``: each code and sub-block scale at one
+    extreme (0xFF: all bits set; 0x80 / 0x7F: the largest signed bytes), the float16 scales 1 / the largest product."""
+    qtype = Q[type_name]
+    block, nbytes = gguf.GGML_QUANT_SIZES[qtype]
+    raw = np.full((n, k // block, nbytes), fill, dtype=np.uint8)
+    offsets, largest = _HALVES[qtype]
+    for at in offsets:
+        raw[..., at:at + 2] = np.array([1 / largest], dtype=np.float16).view(np.uint8)
+    return raw.reshape(n, -1)
+
+
 def reference(raw: np.ndarray, type_name: str) -> torch.Tensor:
     """gguf-py's dequantized values: the reference for the bit layout."""
     return torch.from_numpy(np.ascontiguousarray(gguf.quants.dequantize(raw, Q[type_name])))

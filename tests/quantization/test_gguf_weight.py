@@ -13,7 +13,7 @@ from iterserve.formats.gguf.types import STORED_TYPES
 from iterserve.quantization import gguf_weight as G
 from iterserve.quantization import packed as P
 from tests.op_sets import use_kernels
-from tests.quantization.gguf_fixtures import STORED, random_blocks, reference
+from tests.quantization.gguf_fixtures import STORED, filled_blocks, random_blocks, reference
 from tests.quantization.test_packed import BUILT_ISAS, ISAS, OPS, integer_activations, needs_build
 
 
@@ -198,3 +198,23 @@ def test_a_rows_result_does_not_depend_on_the_row_count(isa, fmt, monkeypatch):
     assert torch.equal(P.linear(x, w, isa), alone)
     assert torch.equal(P.linear(x[:11], w, isa), alone[:11])
     assert torch.equal(P.linear(x[:27], w, isa), alone[:27])
+
+
+@needs_build
+@pytest.mark.parametrize("isa", BUILT_ISAS, ids=lambda i: ISAS[i])
+@pytest.mark.parametrize("fmt", ["Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K", "Q5_0", "Q8_0"])
+def test_the_largest_codes_and_scales_do_not_overflow_the_integer_sums(isa, fmt, monkeypatch):
+    """Blocks at their extremes against inputs of 127 (one sign, then the other, then alternating): the kernels'
+    16-bit pair sums and 32-bit super-block sums must not wrap."""
+    use_kernels(monkeypatch, OPS)
+    k = 512
+    x = torch.full((3, k), 127.0)
+    x[1] = -127
+    x[2, ::2] = -127
+    for fill in (0xFF, 0x80, 0x7F):
+        raw = filled_blocks(fmt, 24, k, fill)
+        w = G.from_stored(raw, fmt, 24, k).tiled()
+        expected = scaled_reference(x, reference(raw, fmt))
+        for m in (1, 3):
+            torch.testing.assert_close(P.linear(x[:m], w, isa), expected[:m], rtol=1e-5,
+                                       atol=1e-5 * expected.abs().max().item())
