@@ -50,7 +50,8 @@ struct Tile {
   int64_t len;
 };
 
-// Activations quantized per block of 32, with each row's sums of its int8 values per group of 16.
+// Activations quantized per block of 32, with each row's sums of its int8 values per group of 16. Not per 256 as
+// llama.cpp's K-quant dots take them: one scale a super-block saves float steps, but an outlier coarsens 256 inputs.
 struct Activations {
   const QuantizedRows& a;
   std::vector<int32_t> sum16;  // [row][k / 16]
