@@ -3,6 +3,8 @@ dequantized values exactly, and the C++ matmul (every kernel built here) equals 
 
 from __future__ import annotations
 
+import itertools
+
 import numpy as np
 import pytest
 import torch
@@ -213,8 +215,8 @@ def test_the_largest_codes_and_scales_do_not_overflow_the_integer_sums(isa, fmt,
     x[2, ::2] = -127
     for fill in (0xFF, 0x80, 0x7F):
         raw = filled_blocks(fmt, 24, k, fill)
-        w = G.from_stored(raw, fmt, 24, k).tiled()
+        w = G.from_stored(raw, fmt, 24, k)
         expected = scaled_reference(x, reference(raw, fmt))
-        for m in (1, 3):
-            torch.testing.assert_close(P.linear(x[:m], w, isa), expected[:m], rtol=1e-5,
+        for layout, m in itertools.product((w, w.tiled()), (1, 3)):
+            torch.testing.assert_close(P.linear(x[:m], layout, isa), expected[:m], rtol=1e-5,
                                        atol=1e-5 * expected.abs().max().item())
