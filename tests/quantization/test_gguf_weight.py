@@ -206,8 +206,8 @@ def test_a_rows_result_does_not_depend_on_the_row_count(isa, fmt, monkeypatch):
 @pytest.mark.parametrize("isa", BUILT_ISAS, ids=lambda i: ISAS[i])
 @pytest.mark.parametrize("fmt", ["Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K", "Q5_0", "Q8_0"])
 def test_the_largest_codes_and_scales_do_not_overflow_the_integer_sums(isa, fmt, monkeypatch):
-    """Blocks at their extremes against inputs of 127 (one sign, then the other, then alternating): the kernels'
-    16-bit pair sums and 32-bit super-block sums must not wrap."""
+    """Blocks at their extremes against inputs of 127 (one sign, then the other, then alternating): the 16-bit sums
+    the kernels add before widening, and the 32-bit sums after, must not wrap."""
     use_kernels(monkeypatch, OPS)
     k = 512
     x = torch.full((3, k), 127.0)
