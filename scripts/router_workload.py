@@ -120,8 +120,7 @@ def main() -> None:
     queries = [int(a[COUNTERS[0]] - b[COUNTERS[0]]) for a, b in zip(after, before)]
     total, ideal = _ideal_misses(args.workers[0], args.model, requests, args.block_size)
     result = {"label": args.label, "stream": args.stream, "max_tokens": args.max_tokens, "requests": len(requests),
-              "prompt_tokens": total,
-              "prompt_tokens_per_worker": queries, "miss_tokens_per_worker": per_worker,
+              "prompt_tokens": total, "prompt_tokens_per_worker": queries, "miss_tokens_per_worker": per_worker,
               "miss_tokens": sum(per_worker), "ideal_miss_tokens": ideal,
               "ratio_to_ideal": round(sum(per_worker) / ideal, 3)}
     print(json.dumps(result))
