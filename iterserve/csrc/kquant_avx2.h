@@ -43,11 +43,13 @@ inline __m256i byte_bit(__m256i v, int bit, int to) {
 
 inline __m256 to_float(__m256i v) { return _mm256_cvtepi32_ps(v); }
 
-// A half's scales and offsets: group g's at s[g * kCols], o[g * kCols] (8 floats each).
+// A half's scales and offsets: group g's at s[g * kCols], o[g * kCols] (8 floats each). Types without offsets
+// store none, and Pairs types only a 32-block's first group: the dots read no others.
 inline void store_group(float* s, float* o, int g, __m256 sv, __m256 ov) {
   _mm256_storeu_ps(s + g * kCols, sv);
   _mm256_storeu_ps(o + g * kCols, ov);
 }
+inline void store_scale(float* s, int g, __m256 sv) { _mm256_storeu_ps(s + g * kCols, sv); }
 
 // What a type's codes are to the int8 dots: + Bias they are unsigned, at most Most; Pairs: the two groups of 16 of
 // a 32-block share scale and offset; Offset: whether the type has offsets at all (kquant_avx512.h's kPairs, kOffset).
@@ -74,7 +76,6 @@ struct Q4K : Codes<0, 15, true, true> {
       const __m256 sv = _mm256_mul_ps(d, to_float(byte_lanes(sc[j / 4], j % 4)));
       const __m256 ov = _mm256_mul_ps(neg_dmin, to_float(byte_lanes(mn[j / 4], j % 4)));  // -(dmin * m) exactly
       store_group(s, o, 2 * j, sv, ov);
-      store_group(s, o, 2 * j + 1, sv, ov);
     }
   }
   [[gnu::always_inline]] static __m256i codes(const Half& g, const uint8_t* p, int c) {
@@ -94,13 +95,13 @@ struct Q5K : Q4K {
 
 struct Q6K : Codes<32, 63, false, false> {
   static constexpr int64_t kBlock = 256, kStride = 210;
-  static void scales(const Half& g, const uint8_t* p, int64_t, float* s, float* o) {
+  static void scales(const Half& g, const uint8_t* p, int64_t, float* s, float*) {
     const __m256 d = half_lanes(g.at(p + 208), 0);  // a tiled block has its last bytes padded to a dword
     for (int i = 0; i < 4; ++i) {
       const __m256i v = g.at(p + 192 + 4 * i);
       for (int b = 0; b < 4; ++b) {
         const __m256i sc = _mm256_srai_epi32(_mm256_slli_epi32(v, 24 - 8 * b), 24);
-        store_group(s, o, 4 * i + b, _mm256_mul_ps(d, to_float(sc)), _mm256_setzero_ps());
+        store_scale(s, 4 * i + b, _mm256_mul_ps(d, to_float(sc)));
       }
     }
   }
@@ -116,7 +117,7 @@ struct Q6K : Codes<32, 63, false, false> {
 
 struct Q3K : Codes<4, 7, false, false> {
   static constexpr int64_t kBlock = 256, kStride = 110;
-  static void scales(const Half& g, const uint8_t* p, int64_t, float* s, float* o) {
+  static void scales(const Half& g, const uint8_t* p, int64_t, float* s, float*) {
     const __m256 d = half_lanes(g.at(p + 108), 0);
     const __m256i sc[3] = {g.at(p + 96), g.at(p + 100), g.at(p + 104)};
     for (int i = 0; i < 16; ++i) {
@@ -125,7 +126,7 @@ struct Q3K : Codes<4, 7, false, false> {
       const __m256i high =
           _mm256_and_si256(_mm256_srli_epi32(byte_lanes(sc[2], i % 4), 2 * (i / 4)), _mm256_set1_epi32(3));
       const __m256i v = _mm256_sub_epi32(_mm256_or_si256(low, _mm256_slli_epi32(high, 4)), _mm256_set1_epi32(32));
-      store_group(s, o, i, _mm256_mul_ps(d, to_float(v)), _mm256_setzero_ps());
+      store_scale(s, i, _mm256_mul_ps(d, to_float(v)));
     }
   }
   [[gnu::always_inline]] static __m256i codes(const Half& g, const uint8_t* p, int c) {
@@ -164,9 +165,8 @@ struct Q5Blocks : Codes<kMin ? 0 : 16, 31, true, kMin> {
   static void scales(const Half& g, const uint8_t* p, int64_t len, float* s, float* o) {
     for (int64_t b = 0; b < len / 32; ++b) {
       const __m256i head = g.at(p + b * kStride);
-      const __m256 d = half_lanes(head, 0), m = kMin ? half_lanes(head, 16) : _mm256_setzero_ps();
-      store_group(s, o, static_cast<int>(2 * b), d, m);
-      store_group(s, o, static_cast<int>(2 * b + 1), d, m);
+      store_scale(s, static_cast<int>(2 * b), half_lanes(head, 0));
+      if constexpr (kMin) _mm256_storeu_ps(o + 2 * b * kCols, half_lanes(head, 16));
     }
   }
   // The fifth bits of inputs 4i..4i+3 of block b: byte (i / 2) of qh (chunks 4.. use its upper half) moved to
@@ -186,11 +186,9 @@ struct Q5Blocks : Codes<kMin ? 0 : 16, 31, true, kMin> {
 // Q8_0 tiled: blocks padded to 36 bytes, the codes from byte 4.
 struct Q80 : Codes<128, 128, true, false> {
   static constexpr int64_t kBlock = 32, kStride = 36;
-  static void scales(const Half& g, const uint8_t* p, int64_t len, float* s, float* o) {
+  static void scales(const Half& g, const uint8_t* p, int64_t len, float* s, float*) {
     for (int64_t b = 0; b < len / 32; ++b) {
-      const __m256 d = half_lanes(g.at(p + b * kStride), 0);
-      store_group(s, o, static_cast<int>(2 * b), d, _mm256_setzero_ps());
-      store_group(s, o, static_cast<int>(2 * b + 1), d, _mm256_setzero_ps());
+      store_scale(s, static_cast<int>(2 * b), half_lanes(g.at(p + b * kStride), 0));
     }
   }
   [[gnu::always_inline]] static __m256i codes(const Half& g, const uint8_t* p, int c) {
@@ -242,31 +240,33 @@ template <class C>
   }
 }
 
-// The int32 dot of N registers of codes (+ Bias) with the broadcast inputs, less Bias * sum(x), exactly: as many
-// 16-bit sums are added before widening as fit (each at most 2 * Most * 127).
-template <class C, int N>
-[[gnu::always_inline]] inline __m256i dot(const __m256i* w, const __m256i* xb, int32_t sum) {
+// The int32 dot of N registers of codes (+ Bias), w(j), with the broadcast inputs xb(j), less Bias * sum(x),
+// exactly: as many 16-bit sums are added before widening as fit (each at most 2 * Most * 127).
+template <class C, int N, class W, class X>
+[[gnu::always_inline]] inline __m256i dot(const W& w, const X& xb, int32_t sum) {
   constexpr int fit = C::kBias == 128 ? 1 : 32767 / (2 * C::kMost * 127), per = fit < N ? fit : N;
   static_assert(per > 0 && N % per == 0);
   __m256i total = _mm256_set1_epi32(C::kBias == 128 ? 0 : -C::kBias * sum);
   for (int j = 0; j < N; j += per) {
-    __m256i p = products<C>(w[j], xb[j]);
-    for (int i = 1; i < per; ++i) p = _mm256_add_epi16(p, products<C>(w[j + i], xb[j + i]));
+    __m256i p = products<C>(w(j), xb(j));
+    for (int i = 1; i < per; ++i) p = _mm256_add_epi16(p, products<C>(w(j + i), xb(j + i)));
     total = _mm256_add_epi32(total, _mm256_madd_epi16(p, _mm256_set1_epi16(1)));
   }
   return total;
 }
 
-// One row's share of a 32-block (groups ga, ga + 1 of 16 inputs) for 8 columns: codes + Bias in w[8], group g's
-// scales and offsets at s + g * kCols, o + g * kCols. The float steps of kquant_avx512.h's row_step, in its order:
-// Pairs take one step for both groups; else the groups' scaled dots (and offsets) are summed, then scaled by the
-// row's a_d once.
-template <class C>
-[[gnu::always_inline]] inline __m256 row_step(const __m256i* w, const Activations& x, int64_t r, int64_t ga,
+// Inputs 4 j .. 4 j + 3 of row r's 32-block from group ga on, in every lane.
+[[gnu::always_inline]] inline __m256i broadcast(const Activations& x, int64_t r, int64_t ga, int j) {
+  return _mm256_set1_epi32(load_i32(x.a.row(r) + ga * kGroup + 4 * j));
+}
+
+// One row's share of a 32-block (groups ga, ga + 1 of 16 inputs) for 8 columns: codes + Bias w(0..7), the row's
+// inputs xb(0..7), group g's scales and offsets at s + g * kCols, o + g * kCols. The float steps of
+// kquant_avx512.h's row_step, in its order: Pairs take one step for both groups; else the groups' scaled dots (and
+// offsets) are summed, then scaled by the row's a_d once.
+template <class C, class W, class X>
+[[gnu::always_inline]] inline __m256 row_step(const W& w, const X& xb, const Activations& x, int64_t r, int64_t ga,
                                               const float* s, const float* o, __m256 out) {
-  const int8_t* xr = x.a.row(r) + ga * kGroup;
-  __m256i xb[8];
-  for (int j = 0; j < 8; ++j) xb[j] = _mm256_set1_epi32(load_i32(xr + 4 * j));
   const float ad = x.d(r, ga);
   if constexpr (C::kPairs) {
     const int32_t sum = x.a.sum[r * x.a.blocks + ga / 2];
@@ -277,9 +277,11 @@ template <class C>
     return out;
   } else {
     __m256 acc = _mm256_setzero_ps();
+#pragma GCC unroll 2  // unrolled, the decoders' bit positions are constants
     for (int h = 0; h < 2; ++h) {
       const int32_t sum = x.sum(r, ga + h);
-      const __m256 dot4 = _mm256_cvtepi32_ps(dot<C, 4>(w + 4 * h, xb + 4 * h, sum));
+      const auto wh = [&](int j) { return w(4 * h + j); };
+      const __m256 dot4 = _mm256_cvtepi32_ps(dot<C, 4>(wh, [&](int j) { return xb(4 * h + j); }, sum));
       const __m256 sh = _mm256_loadu_ps(s + h * kCols);
       acc = h == 0 ? _mm256_mul_ps(dot4, sh) : _mm256_fmadd_ps(dot4, sh, acc);
       if constexpr (C::kOffset)
@@ -302,8 +304,12 @@ void rows_of(const Tile& t, const Activations& x, int64_t u, int64_t r0, float* 
       for (int j = 0; j < 8; ++j)
         w[j] = _mm256_sub_epi8(_mm256_load_si256(reinterpret_cast<const __m256i*>(t.q + (g * 4 + j) * 64 + 32 * h)),
                                shift);
-      for (int r = 0; r < MR; ++r)
-        out[r] = row_step<C>(w, x, r0 + r, u * kGroups + g, t.s[g] + 8 * h, t.o[g] + 8 * h, out[r]);
+      for (int r = 0; r < MR; ++r) {
+        __m256i xb[8];
+        for (int j = 0; j < 8; ++j) xb[j] = broadcast(x, r0 + r, u * kGroups + g, j);
+        out[r] = row_step<C>([&](int j) { return w[j]; }, [&](int j) { return xb[j]; }, x, r0 + r, u * kGroups + g,
+                             t.s[g] + 8 * h, t.o[g] + 8 * h, out[r]);
+      }
     }
     for (int r = 0; r < MR; ++r) _mm256_storeu_ps(acc + (r0 + r) * kCols + 8 * h, out[r]);
   }
@@ -319,28 +325,36 @@ void rows_any(const Tile& t, const Activations& x, int64_t u, int64_t mr, float*
 
 // -- decoded in registers -------------------------------------------------------------------------------------
 
-// Half h of the tiled weight's 16 columns times one row (a batch-1 decode step), every unit decoded in registers
-// and multiplied at once: per 32-block the same integer dots and float steps, in the same order, as rows_of (a
-// row's result does not depend on which of the two multiplied it). More rows decode a tile once: at 4 rows
-// decoding again for each was slower.
+// The tiled weight's 16 columns times one row (a batch-1 decode step), every unit decoded in registers and
+// multiplied at once: per half and 32-block the same integer dots and float steps, in the same order, as rows_of
+// (a row's result does not depend on which of the two multiplied it). Both halves of a unit are taken while its
+// bytes are in L1, so the prefetch of the units ahead runs beside all of the compute. More rows decode a tile
+// once: at 4 rows decoding again for each was slower.
 template <class D>
-void fused_half(const uint8_t* tile, int64_t k, const Activations& x, int h, float* acc) {
+void fused_units(const uint8_t* tile, int64_t k, const Activations& x, float* acc) {
   alignas(32) float s[kGroups][kCols], o[kGroups][kCols];
-  __m256 out = _mm256_loadu_ps(acc + 8 * h);
+  __m256 out[2] = {_mm256_loadu_ps(acc), _mm256_loadu_ps(acc + 8)};
   for (int64_t u = 0; u * kUnit < k; ++u) {
     const int64_t len = std::min(kUnit, k - u * kUnit);
     const uint8_t* p = tile + u * unit_stride<D>() * kCols;
-    const Half src{p, h};
-    if (h == 0) prefetch_ahead(p, unit_stride<D>() * kCols);  // the second half finds the units in L2
-    D::scales(src, p, len, &s[0][0], &o[0][0]);
+    prefetch_ahead(p, unit_stride<D>() * kCols);
+    // a K-quant's unit is always whole: a constant count unrolls, and each code's bit positions become constants
+    const int64_t blocks = D::kBlock == kUnit ? kUnit / 32 : len / 32;
+#pragma GCC unroll 2
+    for (int h = 0; h < 2; ++h) {
+      const Half src{p, h};
+      D::scales(src, p, len, &s[0][0], &o[0][0]);
 #pragma GCC unroll 8
-    for (int b = 0; b < len / 32; ++b) {
-      __m256i w[8];
-      for (int j = 0; j < 8; ++j) w[j] = D::codes(src, p, 8 * b + j);
-      out = row_step<D>(w, x, 0, u * kGroups + 2 * b, s[2 * b], o[2 * b], out);
+      for (int b = 0; b < blocks; ++b) {
+        asm volatile("" ::: "memory");  // each block loads its codes: kept from the block before, they were spilled
+        const auto w = [&](int j) { return D::codes(src, p, 8 * b + j); };
+        const auto xb = [&](int j) { return broadcast(x, 0, u * kGroups + 2 * b, j); };
+        out[h] = row_step<D>(w, xb, x, 0, u * kGroups + 2 * b, s[2 * b], o[2 * b], out[h]);
+      }
     }
   }
-  _mm256_storeu_ps(acc + 8 * h, out);
+  _mm256_storeu_ps(acc, out[0]);
+  _mm256_storeu_ps(acc + 8, out[1]);
 }
 
 // Calls f with the type's decoder (a default-constructed tag); false for a type without one.
@@ -376,7 +390,7 @@ inline bool decode_tile(int64_t type, const uint8_t* tile, int64_t u, int64_t k,
 // The whole tile (all of its units) times x's one row into acc; false for a type without a decoder.
 inline bool fused_tile(int64_t type, const uint8_t* tile, int64_t k, const Activations& x, float* acc) {
   return with_decoder(type, [&](auto d) {
-    for (int h = 0; h < 2; ++h) fused_half<decltype(d)>(tile, k, x, h, acc);
+    fused_units<decltype(d)>(tile, k, x, acc);
   });
 }
 #endif
