@@ -165,8 +165,9 @@ struct Q5Blocks : Codes<kMin ? 0 : 16, 31, true, kMin> {
   static void scales(const Half& g, const uint8_t* p, int64_t len, float* s, float* o) {
     for (int64_t b = 0; b < len / 32; ++b) {
       const __m256i head = g.at(p + b * kStride);
-      store_scale(s, static_cast<int>(2 * b), half_lanes(head, 0));
-      if constexpr (kMin) _mm256_storeu_ps(o + 2 * b * kCols, half_lanes(head, 16));
+      const __m256 d = half_lanes(head, 0);
+      if constexpr (kMin) store_group(s, o, static_cast<int>(2 * b), d, half_lanes(head, 16));
+      else store_scale(s, static_cast<int>(2 * b), d);
     }
   }
   // The fifth bits of inputs 4i..4i+3 of block b: byte (i / 2) of qh (chunks 4.. use its upper half) moved to
@@ -281,7 +282,8 @@ template <class C, class W, class X>
     for (int h = 0; h < 2; ++h) {
       const int32_t sum = x.sum(r, ga + h);
       const auto wh = [&](int j) { return w(4 * h + j); };
-      const __m256 dot4 = _mm256_cvtepi32_ps(dot<C, 4>(wh, [&](int j) { return xb(4 * h + j); }, sum));
+      const auto xh = [&](int j) { return xb(4 * h + j); };
+      const __m256 dot4 = _mm256_cvtepi32_ps(dot<C, 4>(wh, xh, sum));
       const __m256 sh = _mm256_loadu_ps(s + h * kCols);
       acc = h == 0 ? _mm256_mul_ps(dot4, sh) : _mm256_fmadd_ps(dot4, sh, acc);
       if constexpr (C::kOffset)
