@@ -16,8 +16,13 @@ constexpr int64_t kUnitBytes = 8 * 34;  // the most bytes of one row's unit: 8 Q
 
 // ggml's type ids (gguf.GGMLQuantizationType), which Python passes.
 enum Type : int64_t {
-  kQ4_0 = 2, kQ4_1 = 3, kQ5_0 = 6, kQ5_1 = 7, kQ8_0 = 8, kQ2_K = 10, kQ3_K = 11, kQ4_K = 12, kQ5_K = 13, kQ6_K = 14
+  kQ4_0 = 2, kQ4_1 = 3, kQ5_0 = 6, kQ5_1 = 7, kQ8_0 = 8, kQ2_K = 10, kQ3_K = 11, kQ4_K = 12, kQ5_K = 13, kQ6_K = 14,
+  kIQ4_NL = 20, kIQ4_XS = 23
 };
+
+// IQ4_NL and IQ4_XS: each 4-bit code indexes this table of int8 values (ggml's kvalues_iq4nl).
+alignas(16) constexpr int8_t kIq4Values[16] = {-127, -104, -83, -65, -49, -35, -22, -10,
+                                               1,    13,   25,  38,  53,  69,  89,  113};
 
 // Calls f with the decoder (a default-constructed tag) that a vector width's set (kquant_avx2.h, kquant_avx512.h)
 // has for `type`; false for a type without one.

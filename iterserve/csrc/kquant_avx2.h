@@ -184,17 +184,60 @@ struct Q5Blocks : Codes<kMin ? 0 : 16, 31, true, kMin> {
   }
 };
 
+// A scale per 32-block: the float16 at the start of each tiled block of `stride` bytes.
+inline void block_scales(const Half& g, const uint8_t* p, int64_t len, int64_t stride, float* s) {
+  for (int64_t b = 0; b < len / 32; ++b) store_scale(s, static_cast<int>(2 * b), half_lanes(g.at(p + b * stride), 0));
+}
+
 // Q8_0 tiled: blocks padded to 36 bytes, the codes from byte 4.
 struct Q80 : Codes<128, 128, true, false> {
   static constexpr int64_t kBlock = 32, kStride = 36;
   static void scales(const Half& g, const uint8_t* p, int64_t len, float* s, float*) {
-    for (int64_t b = 0; b < len / 32; ++b) {
-      store_scale(s, static_cast<int>(2 * b), half_lanes(g.at(p + b * kStride), 0));
-    }
+    block_scales(g, p, len, kStride, s);
   }
   [[gnu::always_inline]] static __m256i codes(const Half& g, const uint8_t* p, int c) {
     const __m256i v = g.at(p + (c >> 3) * kStride + 4 + 4 * (c & 7));
     return _mm256_xor_si256(v, _mm256_set1_epi8(static_cast<char>(0x80)));
+  }
+};
+
+// IQ4_NL's and IQ4_XS's codes: each nibble's int8 value in kIq4Values, + 128 as Q8_0's (one vpshufb).
+[[gnu::always_inline]] inline __m256i iq4_codes(__m256i nibbles) {
+  const __m256i values = _mm256_broadcastsi128_si256(_mm_loadu_si128(reinterpret_cast<const __m128i*>(kIq4Values)));
+  return _mm256_xor_si256(_mm256_shuffle_epi8(values, nibbles), _mm256_set1_epi8(static_cast<char>(0x80)));
+}
+
+// The codes of inputs 4 i .. 4 i + 3 of a 32-block whose 16 bytes of nibbles start at q (low nibbles, then high).
+[[gnu::always_inline]] inline __m256i iq4_chunk(const Half& g, const uint8_t* q, int i) {
+  return iq4_codes(low_nibbles(g.at(q + 4 * (i & 3)), i >> 2));
+}
+
+// IQ4_NL tiled: blocks padded to 20 bytes, the codes from byte 4.
+struct IQ4NL : Codes<128, 128, true, false> {
+  static constexpr int64_t kBlock = 32, kStride = 20;
+  static void scales(const Half& g, const uint8_t* p, int64_t len, float* s, float*) {
+    block_scales(g, p, len, kStride, s);
+  }
+  [[gnu::always_inline]] static __m256i codes(const Half& g, const uint8_t* p, int c) {
+    return iq4_chunk(g, p + (c >> 3) * kStride + 4, c & 7);
+  }
+};
+
+// IQ4_XS: d and the scales' high bits in dword 0, their low 4 bits in dword 1, each 32-block's codes from byte 8.
+struct IQ4XS : Codes<128, 128, true, false> {
+  static constexpr int64_t kBlock = 256, kStride = 136;
+  static void scales(const Half& g, const uint8_t* p, int64_t, float* s, float*) {
+    const __m256i head = g.at(p), low = g.at(p + 4);
+    const __m256 d = half_lanes(head, 0);
+    for (int j = 0; j < 8; ++j) {
+      const __m256i lo = _mm256_and_si256(_mm256_srli_epi32(low, 4 * j), _mm256_set1_epi32(0x0F));
+      const __m256i hi = _mm256_and_si256(_mm256_srli_epi32(head, 12 + 2 * j), _mm256_set1_epi32(0x30));
+      const __m256i v = _mm256_sub_epi32(_mm256_or_si256(lo, hi), _mm256_set1_epi32(32));
+      store_scale(s, 2 * j, _mm256_mul_ps(d, to_float(v)));
+    }
+  }
+  [[gnu::always_inline]] static __m256i codes(const Half& g, const uint8_t* p, int c) {
+    return iq4_chunk(g, p + 8 + 16 * (c >> 3), c & 7);
   }
 };
 
@@ -362,6 +405,8 @@ void fused_units(const uint8_t* tile, int64_t k, const Activations& x, float* ac
 // Calls f with the type's decoder (a default-constructed tag); false for a type without one.
 template <class F>
 bool with_decoder(int64_t type, const F& f) {
+  if (type == kIQ4_NL) return f(IQ4NL{}), true;
+  if (type == kIQ4_XS) return f(IQ4XS{}), true;
   return decoder_of<Q2K, Q3K, Q4K, Q5K, Q6K, Q5Blocks<false>, Q5Blocks<true>, Q80>(type, f);
 }
 

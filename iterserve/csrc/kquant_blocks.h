@@ -23,6 +23,8 @@ inline Layout layout(int64_t type) {
     case kQ4_K: return {256, 144};
     case kQ5_K: return {256, 176};
     case kQ6_K: return {256, 210};
+    case kIQ4_NL: return {32, 18};
+    case kIQ4_XS: return {256, 136};
     default: return {0, 0};
   }
 }
@@ -30,11 +32,13 @@ inline Layout layout(int64_t type) {
 // Bytes of a block in a tiled weight: whole dwords.
 inline int64_t padded_bytes(int64_t type) { return (layout(type).bytes + 3) / 4 * 4; }
 
-// Where a tiled block's padding goes: after Q5_0's and Q8_0's 2-byte scale (their codes then start on a dword),
-// else at the end.
-inline int64_t pad_at(int64_t type) { return type == kQ5_0 || type == kQ8_0 ? 2 : layout(type).bytes; }
+// Where a tiled block's padding goes: after Q5_0's, Q8_0's and IQ4_NL's 2-byte scale (their codes then start on
+// a dword), else at the end.
+inline int64_t pad_at(int64_t type) {
+  return type == kQ5_0 || type == kQ8_0 || type == kIQ4_NL ? 2 : layout(type).bytes;
+}
 
-// Types whose weights a linear layer tiles (gguf_weight.py's TILED_TYPES): those with an AVX-512 decoder.
+// Types whose weights a linear layer tiles (gguf_weight.py's TILED_TYPES): those with an AVX2 decoder.
 inline bool tiles(int64_t type) { return type != kQ4_0 && type != kQ4_1 && layout(type).block > 0; }
 
 // Types whose groups of 16 inputs share scale and offset in pairs (a 32-block): AVX-512 takes one float step a pair.
@@ -73,6 +77,33 @@ inline void decode_q8_0(const uint8_t* p, int8_t* q, float* s, float* o) {
   std::memcpy(q, p + 2, 32);
   s[0] = s[1] = half_to_float(p);
   o[0] = o[1] = 0.f;
+}
+
+// 16 bytes of codes for 32 inputs: the low nibbles first, then the high ones.
+inline void iq4_codes(const uint8_t* qs, int8_t* q) {
+  for (int j = 0; j < 16; ++j) {
+    q[j] = kIq4Values[qs[j] & 0x0F];
+    q[j + 16] = kIq4Values[qs[j] >> 4];
+  }
+}
+
+inline void decode_iq4_nl(const uint8_t* p, int8_t* q, float* s, float* o) {
+  iq4_codes(p + 2, q);
+  s[0] = s[1] = half_to_float(p);
+  o[0] = o[1] = 0.f;
+}
+
+// IQ4_XS: a float16 d, then eight 6-bit scales (their high 2 bits in a uint16, their low 4 in 4 bytes) of 32
+// inputs each, stored + 32.
+inline void decode_iq4_xs(const uint8_t* p, int8_t* q, float* s, float* o) {
+  const float d = half_to_float(p);
+  const int high = p[2] | p[3] << 8;
+  for (int j = 0; j < 8; ++j) {
+    const int scale = ((p[4 + j / 2] >> (4 * (j % 2))) & 0x0F) | ((high >> (2 * j)) & 3) << 4;
+    s[2 * j] = s[2 * j + 1] = d * static_cast<float>(scale - 32);
+    o[2 * j] = o[2 * j + 1] = 0.f;
+    iq4_codes(p + 8 + 16 * j, q + 32 * j);
+  }
 }
 
 inline void decode_q2_k(const uint8_t* p, int8_t* q, float* s, float* o) {
@@ -165,6 +196,7 @@ inline int64_t decode_unit(int64_t type, const uint8_t* row, int64_t u, int64_t 
       case kQ3_K: decode_q3_k(p, q, s, o); break;
       case kQ4_K: decode_q4_k(p, q, s, o); break;
       case kQ5_K: decode_q5_k(p, q, s, o); break;
+      case kIQ4_XS: decode_iq4_xs(p, q, s, o); break;
       default: decode_q6_k(p, q, s, o); break;
     }
     return kUnit;
@@ -179,6 +211,7 @@ inline int64_t decode_unit(int64_t type, const uint8_t* row, int64_t u, int64_t 
       case kQ4_1: decode_q4_0(p, qb, sb, ob, true); break;
       case kQ5_0: decode_q5_0(p, qb, sb, ob, false); break;
       case kQ5_1: decode_q5_0(p, qb, sb, ob, true); break;
+      case kIQ4_NL: decode_iq4_nl(p, qb, sb, ob); break;
       default: decode_q8_0(p, qb, sb, ob); break;
     }
   }

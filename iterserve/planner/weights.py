@@ -67,7 +67,7 @@ FORMATS: dict[str, MatrixFormat] = {
 }
 # GGUF types kept as stored: (inputs, bytes) per block, the scales inside the block's bytes.
 _GGUF_STORED = {"Q5_0": (32, 22), "Q5_1": (32, 24), "Q2_K": (256, 84), "Q3_K": (256, 110), "Q4_K": (256, 144),
-                "Q5_K": (256, 176), "Q6_K": (256, 210)}
+                "Q5_K": (256, 176), "Q6_K": (256, 210), "IQ4_NL": (32, 18), "IQ4_XS": (256, 136)}
 GGUF_TYPES = {"Q8_0": FORMATS["q8_0"], "Q4_0": FORMATS["q4_0"], "Q4_1": FORMATS["q4_1"],  # kept in blocks
               **{name: MatrixFormat(name, Fraction(nbytes, block), description=f"GGUF {name}: {nbytes} B / {block}")
                  for name, (block, nbytes) in _GGUF_STORED.items()}}

@@ -1,5 +1,6 @@
-"""GGUF tensors kept exactly as the file stores them: the K-quants (Q2_K..Q6_K, super-blocks of 256 inputs)
-and the 5-bit Q5_0/Q5_1, plus Q4_0/Q4_1/Q8_0 when they share a fused layer with one of those.
+"""GGUF tensors kept exactly as the file stores them: the K-quants (Q2_K..Q6_K, super-blocks of 256 inputs),
+the 5-bit Q5_0/Q5_1 and the non-linear 4-bit IQ4_NL/IQ4_XS (codes indexing a table of 16 int8 values), plus
+Q4_0/Q4_1/Q8_0 when they share a fused layer with one of those.
 
 A :class:`GGUFWeight` holds each part's raw bytes, row-major (``uint8 [rows, row bytes]``: a row is one output
 column's blocks, as in the file), so its memory is the file's bytes. The C++ kernel (``csrc/kquant_ops.cpp``)
@@ -9,7 +10,7 @@ types keeps one part per type run, all multiplied in one call.
 
 The parts of linear layers (all types but Q4_0/Q4_1) are then "tiled" (:meth:`GGUFWeight.tiled`): per 16 rows
 and block, the rows' dwords side by side, each block padded to whole dwords (Q6_K: 212 bytes, not 210; Q5_0: 24,
-not 22), so the AVX-512 decoder loads what it would otherwise gather from 16 rows. An untied embedding keeps the
+not 22), so the SIMD decoders load what they would otherwise gather from 16 rows. An untied embedding keeps the
 rows; a tied one is tiled with its LM head, and its lookup reads a row back out of the tile.
 """
 
@@ -27,10 +28,11 @@ from iterserve.platforms import huge_pages
 from iterserve.platforms.ops import CpuOps, ops_of
 
 TILE = 16
-TILED_TYPES = ("Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K", "Q5_0", "Q5_1", "Q8_0")  # with a decoder that reads tiles
-# Where a tiled block's padding goes: after Q5_0's and Q8_0's 2-byte scale (their codes then start on a dword),
-# else at the end.
-_PAD_AT = {"Q5_0": 2, "Q8_0": 2}
+# with a decoder that reads tiles
+TILED_TYPES = ("Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K", "Q5_0", "Q5_1", "Q8_0", "IQ4_NL", "IQ4_XS")
+# Where a tiled block's padding goes: after the 2-byte scale of Q5_0, Q8_0 and IQ4_NL (their codes then start on
+# a dword), else at the end.
+_PAD_AT = {"Q5_0": 2, "Q8_0": 2, "IQ4_NL": 2}
 
 
 @dataclass

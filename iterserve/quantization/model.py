@@ -6,7 +6,7 @@ linear method that multiplies with them (which of a GGUF's tensors stay in block
 
 * ``None`` (the default): float weights in the model's dtype, as loaded;
 * ``"gguf"``: a GGUF file's quantized matrices stay in their blocks (the token embedding and LM head too):
-  Q4_0, Q4_1 and Q8_0 repacked for the block kernel, the K-quants (Q2_K..Q6_K) and Q5_0/Q5_1 as stored
+  Q4_0, Q4_1 and Q8_0 repacked for the block kernel, the K-quants (Q2_K..Q6_K), Q5_0/Q5_1 and IQ4_NL/IQ4_XS as stored
   (:mod:`iterserve.quantization.gguf_weight`); float ones (F16, ...) load in the dtype, with one log line;
   any other type is refused at load;
 * ``"int8"``: every linear layer and the LM head quantized at load to int8 blocks of 32 (one float16 scale

@@ -71,7 +71,8 @@ def gguf_blocks(model: LlamaModel) -> None:
     for i, layer in enumerate(model.layers):
         for proj in (layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.gate_up_proj, layer.mlp.down_proj):
             n, k = proj.weight.shape
-            types = ["Q4_K", "Q6_K", "Q5_K", "Q3_K", "Q2_K"] if k % 256 == 0 else ["Q5_0", "Q8_0", "Q5_1"]
+            types = ["Q4_K", "Q6_K", "Q5_K", "Q3_K", "Q2_K", "IQ4_XS"] if k % 256 == 0 else ["Q5_0", "Q8_0", "Q5_1",
+                                                                                              "IQ4_NL"]
             parts = [(types[(i + j) % len(types)], rows) for j, rows in enumerate((n // 2, n - n // 2))]
             proj.__dict__["weight_blocks"] = {
                 j: from_stored(random_blocks(t, rows, k, seed=100 * i + j, scale=0.2), t, rows, k)

@@ -12,7 +12,7 @@ Q = gguf.GGMLQuantizationType
 # (a random weight then has values of about `scale`).
 _HALVES = {Q.Q4_0: ([0], 8), Q.Q4_1: ([0, 2], 15), Q.Q5_0: ([0], 16), Q.Q5_1: ([0, 2], 31), Q.Q8_0: ([0], 127),
            Q.Q2_K: ([80, 82], 45), Q.Q3_K: ([108], 128), Q.Q4_K: ([0, 2], 945), Q.Q5_K: ([0, 2], 1953),
-           Q.Q6_K: ([208], 4064)}
+           Q.Q6_K: ([208], 4064), Q.IQ4_NL: ([0], 127), Q.IQ4_XS: ([0], 4064)}
 STORED = [t.name for t in _HALVES]
 
 

@@ -25,12 +25,15 @@ from tests.quantization.gguf_fixtures import random_blocks
 from tests.quantization.test_model import load
 
 HIDDEN, FFN, VOCAB, HEADS, KV_HEADS = 256, 512, 200, 4, 2
-# Per layer, each kind's type: layer 0 as a Q4_K_M file, layer 1 the rarer types (and Q4_1 repacked).
+# Per layer, each kind's type: layer 0 as a Q4_K_M file, layer 1 the rarer types (and Q4_1 repacked), layer 2 as an
+# IQ4_XS file (IQ4_NL where llama.cpp's IQ4_XS falls back to it).
 LAYER_TYPES = [
     {"attn_q": "Q4_K", "attn_k": "Q4_K", "attn_v": "Q6_K", "attn_output": "Q5_0", "ffn_gate": "Q4_K",
      "ffn_up": "Q4_K", "ffn_down": "Q6_K"},
     {"attn_q": "Q2_K", "attn_k": "Q3_K", "attn_v": "Q8_0", "attn_output": "Q5_1", "ffn_gate": "Q5_K",
      "ffn_up": "Q5_0", "ffn_down": "Q4_1"},
+    {"attn_q": "IQ4_XS", "attn_k": "IQ4_XS", "attn_v": "IQ4_NL", "attn_output": "IQ4_NL", "ffn_gate": "IQ4_NL",
+     "ffn_up": "IQ4_XS", "ffn_down": "IQ4_XS"},
 ]
 
 
@@ -98,12 +101,13 @@ PROMPTS = [[5, 17, 3, 199, 42], [8, 120], [64, 1, 33, 7, 7, 150, 2]]
 def test_every_matrix_stays_in_its_file_bytes(mixed_gguf):
     model = load(mixed_gguf, "gguf")
     formats = {f.fmt: f for f in weight_formats(model)}
-    assert set(formats) == {"Q4_K", "Q6_K", "Q5_0", "Q2_K", "Q3_K", "Q8_0", "Q5_1", "Q5_K", "Q4_1", "float32"}
+    assert set(formats) == {"Q4_K", "Q6_K", "Q5_0", "Q2_K", "Q3_K", "Q8_0", "Q5_1", "Q5_K", "Q4_1", "IQ4_NL", "IQ4_XS",
+                            "float32"}
     reader = gguf.GGUFReader(str(mixed_gguf))
-    for fmt, f in formats.items():
-        if fmt != "float32":  # the file's bytes; tiles pad Q6_K blocks to 212 bytes, Q5_0 to 24, rows to 16
+    for fmt, f in formats.items():  # the file's bytes; tiles pad Q6_K blocks to 212 bytes, Q5_0 to 24, IQ4_NL to 20
+        if fmt != "float32":
             on_file = sum(int(t.n_bytes) for t in reader.tensors if t.tensor_type.name == fmt)
-            assert on_file <= f.bytes <= 1.1 * on_file, fmt
+            assert on_file <= f.bytes <= 1.12 * on_file, fmt
     quantized = sum(f.bytes for f in formats.values() if f.fmt != "float32")
     assert quantized >= 0.9 * sum(f.bytes for f in formats.values())
     attn, mlp = model.layers[0].self_attn, model.layers[0].mlp
@@ -113,6 +117,7 @@ def test_every_matrix_stays_in_its_file_bytes(mixed_gguf):
     assert model.embed_tokens.qweight.parts[0].tiled_rows is None  # untied: looked up by rows
     assert mlp.gate_up_proj.qweight.fmt == "Q4_K" and len(mlp.gate_up_proj.qweight.parts) == 1
     assert model.layers[1].self_attn.qkv_proj.qweight.fmt == "Q2_K+Q3_K+Q8_0"
+    assert [p.type_name for p in model.layers[2].mlp.gate_up_proj.qweight.parts] == ["IQ4_NL", "IQ4_XS"]
     assert model.embed_tokens.qweight.fmt == "Q6_K" and model.embed_tokens.weight.numel() == 0
     assert model.lm_head.qweight.fmt == "Q4_K"
     if kernels.ops is not None:  # the decode loop runs these too
@@ -136,8 +141,8 @@ def test_greedy_tokens_equal_the_float_model(mixed_gguf, monkeypatch):
 
 
 def test_an_unsupported_type_is_refused_in_one_line():
-    tensors = [("blk.0.attn_q.weight", "Q4_K", 2), ("blk.0.attn_k.weight", "IQ4_XS", 2)]
-    with pytest.raises(ValueError, match="GGUF tensor blk.0.attn_k.weight has type IQ4_XS, which quantization=gguf "
+    tensors = [("blk.0.attn_q.weight", "Q4_K", 2), ("blk.0.attn_k.weight", "IQ3_S", 2)]
+    with pytest.raises(ValueError, match="GGUF tensor blk.0.attn_k.weight has type IQ3_S, which quantization=gguf "
                                          "does not load; supported types: F32, F16, BF16, Q4_0, Q4_1, Q5_0"):
         gguf_block_tensors(tensors)
     kept = gguf_block_tensors([("blk.0.attn_q.weight", "Q4_K", 2), ("blk.0.attn_k.weight", "Q8_0", 2),

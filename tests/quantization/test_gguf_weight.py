@@ -1,5 +1,6 @@
-"""GGUF tensors kept as stored (K-quants, Q5_0/Q5_1, and the 32-blocks beside them): row lookups equal gguf-py's
-dequantized values exactly, and the C++ matmul (every kernel built here) equals dequantize-then-matmul."""
+"""GGUF tensors kept as stored (K-quants, Q5_0/Q5_1, IQ4_NL/IQ4_XS and the 32-blocks beside them): row lookups
+equal gguf-py's dequantized values exactly, and the C++ matmul (every kernel built here) equals
+dequantize-then-matmul."""
 
 from __future__ import annotations
 
@@ -112,7 +113,7 @@ def test_float_out_gives_the_sums_before_rounding(monkeypatch):
 
 
 @pytest.mark.parametrize("fmt,padded", [("Q2_K", 84), ("Q3_K", 112), ("Q4_K", 144), ("Q5_K", 176), ("Q6_K", 212),
-                                        ("Q5_0", 24), ("Q5_1", 24), ("Q8_0", 36)])
+                                        ("Q5_0", 24), ("Q5_1", 24), ("Q8_0", 36), ("IQ4_NL", 20), ("IQ4_XS", 136)])
 def test_tiles_hold_the_rows_bytes(fmt, padded, monkeypatch):
     """Tiling lays the bytes out again (blocks padded to whole dwords, rows to 16) and gives them back exactly."""
     w, ref = weight(fmt, 37, 512)
@@ -161,8 +162,8 @@ def test_bad_data_is_refused_at_load():
         from_gguf(np.zeros(1000, np.uint8), "Q4_0", 4, 512)
     with pytest.raises(ValueError, match="a Q6_K row of 320 weights is not a whole number of blocks of 256"):
         from_gguf(raw, "Q6_K", 4, 320)
-    with pytest.raises(ValueError, match="GGUF type IQ4_XS is not kept in blocks; kept types: Q4_0, Q4_1, Q5_0"):
-        from_gguf(raw, "IQ4_XS", 4, 512)
+    with pytest.raises(ValueError, match="GGUF type IQ3_S is not kept in blocks; kept types: Q4_0, Q4_1, Q5_0"):
+        from_gguf(raw, "IQ3_S", 4, 512)
 
 
 @needs_build
@@ -173,8 +174,8 @@ def test_kernel_refuses_a_weight_that_does_not_fit():
         kgemm(torch.zeros(1, 768), [raw], [12], [4], 0)
     with pytest.raises(RuntimeError, match="rows of 144 bytes, 256 inputs of type id 14 take 210"):
         kgemm(torch.zeros(1, 256), [raw[:, :144].contiguous()], [14], [4], 0)
-    with pytest.raises(RuntimeError, match="type id 20 is not one kgemm decodes"):
-        kgemm(torch.zeros(1, 512), [raw], [20], [4], 0)
+    with pytest.raises(RuntimeError, match="type id 21 is not one kgemm decodes"):
+        kgemm(torch.zeros(1, 512), [raw], [21], [4], 0)
     with pytest.raises(RuntimeError, match="weight 0 does not hold 5 rows"):
         kgemm(torch.zeros(1, 512), [raw], [12], [5], 0)
     tiled = G.GGUFPart(raw, "Q4_K").tiled().raw
@@ -204,7 +205,7 @@ def test_a_rows_result_does_not_depend_on_the_row_count(isa, fmt, monkeypatch):
 
 @needs_build
 @pytest.mark.parametrize("isa", BUILT_ISAS, ids=lambda i: ISAS[i])
-@pytest.mark.parametrize("fmt", ["Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K", "Q5_0", "Q8_0"])
+@pytest.mark.parametrize("fmt", ["Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K", "Q5_0", "Q8_0", "IQ4_NL", "IQ4_XS"])
 def test_the_largest_codes_and_scales_do_not_overflow_the_integer_sums(isa, fmt, monkeypatch):
     """Blocks at their extremes against inputs of 127 (one sign, then the other, then alternating): the 16-bit sums
     the kernels add before widening, and the 32-bit sums after, must not wrap."""

@@ -8,7 +8,7 @@ import gguf
 # The types decoded from their stored blocks, with (inputs, bytes) per block.
 STORED_TYPES: dict[str, tuple[int, int]] = {
     name: gguf.GGML_QUANT_SIZES[gguf.GGMLQuantizationType[name]]
-    for name in ("Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K")
+    for name in ("Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K", "IQ4_NL", "IQ4_XS")
 }
 KEPT_TYPES = tuple(STORED_TYPES)  # every type quantization="gguf" keeps quantized
 FLOAT_TYPES = ("F32", "F16", "BF16")
