@@ -117,8 +117,7 @@ def gguf_quantization(tensors: Iterable[tuple[str, str, int]]) -> Quantization:
     for name, kind, elements in tensors:
         m = _ROLE.match(name)
         if m and m.group(1) in (*MATMUL_ROLES, "token_embd"):
-            kept = kind in GGUF_TYPES and m.group(1) not in EXPERT_ROLES  # experts load dequantized
-            weights.setdefault(m.group(1), Counter())[kind if kept else "float"] += elements
+            weights.setdefault(m.group(1), Counter())[kind if kind in GGUF_TYPES else "float"] += elements
     roles: dict[str, Mix] = {}
     for role, kinds in weights.items():
         total = sum(kinds.values())

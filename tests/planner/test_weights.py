@@ -70,6 +70,15 @@ def test_gguf_is_the_embedded_files_own_mix():
     assert planner.weight_bytes(cfg, "fp32", q) == sum(int(t.n_bytes) for t in matrices) + 4 * norms
 
 
+def test_moe_experts_count_the_bytes_the_file_holds():
+    """quantization=gguf keeps a MoE file's 3-D experts in their blocks, as stored (even Q8_0, not repacked)."""
+    experts = 8 * 512 * 256
+    q = gguf_quantization([("blk.0.ffn_gate_exps.weight", "Q4_K", experts), ("blk.0.ffn_down_exps.weight", "Q8_0",
+                                                                              experts)])
+    assert q.role_bytes("ffn_gate_exps", 8 * 512, 256, "bfloat16") == 8 * 512 * 144
+    assert q.role_bytes("ffn_down_exps", 8 * 256, 512, "bfloat16") == 8 * 256 * 16 * 34
+
+
 def test_gguf_of_a_model_without_a_file_is_a_labelled_approximation():
     q = planner.quantization_for("llama-3-8b", "gguf")
     assert "approximated" in q.label
