@@ -79,8 +79,8 @@ inline void decode_q8_0(const uint8_t* p, int8_t* q, float* s, float* o) {
   o[0] = o[1] = 0.f;
 }
 
-// 16 bytes of codes for 32 inputs: the low nibbles first, then the high ones.
-inline void iq4_codes(const uint8_t* qs, int8_t* q) {
+// The int8 values of 32 inputs from their 16 bytes of codes: the low nibbles first, then the high ones.
+inline void iq4_values(const uint8_t* qs, int8_t* q) {
   for (int j = 0; j < 16; ++j) {
     q[j] = kIq4Values[qs[j] & 0x0F];
     q[j + 16] = kIq4Values[qs[j] >> 4];
@@ -88,7 +88,7 @@ inline void iq4_codes(const uint8_t* qs, int8_t* q) {
 }
 
 inline void decode_iq4_nl(const uint8_t* p, int8_t* q, float* s, float* o) {
-  iq4_codes(p + 2, q);
+  iq4_values(p + 2, q);
   s[0] = s[1] = half_to_float(p);
   o[0] = o[1] = 0.f;
 }
@@ -102,7 +102,7 @@ inline void decode_iq4_xs(const uint8_t* p, int8_t* q, float* s, float* o) {
     const int scale = ((p[4 + j / 2] >> (4 * (j % 2))) & 0x0F) | ((high >> (2 * j)) & 3) << 4;
     s[2 * j] = s[2 * j + 1] = d * static_cast<float>(scale - 32);
     o[2 * j] = o[2 * j + 1] = 0.f;
-    iq4_codes(p + 8 + 16 * j, q + 32 * j);
+    iq4_values(p + 8 + 16 * j, q + 32 * j);
   }
 }
 
