@@ -27,6 +27,7 @@ from fractions import Fraction
 from typing import TYPE_CHECKING
 
 from iterserve.config.dtypes import dtype_bytes
+from iterserve.formats.gguf.types import REPACKED_TYPES, STORED_TYPES
 
 if TYPE_CHECKING:
     from iterserve.config import ModelConfig
@@ -65,12 +66,10 @@ FORMATS: dict[str, MatrixFormat] = {
                          "float16 scale per group of 128 inputs"),
     "fp8": MatrixFormat("fp8", Fraction(1), description="fp8 (e4m3) weights: 1 B a weight (one scale per tensor)"),
 }
-# GGUF types kept as stored: (inputs, bytes) per block, the scales inside the block's bytes.
-_GGUF_STORED = {"Q5_0": (32, 22), "Q5_1": (32, 24), "Q2_K": (256, 84), "Q3_K": (256, 110), "Q4_K": (256, 144),
-                "Q5_K": (256, 176), "Q6_K": (256, 210), "IQ4_NL": (32, 18), "IQ4_XS": (256, 136)}
-GGUF_TYPES = {"Q8_0": FORMATS["q8_0"], "Q4_0": FORMATS["q4_0"], "Q4_1": FORMATS["q4_1"],  # kept in blocks
-              **{name: MatrixFormat(name, Fraction(nbytes, block), description=f"GGUF {name}: {nbytes} B / {block}")
-                 for name, (block, nbytes) in _GGUF_STORED.items()}}
+# Every GGUF type quantization="gguf" keeps in blocks, at its stored bytes (the scales inside the block's bytes).
+GGUF_TYPES = {name: FORMATS[name.lower()] if name in REPACKED_TYPES else
+              MatrixFormat(name, Fraction(nbytes, block), description=f"GGUF {name}: {nbytes} B / {block}")
+              for name, (block, nbytes) in STORED_TYPES.items()}
 QUANTIZATION_CHOICES = ("none", "gguf", *FORMATS)
 
 Mix = tuple[tuple[MatrixFormat, Fraction], ...]  # formats and the share of a role's weights in each
