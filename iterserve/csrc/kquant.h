@@ -52,6 +52,11 @@ struct Tile {
   alignas(64) uint8_t q[kUnit * kCols];  // code + 128, [input / 4][column][input % 4]
   alignas(64) float s[kGroups][kCols];
   alignas(64) float o[kGroups][kCols];
+  // AVX2's Q4_K / Q5_K: each 32-block's 6-bit scale in both halves of an int32 and the super-block's d, in place
+  // of s; int_scales says which the decoder that filled the tile wrote
+  alignas(64) int32_t sc[kGroups / 2][kCols];
+  alignas(64) float d[kCols];
+  bool int_scales = false;
   int64_t len;
 };
 

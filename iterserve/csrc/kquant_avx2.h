@@ -1,8 +1,7 @@
-// The AVX2 side of the GGUF matmul (kquant_ops.cpp): kquant_avx512.h's decoders of a tiled weight, 8 columns a
-// register, and the int8 dots. A tile's 16 columns are two halves of 32 bytes in each 64-byte chunk of the tiled
-// blocks, decoded one after the other into the same Tile the portable decoder fills, to the bit (the scales are
-// the same exact float32 products), which rows_of multiplies; a single row takes the codes from the decoder's
-// registers instead; both in kquant_avx512.h's float steps per 32-block, in its order.
+// The AVX2 side of the GGUF matmul (kquant_ops.cpp), its decoders: kquant_avx512.h's decoders of a tiled weight,
+// 8 columns a register. A tile's 16 columns are two halves of 32 bytes in each 64-byte chunk of the tiled blocks,
+// decoded one after the other into the same Tile the portable decoder fills, to the bit (the scales are the same
+// exact float32 products; Q4_K's and Q5_K's kept as integers), which kquant_avx2_dots.h multiplies.
 #pragma once
 
 #include "kquant.h"
@@ -57,12 +56,16 @@ template <int Bias, int Most, bool Pairs, bool Offset>
 struct Codes {
   static constexpr int kBias = Bias, kMost = Most;
   static constexpr bool kPairs = Pairs, kOffset = Offset;
+  static constexpr bool kIntScales = false;  // int_scales in place of scales (Q4_K, Q5_K)
 };
 
 // Each type's decoder as kquant_avx512.h's (same bytes, same bit positions), on one half of the columns.
 struct Q4K : Codes<0, 15, true, true> {
   static constexpr int64_t kBlock = 256, kStride = 144;
-  static void scales(const Half& g, const uint8_t* p, int64_t, float* s, float* o) {
+  static constexpr bool kIntScales = true;
+  // Block j's 6-bit scale in both int16 halves of each lane at isc + j * kCols (vpmaddwd multiplies the codes' dots
+  // by it exactly), d at d_out, the offsets as the others' (one float step a 32-block fewer, and none per scale).
+  static void int_scales(const Half& g, const uint8_t* p, int32_t* isc, float* d_out, float* o) {
     const __m256i head = g.at(p), s0 = g.at(p + 4), s1 = g.at(p + 8), s2 = g.at(p + 12);
     const __m256 d = half_lanes(head, 0), neg_dmin = _mm256_sub_ps(_mm256_setzero_ps(), half_lanes(head, 16));
     // the eight 6-bit scales and mins a byte each, four to a lane, unpacked for all four at once
@@ -72,10 +75,12 @@ struct Q4K : Codes<0, 15, true, true> {
     const __m256i mn[2] = {_mm256_and_si256(s1, low6),
                            _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi32(s2, 4), low4),
                                            _mm256_and_si256(_mm256_srli_epi32(s1, 2), top2))};
+    _mm256_storeu_ps(d_out, d);
     for (int j = 0; j < 8; ++j) {
-      const __m256 sv = _mm256_mul_ps(d, to_float(byte_lanes(sc[j / 4], j % 4)));
+      const __m256i b = byte_lanes(sc[j / 4], j % 4);
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(isc + j * kCols), _mm256_or_si256(b, _mm256_slli_epi32(b, 16)));
       const __m256 ov = _mm256_mul_ps(neg_dmin, to_float(byte_lanes(mn[j / 4], j % 4)));  // -(dmin * m) exactly
-      store_group(s, o, 2 * j, sv, ov);
+      _mm256_storeu_ps(o + 2 * j * kCols, ov);
     }
   }
   [[gnu::always_inline]] static __m256i codes(const Half& g, const uint8_t* p, int c) {
@@ -251,9 +256,11 @@ constexpr int64_t unit_stride() {
 template <class D>
 void decode_unit(const uint8_t* p, Tile& t) {
   const __m256i bias = _mm256_set1_epi8(static_cast<char>(128 - D::kBias));
+  t.int_scales = D::kIntScales;
   for (int h = 0; h < 2; ++h) {
     const Half src{p, h};
-    D::scales(src, p, t.len, &t.s[0][0] + 8 * h, &t.o[0][0] + 8 * h);
+    if constexpr (D::kIntScales) D::int_scales(src, p, &t.sc[0][0] + 8 * h, t.d + 8 * h, &t.o[0][0] + 8 * h);
+    else D::scales(src, p, t.len, &t.s[0][0] + 8 * h, &t.o[0][0] + 8 * h);
     auto store = [&](int c) {
       const __m256i q = _mm256_add_epi8(D::codes(src, p, c), bias);
       _mm256_store_si256(reinterpret_cast<__m256i*>(t.q + c * 64 + 32 * h), q);
@@ -268,138 +275,6 @@ void decode_unit(const uint8_t* p, Tile& t) {
       }
     }
   }
-}
-
-// -- the int8 dots ---------------------------------------------------------------------------------------------
-
-// vpmaddubsw: the unsigned codes (+ Bias) times the signed inputs, two products to a 16-bit sum. Q8_0's codes
-// (Bias 128) go in as |q| with q's sign moved onto the input (|q| <= 128, |x| <= 127: a pair fits).
-template <class C>
-[[gnu::always_inline]] inline __m256i products(__m256i w, __m256i xb) {
-  if constexpr (C::kBias == 128) {
-    const __m256i q = _mm256_xor_si256(w, _mm256_set1_epi8(static_cast<char>(0x80)));
-    return _mm256_maddubs_epi16(_mm256_sign_epi8(q, q), _mm256_sign_epi8(xb, q));
-  } else {
-    return _mm256_maddubs_epi16(w, xb);
-  }
-}
-
-// The int32 dot of N registers of codes (+ Bias), w(j), with the broadcast inputs xb(j), less Bias * sum(x),
-// exactly: as many 16-bit sums are added before widening as fit (each at most 2 * Most * 127).
-template <class C, int N, class W, class X>
-[[gnu::always_inline]] inline __m256i dot(const W& w, const X& xb, int32_t sum) {
-  constexpr int fit = C::kBias == 128 ? 1 : 32767 / (2 * C::kMost * 127), per = fit < N ? fit : N;
-  static_assert(per > 0 && N % per == 0);
-  __m256i total = _mm256_set1_epi32(C::kBias == 128 ? 0 : -C::kBias * sum);
-  for (int j = 0; j < N; j += per) {
-    __m256i p = products<C>(w(j), xb(j));
-    for (int i = 1; i < per; ++i) p = _mm256_add_epi16(p, products<C>(w(j + i), xb(j + i)));
-    total = _mm256_add_epi32(total, _mm256_madd_epi16(p, _mm256_set1_epi16(1)));
-  }
-  return total;
-}
-
-// Inputs 4 j .. 4 j + 3 of row r's 32-block from group ga on, in every lane.
-[[gnu::always_inline]] inline __m256i broadcast(const Activations& x, int64_t r, int64_t ga, int j) {
-  return _mm256_set1_epi32(load_i32(x.a.row(r) + ga * kGroup + 4 * j));
-}
-
-// One row's share of a 32-block (groups ga, ga + 1 of 16 inputs) for 8 columns: codes + Bias w(0..7), the row's
-// inputs xb(0..7), group g's scales and offsets at s + g * kCols, o + g * kCols. The float steps of
-// kquant_avx512.h's row_step, in its order: Pairs take one step for both groups; else the groups' scaled dots (and
-// offsets) are summed, then scaled by the row's a_d once.
-template <class C, class W, class X>
-[[gnu::always_inline]] inline __m256 row_step(const W& w, const X& xb, const Activations& x, int64_t r, int64_t ga,
-                                              const float* s, const float* o, __m256 out) {
-  const float ad = x.d(r, ga);
-  if constexpr (C::kPairs) {
-    const int32_t sum = x.a.sum[r * x.a.blocks + ga / 2];
-    const __m256 dot8 = _mm256_cvtepi32_ps(dot<C, 8>(w, xb, sum));
-    out = _mm256_fmadd_ps(dot8, _mm256_mul_ps(_mm256_loadu_ps(s), _mm256_set1_ps(ad)), out);
-    if constexpr (C::kOffset)
-      out = _mm256_fmadd_ps(_mm256_loadu_ps(o), _mm256_set1_ps(ad * static_cast<float>(sum)), out);
-    return out;
-  } else {
-    __m256 acc = _mm256_setzero_ps();
-#pragma GCC unroll 2  // unrolled, the decoders' bit positions are constants
-    for (int h = 0; h < 2; ++h) {
-      const int32_t sum = x.sum(r, ga + h);
-      const auto wh = [&](int j) { return w(4 * h + j); };
-      const auto xh = [&](int j) { return xb(4 * h + j); };
-      const __m256 dot4 = _mm256_cvtepi32_ps(dot<C, 4>(wh, xh, sum));
-      const __m256 sh = _mm256_loadu_ps(s + h * kCols);
-      acc = h == 0 ? _mm256_mul_ps(dot4, sh) : _mm256_fmadd_ps(dot4, sh, acc);
-      if constexpr (C::kOffset)
-        acc = _mm256_fmadd_ps(_mm256_loadu_ps(o + h * kCols), _mm256_set1_ps(static_cast<float>(sum)), acc);
-    }
-    return _mm256_fmadd_ps(acc, _mm256_set1_ps(ad), out);
-  }
-}
-
-// acc[r][c] for rows [r0, r0 + MR) += the tile (unit u, codes + 128) times the rows, a half of the columns at a
-// time: each 32-block's codes are loaded (and given the type's bias) once for the MR rows.
-template <class C, int MR>
-void rows_of(const Tile& t, const Activations& x, int64_t u, int64_t r0, float* acc) {
-  const __m256i shift = _mm256_set1_epi8(static_cast<char>(128 - C::kBias));
-  for (int h = 0; h < 2; ++h) {
-    __m256 out[MR];
-    for (int r = 0; r < MR; ++r) out[r] = _mm256_loadu_ps(acc + (r0 + r) * kCols + 8 * h);
-    for (int64_t g = 0; g < t.len / kGroup; g += 2) {
-      __m256i w[8];
-      for (int j = 0; j < 8; ++j)
-        w[j] = _mm256_sub_epi8(_mm256_load_si256(reinterpret_cast<const __m256i*>(t.q + (g * 4 + j) * 64 + 32 * h)),
-                               shift);
-      for (int r = 0; r < MR; ++r) {
-        __m256i xb[8];
-        for (int j = 0; j < 8; ++j) xb[j] = broadcast(x, r0 + r, u * kGroups + g, j);
-        out[r] = row_step<C>([&](int j) { return w[j]; }, [&](int j) { return xb[j]; }, x, r0 + r, u * kGroups + g,
-                             t.s[g] + 8 * h, t.o[g] + 8 * h, out[r]);
-      }
-    }
-    for (int r = 0; r < MR; ++r) _mm256_storeu_ps(acc + (r0 + r) * kCols + 8 * h, out[r]);
-  }
-}
-
-template <class C>
-void rows_any(const Tile& t, const Activations& x, int64_t u, int64_t mr, float* acc) {
-  using Kernel = void (*)(const Tile&, const Activations&, int64_t, int64_t, float*);
-  static constexpr Kernel by_rows[] = {rows_of<C, 1>, rows_of<C, 2>, rows_of<C, 3>, rows_of<C, 4>};
-  constexpr int64_t most = sizeof(by_rows) / sizeof(by_rows[0]);
-  for (int64_t r = 0; r < mr; r += most) by_rows[std::min(most, mr - r) - 1](t, x, u, r, acc);
-}
-
-// -- decoded in registers -------------------------------------------------------------------------------------
-
-// The tiled weight's 16 columns times one row (a batch-1 decode step), every unit decoded in registers and
-// multiplied at once: per half and 32-block the same integer dots and float steps, in the same order, as rows_of
-// (a row's result does not depend on which of the two multiplied it). Both halves of a unit are taken while its
-// bytes are in L1, so the prefetch of the units ahead runs beside all of the compute. More rows decode a tile
-// once: at 4 rows decoding again for each was slower.
-template <class D>
-void fused_units(const uint8_t* tile, int64_t k, const Activations& x, float* acc) {
-  alignas(32) float s[kGroups][kCols], o[kGroups][kCols];
-  __m256 out[2] = {_mm256_loadu_ps(acc), _mm256_loadu_ps(acc + 8)};
-  for (int64_t u = 0; u * kUnit < k; ++u) {
-    const int64_t len = std::min(kUnit, k - u * kUnit);
-    const uint8_t* p = tile + u * unit_stride<D>() * kCols;
-    prefetch_ahead(p, unit_stride<D>() * kCols);
-    // a K-quant's unit is always whole: a constant count unrolls, and each code's bit positions become constants
-    const int64_t blocks = D::kBlock == kUnit ? kUnit / 32 : len / 32;
-#pragma GCC unroll 2
-    for (int h = 0; h < 2; ++h) {
-      const Half src{p, h};
-      D::scales(src, p, len, &s[0][0], &o[0][0]);
-#pragma GCC unroll 8
-      for (int b = 0; b < blocks; ++b) {
-        asm volatile("" ::: "memory");  // each block loads its codes: kept from the block before, they were spilled
-        const auto w = [&](int j) { return D::codes(src, p, 8 * b + j); };
-        const auto xb = [&](int j) { return broadcast(x, 0, u * kGroups + 2 * b, j); };
-        out[h] = row_step<D>(w, xb, x, 0, u * kGroups + 2 * b, s[2 * b], o[2 * b], out[h]);
-      }
-    }
-  }
-  _mm256_storeu_ps(acc, out[0]);
-  _mm256_storeu_ps(acc + 8, out[1]);
 }
 
 // Calls f with the type's decoder (a default-constructed tag); false for a type without one.
@@ -418,11 +293,6 @@ bool with_codes(int64_t type, const F& f) {
   return with_decoder(type, f);
 }
 
-// acc[r][c] for rows [0, mr) += the tile (unit u, codes + 128) times the rows; false for a type without codes.
-inline bool rows(int64_t type, const Tile& t, const Activations& x, int64_t u, int64_t mr, float* acc) {
-  return with_codes(type, [&](auto c) { rows_any<decltype(c)>(t, x, u, mr, acc); });
-}
-
 // The tiled weight's unit u into the tile; false for a type without an AVX2 decoder (left to decode_tile).
 inline bool decode_tile(int64_t type, const uint8_t* tile, int64_t u, int64_t k, Tile& t) {
   t.len = std::min(kUnit, k - u * kUnit);
@@ -434,12 +304,6 @@ inline bool decode_tile(int64_t type, const uint8_t* tile, int64_t u, int64_t k,
   });
 }
 
-// The whole tile (all of its units) times x's one row into acc; false for a type without a decoder.
-inline bool fused_tile(int64_t type, const uint8_t* tile, int64_t k, const Activations& x, float* acc) {
-  return with_decoder(type, [&](auto d) {
-    fused_units<decltype(d)>(tile, k, x, acc);
-  });
-}
 #endif
 
 }  // namespace iterserve_kquant::avx2

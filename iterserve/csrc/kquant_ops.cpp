@@ -20,7 +20,7 @@
 // whole dwords. The AVX-512 decoders (kquant_avx512.h) then read with plain loads what they otherwise gather, and
 // the AVX2 ones (kquant_avx2.h) take such tiles only.
 
-#include "kquant_avx2.h"
+#include "kquant_avx2_dots.h"
 #include "kquant_avx512.h"
 #include "kquant_blocks.h"
 #include "ops.h"
@@ -55,6 +55,7 @@ void decode_tile(int64_t type, bool tiled, const uint8_t* rows, int64_t row_byte
   float s[kGroups], o[kGroups];
   uint8_t block[kUnitBytes];
   t.len = std::min(kUnit, k - u * kUnit);
+  t.int_scales = false;
   for (int64_t c = 0; c < kCols; ++c) {
     if (tiled) {
       untile_unit(type, rows, u, c, t.len, block);
