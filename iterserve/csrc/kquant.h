@@ -67,6 +67,7 @@ struct Activations {
   std::vector<int32_t> sum16;  // [row][k / 16]
   int64_t groups;
   float d(int64_t r, int64_t g) const { return a.d[r * a.blocks + g / 2]; }
+  float e(int64_t r, int64_t g) const { return a.e[r * a.blocks + g / 2]; }  // a_d * sum(a) of g's 32-block
   int32_t sum(int64_t r, int64_t g) const { return sum16[r * groups + g]; }
 };
 

@@ -56,7 +56,7 @@ template <class C, class W, class X>
     const __m256 dot8 = _mm256_cvtepi32_ps(dot<C, 8>(w, xb, sum));
     out = _mm256_fmadd_ps(dot8, _mm256_mul_ps(_mm256_loadu_ps(s), _mm256_set1_ps(ad)), out);
     if constexpr (C::kOffset)
-      out = _mm256_fmadd_ps(_mm256_loadu_ps(o), _mm256_set1_ps(ad * static_cast<float>(sum)), out);
+      out = _mm256_fmadd_ps(_mm256_loadu_ps(o), _mm256_set1_ps(x.e(r, ga)), out);
     return out;
   } else {
     __m256 acc = _mm256_setzero_ps();
@@ -90,10 +90,9 @@ template <class C, class W, class X>
 [[gnu::always_inline]] inline __m256 int_unit_end(const Activations& x, int64_t r, int64_t ga, const float* d,
                                                   const float* o, __m256 sum, __m256 out) {
   out = _mm256_fmadd_ps(sum, _mm256_loadu_ps(d), out);
-  const float* e = x.a.e.data() + r * x.a.blocks + ga / 2;  // a_d * sum(a) per 32-block
-  __m256 off = _mm256_mul_ps(_mm256_loadu_ps(o), _mm256_broadcast_ss(e));
+  __m256 off = _mm256_mul_ps(_mm256_loadu_ps(o), _mm256_set1_ps(x.e(r, ga)));
   for (int b = 1; b < kUnit / 32; ++b)
-    off = _mm256_fmadd_ps(_mm256_loadu_ps(o + 2 * b * kCols), _mm256_broadcast_ss(e + b), off);
+    off = _mm256_fmadd_ps(_mm256_loadu_ps(o + 2 * b * kCols), _mm256_set1_ps(x.e(r, ga + 2 * b)), off);
   return _mm256_add_ps(out, off);
 }
 
