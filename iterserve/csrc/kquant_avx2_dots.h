@@ -22,17 +22,19 @@ template <class C>
   }
 }
 
-// How many 16-bit pair sums of a type's products add up before widening (each at most 2 * Most * 127).
-template <class C>
-constexpr int fit() {
-  return C::kBias == 128 ? 1 : 32767 / (2 * C::kMost * 127);
+// How many registers of a type's products an N-register dot adds in 16 bits before widening (each pair sum at most
+// 2 * Most * 127).
+template <class C, int N>
+constexpr int per_widening() {
+  constexpr int fit = C::kBias == 128 ? 1 : 32767 / (2 * C::kMost * 127);
+  return fit < N ? fit : N;
 }
 
 // The int32 dot of N registers of codes (+ Bias), w(j), with the broadcast inputs xb(j), exactly; the Bias term
 // follows in the float steps. Widened by vpmaddwd with `by`: ones, or a lane's integer scale (Bias 0 only).
 template <class C, int N, class W, class X>
 [[gnu::always_inline]] inline __m256i dot(const W& w, const X& xb, __m256i by = _mm256_set1_epi16(1)) {
-  constexpr int per = fit<C>() < N ? fit<C>() : N;
+  constexpr int per = per_widening<C, N>();
   static_assert(per > 0 && N % per == 0);
   __m256i total = _mm256_setzero_si256();
   for (int j = 0; j < N; j += per) {
@@ -129,7 +131,7 @@ template <class C, class W, class X>
 template <class C, int MR, bool Int>
 void rows_of(const Tile& t, const Activations& x, int64_t u, int64_t r0, float* acc) {
   static_assert(!Int || (C::kBias == 0 && C::kPairs && C::kOffset));
-  constexpr int kN = C::kPairs ? 8 : 4, kPer = fit<C>() < kN ? fit<C>() : kN;  // chunks a dot, a 16-bit sum
+  constexpr int kN = C::kPairs ? 8 : 4, kPer = per_widening<C, kN>();  // registers a dot, a 16-bit sum
   const __m256i shift = _mm256_set1_epi8(static_cast<char>(128 - C::kBias));
   __m256 out[MR][2];
   for (int r = 0; r < MR; ++r)
@@ -138,6 +140,8 @@ void rows_of(const Tile& t, const Activations& x, int64_t u, int64_t r0, float* 
   for (int64_t g = 0; g < t.len / kGroup; g += 2) {
     const int64_t ga = u * kGroups + g;
     __m256i dots[MR][2][8 / kN], p[MR][2];
+    __m256i by[2];  // what widens the 16-bit sums
+    for (int h = 0; h < 2; ++h) by[h] = Int ? int_scales_at(t.sc[g / 2] + 8 * h) : _mm256_set1_epi16(1);
 #pragma GCC unroll 8
     for (int j = 0; j < 8; ++j) {
       __m256i w[2];
@@ -156,8 +160,7 @@ void rows_of(const Tile& t, const Activations& x, int64_t u, int64_t r0, float* 
       if (j % kPer < kPer - 1) continue;
       for (int r = 0; r < MR; ++r)
         for (int h = 0; h < 2; ++h) {
-          const __m256i by = Int ? int_scales_at(t.sc[g / 2] + 8 * h) : _mm256_set1_epi16(1);
-          const __m256i m = _mm256_madd_epi16(p[r][h], by);
+          const __m256i m = _mm256_madd_epi16(p[r][h], by[h]);
           __m256i& d = dots[r][h][j / kN];
           d = j % kN == kPer - 1 ? m : _mm256_add_epi32(d, m);
         }
